@@ -1,0 +1,270 @@
+"""Command-line arguments with Megatron-LM's flag names, and their validation.
+
+Megatron-LM's own parser lives in ``megatron.training``, which is not part of
+the megatron-core wheel; this parser accepts the same flags (a subset: those
+that make sense for dense Llama pre-training) plus ``--pipeline-schedule`` and
+the weight-pipeline options. :func:`validate_args` runs before any process
+group exists and turns every inconsistency into one :class:`ArgumentError`
+line that names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
+WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination; the message names the flag."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_llama.py",
+        description="Pre-train a Llama-style model with megatron-core, with native or weight-passing pipeline schedules.",
+        allow_abbrev=False,
+    )
+    _add_model_args(parser)
+    _add_training_args(parser)
+    _add_parallel_args(parser)
+    _add_data_args(parser)
+    _add_checkpoint_and_logging_args(parser)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=_positive_int, default=4)
+    g.add_argument("--hidden-size", type=_positive_int, default=128)
+    g.add_argument("--num-attention-heads", type=_positive_int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=_positive_int, default=None)
+    g.add_argument("--ffn-hidden-size", type=_positive_int, default=None,
+                   help="default: Llama's 8/3 * hidden rounded up to a multiple of 64")
+    g.add_argument("--seq-length", type=_positive_int, default=128)
+    g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer (Llama); default ties it to the word embeddings")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "te", "sdpa", "local"],
+                   help="auto: Transformer Engine when installed with a GPU, else torch SDPA")
+    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128)
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=_positive_int, default=2)
+    g.add_argument("--global-batch-size", type=_positive_int, default=None,
+                   help="default: micro-batch size x data-parallel size")
+    g.add_argument("--train-iters", type=_positive_int, default=None)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
+    g.add_argument("--lr-decay-iters", type=_positive_int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 disables")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale; default dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=1)
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--pipeline-schedule", default="1f1b",
+                   help=f"one of {', '.join(PIPELINE_SCHEDULES)}")
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="default: nccl with CUDA, gloo otherwise")
+    g.add_argument("--distributed-timeout-minutes", type=_positive_int, default=10)
+    g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
+                   help="groups (nodes) of the weight pipeline; default: one per node")
+    g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="dataset prefix(es) of .bin/.idx files, optionally weighted: W1 P1 W2 P2")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default="NullTokenizer", choices=["SentencePieceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=_positive_int, default=None, help="for NullTokenizer")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only, restart iteration count")
+    g.add_argument("--log-interval", type=_positive_int, default=1)
+    g.add_argument("--eval-interval", type=_positive_int, default=1000)
+    g.add_argument("--eval-iters", type=_non_negative_int, default=10)
+    g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
+    g.add_argument("--exit-interval", type=_positive_int, default=None, help="stop after this iteration")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    fill_defaults(args)
+    return args
+
+
+def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = _llama_ffn_size(args.hidden_size)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.num_query_groups is None or not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    return args
+
+
+def _llama_ffn_size(hidden: int) -> int:
+    return 64 * ((int(8 * hidden / 3) + 63) // 64)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Check flags before any process group is created; raise ArgumentError naming the flag."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    if args.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ArgumentError(
+            f"--pipeline-schedule {args.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if args.train_iters is None:
+        raise ArgumentError("--train-iters is required")
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
+    if args.tensor_model_parallel_size != 1:
+        raise ArgumentError("--tensor-model-parallel-size must be 1 (tensor parallelism is not supported yet)")
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(
+            f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError(
+            f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups {args.num_query_groups}")
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    _validate_parallel_layout(args, world_size)
+    _validate_batch(args, world_size)
+    if (args.save_interval is not None) and not args.save:
+        raise ArgumentError("--save-interval needs --save DIR")
+    for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
+    return args
+
+
+def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
+    pp = args.pipeline_model_parallel_size
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        if pp != 1:
+            raise ArgumentError(
+                f"--pipeline-schedule {args.pipeline_schedule} uses every rank as a data-parallel rank; "
+                f"--pipeline-model-parallel-size must be 1, got {pp}")
+        if args.num_layers % world_size:
+            raise ArgumentError(
+                f"--num-layers {args.num_layers} must be divisible by the number of ranks {world_size} "
+                f"for --pipeline-schedule {args.pipeline_schedule}")
+        groups = args.tawpipe_num_groups
+        if groups is not None and world_size % groups:
+            raise ArgumentError(
+                f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
+        return
+    if args.tawpipe_num_groups is not None or args.tawpipe_no_overlap:
+        raise ArgumentError("--tawpipe-num-groups / --tawpipe-no-overlap need --pipeline-schedule tawpipe")
+    if world_size % pp:
+        raise ArgumentError(
+            f"--pipeline-model-parallel-size {pp} must divide the number of ranks {world_size}")
+    if args.num_layers % pp:
+        raise ArgumentError(
+            f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if args.pipeline_schedule == "interleaved":
+        if per_virtual is None:
+            raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage")
+        if pp < 2:
+            raise ArgumentError("--pipeline-schedule interleaved needs --pipeline-model-parallel-size >= 2")
+        if (args.num_layers // pp) % per_virtual or args.num_layers // pp == per_virtual:
+            raise ArgumentError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual} must divide the {args.num_layers // pp} "
+                "layers of a pipeline stage into at least two virtual stages")
+    elif per_virtual is not None:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
+
+
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        return world_size
+    return world_size // args.pipeline_model_parallel_size
+
+
+def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
+    if args.pipeline_schedule != "interleaved":
+        return None
+    return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+
+
+def _validate_batch(args: argparse.Namespace, world_size: int) -> None:
+    dp = data_parallel_size(args, world_size)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size % per_step:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} must be divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp}")
+    num_microbatches = args.global_batch_size // per_step
+    if args.pipeline_schedule == "interleaved" and num_microbatches % args.pipeline_model_parallel_size:
+        raise ArgumentError(
+            f"--pipeline-schedule interleaved needs the number of micro-batches ({num_microbatches}) "
+            f"to be a multiple of --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.data_parallel_size = dp
+    args.num_microbatches = num_microbatches

@@ -1,0 +1,285 @@
+"""Schedule-independent, atomic checkpoints.
+
+A checkpoint stores every parameter under its *global* name (decoder layers
+numbered over the whole model) with its fp32 master value and optimizer state,
+so that a run saved under one schedule (no pipelining, 1F1B with any pipeline
+size, interleaved, or a weight-passing schedule) resumes under any other.
+
+Layout of ``SAVE/iter_0000100/``::
+
+    common.pt            iteration, consumed samples, LR scheduler, loss scaler,
+                         the parameter index {name: (shape, file)} and arguments
+    params_rank00003.pt  {"params": {name: tensor}, "optimizer": {name: {key: tensor}}}
+                         written by each rank that owns parameters
+    rng_rank00003.pt     that rank's RNG states
+    metadata.json        human-readable summary
+
+Writes are atomic: everything goes to ``iter_0000100.tmp/``, each file is
+fsynced, the directory is renamed into place, and ``latest_checkpointed_iteration.txt``
+is replaced last. A run killed mid-save leaves the previous checkpoint as the
+latest one. Loading uses ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the model."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    tmp = path + ".partial"
+    torch.save(obj, tmp)
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _rng_state() -> dict:
+    # Only tensors and plain Python values, so that weights_only loading works.
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state["tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _tied_alias(name: str, tied: bool) -> Optional[str]:
+    """With tied embeddings, a later pipeline stage's output layer is a replica of the embeddings."""
+    if tied and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _collect_local_state(trainer, tied: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+    params: Dict[str, torch.Tensor] = {}
+    optim: Dict[str, dict] = {}
+    for name, _param, master in trainer.named_master_parameters():
+        if _tied_alias(name, tied) is not None:
+            continue
+        params[name] = master.detach().float().cpu().clone()
+        state = trainer.optimizer_state_for(master)
+        optim[name] = {
+            key: (value.detach().cpu().clone() if torch.is_tensor(value) else torch.tensor(value))
+            for key, value in state.items()
+        }
+    return params, optim
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
+    """Collectively write a checkpoint of ``trainer`` (every rank must call it)."""
+    rank, world = _rank(), _world()
+    tmp_dir = iteration_dir(root, iteration) + ".tmp"
+    final_dir = iteration_dir(root, iteration)
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    _barrier()
+
+    tied = not args.untie_embeddings_and_output_weights
+    index_part: Dict[str, Tuple[list, str]] = {}
+    if trainer.writes_checkpoint():
+        params, optim = _collect_local_state(trainer, tied)
+        filename = f"params_rank{rank:05d}.pt"
+        _atomic_torch_save({"params": params, "optimizer": optim}, os.path.join(tmp_dir, filename))
+        index_part = {name: (list(t.shape), filename) for name, t in params.items()}
+    _atomic_torch_save(_rng_state(), os.path.join(tmp_dir, f"rng_rank{rank:05d}.pt"))
+
+    parts = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(parts, index_part)
+    else:
+        parts = [index_part]
+    if rank == 0:
+        index: Dict[str, Tuple[list, str]] = {}
+        for part in parts:
+            for name, entry in part.items():
+                index.setdefault(name, entry)
+        common = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "grad_scaler": trainer.grad_scaler_state(),
+            "index": {name: [shape, file] for name, (shape, file) in sorted(index.items())},
+            "pipeline_schedule": args.pipeline_schedule,
+            "world_size": world,
+            "model": model_signature(args),
+        }
+        _atomic_torch_save(common, os.path.join(tmp_dir, "common.pt"))
+        summary = {k: v for k, v in common.items() if k not in ("scheduler", "grad_scaler", "index")}
+        summary["num_parameters"] = len(index)
+        _atomic_write_text(os.path.join(tmp_dir, "metadata.json"), json.dumps(summary, indent=1))
+        _fsync_dir(tmp_dir)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp_dir, final_dir)
+        _fsync_dir(root)
+        _atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
+    _barrier()
+    return final_dir
+
+
+def model_signature(args) -> dict:
+    """Model-shape arguments that a checkpoint must agree with to be loaded."""
+    keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "padded_vocab_size", "untie_embeddings_and_output_weights")
+    return {key: getattr(args, key) for key in keys}
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    tracker = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker, encoding="utf-8").read().strip()
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}") from exc
+
+
+def _load(path: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    except Exception as exc:  # truncated or corrupt file
+        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+
+
+def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+    """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``.
+
+    ``(0, 0)`` when ``root`` holds no checkpoint yet (a fresh run with ``--load`` set).
+    """
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return 0, 0
+    directory = iteration_dir(root, iteration)
+    common = _load(os.path.join(directory, "common.pt"))
+    _check_signature(common, args, directory)
+    index = common["index"]
+    files = {}
+    for filename in sorted({entry[1] for entry in index.values()}):
+        files[filename] = _load(os.path.join(directory, filename))
+
+    tied = not args.untie_embeddings_and_output_weights
+    with torch.no_grad():
+        for name, param, master in trainer.named_master_parameters():
+            source = _tied_alias(name, tied) or name
+            if source not in index:
+                raise CheckpointError(f"{directory}: parameter {source} is missing from the checkpoint")
+            shape, filename = index[source]
+            tensor = files[filename]["params"].get(source)
+            if tensor is None:
+                raise CheckpointError(f"{directory}/{filename}: parameter {source} is missing")
+            if list(tensor.shape) != list(master.shape):
+                raise CheckpointError(
+                    f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {list(master.shape)}")
+            master.copy_(tensor)
+            if param is not master:
+                param.copy_(tensor)
+            if not (args.no_load_optim or args.finetune):
+                _restore_optimizer_state(trainer, master, files[filename]["optimizer"].get(source, {}))
+    if args.finetune:
+        return 0, 0
+    trainer.after_parameters_loaded()
+    if scheduler is not None and common["scheduler"] is not None and not args.no_load_optim:
+        scheduler.load_state_dict(common["scheduler"])
+    if not args.no_load_optim:
+        trainer.load_grad_scaler_state(common["grad_scaler"])
+    rng_file = os.path.join(directory, f"rng_rank{_rank():05d}.pt")
+    same_layout = common["world_size"] == _world() and common["pipeline_schedule"] == args.pipeline_schedule
+    if same_layout and not args.no_load_rng and os.path.isfile(rng_file):
+        _set_rng_state(_load(rng_file))
+    return common["iteration"], common["consumed_samples"]
+
+
+def _restore_optimizer_state(trainer, master: torch.Tensor, saved: dict) -> None:
+    if not saved:
+        return
+    restored = {key: value.to(master.device) if value.dim() else value.clone() for key, value in saved.items()}
+    trainer.set_optimizer_state(master, restored)
+
+
+def _check_signature(common: dict, args, directory: str) -> None:
+    if common.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory}: unknown checkpoint format {common.get('format_version')!r}")
+    saved = common["model"]
+    current = model_signature(args)
+    for key, value in current.items():
+        if saved.get(key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(
+                f"{directory}: checkpoint has {key}={saved.get(key)}, this run {flag} gives {value}")

@@ -1,0 +1,223 @@
+"""Llama-style GPT model on megatron-core: config, layer spec, builder, initialisation.
+
+The model is megatron-core's ``GPTModel`` with Llama's choices: RMSNorm,
+SwiGLU (``gated_linear_unit`` + silu), rotary position embeddings, no linear
+biases, tied or untied embeddings. Layer spec: Transformer Engine's when TE is
+importable, otherwise megatron-core's local spec with our SDPA core attention
+(the local attention materialises the S x S score matrix).
+
+Initial weights are a pure function of ``(seed, global parameter name)``:
+every parameter draws from its own generator. A model therefore starts from
+the same weights whether it is built whole, cut into pipeline stages, or
+assembled shard by shard by a weight-passing schedule, which is what makes
+cross-schedule equivalence and checkpoint exchange possible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tawpipe.attention import SDPAttention
+
+ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def params_dtype(args) -> torch.dtype:
+    if args.bf16:
+        return torch.bfloat16
+    if args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def llama_config(args, pipeline_model_parallel_size: int = 1,
+                 virtual_pipeline_model_parallel_size: Optional[int] = None) -> TransformerConfig:
+    """A megatron-core TransformerConfig for a Llama-style model from parsed arguments."""
+    on_gpu = torch.cuda.is_available()
+    dtype = params_dtype(args)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.hidden_size // args.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        # Initialisation is ours (init_llama_weights): skip megatron's.
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        sequence_parallel=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
+        # Fused kernels need CUDA; megatron falls back to apex/TE when present.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        deallocate_pipeline_outputs=on_gpu,
+        variable_seq_lengths=False,
+        # With pp = 2, interleaving needs overlapped, unbatched p2p (a megatron restriction).
+        overlap_p2p_comm=virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=virtual_pipeline_model_parallel_size is None,
+    )
+
+
+def resolve_attention_backend(requested: str) -> str:
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "auto":
+        return "te" if transformer_engine_available() else "sdpa"
+    if requested == "te" and not transformer_engine_available():
+        raise ValueError("--attention-backend te needs Transformer Engine and a CUDA GPU")
+    return requested
+
+
+def llama_layer_spec(attention_backend: str = "auto") -> ModuleSpec:
+    """The decoder-layer spec: TE's fused layer, or megatron's local layer with SDPA or local attention."""
+    backend = resolve_attention_backend(attention_backend)
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,
+                      post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
+    """Build one (stage of a) Llama model and initialise it deterministically from ``args.seed``."""
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=llama_layer_spec(args.attention_backend),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    init_llama_weights(model, args.seed, config)
+    return model
+
+
+# --------------------------------------------------------------------------------------
+# Deterministic, partition-independent initialisation
+# --------------------------------------------------------------------------------------
+
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_parameter_names(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """``(name, param)`` with decoder layers numbered by their global index.
+
+    A pipeline stage numbers its layers from 0; megatron keeps each layer's
+    global 1-based ``layer_number``, which we use so that a parameter has the
+    same name on every partition of the model.
+    """
+    module = unwrap_model(model)
+    layers = module.decoder.layers if hasattr(module, "decoder") else []
+    offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    for name, param in module.named_parameters():
+        match = _LAYER_PREFIX.match(name)
+        if match:
+            local = int(match.group(1))
+            name = f"decoder.layers.{offsets[local]}." + name[match.end():]
+        yield name, param
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers (they all keep the wrapped model in ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def init_std_for(name: str, config: TransformerConfig) -> Optional[float]:
+    """Standard deviation for a parameter, or None for norm weights (ones) and biases (zeros).
+
+    Megatron's convention: N(0, std) everywhere, N(0, std / sqrt(2 L)) for the
+    two projections that write into the residual stream.
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name.split(".")[-2] or leaf.startswith("layer_norm") or leaf == "bias":
+        return None
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    return config.init_method_std
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_parameter(param: torch.Tensor, name: str, seed: int, config: TransformerConfig) -> None:
+    std = init_std_for(name, config)
+    if std is None:
+        param.fill_(0.0 if name.endswith("bias") else 1.0)
+        return
+    generator = torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name))
+    values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    values.normal_(0.0, std, generator=generator)
+    param.copy_(values)
+
+
+def init_llama_weights(model: torch.nn.Module, seed: int, config: TransformerConfig) -> None:
+    for name, param in global_parameter_names(model):
+        # A tied output layer on a later pipeline stage starts as a copy of the
+        # word embeddings (megatron synchronises them through the embedding group).
+        if name == "output_layer.weight" and not getattr(unwrap_model(model), "share_embeddings_and_output_weights", False):
+            init_parameter(param, name, seed, config)
+        elif name == "output_layer.weight":
+            init_parameter(param, "embedding.word_embeddings.weight", seed, config)
+        else:
+            init_parameter(param, name, seed, config)
+
+
+def count_parameters(models: List[torch.nn.Module]) -> int:
+    return sum(p.numel() for m in models for p in m.parameters())

@@ -1,0 +1,213 @@
+"""Native megatron-core training: no pipelining, 1F1B, interleaved 1F1B.
+
+Everything here is megatron-core, reused as is: the model chunks are
+wrapped in megatron's ``DistributedDataParallel``, the optimizer comes from
+``get_megatron_optimizer``, and one iteration is megatron's
+``get_forward_backward_func()`` followed by ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_tawpipe.arguments import virtual_pipeline_size
+from megatron_tawpipe.data import get_batch
+from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
+
+
+def current_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's GPT loss: per-token losses summed under the loss mask.
+
+    Returns ``(loss_sum, num_tokens, report)``: megatron divides the loss by
+    the token count and by the number of micro-batches, so the gradient is the
+    mean over micro-batches of each micro-batch's mean token loss; the report
+    ``[loss_sum, num_tokens]`` is summed over micro-batches and ranks.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss_sum.detach().clone().view(1), num_tokens.detach().float().view(1)])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def gpt_forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    """megatron-core forward_step_func: one micro-batch through one model chunk."""
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, current_device())
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(lm_loss_func, loss_mask)
+
+
+def optimizer_config(args) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=False,
+    )
+
+
+class NativeTrainer:
+    """Model chunks, optimizer and one-iteration step for megatron's own schedules."""
+
+    def __init__(self, args):
+        self.args = args
+        vpp = virtual_pipeline_size(args)
+        self.config = llama_config(args, args.pipeline_model_parallel_size, vpp)
+        self.model = self._build_model_chunks(vpp)
+        self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        if len(self.model) > 1:
+            self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
+        else:
+            self.config.no_sync_func = self.model[0].no_sync
+        self.forward_backward = get_forward_backward_func()
+
+    def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+        chunks = []
+        for vp_stage in range(vpp or 1):
+            stage = vp_stage if vpp else None
+            model = build_llama_model(
+                self.args,
+                self.config,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+            )
+            if self.args.bf16 or self.args.fp16:
+                from megatron.core.transformer.module import Float16Module
+
+                model = Float16Module(self.config, model)
+            chunks.append(DistributedDataParallel(self.config, ddp_config, model))
+        return chunks
+
+    @property
+    def num_data_iterators(self) -> int:
+        return len(self.model)
+
+    def set_train(self, training: bool) -> None:
+        for chunk in self.model:
+            chunk.train(training)
+
+    def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
+        """One iteration: forward/backward over all micro-batches, then the optimizer step."""
+        self.set_train(True)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self._forward_backward(data_iterators, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        loss_sum, tokens = self._reduce_reports(reports)
+        return {
+            "loss_sum": loss_sum,
+            "num_tokens": tokens,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped": not update_successful,
+            "loss_scale": float(self.optimizer.get_loss_scale()) if (self.args.fp16 or self.args.bf16) else None,
+        }
+
+    @torch.no_grad()
+    def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
+        self.set_train(False)
+        reports = self._forward_backward(data_iterators, forward_only=True)
+        return self._reduce_reports(reports)
+
+    def _forward_backward(self, data_iterators: List[Iterator], forward_only: bool):
+        iterators = data_iterators if len(self.model) > 1 else data_iterators[0]
+        return self.forward_backward(
+            forward_step_func=gpt_forward_step,
+            data_iterator=iterators,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.args.num_microbatches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _reduce_reports(self, reports) -> Tuple[float, float]:
+        """Sum ``[loss_sum, tokens]`` over micro-batches and data-parallel ranks; share it with every rank.
+
+        Only the last pipeline stage computes losses; a MAX over the pipeline
+        group hands its totals to the other stages (the rest contribute zeros).
+        """
+        totals = torch.zeros(2, dtype=torch.float64, device=current_device())
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            for report in reports:
+                totals += report["lm loss"].to(totals)
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
+        return float(totals[0]), float(totals[1])
+
+    # ---- checkpoint support: schedule-independent per-parameter state --------------------
+
+    def named_master_parameters(self) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(global name, model param, fp32 master param)`` for every parameter on this rank."""
+        for chunk in self.model:
+            for name, param in global_parameter_names(chunk):
+                yield name, param, getattr(param, "main_param", param)
+
+    def optimizer_state_for(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return self._torch_optimizer().state.get(master, {})
+
+    def set_optimizer_state(self, master: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+        self._torch_optimizer().state[master] = state
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self.optimizer
+        if hasattr(optimizer, "chained_optimizers"):
+            (optimizer,) = optimizer.chained_optimizers
+        return optimizer.optimizer
+
+    def writes_checkpoint(self) -> bool:
+        """One data-parallel replica writes the parameters it holds."""
+        return parallel_state.get_data_parallel_rank() == 0
+
+    def grad_scaler_state(self) -> Optional[dict]:
+        scaler = getattr(self._chained_single(), "grad_scaler", None)
+        return scaler.state_dict() if scaler is not None else None
+
+    def load_grad_scaler_state(self, state: Optional[dict]) -> None:
+        scaler = getattr(self._chained_single(), "grad_scaler", None)
+        if scaler is not None and state is not None:
+            scaler.load_state_dict(state)
+
+    def _chained_single(self):
+        optimizer = self.optimizer
+        if hasattr(optimizer, "chained_optimizers"):
+            (optimizer,) = optimizer.chained_optimizers
+        return optimizer
+
+    def after_parameters_loaded(self) -> None:
+        """Float16 optimizers keep fp32 masters: copy loaded masters to the model params."""
+        optimizer = self._chained_single()
+        if hasattr(optimizer, "_copy_main_params_to_model_params"):
+            optimizer._copy_main_params_to_model_params()
+
+    def param_groups(self):
+        return self.optimizer.param_groups

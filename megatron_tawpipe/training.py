@@ -1,0 +1,154 @@
+"""The pre-training loop on megatron-core parts.
+
+``pretrain(args)`` is what ``pretrain_llama.py`` runs on every rank: it sets
+up process groups, tokenizer, datasets, the trainer of the chosen
+``--pipeline-schedule``, the LR schedule and checkpoints, then iterates. It
+returns the per-iteration records so that tests can call it in-process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_tawpipe import cpu_compat
+from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
+from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
+from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
+from megatron_tawpipe.metrics import IterationRecord, MetricsWriter
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, unsupported schedule, ...)."""
+
+
+def build_trainer(args):
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        raise TrainingError(
+            f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not "
+            "available in this version; use --pipeline-schedule 1f1b or interleaved")
+    from megatron_tawpipe.native import NativeTrainer
+
+    return NativeTrainer(args)
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    """Megatron's LR / weight-decay schedule, stepped once per iteration."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=args.lr_decay_iters if args.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style="linear" if args.lr_decay_style == "WSD" else None,
+    )
+
+
+def data_parallel_rank_and_size(args):
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        return dist.get_rank(), dist.get_world_size()
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def _data_iterators(dataset, args, count: int, consumed_samples: int):
+    dp_rank, dp_size = data_parallel_rank_and_size(args)
+    return [build_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples)
+            for _ in range(count)]
+
+
+def evaluate(trainer, dataset, args) -> Optional[float]:
+    """Mean validation loss over ``--eval-iters`` global batches, always from the start of the split."""
+    if dataset is None or args.eval_iters == 0:
+        return None
+    iterators = _data_iterators(dataset, args, trainer.num_data_iterators, 0)
+    loss_sum = tokens = 0.0
+    for _ in range(args.eval_iters):
+        step_sum, step_tokens = trainer.eval_step(iterators)
+        loss_sum += step_sum
+        tokens += step_tokens
+    return loss_sum / max(tokens, 1.0)
+
+
+def _is_writer() -> bool:
+    # The last rank sits on the last pipeline stage, where native schedules compute the loss.
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _current_lr(scheduler: OptimizerParamScheduler) -> float:
+    return float(scheduler.optimizer.param_groups[0]["lr"])
+
+
+def pretrain(args) -> List[IterationRecord]:
+    with cpu_compat.explain_cuda_errors():
+        return _pretrain(args)
+
+
+def _pretrain(args) -> List[IterationRecord]:
+    initialize_distributed(args)
+    initialize_model_parallel(args)
+    tokenizer = build_tokenizer(args)
+    train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
+    trainer = build_trainer(args)
+    scheduler = build_scheduler(args, trainer.optimizer)
+
+    iteration, consumed_samples = 0, 0
+    if args.load:
+        iteration, consumed_samples = load_checkpoint(args.load, trainer, scheduler, args)
+        if _is_writer() and iteration:
+            print(f" loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+
+    writer = MetricsWriter(args, dist.get_world_size(), _is_writer())
+    train_iterators = _data_iterators(train_ds, args, trainer.num_data_iterators, consumed_samples)
+    records: List[IterationRecord] = []
+    last_saved = iteration if args.load else None
+    try:
+        while iteration < args.train_iters:
+            start = time.perf_counter()
+            step = trainer.train_step(train_iterators)
+            elapsed = time.perf_counter() - start
+            iteration += 1
+            consumed_samples += args.global_batch_size
+            if not step["skipped"]:
+                scheduler.step(increment=1)
+            loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
+            if not math.isfinite(loss) and not args.fp16:
+                raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping")
+            extra = {}
+            if args.eval_interval and iteration % args.eval_interval == 0:
+                extra["validation_lm_loss"] = _report_validation(trainer, valid_ds, args, iteration)
+            records.append(writer.record(
+                iteration, consumed_samples, elapsed, loss, step["grad_norm"], _current_lr(scheduler),
+                skipped=step["skipped"], loss_scale=step["loss_scale"], extra=extra))
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+                last_saved = iteration
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                break
+        if args.save and last_saved != iteration:
+            save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+    finally:
+        writer.close()
+    return records
+
+
+def _report_validation(trainer, dataset, args, iteration: int) -> Optional[float]:
+    loss = evaluate(trainer, dataset, args)
+    if loss is not None and _is_writer():
+        ppl = math.exp(min(20.0, loss))
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |",
+              flush=True)
+    return loss

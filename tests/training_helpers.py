@@ -1,0 +1,41 @@
+"""Small models and in-process training runs shared by the training tests."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+TINY_MODEL = [
+    "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "200",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--untie-embeddings-and-output-weights",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
+    "--clip-grad", "1.0", "--seed", "7", "--eval-interval", "1000", "--log-interval", "1000",
+]
+
+
+def tiny_args(*extra: str, train_iters: int = 3, global_batch: int = 8, micro_batch: int = 1) -> List[str]:
+    return TINY_MODEL + ["--train-iters", str(train_iters), "--global-batch-size", str(global_batch),
+                         "--micro-batch-size", str(micro_batch)] + list(extra)
+
+
+def train_rank(rank: int, argv: List[str]) -> List[dict]:
+    """Body of one rank: parse, validate, train, tear down; return the iteration records."""
+    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.initialize import destroy
+    from megatron_tawpipe.training import pretrain
+
+    args = validate_args(parse_args(argv))
+    try:
+        return [record.to_json() for record in pretrain(args)]
+    finally:
+        destroy()
+
+
+def losses(records: List[dict]) -> List[float]:
+    return [r["lm_loss"] for r in records]
+
+
+def assert_close_rel(actual: List[float], expected: List[float], rtol: float, what: str = "loss") -> None:
+    assert len(actual) == len(expected), (actual, expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rtol * abs(e), f"{what} at iteration {i + 1}: {a} vs reference {e} (rtol {rtol})"
