@@ -128,6 +128,11 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+                   action="store_true", default=False,
+                   help="materialise the S x S causal mask per sample (default: attention applies it implicitly)")
+    g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+                   action="store_false")
 
 
 def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:

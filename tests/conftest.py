@@ -11,3 +11,12 @@ if TESTS not in sys.path:
 
 # megatron-core warns at import about missing optional GPU packages.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+
+def pytest_configure(config):
+    for pattern in (
+        "ignore:.*Transformer Engine and Apex are not installed.*:UserWarning",
+        "ignore::DeprecationWarning",
+        "ignore::FutureWarning",
+    ):
+        config.addinivalue_line("filterwarnings", pattern)

@@ -1,0 +1,808 @@
+"""Data pipeline: tokenizers, Megatron indexed datasets, samplers and batches.
+
+Everything here runs on megatron-core's data stack:
+
+* tokenizers come from ``megatron.core.tokenizers`` (SentencePiece, Null);
+* documents are stored in Megatron's ``.bin``/``.idx`` indexed format written by
+  ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder``, the same files that
+  Megatron-LM's ``tools/preprocess_data.py`` produces;
+* training/validation/test splits are built by ``BlendedMegatronDatasetBuilder`` with
+  ``GPTDataset`` (or ``MockGPTDataset`` for ``--mock-data``);
+* micro-batches follow Megatron's pretraining sampler: step ``k`` covers the global sample
+  indices ``[consumed + k*mbs*dp, consumed + (k+1)*mbs*dp)`` and data-parallel rank ``d``
+  takes the slice ``[d*mbs, (d+1)*mbs)`` of each step.
+
+``args`` is an ``argparse.Namespace`` with Megatron-LM attribute names.  Attributes that
+are not present fall back to Megatron-LM's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import struct
+import tempfile
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TOKENIZERS = ("SentencePieceTokenizer", "NullTokenizer")
+DEFAULT_SPLIT = "969,30,1"
+
+__all__ = [
+    "SUPPORTED_TOKENIZERS",
+    "build_tokenizer",
+    "pad_vocab_size",
+    "validate_data_args",
+    "parse_data_path",
+    "parse_split",
+    "dataset_sizes",
+    "build_datasets",
+    "MicroBatchSampler",
+    "build_data_iterator",
+    "get_batch",
+    "train_sentencepiece",
+    "iter_documents",
+    "write_indexed_dataset",
+    "indexed_dataset_path",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------
+
+
+def _arg(args, name, default=None):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
+    """Megatron's vocabulary padding: round up to a multiple of divisible_by * TP size."""
+    multiple = max(1, int(divisible_by)) * max(1, int(tensor_parallel_size))
+    return int(math.ceil(int(vocab_size) / multiple) * multiple)
+
+
+class _SentencePieceFallbackTokenizer:
+    """SentencePiece tokenizer for megatron-core releases without ``megatron.core.tokenizers``.
+
+    Same semantics as megatron-core's GPT SentencePiece tokenizer: ``eod`` is the model's
+    end-of-sentence id, ``pad`` its pad id (-1 when the model has none).
+    """
+
+    def __init__(self, model_path: str) -> None:
+        import sentencepiece
+
+        self.path = model_path
+        self._sp = sentencepiece.SentencePieceProcessor()
+        self._sp.Load(model_path)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode_as_ids(text)
+
+    def detokenize(self, ids) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self._sp.decode_ids(list(ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def eos(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def bos(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def pad(self) -> int:
+        return self._sp.pad_id()
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(
+            [("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+             ("tokenizer_path", self.path)]
+        )
+
+
+class _NullFallbackTokenizer:
+    """Null tokenizer (text is space-separated integer ids, eod = vocab_size)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab_size_without_eod = int(vocab_size)
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return " ".join(str(int(x)) for x in ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size_without_eod + 1
+
+    @property
+    def eod(self) -> int:
+        return self._vocab_size_without_eod
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(
+            [("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+             ("vocab_size", str(self._vocab_size_without_eod))]
+        )
+
+
+def _core_tokenizer(tokenizer_path: Optional[str], library: str, **kwargs):
+    """Load a megatron-core GPT tokenizer, or return None if this megatron-core has none.
+
+    The metadata is handed over as a dict, so nothing is written next to the model (the
+    model directory may be read-only).  Releases whose ``from_pretrained`` only takes a
+    metadata file get one written under the temp dir instead.
+    """
+    try:
+        from megatron.core.tokenizers import MegatronTokenizer
+    except ImportError:
+        return None
+    metadata = {"library": library, "model_type": "gpt", "chat_template": None}
+    try:
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=tokenizer_path, metadata_path=dict(metadata), **kwargs
+        )
+    except (TypeError, ValueError, AttributeError):
+        pass
+    key = hashlib.sha1(json.dumps([tokenizer_path, metadata]).encode()).hexdigest()[:16]
+    meta_dir = os.path.join(tempfile.gettempdir(), "megatron_tawpipe_tokenizers", key)
+    os.makedirs(meta_dir, exist_ok=True)
+    meta_file = os.path.join(meta_dir, "tokenizer_metadata.json")
+    tmp = f"{meta_file}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(metadata, f)
+    os.replace(tmp, meta_file)
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=tokenizer_path, metadata_path=meta_file, **kwargs
+    )
+
+
+def load_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
+                   vocab_size: Optional[int] = None):
+    """Load a tokenizer by Megatron-LM type name (no args namespace, no vocab padding)."""
+    if tokenizer_type == "SentencePieceTokenizer":
+        if not tokenizer_model:
+            raise ValueError("--tokenizer-model is required with --tokenizer-type SentencePieceTokenizer")
+        path = os.path.abspath(tokenizer_model)
+        tok = _core_tokenizer(path, "sentencepiece")
+        return tok if tok is not None else _SentencePieceFallbackTokenizer(path)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
+        tok = _core_tokenizer(None, "null", vocab_size=int(vocab_size))
+        return tok if tok is not None else _NullFallbackTokenizer(int(vocab_size))
+    raise ValueError(
+        f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {', '.join(SUPPORTED_TOKENIZERS)}"
+    )
+
+
+def build_tokenizer(args):
+    """Build the tokenizer named by ``args.tokenizer_type`` and set ``args.padded_vocab_size``.
+
+    ``SentencePieceTokenizer`` loads ``args.tokenizer_model`` (eod = the model's ``</s>`` id);
+    ``NullTokenizer`` takes ``args.vocab_size`` ids plus one eod id (= ``args.vocab_size``),
+    like Megatron-LM.  The padded size is a multiple of
+    ``make_vocab_size_divisible_by * tensor_model_parallel_size``.
+    """
+    tok = load_tokenizer(
+        getattr(args, "tokenizer_type", None),
+        getattr(args, "tokenizer_model", None),
+        getattr(args, "vocab_size", None),
+    )
+    args.padded_vocab_size = pad_vocab_size(
+        tok.vocab_size,
+        _arg(args, "make_vocab_size_divisible_by", 128),
+        _arg(args, "tensor_model_parallel_size", 1),
+    )
+    logger.info(
+        "tokenizer %s: vocab size %d padded to %d (eod id %d)",
+        args.tokenizer_type, tok.vocab_size, args.padded_vocab_size, tok.eod,
+    )
+    return tok
+
+
+# ---------------------------------------------------------------------------------------
+# Argument parsing helpers and validation
+# ---------------------------------------------------------------------------------------
+
+
+def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Tuple[List[str], Optional[List[float]]]]:
+    """Megatron blend syntax -> (prefixes, weights or None).
+
+    ``["prefix"]`` or ``["p1", "p2"]`` -> weights None (proportional to dataset sizes);
+    ``["w1", "p1", "w2", "p2"]`` -> explicit weights.  Items may also hold several
+    whitespace-separated tokens (``["0.3 p1 0.7 p2"]``).
+    """
+    if data_path is None:
+        return None
+    if isinstance(data_path, str):
+        data_path = [data_path]
+    items = [tok for item in data_path for tok in str(item).split()]
+    if not items:
+        return None
+
+    def as_float(s):
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    if len(items) % 2 == 1:
+        return items, None
+    weights = [as_float(w) for w in items[0::2]]
+    if all(w is None for w in weights):
+        return items, None
+    if any(w is None for w in weights):
+        raise ValueError(
+            f"--data-path {' '.join(items)!r} mixes weights and prefixes; use 'prefix ...' or 'w1 prefix1 w2 prefix2 ...'"
+        )
+    if any(w <= 0 or not math.isfinite(w) for w in weights):
+        raise ValueError(f"--data-path weights must be positive numbers, got {items[0::2]}")
+    return list(items[1::2]), weights
+
+
+def parse_split(split: str) -> List[float]:
+    """'969,30,1' -> normalized [train, valid, test] fractions (missing entries are 0)."""
+    text = str(split).strip()
+    parts = [p.strip() for p in re.split(r"[,/]", text)] if text else []
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = None
+    if (not values or len(values) > 3 or any(not math.isfinite(v) or v < 0 for v in values)
+            or sum(values) <= 0):
+        raise ValueError(
+            f"--split {split!r} is invalid: expected 1-3 non-negative comma-separated weights "
+            f"with a positive sum, e.g. {DEFAULT_SPLIT}"
+        )
+    values = values + [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def _split_bookends(split: List[float]) -> List[Optional[Tuple[float, float]]]:
+    ends, acc = [], 0.0
+    for v in split:
+        ends.append(None if v == 0 else (acc, acc + v))
+        acc += v
+    return ends
+
+
+def _idx_counts(prefix: str) -> Tuple[int, int]:
+    """(sequence count, document count) from a Megatron .idx header."""
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(34)
+    if len(header) < 34 or header[:9] != b"MMIDIDX\x00\x00":
+        raise ValueError(f"--data-path: {prefix}.idx is not a Megatron indexed-dataset index")
+    seq_count, doc_count = struct.unpack("<QQ", header[18:34])
+    return seq_count, doc_count
+
+
+def _check_splits_nonempty(prefixes: Sequence[str], split_text: str) -> None:
+    """Refuse a split that has a share in --split but no documents.
+
+    megatron-core's GPTDataset never terminates when asked for samples from an empty
+    document range (it keeps adding epochs of zero tokens), so catch it here.
+    """
+    split = parse_split(split_text)
+    for prefix in prefixes:
+        num_sequences, _ = _idx_counts(prefix)
+        for name, bookend in zip(("train", "valid", "test"), _split_bookends(split)):
+            if bookend is None:
+                continue
+            beg = int(round(bookend[0] * num_sequences))
+            end = int(round(bookend[1] * num_sequences))
+            if end <= beg:
+                raise ValueError(
+                    f"--split {split_text!r} leaves the {name} split of {prefix} empty "
+                    f"({num_sequences} documents); give it a larger share or 0"
+                )
+
+
+def validate_data_args(args) -> None:
+    """Check the data/tokenizer flags; raise ValueError with one line naming the flag/file.
+
+    Runs without torch.distributed and without building anything.
+    """
+    ttype = getattr(args, "tokenizer_type", None)
+    if ttype not in SUPPORTED_TOKENIZERS:
+        raise ValueError(
+            f"--tokenizer-type {ttype!r} is not supported; use one of {', '.join(SUPPORTED_TOKENIZERS)}"
+        )
+    if ttype == "SentencePieceTokenizer":
+        model = getattr(args, "tokenizer_model", None)
+        if not model:
+            raise ValueError("--tokenizer-model is required with --tokenizer-type SentencePieceTokenizer")
+        if not os.path.isfile(model):
+            raise ValueError(f"--tokenizer-model: file not found: {model}")
+        if not os.access(model, os.R_OK):
+            raise ValueError(f"--tokenizer-model: file is not readable: {model}")
+        try:
+            import sentencepiece
+
+            sentencepiece.SentencePieceProcessor(model_file=model)
+        except Exception:
+            raise ValueError(f"--tokenizer-model: not a valid SentencePiece model: {model}") from None
+    else:
+        vocab = getattr(args, "vocab_size", None)
+        if vocab is None:
+            raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
+        if int(vocab) <= 0:
+            raise ValueError(f"--vocab-size must be positive, got {vocab}")
+
+    if getattr(args, "mock_data", False):
+        return
+    blend = parse_data_path(getattr(args, "data_path", None))
+    if blend is None:
+        raise ValueError("no training data: give --data-path PREFIX (Megatron .bin/.idx) or --mock-data")
+    parse_split(_arg(args, "split", DEFAULT_SPLIT))
+    for prefix in blend[0]:
+        for ext in (".bin", ".idx"):
+            if prefix.endswith(ext):
+                raise ValueError(
+                    f"--data-path takes the prefix without {ext}: use {prefix[: -len(ext)]}"
+                )
+        for ext in (".bin", ".idx"):
+            path = prefix + ext
+            if not os.path.isfile(path):
+                raise ValueError(f"--data-path: {path} not found")
+            if not os.access(path, os.R_OK):
+                raise ValueError(f"--data-path: {path} is not readable")
+    _check_splits_nonempty(blend[0], _arg(args, "split", DEFAULT_SPLIT))
+
+
+# ---------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------
+
+
+def dataset_sizes(args) -> List[int]:
+    """Number of samples per split, as Megatron-LM computes them."""
+    gbs = int(args.global_batch_size)
+    eval_iters = int(_arg(args, "eval_iters", 0))
+    train_samples = getattr(args, "train_samples", None)
+    if train_samples is None:
+        train_samples = int(args.train_iters) * gbs
+    train_iters = int(_arg(args, "train_iters", 0)) or int(math.ceil(train_samples / gbs))
+    eval_interval = int(_arg(args, "eval_interval", 1000))
+    eval_samples = (train_iters // max(1, eval_interval) + 1) * eval_iters * gbs
+    test_samples = eval_iters * gbs
+    return [int(train_samples), int(eval_samples), int(test_samples)]
+
+
+def build_dataset_config(args, tokenizer):
+    """The GPTDatasetConfig for ``args`` (fields missing from this megatron-core are skipped)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    mock = bool(getattr(args, "mock_data", False))
+    blend = None if mock else parse_data_path(getattr(args, "data_path", None))
+    reset_attention_mask = bool(getattr(args, "reset_attention_mask", False))
+    create_mask = getattr(args, "create_attention_mask_in_dataloader", None)
+    if create_mask is None:
+        # The model builds its causal mask itself; an explicit S x S mask per sample is only
+        # needed for document-level masking (and costs O(S^2) memory at long context).
+        create_mask = reset_attention_mask
+    cache = getattr(args, "data_cache_path", None)
+    blended = blend is not None and (len(blend[0]) > 1 or blend[1] is not None)
+    if cache and blended and not _dist_initialized():
+        # megatron-core's BlendedDataset calls torch.distributed.get_rank() on a cache miss
+        # whenever a cache path is set, which fails in a single process without a process
+        # group; build in memory there (the GPTDataset indices still go next to the data).
+        logger.warning("--data-cache-path is ignored for blended data without torch.distributed")
+        cache = None
+    kwargs = dict(
+        random_seed=int(_arg(args, "seed", 1234)),
+        sequence_length=int(args.seq_length),
+        blend=blend,
+        split=None if mock else _arg(args, "split", DEFAULT_SPLIT),
+        path_to_cache=cache,
+        mmap_bin_files=bool(_arg(args, "mmap_bin_files", True)),
+        tokenizer=tokenizer,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        create_attention_mask=bool(create_mask),
+        num_dataset_builder_threads=int(_arg(args, "num_dataset_builder_threads", 1)),
+        mid_level_dataset_surplus=float(_arg(args, "mid_level_dataset_surplus", 0.005)),
+    )
+    names = {f.name for f in dataclasses.fields(GPTDatasetConfig) if f.init}
+    for required in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        assert required in names, f"GPTDatasetConfig has no field {required}"
+    return GPTDatasetConfig(**{k: v for k, v in kwargs.items() if k in names})
+
+
+def _dist_initialized() -> bool:
+    import torch
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool]] = None):
+    """Build (train, valid, test) datasets with megatron-core's BlendedMegatronDatasetBuilder.
+
+    Collective when torch.distributed is initialized: every rank of the default group must
+    call it.  megatron-core builds on rank 0 first (writing the index cache), then barriers,
+    then the other ranks load the cache, so no two ranks write the same cache file.
+    ``is_built_on_rank`` (default: every rank) may return False on ranks that need no data
+    (it must be True on global rank 0); they then get None for each split.  A split with no share in ``--split`` is None.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    config = build_dataset_config(args, tokenizer)
+    if not config.mock:
+        _check_splits_nonempty(config.blend[0], config.split)
+    cls = MockGPTDataset if config.mock else GPTDataset
+    sizes = dataset_sizes(args)
+    built_on_rank = is_built_on_rank if is_built_on_rank is not None else (lambda: True)
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        cls, sizes, built_on_rank, config
+    ).build()
+    return train_ds, valid_ds, test_ds
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling and batches
+# ---------------------------------------------------------------------------------------
+
+
+class MicroBatchSampler:
+    """Megatron's pretraining sampler: consecutive global indices, sliced per DP rank.
+
+    Step ``k`` covers global sample indices ``[consumed + k*M*D, consumed + (k+1)*M*D)``
+    (M = micro batch size, D = data-parallel size); rank ``d`` yields the slice
+    ``[d*M, (d+1)*M)`` of that step.  The last partial step is dropped.  With ``cyclic``
+    the index wraps around the dataset (index mod len) and the iteration never ends.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, cyclic: bool = False) -> None:
+        if total_samples <= 0:
+            raise ValueError(f"the dataset is empty (total samples {total_samples})")
+        if micro_batch_size <= 0:
+            raise ValueError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+        if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(
+                f"data-parallel rank {data_parallel_rank} is outside data-parallel size {data_parallel_size}"
+            )
+        if consumed_samples < 0:
+            raise ValueError(f"consumed samples must be >= 0, got {consumed_samples}")
+        if not cyclic and consumed_samples >= total_samples:
+            raise ValueError(
+                f"all {total_samples} samples of the dataset are consumed (consumed samples {consumed_samples})"
+            )
+        self.total_samples = int(total_samples)
+        self.consumed_samples = int(consumed_samples)
+        self.micro_batch_size = int(micro_batch_size)
+        self.data_parallel_rank = int(data_parallel_rank)
+        self.data_parallel_size = int(data_parallel_size)
+        self.cyclic = bool(cyclic)
+
+    @property
+    def step(self) -> int:
+        return self.micro_batch_size * self.data_parallel_size
+
+    def __len__(self) -> int:
+        if self.cyclic:
+            raise TypeError("a cyclic sampler has no length")
+        return (self.total_samples - self.consumed_samples) // self.step
+
+    def __iter__(self) -> Iterator[List[int]]:
+        start = self.consumed_samples
+        lo = self.data_parallel_rank * self.micro_batch_size
+        while self.cyclic or start + self.step <= self.total_samples:
+            first = start + lo
+            yield [(first + i) % self.total_samples for i in range(self.micro_batch_size)]
+            start += self.step
+
+
+def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
+                        consumed_samples: int, *, num_workers: int = 0, cyclic: bool = False,
+                        pin_memory: bool = False) -> Optional[Iterator[Dict[str, "object"]]]:
+    """Iterator over this data-parallel rank's micro-batches (dicts of batched CPU tensors).
+
+    Deterministic and resumable: the batches after ``consumed_samples`` (global samples,
+    i.e. iterations * global batch size) are those an uninterrupted run would see.
+    Finite (until the dataset is used up) unless ``cyclic``.  Returns None for a None
+    dataset (ranks that build no data).
+    """
+    if dataset is None:
+        return None
+    import torch
+
+    sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank,
+                                dp_size, cyclic=cyclic)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=int(num_workers),
+        pin_memory=bool(pin_memory),
+        persistent_workers=int(num_workers) > 0,
+    )
+    return iter(loader)
+
+
+def get_batch(data_iterator, device):
+    """Next micro-batch on ``device``: (tokens, labels, loss_mask, attention_mask|None, position_ids).
+
+    Returns five Nones for a None iterator (pipeline stages that take no data).
+    """
+    if data_iterator is None:
+        return None, None, None, None, None
+    batch = next(data_iterator)
+
+    def move(t):
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return (
+        move(batch["tokens"]),
+        move(batch["labels"]),
+        move(batch["loss_mask"]),
+        move(batch.get("attention_mask")),
+        move(batch["position_ids"]),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer training and preprocessing (used by tools/ and the default corpus)
+# ---------------------------------------------------------------------------------------
+
+
+def _read_records(path: str, json_keys: Sequence[str], input_format: str = "auto",
+                  text_mode: str = "line") -> Iterator[Dict[str, object]]:
+    """Records ({key: text}) from a jsonl file or a plain text file.
+
+    jsonl: one JSON object per line, the texts under ``json_keys`` (a string, or a list of
+    strings stored as one document of several sequences).  Plain text: the text goes under
+    the first key; ``text_mode`` picks one document per non-empty line ("line"), per
+    blank-line-separated block ("paragraph") or per file ("file").
+    """
+    fmt = input_format
+    if fmt == "auto":
+        fmt = "jsonl" if path.endswith((".jsonl", ".json", ".jsonl.txt")) else "text"
+    with open(path, "r", encoding="utf-8") as f:
+        if fmt == "jsonl":
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+                missing = [k for k in json_keys if k not in obj]
+                if missing:
+                    raise ValueError(f"{path}:{lineno}: missing JSON key(s) {missing}")
+                yield {k: obj[k] for k in json_keys}
+        elif fmt == "text":
+            key = json_keys[0]
+            if text_mode == "line":
+                for line in f:
+                    line = line.rstrip("\n")
+                    if line.strip():
+                        yield {key: line}
+            elif text_mode == "paragraph":
+                block: List[str] = []
+                for line in f:
+                    if line.strip():
+                        block.append(line.rstrip("\n"))
+                    elif block:
+                        yield {key: "\n".join(block)}
+                        block = []
+                if block:
+                    yield {key: "\n".join(block)}
+            elif text_mode == "file":
+                text = f.read()
+                if text.strip():
+                    yield {key: text}
+            else:
+                raise ValueError(f"unknown text mode {text_mode!r}")
+        else:
+            raise ValueError(f"unknown input format {input_format!r}")
+
+
+def iter_documents(paths: Sequence[str], json_keys: Sequence[str] = ("text",),
+                   input_format: str = "auto", text_mode: str = "line") -> Iterator[Dict[str, object]]:
+    """Records from several files, in the order given."""
+    for path in paths:
+        yield from _read_records(path, json_keys, input_format, text_mode)
+
+
+def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,
+                        model_type: str = "bpe", seed: int = 1234, num_threads: int = 1,
+                        max_sentence_length: int = 16384,
+                        character_coverage: float = 0.9995) -> str:
+    """Train a SentencePiece model on ``texts`` and return the ``.model`` path.
+
+    Llama-style settings: byte fallback (no unknown characters), digits split, whitespace
+    kept as is, ``<unk>``=0, ``<s>``=1, ``</s>``=2 (the end-of-document id), no pad.
+    Each non-empty line of each text is one training sentence.  Deterministic: the same
+    input and settings give a byte-identical model.  Writes ``{model_prefix}.model`` and
+    ``{model_prefix}.vocab`` (piece<TAB>score), each under a temporary name first.
+    """
+    import io
+
+    import sentencepiece
+
+    def sentences():
+        for text in texts:
+            for line in text.split("\n"):
+                if line.strip():
+                    yield line
+
+    out_dir = os.path.dirname(os.path.abspath(model_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    writer = io.BytesIO()
+    sentencepiece.set_random_generator_seed(int(seed))
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=sentences(),
+        model_writer=writer,
+        vocab_size=int(vocab_size),
+        model_type=model_type,
+        character_coverage=character_coverage,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        max_sentence_length=int(max_sentence_length),
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=int(num_threads),
+        minloglevel=2,
+    )
+    proto = writer.getvalue()
+    sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+    for path, payload in ((model_prefix + ".vocab", vocab.encode("utf-8")),
+                          (model_prefix + ".model", proto)):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    return model_prefix + ".model"
+
+
+def indexed_dataset_path(output_prefix: str, key: str = "text", level: str = "document") -> str:
+    """Megatron-LM's naming of preprocessed data: ``{output_prefix}_{key}_{level}``."""
+    return f"{output_prefix}_{key}_{level}"
+
+
+class _Encoder:
+    """Turns a record into token ids per key (one instance per worker process)."""
+
+    tokenizer = None
+
+    def __init__(self, tokenizer_type, tokenizer_model, vocab_size, json_keys, append_eod):
+        self.tokenizer_type = tokenizer_type
+        self.tokenizer_model = tokenizer_model
+        self.vocab_size = vocab_size
+        self.json_keys = list(json_keys)
+        self.append_eod = append_eod
+
+    def initializer(self):
+        _Encoder.tokenizer = load_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_size)
+
+    def encode(self, record):
+        tok = _Encoder.tokenizer
+        out = {}
+        nbytes = 0
+        for key in self.json_keys:
+            value = record[key]
+            pieces = value if isinstance(value, list) else [value]
+            ids: List[int] = []
+            lengths: List[int] = []
+            for piece in pieces:
+                nbytes += len(piece)
+                if not piece.strip():
+                    continue  # blank text is no document (and NullTokenizer cannot parse it)
+                piece_ids = tok.tokenize(piece)
+                if len(piece_ids) > 0:
+                    ids.extend(piece_ids)
+                    lengths.append(len(piece_ids))
+            if ids and self.append_eod:
+                ids.append(tok.eod)
+                lengths[-1] += 1
+            out[key] = (ids, lengths)
+        return out, nbytes
+
+
+def write_indexed_dataset(records: Iterable[Dict[str, object]], output_prefix: str,
+                          tokenizer_type: str, tokenizer_model: Optional[str] = None,
+                          vocab_size: Optional[int] = None, json_keys: Sequence[str] = ("text",),
+                          append_eod: bool = True, workers: int = 1, log_interval: int = 0,
+                          log: Callable[[str], None] = print) -> Dict[str, str]:
+    """Tokenize records and write Megatron .bin/.idx files, one pair per JSON key.
+
+    Output files are ``{output_prefix}_{key}_document.bin/.idx`` (Megatron-LM's layout);
+    token dtype is uint16 when the vocabulary has fewer than 65500 ids, else int32.
+    Each record is one document; with ``append_eod`` the tokenizer's eod id ends it.
+    Blank texts and documents that tokenize to nothing are skipped.  Order is preserved with ``workers``
+    > 1.  Files are written under temporary names and renamed when complete.
+    Returns {key: dataset prefix}.
+    """
+    import torch  # noqa: F401  (IndexedDatasetBuilder works on numpy arrays / tensors)
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    encoder = _Encoder(tokenizer_type, tokenizer_model, vocab_size, json_keys, append_eod)
+    encoder.initializer()
+    dtype = DType.optimal_dtype(_Encoder.tokenizer.vocab_size)
+
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    prefixes = {key: indexed_dataset_path(output_prefix, key) for key in json_keys}
+    tmp_prefixes = {key: f"{p}.tmp{os.getpid()}" for key, p in prefixes.items()}
+    builders = {key: IndexedDatasetBuilder(tmp_prefixes[key] + ".bin", dtype=dtype)
+                for key in json_keys}
+
+    pool = None
+    if workers > 1:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=encoder.initializer)
+        encoded = pool.imap(encoder.encode, records, 32)
+    else:
+        encoded = map(encoder.encode, records)
+
+    ndocs = ntokens = nbytes = 0
+    try:
+        for doc, size in encoded:
+            nbytes += size
+            for key, (ids, lengths) in doc.items():
+                if not ids:
+                    continue
+                builders[key].add_document(ids, lengths)
+                ntokens += len(ids)
+            ndocs += 1
+            if log_interval and ndocs % log_interval == 0:
+                log(f"processed {ndocs} documents, {nbytes / 1e6:.1f} MB, {ntokens} tokens")
+        for key in json_keys:
+            builders[key].finalize(tmp_prefixes[key] + ".idx")
+    except BaseException:
+        for key in json_keys:
+            builders[key].data_file.close()
+            for ext in (".bin", ".idx"):
+                if os.path.exists(tmp_prefixes[key] + ext):
+                    os.remove(tmp_prefixes[key] + ext)
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    for key in json_keys:
+        os.replace(tmp_prefixes[key] + ".bin", prefixes[key] + ".bin")
+        os.replace(tmp_prefixes[key] + ".idx", prefixes[key] + ".idx")
+    log(f"wrote {ndocs} documents, {ntokens} tokens ({numpy.dtype(dtype).name}) to "
+        + ", ".join(prefixes[k] + ".{bin,idx}" for k in json_keys))
+    return prefixes

@@ -1,0 +1,28 @@
+"""megatron_tawpipe: weight-passing pipeline parallelism (TawPipe, WeiPipe) for Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_tawpipe",
+    version="0.1.0",
+    description="TawPipe and WeiPipe weight-passing pipeline schedules for Megatron-Core training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_tawpipe", "megatron_tawpipe.*"]),
+    py_modules=["pretrain_llama"],
+    # torch is not pinned here on purpose: install the build you want first
+    # (the CPU build with `pip install torch==2.13.0` on CPU machines, a CUDA
+    # build on GPU clusters); any torch >= 2.6 satisfies this requirement.
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.15,<0.17",
+        "sentencepiece>=0.2",
+        "numpy",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "apex"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=7", "matplotlib"],
+    },
+)
