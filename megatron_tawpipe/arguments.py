@@ -176,14 +176,30 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def weight_passing_runtime_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron_tawpipe.runtime") is not None
+
+
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check flags before any process group is created; raise ArgumentError naming the flag."""
     world_size = world_size_from_env() if world_size is None else world_size
     if args.pipeline_schedule not in PIPELINE_SCHEDULES:
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES and not weight_passing_runtime_available():
+        raise ArgumentError(
+            f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not part of this "
+            "version yet; use --pipeline-schedule 1f1b or interleaved")
     if args.train_iters is None:
         raise ArgumentError("--train-iters is required")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+            f"{args.lr_decay_iters} (default: --train-iters)")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
     if args.tensor_model_parallel_size != 1:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Quick start on one CPU machine: build the embedded default corpus and tokenizer
+# (Python standard-library docstrings, no network), then pre-train a small Llama
+# on several local gloo ranks. Every size can be overridden from the environment:
+#   NPROC=4 TRAIN_ITERS=200 bash examples/quickstart_cpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NPROC=${NPROC:-4}
+SCHEDULE=${SCHEDULE:-1f1b}
+PP=${PP:-2}
+NUM_LAYERS=${NUM_LAYERS:-4}
+HIDDEN=${HIDDEN:-128}
+HEADS=${HEADS:-4}
+SEQ=${SEQ:-128}
+MICRO_BATCH=${MICRO_BATCH:-4}
+GLOBAL_BATCH=${GLOBAL_BATCH:-32}
+TRAIN_ITERS=${TRAIN_ITERS:-100}
+DATA_DIR=${DATA_DIR:-data/default}
+OUT_DIR=${OUT_DIR:-runs/quickstart}
+
+python tools/build_default_corpus.py --output-dir "$DATA_DIR"
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+mkdir -p "$OUT_DIR"
+rm -f "$OUT_DIR/metrics.jsonl"
+python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_llama.py \
+    --pipeline-schedule "$SCHEDULE" --pipeline-model-parallel-size "$PP" \
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" \
+    --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" \
+    --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine \
+    --weight-decay 0.01 --clip-grad 1.0 --untie-embeddings-and-output-weights \
+    --data-path "$DATA_DIR/corpus_text_document" --split 98,2,0 \
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" \
+    --log-interval 10 --eval-interval 50 --eval-iters 2 \
+    --save "$OUT_DIR/checkpoints" --save-interval 50 \
+    --metrics-file "$OUT_DIR/metrics.jsonl" "$@"

@@ -1,0 +1,264 @@
+"""The action set of a pipeline plan.
+
+A plan gives every rank an ordered list of actions.  A rank executes its list
+strictly in order; the only asynchronous things are communication operations,
+which have an explicit start action and a later ``Wait(tag)``.  Everything an
+executor needs is in the action itself: peers are global ranks, buffers are
+named slots on the executing rank, ``size`` is in *units* (one shard's weights
+or gradient for ``kind`` weight/grad, one micro-batch boundary activation for
+``kind`` act/actgrad) and ``link`` says whether the transfer stays inside a
+group (node) or crosses groups.
+
+Buffers
+-------
+* weight buffers (``w0``, ``w1``, ...) hold a compute-dtype copy of one shard;
+* gradient buffers (``g0``, ...) hold a partial gradient of one shard;
+* ``main`` is the owner's own gradient accumulator of the shard named by the
+  action (never used by communication actions).
+
+Micro-batch numbers are local to the rank's data stream: in weight-passing
+plans every rank is a data-parallel rank with its own micro-batches
+``0..N-1``; in activation-passing plans all ranks share one stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Tuple
+
+# Communication kinds and the channel (communicator) each travels on.  Weight
+# and gradient traffic use separate channels so that one can overlap the other.
+KINDS = ("weight", "grad", "act", "actgrad")
+CHANNEL = {"weight": "weight", "grad": "grad", "act": "act", "actgrad": "actgrad"}
+LINKS = ("intra", "inter")
+MAIN = "main"
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Run shard ``shard`` forward on micro-batch ``mb`` with the weights in
+    ``wbuf``.  Input is the boundary activation of (mb, shard) (the embedding
+    output when shard == 0); the output boundary is kept for the next shard.
+    The last shard also runs the replicated head (final norm, output layer,
+    loss)."""
+    mb: int
+    shard: int
+    wbuf: str
+
+
+@dataclass(frozen=True, slots=True)
+class Backward:
+    """Recompute (if configured) and back-propagate (mb, shard) using the
+    weights in ``wbuf``; *add* the weight gradient into ``gbuf`` and keep the
+    input gradient for shard-1 (shard 0 also back-propagates the embedding)."""
+    mb: int
+    shard: int
+    wbuf: str
+    gbuf: str
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardInput:
+    """First half of a split backward: input gradient only."""
+    mb: int
+    shard: int
+    wbuf: str
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardWeight:
+    """Second half of a split backward: add the weight gradient into ``gbuf``."""
+    mb: int
+    shard: int
+    wbuf: str
+    gbuf: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    """Copy the rank's own master weights of ``shard`` (cast to the compute
+    dtype) into weight buffer ``buf``.  Only the owner may load a shard."""
+    shard: int
+    buf: str
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroGrad:
+    """Make gradient buffer ``buf`` an empty (zero) partial gradient of ``shard``."""
+    shard: int
+    buf: str
+
+
+@dataclass(frozen=True, slots=True)
+class AccumulateToOwner:
+    """Owner adds partial gradient ``buf`` of ``shard`` into its ``main``
+    gradient; ``buf`` is free afterwards."""
+    shard: int
+    buf: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendStart:
+    """Start sending buffer ``buf`` (holding ``shard``) to global rank ``peer``.
+    The matching ``RecvStart`` on ``peer`` carries the same ``tag``; on each
+    (src, dst, channel) sends and receives are posted in the same order.  The
+    buffer must not be written until ``Wait(tag)``; a sent gradient buffer is
+    empty after the wait (its contributions moved to the receiver)."""
+    tag: int
+    peer: int
+    buf: str
+    kind: str
+    shard: int
+    link: str
+    size: float = 1.0
+    mb: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class RecvStart:
+    """Start receiving into ``buf`` from global rank ``peer`` (see SendStart).
+    ``buf`` must not be touched until ``Wait(tag)``."""
+    tag: int
+    peer: int
+    buf: str
+    kind: str
+    shard: int
+    link: str
+    size: float = 1.0
+    mb: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastStart:
+    """Collective over ``ranks`` (sorted global ranks, same tag on all): the
+    root's ``buf`` is copied into every member's ``buf``."""
+    tag: int
+    root: int
+    ranks: Tuple[int, ...]
+    buf: str
+    kind: str
+    shard: int
+    link: str
+    size: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceStart:
+    """Collective over ``ranks``: the root's ``buf`` becomes the sum of all
+    members' ``buf`` (root included).  Non-root buffers are empty afterwards."""
+    tag: int
+    root: int
+    ranks: Tuple[int, ...]
+    buf: str
+    kind: str
+    shard: int
+    link: str
+    size: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicatedAllReduceStart:
+    """All-reduce (sum) of the replicated parameters' gradients (embedding,
+    final norm, output layer) over ``ranks``."""
+    tag: int
+    ranks: Tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Block until the operation started with ``tag`` on this rank completed."""
+    tag: int
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStep:
+    """One optimizer step on the rank's owned shard(s) and replicated parts."""
+
+
+ACTION_TYPES = (Forward, Backward, BackwardInput, BackwardWeight, LoadWeights, ZeroGrad,
+                AccumulateToOwner, SendStart, RecvStart, BroadcastStart, ReduceStart,
+                ReplicatedAllReduceStart, Wait, OptimizerStep)
+BY_NAME = {cls.__name__: cls for cls in ACTION_TYPES}
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+P2P = (SendStart, RecvStart)
+COLLECTIVE = (BroadcastStart, ReduceStart, ReplicatedAllReduceStart)
+STARTS = P2P + COLLECTIVE
+FIELD_NAMES = {cls: tuple(f.name for f in fields(cls)) for cls in ACTION_TYPES}
+
+
+def action_to_dict(action) -> dict:
+    d = {"op": type(action).__name__}
+    for name in FIELD_NAMES[type(action)]:
+        value = getattr(action, name)
+        d[name] = list(value) if isinstance(value, tuple) else value
+    return d
+
+
+def action_from_dict(d: dict):
+    try:
+        cls = BY_NAME[d["op"]]
+    except KeyError:
+        raise ValueError(f"unknown action {d.get('op')!r}") from None
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in d:
+            continue
+        value = d[f.name]
+        if f.name == "ranks":
+            value = tuple(int(x) for x in value)
+        elif f.name == "size":
+            value = float(value)
+        elif f.type in ("int",):
+            value = int(value)
+        elif f.type in ("str",):
+            value = str(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+_KIND_LETTER = {"weight": "w", "grad": "g", "act": "a", "actgrad": "d"}
+
+
+def short(action, starts=None) -> str:
+    """A compact code for grids: F3.1 = forward mb 3 shard 1, sw5>2 = send
+    weights of shard 5 to rank 2, ... ``starts`` maps tags to start actions so
+    that waits can say what they wait for."""
+    t = type(action)
+    if t is Forward:
+        return f"F{action.mb}.{action.shard}"
+    if t is Backward:
+        return f"B{action.mb}.{action.shard}"
+    if t is BackwardInput:
+        return f"Bi{action.mb}.{action.shard}"
+    if t is BackwardWeight:
+        return f"Bw{action.mb}.{action.shard}"
+    if t is LoadWeights:
+        return f"ld{action.shard}"
+    if t is ZeroGrad:
+        return f"z{action.shard}"
+    if t is AccumulateToOwner:
+        return f"acc{action.shard}"
+    if t is SendStart:
+        return f"s{_KIND_LETTER[action.kind]}{action.shard}>{action.peer}"
+    if t is RecvStart:
+        return f"r{_KIND_LETTER[action.kind]}{action.shard}<{action.peer}"
+    if t is BroadcastStart:
+        return f"bc{action.shard}@{action.root}"
+    if t is ReduceStart:
+        return f"rd{action.shard}@{action.root}"
+    if t is ReplicatedAllReduceStart:
+        return "ar"
+    if t is Wait:
+        if starts is not None and action.tag in starts:
+            return "w(" + short(starts[action.tag]) + ")"
+        return f"w#{action.tag}"
+    if t is OptimizerStep:
+        return "opt"
+    return t.__name__
+
+
+def describe(action) -> str:
+    """Full, unambiguous text of an action, used in error messages."""
+    t = type(action)
+    args = ", ".join(f"{n}={getattr(action, n)!r}" for n in FIELD_NAMES[t])
+    return f"{t.__name__}({args})"

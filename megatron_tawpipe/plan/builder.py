@@ -1,0 +1,160 @@
+"""Helpers shared by the planners.
+
+Planners describe *when* (in a nominal slot order) each rank does something
+by attaching a sort key to every action; the builder sorts each rank's actions
+by key (ties keep emission order) and so produces the per-rank lists.  Both
+sides of a transfer, and all members of a collective, get the same key, which
+keeps matched operations in the same relative order on every rank.  As long
+as every wait has a larger key than the starts it depends on (on all ranks),
+executing the lists in key order cannot deadlock.
+
+Planners name buffers virtually (``~w...`` for weights, ``~g...`` for
+gradients), one name per use.  ``build`` maps them onto the fewest physical
+slots (``w0, w1, ...``/``g0, ...``) by interval colouring over each rank's
+list: a slot is reused once the last action touching the previous buffer,
+including the wait of any transfer on it, is done.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+from . import actions as A
+from .plan import Plan
+
+_BUF_FIELDS = ("wbuf", "gbuf", "buf")
+
+
+class PlanBuilder:
+    def __init__(self, num_ranks: int, num_groups: int):
+        if num_groups < 1 or num_ranks % num_groups:
+            raise ValueError(f"groups ({num_groups}) must divide ranks ({num_ranks})")
+        self.num_ranks = num_ranks
+        self.num_groups = num_groups
+        self.ranks_per_group = num_ranks // num_groups
+        self._items: List[List[Tuple[tuple, int, object]]] = [[] for _ in range(num_ranks)]
+        self._seq = 0
+        self._tag = 0
+
+    # ------------------------------------------------------------ primitives
+    def group_of(self, rank: int) -> int:
+        return rank // self.ranks_per_group
+
+    def link(self, ranks: Iterable[int]) -> str:
+        return "intra" if len({self.group_of(r) for r in ranks}) == 1 else "inter"
+
+    def new_tag(self) -> int:
+        self._tag += 1
+        return self._tag
+
+    def emit(self, rank: int, key: tuple, action) -> None:
+        self._items[rank].append((key, self._seq, action))
+        self._seq += 1
+
+    # ------------------------------------------------------- comm patterns
+    def p2p(self, src: int, dst: int, kind: str, shard: int, src_buf: str, dst_buf: str,
+            start_key: tuple, src_wait_key: tuple, dst_wait_key: tuple,
+            size: float = 1.0, mb: int = -1) -> int:
+        """A matched send/receive pair, both posted at ``start_key``."""
+        tag = self.new_tag()
+        link = self.link((src, dst))
+        self.emit(src, start_key, A.SendStart(tag, dst, src_buf, kind, shard, link, size, mb))
+        self.emit(dst, start_key, A.RecvStart(tag, src, dst_buf, kind, shard, link, size, mb))
+        self.emit(src, src_wait_key, A.Wait(tag))
+        self.emit(dst, dst_wait_key, A.Wait(tag))
+        return tag
+
+    def collective(self, cls, root: int, members: Sequence[int], bufs: Dict[int, str],
+                   kind: str, shard: int, start_key: tuple, wait_key: tuple,
+                   size: float = 1.0) -> int:
+        """A Broadcast/Reduce over ``members`` started and waited at the same
+        keys on every member."""
+        tag = self.new_tag()
+        ranks = tuple(sorted(members))
+        link = self.link(ranks)
+        for r in ranks:
+            self.emit(r, start_key, cls(tag, root, ranks, bufs[r], kind, shard, link, size))
+        for r in ranks:
+            self.emit(r, wait_key, A.Wait(tag))
+        return tag
+
+    def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key: tuple) -> int:
+        tag = self.new_tag()
+        ranks = tuple(range(self.num_ranks))
+        for r in ranks:
+            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart(tag, ranks))
+            self.emit(r, wait_key, A.Wait(tag))
+        return tag
+
+    # ------------------------------------------------------------- finalise
+    def build(self, *, schedule: str, family: str, num_layers: int, num_microbatches: int,
+              owners: Sequence[int], streams: Sequence[int], options: dict) -> Plan:
+        lists = []
+        weight_slots = grad_slots = 0
+        for items in self._items:
+            items.sort(key=lambda x: (x[0], x[1]))
+            acts = [a for _, _, a in items]
+            acts, nw, ng = _assign_buffers(acts)
+            weight_slots, grad_slots = max(weight_slots, nw), max(grad_slots, ng)
+            lists.append(acts)
+        return Plan(schedule=schedule, family=family, num_ranks=self.num_ranks,
+                    num_groups=self.num_groups, num_layers=num_layers,
+                    num_microbatches=num_microbatches, owners=tuple(owners),
+                    streams=tuple(streams), max_weight_buffers=weight_slots,
+                    max_grad_buffers=grad_slots, actions=lists, options=dict(options))
+
+
+def _virtual_buffers(action, tag_buf: Dict[int, str]) -> List[str]:
+    if type(action) is A.Wait:
+        b = tag_buf.get(action.tag)
+        return [b] if b else []
+    out = []
+    for name in _BUF_FIELDS:
+        b = getattr(action, name, None)
+        if b and b[0] == "~":
+            out.append(b)
+    return out
+
+
+def _assign_buffers(acts: list):
+    """Interval-colour the virtual buffers of one rank; returns the renamed
+    list and the number of weight and gradient slots used."""
+    first: Dict[str, int] = {}
+    last: Dict[str, int] = {}
+    tag_buf: Dict[int, str] = {}
+    for i, a in enumerate(acts):
+        if isinstance(a, A.STARTS) and getattr(a, "buf", "").startswith("~"):
+            tag_buf[a.tag] = a.buf
+        for b in _virtual_buffers(a, tag_buf):
+            first.setdefault(b, i)
+            last[b] = i
+    names: Dict[str, str] = {}
+    counts = {}
+    for pool, prefix in (("~w", "w"), ("~g", "g")):
+        bufs = sorted((b for b in first if b.startswith(pool)), key=lambda b: first[b])
+        free: List[int] = []          # heap of free slot numbers
+        busy: List[Tuple[int, int]] = []  # heap of (last index, slot)
+        used = 0
+        for b in bufs:
+            while busy and busy[0][0] < first[b]:
+                heapq.heappush(free, heapq.heappop(busy)[1])
+            slot = heapq.heappop(free) if free else used
+            used = max(used, slot + 1)
+            names[b] = f"{prefix}{slot}"
+            heapq.heappush(busy, (last[b], slot))
+        counts[pool] = used
+    out = []
+    for a in acts:
+        cls = type(a)
+        fields = A.FIELD_NAMES[cls]
+        values = None
+        for j, name in enumerate(fields):
+            if name in _BUF_FIELDS:
+                b = getattr(a, name)
+                if b and b[0] == "~":
+                    if values is None:
+                        values = [getattr(a, f) for f in fields]
+                    values[j] = names[b]
+        out.append(cls(*values) if values is not None else a)
+    return out, counts["~w"], counts["~g"]

@@ -1,0 +1,196 @@
+"""Cost model: how long compute takes and how fast links are.
+
+Compute times are per layer and per micro-batch, either derived from FLOPs
+(``CostModel.from_flops``) or measured (``CostModel.with_measured`` reading a
+JSON file).  A shard's time is ``layers_per_shard`` layer times; the last shard
+also runs the head (final norm + output layer + loss).
+
+Links come in two classes: ``intra`` (inside a group/node, e.g. NVLink) and
+``inter`` (between groups, e.g. Ethernet/IB).  Each node has one inter-group
+link per direction, shared by all concurrent flows of its ranks.
+
+Weight/gradient transfers move one shard in the compute dtype:
+``bytes_per_shard = params_per_layer * layers_per_shard * dtype_bytes`` with
+``params_per_layer = 12 H^2`` (Llama-style layer with ffn = 8H/3, no norms) or,
+when the FFN size is given, ``4 H^2 + 3 H ffn + 2 H`` exactly (the latter with
+grouped-query attention shrinking the K/V projections when ``num_query_groups``
+is given).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+_RATE_UNITS = {
+    "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
+    "kib/s": 2 ** 10, "mib/s": 2 ** 20, "gib/s": 2 ** 30, "tib/s": 2 ** 40,
+    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8, "tbit/s": 1e12 / 8,
+    "bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8,
+    "gbe": 1e9 / 8,
+}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(text) -> float:
+    """'200GB/s', '1.25 GB/s', '100Gbit/s', '25Gbps', '10GbE', 'inf' -> bytes/s.
+    Upper-case B is bytes, 'bit'/'bps' bits; a bare number is bytes/s."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    s = text.strip().replace(" ", "")
+    if s.lower() in ("inf", "infinite", "free"):
+        return float("inf")
+    m = re.fullmatch(r"([0-9.eE+-]+)([A-Za-z/]*)", s)
+    if not m:
+        raise ValueError(f"cannot parse rate {text!r}")
+    value, unit = float(m.group(1)), m.group(2)
+    if not unit:
+        return value
+    key = unit.lower()
+    if key.endswith("b/s") and unit[-3] == "b" and not key.endswith("bit/s"):
+        # lower-case 'b/s' means bits in network notation
+        key = key[:-3] + "bit/s"
+    if key not in _RATE_UNITS:
+        raise ValueError(f"unknown rate unit {unit!r} in {text!r}")
+    return value * _RATE_UNITS[key]
+
+
+def parse_time(text) -> float:
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"([0-9.eE+-]+)\s*([a-zµ]*)", text.strip())
+    if not m or (m.group(2) and m.group(2) not in _TIME_UNITS):
+        raise ValueError(f"cannot parse time {text!r}")
+    return float(m.group(1)) * _TIME_UNITS.get(m.group(2) or "s")
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float          # bytes/s (inf = free)
+    latency: float = 0.0      # s per message
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + (0.0 if self.bandwidth == float("inf") else nbytes / self.bandwidth)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    layer_forward: float                  # s per layer per micro-batch
+    layer_backward: float                 # s, backward proper
+    layer_recompute: float = 0.0          # s, forward recompute before backward (0 = none)
+    head_forward: float = 0.0             # s per micro-batch (last shard)
+    head_backward: float = 0.0
+    params_per_layer: float = 0.0
+    dtype_bytes: int = 2                  # compute dtype on the wire
+    activation_bytes: float = 0.0         # one boundary activation of one micro-batch
+    layer_activation_bytes: float = 0.0   # everything one layer keeps for backward, one mb
+    tokens_per_microbatch: int = 0
+    replicated_params: float = 0.0        # embedding + final norm + output layer
+    intra: Link = field(default_factory=lambda: Link(float("inf")))
+    inter: Link = field(default_factory=lambda: Link(float("inf")))
+    copy_bandwidth: float = float("inf")  # bytes/s of local copies (load, accumulate)
+    optimizer_time_per_param: float = 0.0
+    recompute: bool = True
+
+    # ------------------------------------------------------------ builders
+    @classmethod
+    def from_flops(cls, *, hidden_size: int, seq_length: int, micro_batch_size: int = 1,
+                   ffn_hidden_size: Optional[int] = None, vocab_size: int = 32000,
+                   num_attention_heads: Optional[int] = None,
+                   num_query_groups: Optional[int] = None, peak_tflops: float = 312.0,
+                   efficiency: float = 0.5, recompute: bool = True, causal: bool = True,
+                   intra_bw="200GB/s", intra_latency="5us", inter_bw="12.5GB/s",
+                   inter_latency="20us", dtype_bytes: int = 2,
+                   hbm_bandwidth="2TB/s", untied_embeddings: bool = True) -> "CostModel":
+        H, S, B = hidden_size, seq_length, micro_batch_size
+        tokens = S * B
+        ppl = params_per_layer(H, ffn_hidden_size, num_attention_heads, num_query_groups)
+        matmul_params = ppl - (2 * H if ffn_hidden_size else 0)
+        attn = 4 * B * S * S * H * (0.5 if causal else 1.0)   # QK^T and AV
+        fwd_flops = 2 * tokens * matmul_params + attn
+        rate = peak_tflops * 1e12 * efficiency
+        fwd = fwd_flops / rate
+        head = 2 * tokens * H * vocab_size / rate
+        hbm = parse_rate(hbm_bandwidth)
+        return cls(layer_forward=fwd, layer_backward=2 * fwd,
+                   layer_recompute=fwd if recompute else 0.0,
+                   head_forward=head, head_backward=2 * head, params_per_layer=ppl,
+                   dtype_bytes=dtype_bytes, activation_bytes=tokens * H * dtype_bytes,
+                   # ~34 bytes per token and hidden unit for a bf16 layer with flash
+                   # attention (no S^2 score matrix kept).
+                   layer_activation_bytes=34 * tokens * H * dtype_bytes / 2,
+                   tokens_per_microbatch=tokens,
+                   replicated_params=(2 if untied_embeddings else 1) * vocab_size * H + H,
+                   intra=Link(parse_rate(intra_bw), parse_time(intra_latency)),
+                   inter=Link(parse_rate(inter_bw), parse_time(inter_latency)),
+                   copy_bandwidth=hbm / 2,
+                   # Adam on fp32 master: ~16 B read + 16 B written per parameter
+                   optimizer_time_per_param=32 / hbm, recompute=recompute)
+
+    def with_measured(self, path_or_dict) -> "CostModel":
+        """Override compute times with measured ones.  JSON keys (seconds per
+        layer per micro-batch unless noted): ``layer_forward``,
+        ``layer_backward`` (backward proper), ``layer_recompute``,
+        ``head_forward``, ``head_backward`` (per micro-batch); any subset."""
+        if isinstance(path_or_dict, dict):
+            data = path_or_dict
+        else:
+            with open(path_or_dict) as f:
+                data = json.load(f)
+        known = ("layer_forward", "layer_backward", "layer_recompute", "head_forward",
+                 "head_backward")
+        unknown = set(data) - set(known) - {"comment", "device", "hidden_size", "seq_length",
+                                            "micro_batch_size"}
+        if unknown:
+            raise ValueError(f"unknown keys in measured times: {sorted(unknown)}")
+        return replace(self, **{k: float(v) for k, v in data.items() if k in known})
+
+    def with_links(self, intra: Link = None, inter: Link = None) -> "CostModel":
+        return replace(self, intra=intra or self.intra, inter=inter or self.inter)
+
+    # ---------------------------------------------------------- per plan
+    def shard_bytes(self, plan) -> float:
+        return self.params_per_layer * plan.layers_per_shard * self.dtype_bytes
+
+    def unit_bytes(self, plan, kind: str) -> float:
+        return self.shard_bytes(plan) if kind in ("weight", "grad") else self.activation_bytes
+
+    def forward_time(self, plan, shard: int) -> float:
+        t = self.layer_forward * plan.layers_per_shard
+        return t + (self.head_forward if shard == plan.num_shards - 1 else 0.0)
+
+    def backward_time(self, plan, shard: int) -> float:
+        t = (self.layer_backward + self.layer_recompute) * plan.layers_per_shard
+        return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
+
+    def backward_input_time(self, plan, shard: int) -> float:
+        # Input and weight gradients cost about the same; recompute goes first.
+        lps = plan.layers_per_shard
+        t = (self.layer_recompute + self.layer_backward / 2) * lps
+        return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
+
+    def backward_weight_time(self, plan, shard: int) -> float:
+        return self.layer_backward / 2 * plan.layers_per_shard
+
+    def copy_time(self, plan) -> float:
+        bw = self.copy_bandwidth
+        return 0.0 if bw == float("inf") else self.shard_bytes(plan) / bw
+
+    def optimizer_time(self, plan, rank: int) -> float:
+        n = len(plan.shards_owned_by(rank)) * plan.layers_per_shard * self.params_per_layer
+        return (n + self.replicated_params) * self.optimizer_time_per_param
+
+
+def params_per_layer(hidden_size: int, ffn_hidden_size: Optional[int] = None,
+                     num_attention_heads: Optional[int] = None,
+                     num_query_groups: Optional[int] = None) -> float:
+    """Weights of one Llama decoder layer (no biases)."""
+    H = hidden_size
+    if ffn_hidden_size is None:
+        return 12.0 * H * H
+    kv = H
+    if num_attention_heads and num_query_groups:
+        kv = H * num_query_groups // num_attention_heads
+    return float(2 * H * H + 2 * H * kv + 3 * H * ffn_hidden_size + 2 * H)

@@ -1,0 +1,83 @@
+"""One entry point for every schedule family."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import actions as A
+from .plan import Plan
+from .activation import plan_activation
+from .tawpipe import plan_tawpipe
+from .weipipe import plan_weipipe
+
+
+def _weipipe(**kw):
+    return plan_weipipe(interleave=True, **kw)
+
+
+def _weipipe_naive(**kw):
+    return plan_weipipe(interleave=False, **kw)
+
+
+def _tawpipe_nooverlap(**kw):
+    return plan_tawpipe(**{**kw, "overlap": False})
+
+
+def _tawpipe_flat(**kw):
+    return plan_tawpipe(**{**kw, "groups": 1})
+
+
+def _tawpipe_paper(**kw):
+    return plan_tawpipe(**{"cache": False, "drain": True, "prefetch": 2, **kw})
+
+
+def _activation(name):
+    def planner(**kw):
+        return plan_activation(name, **kw)
+    return planner
+
+
+SCHEDULES = {
+    "weipipe": _weipipe,
+    "weipipe-naive": _weipipe_naive,
+    "tawpipe": plan_tawpipe,
+    "tawpipe-nooverlap": _tawpipe_nooverlap,
+    "tawpipe-flat": _tawpipe_flat,
+    "tawpipe-paper": _tawpipe_paper,
+    "gpipe": _activation("gpipe"),
+    "1f1b": _activation("1f1b"),
+    "interleaved": _activation("interleaved"),
+}
+
+
+def build_plan(schedule: str, *, num_ranks: int, num_groups: int = 1, num_layers: int = None,
+               num_microbatches: int = 1, **options) -> Plan:
+    """Build the plan of ``schedule`` (a key of ``SCHEDULES``) for ``num_ranks`` ranks in ``num_groups``
+    groups (nodes) of consecutive ranks.  ``num_layers`` defaults to one layer
+    per shard; ``num_microbatches`` is per rank for weight passing and per
+    pipeline for activation passing.  Extra keyword options go to the planner."""
+    try:
+        planner = SCHEDULES[schedule]
+    except KeyError:
+        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}") from None
+    if num_layers is None:
+        num_layers = num_ranks
+    return planner(num_ranks=num_ranks, num_groups=num_groups, num_layers=num_layers,
+                   num_microbatches=num_microbatches, **options)
+
+
+def split_backward(plan: Plan) -> Plan:
+    """The same plan with every Backward split into BackwardInput followed by
+    BackwardWeight (a starting point for zero-bubble reordering)."""
+    lists = []
+    for acts in plan.actions:
+        out = []
+        for a in acts:
+            if type(a) is A.Backward:
+                out.append(A.BackwardInput(a.mb, a.shard, a.wbuf))
+                out.append(A.BackwardWeight(a.mb, a.shard, a.wbuf, a.gbuf))
+            else:
+                out.append(a)
+        lists.append(out)
+    options = dict(plan.options, split_backward=True)
+    return dataclasses.replace(plan, actions=lists, options=options)

@@ -1,0 +1,425 @@
+"""Run a plan against a cost model: a discrete-event simulation.
+
+Each rank executes its list in order.  Compute and local actions (load, zero,
+accumulate, optimizer) occupy the rank for their duration; starts are posted
+instantly; a wait blocks until its operation completed.  An operation begins
+once every participant posted it (rendezvous), then moves its bytes:
+
+* intra-group flows get the full intra bandwidth each (a switched fabric with
+  bandwidth-optimal collectives: an intra-group broadcast or reduce takes
+  ``latency + bytes/bandwidth``);
+* inter-group flows share each node's outgoing and incoming link max-min
+  fairly with every other flow of that node, after the link latency;
+* broadcasts and reductions are star-shaped (root to/from each member); a
+  collective spanning several groups therefore sends one copy per remote
+  member over the slow links, which is what a topology-unaware flat group
+  costs;
+* the replicated all-reduce is a ring over all ranks, timed analytically on
+  the slowest link class it crosses.
+
+Results: iteration time, tokens/s per rank, bubble ratio (idle compute
+fraction), bytes per link class, buffer counts and memory, and the per-rank
+timeline (compute spans and transfers).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from . import actions as A
+from .costmodel import CostModel
+from .plan import Plan
+
+INF = float("inf")
+
+
+@dataclass
+class Span:
+    rank: int
+    start: float
+    end: float
+    kind: str        # F, B, Bi, Bw, load, zero, acc, opt
+    mb: int = -1
+    shard: int = -1
+
+
+@dataclass
+class Transfer:
+    tag: int
+    src: int
+    dst: int
+    kind: str
+    link: str
+    nbytes: float
+    posted: float     # when the last participant posted (transfer may begin)
+    end: float = 0.0
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    num_ranks: int
+    iteration_time: float
+    tokens_per_sec_per_rank: float
+    bubble_ratio: float
+    link_bytes: Dict[str, float]
+    replicated_allreduce_bytes: float
+    weight_buffers: int
+    grad_buffers: int
+    weight_buffer_bytes: float
+    grad_buffer_bytes: float
+    activation_bytes: float
+    state_bytes: float
+    compute_time: List[float]
+    finish_time: List[float]
+    spans: List[Span] = field(default_factory=list, repr=False)
+    transfers: List[Transfer] = field(default_factory=list, repr=False)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> float:
+        return (self.weight_buffer_bytes + self.grad_buffer_bytes + self.activation_bytes +
+                self.state_bytes)
+
+    def row(self) -> dict:
+        """Flat summary (what ``tools/simulate.py --json`` prints)."""
+        return {
+            "schedule": self.schedule,
+            "iteration_time_s": self.iteration_time,
+            "tokens_per_sec_per_rank": self.tokens_per_sec_per_rank,
+            "bubble_ratio": self.bubble_ratio,
+            "inter_group_bytes": self.link_bytes.get("inter", 0.0),
+            "intra_group_bytes": self.link_bytes.get("intra", 0.0),
+            "replicated_allreduce_bytes": self.replicated_allreduce_bytes,
+            "weight_buffers": self.weight_buffers,
+            "grad_buffers": self.grad_buffers,
+            "weight_buffer_bytes": self.weight_buffer_bytes,
+            "grad_buffer_bytes": self.grad_buffer_bytes,
+            "activation_bytes": self.activation_bytes,
+            "state_bytes": self.state_bytes,
+            "memory_bytes": self.memory_bytes,
+        }
+
+
+# --------------------------------------------------------------- byte counts
+def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float = 0.0
+               ) -> Dict[str, float]:
+    """Bytes moved per link class in one iteration, exactly as the plan says.
+
+    Point-to-point: ``size`` units from sender to receiver.  Broadcast/reduce:
+    ``size`` units between the root and each other member (a member in the
+    root's group counts as intra, otherwise inter).  An executor that counts
+    the same way (per send, per received broadcast copy, per contributed
+    reduction input) measures the same numbers.  The replicated all-reduce is
+    not included (see ``replicated_allreduce_bytes``)."""
+    out = {"intra": 0.0, "inter": 0.0}
+    G = plan.ranks_per_group
+    for r, acts in enumerate(plan.actions):
+        for a in acts:
+            t = type(a)
+            if t is A.SendStart:
+                unit = bytes_per_shard if a.kind in ("weight", "grad") else bytes_per_activation
+                out[a.link] += a.size * unit
+            elif (t is A.BroadcastStart or t is A.ReduceStart) and r != a.root:
+                out["intra" if r // G == a.root // G else "inter"] += a.size * bytes_per_shard
+    return out
+
+
+def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float) -> Dict[str, float]:
+    """Ring all-reduce estimate: each rank sends 2(P-1)/P of the data to its
+    ring successor; with groups of consecutive ranks D of the P hops cross
+    groups (none when D = 1)."""
+    P, D = plan.num_ranks, plan.num_groups
+    if P == 1 or not any(isinstance(a, A.ReplicatedAllReduceStart) for a in plan.actions[0]):
+        return {"intra": 0.0, "inter": 0.0}
+    per_hop = 2 * (P - 1) / P * replicated_bytes
+    inter_hops = D if D > 1 else 0
+    return {"intra": (P - inter_hops) * per_hop, "inter": inter_hops * per_hop}
+
+
+# ----------------------------------------------------------------- simulator
+class _Op:
+    __slots__ = ("tag", "need", "posted", "done", "waiters", "flows_left", "start")
+
+    def __init__(self, tag: int, need: int, start):
+        self.tag, self.need, self.start = tag, need, start
+        self.posted = 0
+        self.done: Optional[float] = None
+        self.waiters: List[int] = []
+        self.flows_left = 0
+
+
+class _Flow:
+    __slots__ = ("op", "remaining", "rate", "out", "into", "transfer", "nbytes")
+
+    def __init__(self, op, nbytes, out, into, transfer):
+        self.op, self.remaining, self.nbytes = op, nbytes, nbytes
+        self.rate = 0.0
+        self.out, self.into, self.transfer = out, into, transfer
+
+
+class _Simulator:
+    def __init__(self, plan: Plan, cost: CostModel, record: bool):
+        self.plan, self.cost, self.record = plan, cost, record
+        self.G = plan.ranks_per_group
+        self.events: list = []
+        self.seq = 0
+        self.ops: Dict[int, _Op] = {}
+        self.pc = [0] * plan.num_ranks
+        self.finish = [0.0] * plan.num_ranks
+        self.busy = [0.0] * plan.num_ranks
+        self.spans: List[Span] = []
+        self.transfers: List[Transfer] = []
+        self.flows: List[_Flow] = []
+        self.net_time = 0.0
+        self.net_version = 0
+        self.stash = [0] * plan.num_ranks
+        self.peak_stash = [0] * plan.num_ranks
+        need = {}
+        for r, acts in enumerate(plan.actions):
+            for a in acts:
+                if type(a) in _STARTS:
+                    need[a.tag] = need.get(a.tag, 0) + 1
+        self.need = need
+        self.starts: Dict[int, Dict[int, object]] = {}
+        sb = cost.shard_bytes(plan)
+        self.unit = {"weight": sb, "grad": sb, "act": cost.activation_bytes,
+                     "actgrad": cost.activation_bytes}
+        self.fwd = [cost.forward_time(plan, s) for s in range(plan.num_shards)]
+        self.bwd = [cost.backward_time(plan, s) for s in range(plan.num_shards)]
+        self.bwd_i = [cost.backward_input_time(plan, s) for s in range(plan.num_shards)]
+        self.bwd_w = [cost.backward_weight_time(plan, s) for s in range(plan.num_shards)]
+        self.copy = cost.copy_time(plan)
+
+    def push(self, t, kind, payload):
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    # ------------------------------------------------------------- main loop
+    def run(self):
+        for r in range(self.plan.num_ranks):
+            self.push(0.0, "rank", r)
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            if kind == "rank":
+                self.step(payload, t)
+            elif kind == "done":
+                self.complete(payload, t)
+            elif kind == "flowend":
+                self.flow_end(payload, t)
+            elif kind == "enter":
+                self.advance_net(t)
+                self.flows.append(payload)
+                self.reschedule(t)
+            elif kind == "net" and payload == self.net_version:
+                self.advance_net(t)
+                finished = [f for f in self.flows if f.remaining <= 1e-9 * f.nbytes + 1e-6]
+                if finished:
+                    self.flows = [f for f in self.flows if f not in finished]
+                    for f in finished:
+                        f.transfer.end = t
+                        self.flow_end(f.op, t)
+                self.reschedule(t)
+        stuck = [r for r in range(self.plan.num_ranks) if self.pc[r] < len(self.plan.actions[r])]
+        if stuck:
+            r = stuck[0]
+            raise RuntimeError(f"simulation stalled: rank {r} at step {self.pc[r]} "
+                               f"({A.describe(self.plan.actions[r][self.pc[r]])}); "
+                               "validate the plan first")
+
+    def step(self, r: int, t: float) -> None:
+        acts = self.plan.actions[r]
+        while self.pc[r] < len(acts):
+            a = acts[self.pc[r]]
+            cls = type(a)
+            if cls is A.Wait:
+                op = self.ops.get(a.tag)
+                if op is None or op.done is None:
+                    op = op or self._op(a.tag)
+                    op.waiters.append(r)
+                    return
+                self.pc[r] += 1
+                continue
+            self.pc[r] += 1
+            if cls in _STARTS:
+                self.post(r, a, t)
+                continue
+            dur, kind = self.duration(r, a)
+            if dur > 0:
+                if kind in ("F", "B", "Bi", "Bw"):
+                    self.busy[r] += dur
+                if self.record:
+                    self.spans.append(Span(r, t, t + dur, kind, getattr(a, "mb", -1),
+                                           getattr(a, "shard", -1)))
+                self.push(t + dur, "rank", r)
+                return
+        self.finish[r] = t
+
+    def duration(self, r: int, a):
+        cls = type(a)
+        if cls is A.Forward:
+            self.stash[r] += 1
+            self.peak_stash[r] = max(self.peak_stash[r], self.stash[r])
+            return self.fwd[a.shard], "F"
+        if cls is A.Backward:
+            self.stash[r] -= 1
+            return self.bwd[a.shard], "B"
+        if cls is A.BackwardInput:
+            return self.bwd_i[a.shard], "Bi"
+        if cls is A.BackwardWeight:
+            self.stash[r] -= 1
+            return self.bwd_w[a.shard], "Bw"
+        if cls is A.LoadWeights:
+            return self.copy, "load"
+        if cls is A.AccumulateToOwner:
+            return self.copy, "acc"
+        if cls is A.ZeroGrad:
+            return self.copy / 2, "zero"
+        if cls is A.OptimizerStep:
+            return self.cost.optimizer_time(self.plan, r), "opt"
+        return 0.0, "other"
+
+    # ------------------------------------------------------------------ comm
+    def _op(self, tag: int) -> _Op:
+        op = self.ops.get(tag)
+        if op is None:
+            op = self.ops[tag] = _Op(tag, self.need[tag], {})
+        return op
+
+    def post(self, r: int, a, t: float) -> None:
+        op = self._op(a.tag)
+        op.start[r] = a
+        op.posted += 1
+        if op.posted == op.need:
+            self.begin(op, t)
+
+    def begin(self, op: _Op, t: float) -> None:
+        a = next(iter(op.start.values()))
+        cls = type(a)
+        if cls is A.ReplicatedAllReduceStart:
+            P = self.plan.num_ranks
+            nbytes = self.cost.replicated_params * self.cost.dtype_bytes
+            link = self.cost.inter if self.plan.num_groups > 1 else self.cost.intra
+            dur = 0.0 if P == 1 else 2 * (P - 1) * link.latency + \
+                (0.0 if link.bandwidth == INF else 2 * (P - 1) / P * nbytes / link.bandwidth)
+            self.push(t + dur, "done", op)
+            return
+        if cls in (A.SendStart, A.RecvStart):
+            send = next(x for x in op.start.values() if type(x) is A.SendStart)
+            src = next(rr for rr, x in op.start.items() if x is send)
+            pairs = [(src, send.peer)]
+        elif cls is A.BroadcastStart:
+            pairs = [(a.root, m) for m in a.ranks if m != a.root]
+        else:
+            pairs = [(m, a.root) for m in a.ranks if m != a.root]
+        nbytes = a.size * self.unit[a.kind]
+        op.flows_left = len(pairs)
+        if not pairs:
+            self.push(t, "done", op)
+        for src, dst in pairs:
+            link = "intra" if src // self.G == dst // self.G else "inter"
+            tr = Transfer(op.tag, src, dst, a.kind, link, nbytes, t)
+            if self.record:
+                self.transfers.append(tr)
+            if link == "intra" or self.cost.inter.bandwidth == INF:
+                lk = self.cost.intra if link == "intra" else self.cost.inter
+                tr.end = t + lk.time(nbytes)
+                self.push(tr.end, "flowend", op)
+            else:
+                flow = _Flow(op, nbytes, src // self.G, dst // self.G, tr)
+                self.push(t + self.cost.inter.latency, "enter", flow)
+
+    def flow_end(self, op: _Op, t: float) -> None:
+        op.flows_left -= 1
+        if op.flows_left == 0:
+            self.complete(op, t)
+
+    def complete(self, op: _Op, t: float) -> None:
+        op.done = t
+        for r in op.waiters:
+            self.push(t, "rank", r)
+        op.waiters = []
+
+    # ------------------------------------------------------- shared network
+    def advance_net(self, t: float) -> None:
+        dt = t - self.net_time
+        if dt > 0:
+            for f in self.flows:
+                f.remaining -= f.rate * dt
+        self.net_time = t
+
+    def reschedule(self, t: float) -> None:
+        self.net_version += 1
+        if not self.flows:
+            return
+        _max_min_rates(self.flows, self.cost.inter.bandwidth)
+        nxt = min(t + max(f.remaining, 0.0) / f.rate for f in self.flows)
+        self.push(nxt, "net", self.net_version)
+
+
+def _max_min_rates(flows: List[_Flow], capacity: float) -> None:
+    """Max-min fair rates; each flow uses its source node's outgoing and its
+    destination node's incoming link, each of ``capacity`` bytes/s."""
+    remaining = {}
+    users: Dict[tuple, List[_Flow]] = {}
+    for f in flows:
+        f.rate = -1.0
+        for res in (("o", f.out), ("i", f.into)):
+            users.setdefault(res, []).append(f)
+            remaining[res] = capacity
+    active = set(users)
+    while active:
+        best, share = None, INF
+        for res in active:
+            n = sum(1 for f in users[res] if f.rate < 0)
+            if n == 0:
+                continue
+            s = remaining[res] / n
+            if s < share:
+                best, share = res, s
+        if best is None:
+            break
+        for f in users[best]:
+            if f.rate < 0:
+                f.rate = share
+                for res in (("o", f.out), ("i", f.into)):
+                    remaining[res] -= share
+        active.discard(best)
+        active = {res for res in active if any(f.rate < 0 for f in users[res])}
+
+
+_STARTS = frozenset(A.STARTS)
+
+
+def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
+    """Simulate one iteration of ``plan`` (which should be validated first)."""
+    sim = _Simulator(plan, cost, record)
+    sim.run()
+    P = plan.num_ranks
+    iteration = max(sim.finish) if P else 0.0
+    compute = sum(sim.busy)
+    tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
+    sb = cost.shard_bytes(plan)
+    lb = link_bytes(plan, sb, cost.activation_bytes)
+    rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.dtype_bytes)
+    lps = plan.layers_per_shard
+    per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
+    working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
+    owned = max(len(plan.shards_owned_by(r)) for r in range(P))
+    # fp32 master + Adam moments + fp32 main grad (16 B/param) for owned layers
+    # and the replicated parts, plus the replicated parts' compute copy.
+    state = 16 * (owned * lps * cost.params_per_layer + cost.replicated_params) + \
+        cost.dtype_bytes * cost.replicated_params
+    return SimResult(
+        schedule=plan.schedule, num_ranks=P, iteration_time=iteration,
+        tokens_per_sec_per_rank=(tokens / iteration / P) if iteration > 0 else INF,
+        bubble_ratio=(1.0 - compute / (P * iteration)) if iteration > 0 else 0.0,
+        link_bytes=lb, replicated_allreduce_bytes=rep["intra"] + rep["inter"],
+        weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
+        weight_buffer_bytes=plan.max_weight_buffers * sb,
+        grad_buffer_bytes=plan.max_grad_buffers * sb,
+        activation_bytes=max(sim.peak_stash) * per_stash + working,
+        state_bytes=state, compute_time=sim.busy, finish_time=sim.finish,
+        spans=sim.spans, transfers=sim.transfers, options=dict(plan.options))

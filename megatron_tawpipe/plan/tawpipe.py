@@ -1,0 +1,184 @@
+"""TawPipe planner: topology-aware weight passing.
+
+* Device-bound storage: shard ``s`` is owned by group ``s mod D``, local index
+  ``s div D``, i.e. rank ``(s mod D) * G + s div D``; its master weights, optimizer
+  state and ``main`` gradient never move.  The owner keeps one compute-dtype
+  copy (``LoadWeights`` once) from which it serves every request.
+* Group-based scheduling: the G ranks of a group work on the same shard at the
+  same time, each on its own micro-batches.  A *visit* is one (phase, shard,
+  micro-batches) step of a group.  The shard arrives at the group's *root* --
+  the owner if the group owns it, else the *staging* rank with the owner's local
+  index, which fetches it from the owner over the inter-group link -- and is
+  broadcast inside the group.  After a backward visit the partial gradients are
+  reduced to the root, which sends them (once, inter-group) to the owner, who
+  accumulates.
+* Comm/compute overlap (``overlap=True``): the inter-group fetch for a visit is
+  posted ``prefetch`` slots ahead and the broadcast one slot ahead, into other
+  buffers than the one being computed with; reductions and gradient sends are
+  waited one or two slots later.  ``overlap=False`` starts and waits every
+  transfer in place (the no-CCO ablation).
+
+Arrangement (choices the papers leave open; the defaults are the fastest
+arrangement the simulator found, see docs/schedules.md; ``cache=False,
+drain=True, prefetch=2`` is the reference arrangement, schedule
+``tawpipe-paper``):
+
+* ``stagger``: group g runs ``g`` slots behind group 0, so that in a slot the D
+  groups need D different shards owned by D different groups and every node
+  link carries about one transfer each way.
+* ``drain``: re-align the groups after every micro-batch round as the
+  reference arrangement does (``D-1`` idle slots per round).  Weights do not
+  change within an iteration, so by default groups run their rounds back to
+  back and only stagger once per iteration.
+* ``chunk``: micro-batches each rank runs per visit (weights fetched once per
+  chunk instead of once per micro-batch; more boundary activations kept).
+* ``cache``: a staging rank keeps each fetched foreign shard for the whole
+  iteration and accumulates its group's reduced gradient of that shard, sending
+  it to the owner once at the end.  Costs ``D-1`` weight and ``D-1`` gradient
+  buffers on a rank; cuts inter-group traffic to two shard units per foreign
+  (group, shard) per iteration.
+* ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
+  is the flat-group ablation (one group of all ranks, no GWPS).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+from . import actions as A
+from .builder import PlanBuilder
+
+WAIT, POST, COMP, AFTER = range(4)
+START, END = -(10 ** 9), 10 ** 9
+
+
+def tawpipe_owner(shard: int, num_groups: int, ranks_per_group: int) -> int:
+    return (shard % num_groups) * ranks_per_group + shard // num_groups
+
+
+def _visits(P: int, N: int, chunk: int) -> List[Tuple[str, int, Tuple[int, ...], int]]:
+    """(phase, shard, micro-batches, round) of one group, in order."""
+    out = []
+    rounds = [tuple(range(k, min(N, k + chunk))) for k in range(0, N, chunk)]
+    for k, mbs in enumerate(rounds):
+        out += [("F", s, mbs, k) for s in range(P)]
+        out += [("B", s, mbs, k) for s in reversed(range(P))]
+    return out
+
+
+def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
+                 groups: int = None, overlap: bool = True, stagger: bool = True,
+                 drain: bool = False, chunk: int = 1, cache: bool = True, prefetch: int = 3):
+    P, N = num_ranks, num_microbatches
+    D = num_groups if groups is None else groups
+    if D < 1 or P % D:
+        raise ValueError(f"scheduling groups ({D}) must divide ranks ({P})")
+    if num_layers % P:
+        raise ValueError(f"num_layers ({num_layers}) must be a multiple of ranks ({P})")
+    if chunk < 1 or prefetch < 1:
+        raise ValueError("chunk and prefetch must be >= 1")
+    G = P // D
+    b = PlanBuilder(P, num_groups)
+    owner = [tawpipe_owner(s, D, G) for s in range(P)]
+    visits = _visits(P, N, chunk)
+
+    for s in range(P):
+        b.emit(owner[s], (START, 0), A.LoadWeights(s, "~wown"))
+
+    first_b_visit: Dict[int, int] = {}
+    last_b_visit: Dict[int, int] = {}
+    for v, (phase, s, _, _) in enumerate(visits):
+        if phase == "B":
+            first_b_visit.setdefault(s, v)
+            last_b_visit[s] = v
+    fetched = set()
+    last_slot = {}
+    for g in range(D):
+        members = list(range(g * G, (g + 1) * G))
+        prev_wbuf = None
+        for v, (phase, s, mbs, k) in enumerate(visits):
+            tau = (g if stagger else 0) + v + (k * (D - 1) if drain else 0)
+            last_slot[g] = tau
+            root = owner[s] if owner[s] // G == g else g * G + s // D
+            wbuf = {m: f"~w{v}" for m in members}
+            # -------------------------------------------------- weights in
+            if v > 0 and visits[v - 1][1] == s:
+                # The same shard as the previous visit (F then B of the last
+                # shard, or B then F of shard 0): the group still has it.
+                wbuf = prev_wbuf
+            elif root == owner[s]:
+                wbuf[root] = "~wown"
+            else:
+                wbuf[root] = f"~wc{s}" if cache else f"~w{v}"
+                if not cache or (g, s) not in fetched:
+                    fetched.add((g, s))
+                    if overlap:
+                        b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
+                              start_key=(tau - prefetch, POST, 0), src_wait_key=(END, 0),
+                              dst_wait_key=(tau - 1, POST, 1))
+                    else:
+                        b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
+                              start_key=(tau, WAIT, 0), src_wait_key=(tau, WAIT, 1),
+                              dst_wait_key=(tau, WAIT, 1))
+            if G > 1 and wbuf is not prev_wbuf:
+                keys = ((tau - 1, POST, 2), (tau, WAIT, 0)) if overlap else \
+                    ((tau, WAIT, 2), (tau, WAIT, 3))
+                b.collective(A.BroadcastStart, root, members, wbuf, "weight", s, *keys)
+            prev_wbuf = wbuf
+            # ------------------------------------------------------ compute
+            if phase == "F":
+                for j, m in enumerate(mbs):
+                    for r in members:
+                        b.emit(r, (tau, COMP, j), A.Forward(m, s, wbuf[r]))
+                continue
+            gbuf = {m: f"~g{v}" for m in members}
+            direct = G == 1 and root == owner[s]
+            if direct:
+                gbuf[root] = A.MAIN
+            elif cache and root != owner[s]:
+                gbuf[root] = f"~gc{s}"
+            for r in members:
+                accumulating = cache and r == root and root != owner[s]
+                if gbuf[r] != A.MAIN and (not accumulating or first_b_visit[s] == v):
+                    b.emit(r, (tau, POST, 3), A.ZeroGrad(s, gbuf[r]))
+                for j, m in enumerate(mbs):
+                    b.emit(r, (tau, COMP, j), A.Backward(m, s, wbuf[r], gbuf[r]))
+            if direct:
+                continue
+            # -------------------------------------------------- gradients out
+            if G > 1:
+                keys = ((tau, AFTER, 0), (tau + 1, WAIT, 0)) if overlap else \
+                    ((tau, AFTER, 0), (tau, AFTER, 1))
+                b.collective(A.ReduceStart, root, members, gbuf, "grad", s, *keys)
+                ready = (tau + 1, WAIT, 1) if overlap else (tau, AFTER, 2)
+            else:
+                ready = (tau, AFTER, 2)
+            if root == owner[s]:
+                b.emit(root, ready, A.AccumulateToOwner(s, gbuf[root]))
+                continue
+            if cache and last_b_visit[s] != v:
+                continue
+            recv = f"~gr{g}.{v}"
+            if overlap:
+                start, wait = (ready[0], ready[1], 2), (ready[0] + 1, WAIT, 0)
+            else:
+                start, wait = (tau, AFTER, 3), (tau, AFTER, 4)
+            b.p2p(root, owner[s], "grad", s, gbuf[root], recv, start_key=start,
+                  src_wait_key=wait, dst_wait_key=wait)
+            b.emit(owner[s], wait[:2] + (wait[2] + 1,), A.AccumulateToOwner(s, recv))
+
+    b.replicated_allreduce({r: (last_slot[r // G], AFTER, 9) for r in range(P)}, (END, 1))
+    for r in range(P):
+        b.emit(r, (END, 2), A.OptimizerStep())
+    name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
+    if not overlap:
+        name += "-nooverlap"
+    if not cache and drain and D == num_groups and overlap:
+        name = "tawpipe-paper"
+    return b.build(schedule=name, family="weight", num_layers=num_layers, num_microbatches=N,
+                   owners=owner, streams=range(P),
+                   options={"groups": D, "overlap": overlap, "stagger": stagger,
+                            "drain": drain, "chunk": chunk, "cache": cache,
+                            "prefetch": prefetch,
+                            "slots": max(last_slot.values()) + 1})

@@ -1,0 +1,96 @@
+"""pretrain_llama.py as users run it: torchrun, metrics file, and one-line errors for bad flags."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from training_helpers import assert_close_rel, tiny_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _torchrun(nproc, argv, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(ROOT, "pretrain_llama.py")] + argv
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _metrics(path):
+    with open(path) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_metrics_file_losses_agree_between_pp1_and_pp2(tmp_path):
+    one = tmp_path / "pp1.jsonl"
+    two = tmp_path / "pp2.jsonl"
+    proc = _torchrun(1, tiny_args("--pipeline-model-parallel-size", "1", "--metrics-file", str(one),
+                                  "--log-interval", "1", train_iters=4), tmp_path)
+    _torchrun(2, tiny_args("--pipeline-model-parallel-size", "2", "--metrics-file", str(two), train_iters=4), tmp_path)
+    first, second = _metrics(one), _metrics(two)
+    assert [r["iteration"] for r in first] == [1, 2, 3, 4]
+    for record in first:
+        assert {"iteration", "lm_loss", "grad_norm", "tokens_per_sec_per_rank", "elapsed_ms"} <= set(record)
+        assert record["tokens_per_sec_per_rank"] > 0 and record["elapsed_ms"] > 0
+    assert_close_rel([r["lm_loss"] for r in second], [r["lm_loss"] for r in first], 1e-5)
+    log_lines = [line for line in proc.stdout.splitlines() if "iteration" in line and "lm loss" in line]
+    assert len(log_lines) == 4
+    for key in ("consumed samples", "elapsed time per iteration (ms)", "tokens per second per rank",
+                "throughput per rank (TFLOP/s)", "learning rate", "lm loss", "grad norm"):
+        assert key in log_lines[0]
+
+
+BAD_FLAGS = [
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 8 must be divisible by --pipeline-model-parallel-size 3"),
+    (["--pipeline-schedule", "zigzag"], 1, "--pipeline-schedule 'zigzag' is unknown"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size 6 must be divisible"),
+    (["--seq-length", "64"], 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
+    (["--pipeline-model-parallel-size", "2"], 3, "--pipeline-model-parallel-size 2 must divide the number of ranks 3"),
+    (["--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", "2"], 2,
+     "needs --num-layers-per-virtual-pipeline-stage"),
+    (["--lr-warmup-iters", "3"], 1, "--lr-warmup-iters 3 must be smaller than --lr-decay-iters 3"),
+]
+
+
+def test_weight_passing_schedules_are_registered_but_refused_clearly(capsys, monkeypatch):
+    import pretrain_llama
+    from megatron_tawpipe.arguments import PIPELINE_SCHEDULES, weight_passing_runtime_available
+
+    if weight_passing_runtime_available():
+        pytest.skip("the weight-passing runtime is installed: its own tests cover these schedules")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for schedule in ("weipipe", "tawpipe"):
+        assert schedule in PIPELINE_SCHEDULES
+        assert pretrain_llama.main(tiny_args("--pipeline-schedule", schedule)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--pipeline-schedule {schedule} is registered" in err[0], err
+
+
+@pytest.mark.parametrize("extra,world,message", BAD_FLAGS, ids=[m.split()[0] + str(i) for i, (_, _, m) in enumerate(BAD_FLAGS)])
+def test_bad_flags_give_one_line_before_any_process_group(extra, world, message, capsys, monkeypatch):
+    import pretrain_llama
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    argv = tiny_args() + extra
+    assert pretrain_llama.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert message in err[0]
+    assert not dist.is_initialized()
+
+
+def test_missing_data_files_are_named(tmp_path, capsys, monkeypatch):
+    import pretrain_llama
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = [a for a in tiny_args() if a != "--mock-data"] + ["--data-path", str(tmp_path / "nothere")]
+    assert pretrain_llama.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothere" in err[0] and "--data-path" in err[0], err
+    assert not dist.is_initialized()
