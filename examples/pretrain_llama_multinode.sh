@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Multi-node with plain torchrun: run this on every node with the same MASTER_ADDR and its own NODE_RANK.
+#   MASTER_ADDR=node0 NODE_RANK=0 NNODES=2 GPUS_PER_NODE=8 SCHEDULE=tawpipe bash examples/pretrain_llama_multinode.sh
+# On CPU nodes set BACKEND=gloo (and GLOO_SOCKET_IFNAME to the inter-node interface).
+# Weight-passing schedules take one group per node by default (--tawpipe-num-groups = NNODES).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NNODES=${NNODES:-2}
+NODE_RANK=${NODE_RANK:?set NODE_RANK to the index of this node}
+MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+SCHEDULE=${SCHEDULE:-1f1b}
+WORLD=$((NNODES * GPUS_PER_NODE))
+PP=${PP:-$WORLD}
+NUM_LAYERS=${NUM_LAYERS:-32}
+HIDDEN=${HIDDEN:-4096}
+FFN=${FFN:-11008}
+HEADS=${HEADS:-32}
+SEQ=${SEQ:-16384}
+MICRO_BATCH=${MICRO_BATCH:-1}
+GLOBAL_BATCH=${GLOBAL_BATCH:-$((WORLD * 8))}
+TRAIN_ITERS=${TRAIN_ITERS:-1000}
+BACKEND=${BACKEND:-nccl}
+DATA_PATH=${DATA_PATH:-}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
+VOCAB_SIZE=${VOCAB_SIZE:-32000}
+OUT_DIR=${OUT_DIR:-runs/llama_multinode}
+
+if [ -n "$DATA_PATH" ]; then
+    DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+else
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE")
+fi
+case "$SCHEDULE" in
+    weipipe) PP_ARGS=(--pipeline-model-parallel-size 1) ;;
+    tawpipe) PP_ARGS=(--pipeline-model-parallel-size 1 --tawpipe-num-groups "$NNODES") ;;
+    *) PP_ARGS=(--pipeline-model-parallel-size "$PP") ;;
+esac
+PRECISION=(--bf16)
+[ "$BACKEND" = gloo ] && PRECISION=()
+
+torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_llama.py \
+    --pipeline-schedule "$SCHEDULE" "${PP_ARGS[@]}" --distributed-backend "$BACKEND" \
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
+    --seq-length "$SEQ" --max-position-embeddings "$SEQ" --untie-embeddings-and-output-weights \
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
+    --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters "${WARMUP_ITERS:-100}" --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
+    "${PRECISION[@]}" "${DATA_ARGS[@]}" --split 969,30,1 \
+    --log-interval 10 --eval-interval 500 --eval-iters 10 \
+    --save "$OUT_DIR/checkpoints" --load "$OUT_DIR/checkpoints" --save-interval 500 \
+    --metrics-file "$OUT_DIR/metrics.jsonl" "$@"
