@@ -179,7 +179,7 @@ def world_size_from_env() -> int:
 def weight_passing_runtime_available() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("megatron_tawpipe.runtime") is not None
+    return importlib.util.find_spec("megatron_tawpipe.runtime.trainer") is not None
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:

@@ -126,7 +126,7 @@ def _collect_local_state(trainer, tied: bool) -> Tuple[Dict[str, torch.Tensor], 
     params: Dict[str, torch.Tensor] = {}
     optim: Dict[str, dict] = {}
     for name, _param, master in trainer.named_master_parameters():
-        if _tied_alias(name, tied) is not None:
+        if _tied_alias(name, tied) is not None or trainer.skip_in_checkpoint(name):
             continue
         params[name] = master.detach().float().cpu().clone()
         state = trainer.optimizer_state_for(master)

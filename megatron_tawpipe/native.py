@@ -188,6 +188,9 @@ class NativeTrainer:
         """One data-parallel replica writes the parameters it holds."""
         return parallel_state.get_data_parallel_rank() == 0
 
+    def skip_in_checkpoint(self, name: str) -> bool:
+        return False
+
     def grad_scaler_state(self) -> Optional[dict]:
         scaler = getattr(self._chained_single(), "grad_scaler", None)
         return scaler.state_dict() if scaler is not None else None

@@ -31,9 +31,9 @@ class TrainingError(RuntimeError):
 
 def build_trainer(args):
     if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
-        raise TrainingError(
-            f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not "
-            "available in this version; use --pipeline-schedule 1f1b or interleaved")
+        from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
+
+        return WeightPassingTrainer(args)
     from megatron_tawpipe.native import NativeTrainer
 
     return NativeTrainer(args)

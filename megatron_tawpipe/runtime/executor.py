@@ -1,0 +1,214 @@
+"""Run one rank's list of plan actions on torch.distributed.
+
+The executor knows nothing about schedules: it interprets the actions of
+:mod:`megatron_tawpipe.plan.actions` in order. Communication is asynchronous
+(``isend/irecv``, ``broadcast/reduce(async_op=True)``) and every handle is
+waited on by the plan's ``Wait`` before its buffer is read or reused (the
+validator proves that; the executor also refuses to touch a buffer that is
+still in flight). Weight and gradient traffic use separate communicators, so
+that on NCCL they do not serialise behind each other.
+
+Bytes are counted per link class the way :func:`plan.simulate.link_bytes`
+does: each send, each non-root broadcast copy and each non-root reduction
+input, with the real tensor sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe.plan import actions as A
+
+
+class ExecutionError(RuntimeError):
+    """A plan action could not run on this rank; names rank, step and action."""
+
+
+class Communicators:
+    """Process groups a plan needs, created collectively and in the same order on every rank."""
+
+    def __init__(self, plan, world_size: int):
+        everyone = tuple(range(world_size))
+        self.channel: Dict[str, Optional[dist.ProcessGroup]] = {}
+        for channel in ("weight", "grad"):
+            # One communicator per traffic class (NCCL ops on one communicator serialise).
+            self.channel[channel] = dist.new_group(list(everyone)) if world_size > 1 else None
+        self.groups: Dict[Tuple[Tuple[int, ...], str], Optional[dist.ProcessGroup]] = {}
+        for ranks, channel in plan.communicators():
+            self.groups[(tuple(ranks), channel)] = dist.new_group(list(ranks))
+        self.replicated = None  # the default group: the replicated all-reduce spans every rank
+
+    def for_collective(self, ranks, kind: str):
+        return self.groups[(tuple(ranks), A.CHANNEL[kind])]
+
+    def for_p2p(self, kind: str):
+        return self.channel[A.CHANNEL[kind]]
+
+
+def _needed_for_forward(action, in_flight) -> bool:
+    if isinstance(action, (A.Forward, A.LoadWeights)):
+        return True
+    if isinstance(action, A.Wait):
+        return action.tag in in_flight
+    return isinstance(action, (A.SendStart, A.RecvStart, A.BroadcastStart)) and action.kind == "weight"
+
+
+class PlanExecutor:
+    """Holds one rank's buffers and runs its action list once per iteration.
+
+    ``compute`` is the object that does forward/backward work and owns the
+    master weights and gradients (see :class:`runtime.trainer.WeightPassingTrainer`):
+    it provides ``forward(mb, shard, weights)``, ``backward(mb, shard, weights, grad)``,
+    ``master(shard)``, ``main_grad(shard)``, ``replicated_grads()``,
+    ``optimizer_step()`` and ``shard_numel``/``compute_dtype``/``device``.
+    """
+
+    def __init__(self, plan, rank: int, compute, communicators: Communicators):
+        self.plan = plan
+        self.rank = rank
+        self.compute = compute
+        self.comms = communicators
+        self.weight_buffers: Dict[str, torch.Tensor] = {}
+        self.grad_buffers: Dict[str, torch.Tensor] = {}
+        self.in_flight: Dict[int, Tuple[object, Callable[[], None], str, bool]] = {}
+        self.bytes_sent = {"intra": 0, "inter": 0}
+        self._handlers = {
+            A.Forward: self._forward,
+            A.Backward: self._backward,
+            A.LoadWeights: self._load_weights,
+            A.ZeroGrad: self._zero_grad,
+            A.AccumulateToOwner: self._accumulate,
+            A.SendStart: self._send,
+            A.RecvStart: self._recv,
+            A.BroadcastStart: self._broadcast,
+            A.ReduceStart: self._reduce,
+            A.ReplicatedAllReduceStart: self._replicated_all_reduce,
+            A.Wait: self._wait,
+            A.OptimizerStep: self._optimizer_step,
+        }
+
+    # ---- buffers -----------------------------------------------------------------------
+
+    def _weights(self, name: str, write: bool = False) -> torch.Tensor:
+        self._check_not_in_flight(name, write)
+        if name not in self.weight_buffers:
+            self.weight_buffers[name] = torch.empty(
+                self.compute.shard_numel, dtype=self.compute.compute_dtype, device=self.compute.device)
+        return self.weight_buffers[name]
+
+    def _grads(self, name: str, shard: int, write: bool = True) -> torch.Tensor:
+        if name == A.MAIN:
+            return self.compute.main_grad(shard)
+        self._check_not_in_flight(name, write)
+        if name not in self.grad_buffers:
+            self.grad_buffers[name] = torch.zeros(
+                self.compute.shard_numel, dtype=torch.float32, device=self.compute.device)
+        return self.grad_buffers[name]
+
+    def _buffer(self, name: str, kind: str, shard: int, write: bool) -> torch.Tensor:
+        return self._weights(name, write) if kind == "weight" else self._grads(name, shard, write)
+
+    def _check_not_in_flight(self, name: str, write: bool) -> None:
+        """Outgoing transfers only read their buffer; anything else in flight forbids all access."""
+        for tag, (_, _, buf, reads_only) in self.in_flight.items():
+            if buf == name and (write or not reads_only):
+                raise ExecutionError(f"buffer {name} is used while transfer {tag} is in flight")
+
+    # ---- running ------------------------------------------------------------------------
+
+    def run(self, actions: List[object], forward_only: bool = False) -> None:
+        """Execute ``actions``; ``forward_only`` keeps forwards and weight traffic only (evaluation)."""
+        self._forward_only = forward_only
+        for step, action in enumerate(actions):
+            if forward_only and not _needed_for_forward(action, self.in_flight):
+                continue
+            try:
+                self._handlers[type(action)](action)
+            except ExecutionError as exc:
+                raise ExecutionError(f"rank {self.rank}, step {step}, {action}: {exc}") from exc
+        if self.in_flight:
+            raise ExecutionError(f"rank {self.rank}: plan ended with transfers in flight: {sorted(self.in_flight)}")
+
+    def _start(self, tag: int, work, buf: str, after: Callable[[], None] = lambda: None,
+               reads_only: bool = False) -> None:
+        self.in_flight[tag] = (work, after, buf, reads_only)
+
+    def _count(self, link: str, tensor: torch.Tensor) -> None:
+        self.bytes_sent[link] += tensor.numel() * tensor.element_size()
+
+    # ---- compute ------------------------------------------------------------------------
+
+    def _forward(self, a: A.Forward) -> None:
+        self.compute.forward(a.mb, a.shard, self._weights(a.wbuf))  # reads only
+
+    def _backward(self, a: A.Backward) -> None:
+        self.compute.backward(a.mb, a.shard, self._weights(a.wbuf), self._grads(a.gbuf, a.shard))
+
+    def _load_weights(self, a: A.LoadWeights) -> None:
+        self._weights(a.buf, write=True).copy_(self.compute.master(a.shard))
+
+    def _zero_grad(self, a: A.ZeroGrad) -> None:
+        self._grads(a.buf, a.shard).zero_()
+
+    def _accumulate(self, a: A.AccumulateToOwner) -> None:
+        self.compute.main_grad(a.shard).add_(self._grads(a.buf, a.shard, write=False))
+
+    def _optimizer_step(self, a: A.OptimizerStep) -> None:
+        self.compute.optimizer_step()
+
+    # ---- communication ------------------------------------------------------------------
+
+    def _send(self, a: A.SendStart) -> None:
+        tensor = self._buffer(a.buf, a.kind, a.shard, write=False)
+        work = dist.isend(tensor, dst=a.peer, group=self.comms.for_p2p(a.kind), tag=a.tag)
+        self._count(a.link, tensor)
+        # A sent gradient has moved to the receiver: the buffer is empty afterwards.
+        after = (lambda: tensor.zero_()) if a.kind == "grad" else (lambda: None)
+        self._start(a.tag, work, a.buf, after, reads_only=a.kind == "weight")
+
+    def _recv(self, a: A.RecvStart) -> None:
+        tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
+        work = dist.irecv(tensor, src=a.peer, group=self.comms.for_p2p(a.kind), tag=a.tag)
+        self._start(a.tag, work, a.buf)
+
+    def _broadcast(self, a: A.BroadcastStart) -> None:
+        is_root = self.rank == a.root
+        tensor = self._buffer(a.buf, a.kind, a.shard, write=not is_root)
+        work = dist.broadcast(tensor, src=a.root, group=self.comms.for_collective(a.ranks, a.kind), async_op=True)
+        if not is_root:
+            self._count(self.plan.link_between(self.rank, a.root), tensor)
+        self._start(a.tag, work, a.buf, reads_only=is_root)
+
+    def _reduce(self, a: A.ReduceStart) -> None:
+        tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
+        work = dist.reduce(tensor, dst=a.root, op=dist.ReduceOp.SUM,
+                           group=self.comms.for_collective(a.ranks, a.kind), async_op=True)
+        after = lambda: None  # noqa: E731
+        if self.rank != a.root:
+            self._count(self.plan.link_between(self.rank, a.root), tensor)
+            after = lambda: tensor.zero_()  # noqa: E731 - contributions moved to the root
+        self._start(a.tag, work, a.buf, after)
+
+    def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
+        grads = self.compute.replicated_grads()
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True) if len(a.ranks) > 1 else None
+
+        def unflatten():
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+        self._start(a.tag, work, "<replicated>", unflatten)
+
+    def _wait(self, a: A.Wait) -> None:
+        if a.tag not in self.in_flight:
+            raise ExecutionError(f"wait for transfer {a.tag}, which was not started")
+        work, after, _, _ = self.in_flight.pop(a.tag)
+        if work is not None:
+            work.wait()
+        after()

@@ -1,0 +1,140 @@
+"""Model adapter for weight passing: one shard's worth of Megatron layers, run for any shard.
+
+Every decoder layer has the same shapes, so a rank builds a single template of
+``layers_per_shard`` megatron-core decoder layers (plus the replicated
+embedding, final norm and output layer) and runs shard ``s`` by pointing the
+template's parameters at a flat buffer that holds shard ``s``'s weights.
+Flat buffers are what travels between ranks; parameters are views into them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from megatron_tawpipe.model import init_parameter, llama_config, llama_layer_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one template parameter lives inside a shard's flat buffer."""
+
+    local_name: str          # name inside one template layer stack, e.g. "1.mlp.linear_fc1.weight"
+    offset: int
+    shape: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ShardTemplate:
+    """A Llama GPTModel with ``layers_per_shard`` decoder layers, rebindable to any shard."""
+
+    def __init__(self, args, num_shards: int, device: torch.device):
+        self.args = args
+        self.num_shards = num_shards
+        self.layers_per_shard = args.num_layers // num_shards
+        # The full-model config decides initialisation (output-projection std uses all layers).
+        self.full_config = llama_config(args)
+        template_config = llama_config(args)
+        template_config.num_layers = self.layers_per_shard
+        self.config = template_config
+        self.model = GPTModel(
+            config=template_config,
+            transformer_layer_spec=llama_layer_spec(args.attention_backend),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=args.rotary_base,
+        ).to(device)
+        self.device = device
+        self.layers = self.model.decoder.layers
+        self.slots = self._layout()
+        self.shard_numel = sum(slot.numel for slot in self.slots)
+        self._layer_params = [param for _, param in self.layers.named_parameters()]
+        for param in self._layer_params:
+            param.requires_grad_(True)
+        self._init_replicated(args.seed)
+
+    # ---- layout ---------------------------------------------------------------------
+
+    def _layout(self) -> List[ParamSlot]:
+        slots, offset = [], 0
+        for name, param in self.layers.named_parameters():
+            slots.append(ParamSlot(name, offset, tuple(param.shape)))
+            offset += param.numel()
+        return slots
+
+    def global_name(self, shard: int, slot: ParamSlot) -> str:
+        local_layer, rest = slot.local_name.split(".", 1)
+        return f"decoder.layers.{shard * self.layers_per_shard + int(local_layer)}.{rest}"
+
+    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def init_shard(self, shard: int, flat: torch.Tensor) -> None:
+        """Initial weights of ``shard``: the same values a whole-model build gets."""
+        for slot, view in zip(self.slots, self.views(flat)):
+            init_parameter(view, self.global_name(shard, slot), self.args.seed, self.full_config)
+
+    # ---- replicated parts -----------------------------------------------------------
+
+    def replicated_parameters(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """Embedding, final norm and (untied) output layer, under their global names."""
+        out = []
+        for name, param in self.model.named_parameters():
+            if not name.startswith("decoder.layers."):
+                out.append((name, param))
+        return out
+
+    def _init_replicated(self, seed: int) -> None:
+        for name, param in self.replicated_parameters():
+            init_parameter(param.data, name, seed, self.full_config)
+
+    # ---- binding and running ------------------------------------------------------
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Point the template's decoder-layer parameters at ``flat`` (no copy)."""
+        for param, view in zip(self._layer_params, self.views(flat)):
+            param.data = view
+            param.grad = None
+
+    def layer_grads_into(self, grad_flat: torch.Tensor) -> None:
+        """Add the template's accumulated layer gradients into ``grad_flat`` and clear them."""
+        for param, view in zip(self._layer_params, self.views(grad_flat)):
+            if param.grad is not None:
+                view.add_(param.grad)
+                param.grad = None
+
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embedding(input_ids=tokens, position_ids=position_ids)
+
+    def rotary(self, seq_len: int) -> torch.Tensor:
+        return self.model.rotary_pos_emb(seq_len)
+
+    def run_layers(self, hidden: torch.Tensor, rotary: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        for layer in self.layers:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
+        return hidden
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Final norm, output layer and per-token cross entropy ``[b, s]``."""
+        hidden = self.model.decoder.final_layernorm(hidden)
+        weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
+        logits, _ = self.model.output_layer(hidden, weight=weight)
+        return self.model.compute_language_model_loss(labels, logits)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
