@@ -7,8 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NPROC=${NPROC:-4}
-SCHEDULE=${SCHEDULE:-1f1b}
-PP=${PP:-2}
+SCHEDULE=${SCHEDULE:-tawpipe}
+PP=${PP:-2}            # pipeline size for the native schedules (1f1b, interleaved)
+NUM_GROUPS=${NUM_GROUPS:-2}    # emulated nodes for tawpipe/weipipe
 NUM_LAYERS=${NUM_LAYERS:-4}
 HIDDEN=${HIDDEN:-128}
 HEADS=${HEADS:-4}
@@ -24,8 +25,12 @@ python tools/build_default_corpus.py --output-dir "$DATA_DIR"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$OUT_DIR"
 rm -f "$OUT_DIR/metrics.jsonl"
+case "$SCHEDULE" in
+    tawpipe|weipipe) PARALLEL=(--tawpipe-num-groups "$NUM_GROUPS") ;;
+    *) PARALLEL=(--pipeline-model-parallel-size "$PP") ;;
+esac
 python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_llama.py \
-    --pipeline-schedule "$SCHEDULE" --pipeline-model-parallel-size "$PP" \
+    --pipeline-schedule "$SCHEDULE" "${PARALLEL[@]}" \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" \
