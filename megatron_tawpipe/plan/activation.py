@@ -114,7 +114,7 @@ def plan_activation(schedule: str, num_ranks: int, num_groups: int, num_layers: 
     owner = [s % P for s in range(S)]
     for r in range(P):
         for s in range(r, S, P):
-            b.emit(r, (-1, 0), A.LoadWeights(s, f"~w{s}"))
+            b.emit(r, (-1, 0), A.LoadWeights, s, f"~w{s}")
     # Every producer/consumer pair is matched by tag; the consumer's position
     # decides when the receive is posted, the producer's when the send is.
     position = {}
@@ -124,17 +124,17 @@ def plan_activation(schedule: str, num_ranks: int, num_groups: int, num_layers: 
     for r, ops in enumerate(orders):
         for i, (phase, m, s) in enumerate(ops):
             if phase == "F":
-                b.emit(r, (i, 2), A.Forward(m, s, f"~w{s}"))
+                b.emit(r, (i, 2), A.Forward, m, s, f"~w{s}")
                 nxt = s + 1
                 if nxt < S and owner[nxt] != r:
                     _transfer(b, "act", m, nxt, r, i, *position[("F", m, nxt)])
             else:
-                b.emit(r, (i, 2), A.Backward(m, s, f"~w{s}", A.MAIN))
+                b.emit(r, (i, 2), A.Backward, m, s, f"~w{s}", A.MAIN)
                 prv = s - 1
                 if prv >= 0 and owner[prv] != r:
                     _transfer(b, "actgrad", m, prv, r, i, *position[("B", m, prv)])
     for r in range(P):
-        b.emit(r, (END, 1), A.OptimizerStep())
+        b.emit(r, (END, 1), A.OptimizerStep)
     return b.build(schedule=schedule, family="activation", num_layers=num_layers,
                    num_microbatches=N, owners=owner, streams=[0] * P,
                    options={"virtual_stages": V})
@@ -144,11 +144,11 @@ def _transfer(b: PlanBuilder, kind: str, mb: int, shard: int, src: int, src_pos:
               dst: int, dst_pos: int) -> None:
     tag = b.new_tag()
     link = b.link((src, dst))
-    b.emit(src, (src_pos, 3), A.SendStart(tag, dst, "", kind, shard, link, 1.0, mb))
-    b.emit(src, (END, 0), A.Wait(tag))
+    b.emit(src, (src_pos, 3), A.SendStart, tag, dst, "", kind, shard, link, 1.0, mb)
+    b.emit(src, (END, 0), A.Wait, tag)
     # Posted before the consumer's previous compute, waited right before use.
-    b.emit(dst, (dst_pos - 1, 1), A.RecvStart(tag, src, "", kind, shard, link, 1.0, mb))
-    b.emit(dst, (dst_pos, 1), A.Wait(tag))
+    b.emit(dst, (dst_pos - 1, 1), A.RecvStart, tag, src, "", kind, shard, link, 1.0, mb)
+    b.emit(dst, (dst_pos, 1), A.Wait, tag)
 
 
 def _default_virtual_stages(num_layers: int, P: int) -> int:

@@ -48,21 +48,27 @@ class PlanBuilder:
         self._tag += 1
         return self._tag
 
-    def emit(self, rank: int, key: tuple, action) -> None:
-        self._items[rank].append((key, self._seq, action))
+    def emit(self, rank: int, key: tuple, cls, *args) -> None:
+        """Append action ``cls(*args)`` (positional fields) to ``rank`` at ``key``."""
+        self._items[rank].append((key, self._seq, cls, args))
         self._seq += 1
 
     # ------------------------------------------------------- comm patterns
     def p2p(self, src: int, dst: int, kind: str, shard: int, src_buf: str, dst_buf: str,
             start_key: tuple, src_wait_key: tuple, dst_wait_key: tuple,
-            size: float = 1.0, mb: int = -1) -> int:
-        """A matched send/receive pair, both posted at ``start_key``."""
+            size: float = 1.0, mb: int = -1, src_start_key: tuple = None,
+            dst_start_key: tuple = None) -> int:
+        """A matched send/receive pair, both posted at ``start_key`` unless a
+        side has its own start key."""
         tag = self.new_tag()
-        link = self.link((src, dst))
-        self.emit(src, start_key, A.SendStart(tag, dst, src_buf, kind, shard, link, size, mb))
-        self.emit(dst, start_key, A.RecvStart(tag, src, dst_buf, kind, shard, link, size, mb))
-        self.emit(src, src_wait_key, A.Wait(tag))
-        self.emit(dst, dst_wait_key, A.Wait(tag))
+        G = self.ranks_per_group
+        link = "intra" if src // G == dst // G else "inter"
+        self.emit(src, src_start_key or start_key, A.SendStart, tag, dst, src_buf, kind, shard,
+                  link, size, mb)
+        self.emit(dst, dst_start_key or start_key, A.RecvStart, tag, src, dst_buf, kind, shard,
+                  link, size, mb)
+        self.emit(src, src_wait_key, A.Wait, tag)
+        self.emit(dst, dst_wait_key, A.Wait, tag)
         return tag
 
     def collective(self, cls, root: int, members: Sequence[int], bufs: Dict[int, str],
@@ -74,17 +80,17 @@ class PlanBuilder:
         ranks = tuple(sorted(members))
         link = self.link(ranks)
         for r in ranks:
-            self.emit(r, start_key, cls(tag, root, ranks, bufs[r], kind, shard, link, size))
+            self.emit(r, start_key, cls, tag, root, ranks, bufs[r], kind, shard, link, size)
         for r in ranks:
-            self.emit(r, wait_key, A.Wait(tag))
+            self.emit(r, wait_key, A.Wait, tag)
         return tag
 
     def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key: tuple) -> int:
         tag = self.new_tag()
         ranks = tuple(range(self.num_ranks))
         for r in ranks:
-            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart(tag, ranks))
-            self.emit(r, wait_key, A.Wait(tag))
+            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart, tag, ranks)
+            self.emit(r, wait_key, A.Wait, tag)
         return tag
 
     # ------------------------------------------------------------- finalise
@@ -93,9 +99,8 @@ class PlanBuilder:
         lists = []
         weight_slots = grad_slots = 0
         for items in self._items:
-            items.sort(key=lambda x: (x[0], x[1]))
-            acts = [a for _, _, a in items]
-            acts, nw, ng = _assign_buffers(acts)
+            items.sort()      # by key, then emission order (seq is unique)
+            acts, nw, ng = _assign_buffers([(cls, args) for _, _, cls, args in items])
             weight_slots, grad_slots = max(weight_slots, nw), max(grad_slots, ng)
             lists.append(acts)
         return Plan(schedule=schedule, family=family, num_ranks=self.num_ranks,
@@ -105,56 +110,59 @@ class PlanBuilder:
                     max_grad_buffers=grad_slots, actions=lists, options=dict(options))
 
 
-def _virtual_buffers(action, tag_buf: Dict[int, str]) -> List[str]:
-    if type(action) is A.Wait:
-        b = tag_buf.get(action.tag)
-        return [b] if b else []
-    out = []
-    for name in _BUF_FIELDS:
-        b = getattr(action, name, None)
-        if b and b[0] == "~":
-            out.append(b)
-    return out
+_BUF_INDEX = {cls: tuple(j for j, f in enumerate(A.FIELD_NAMES[cls]) if f in _BUF_FIELDS)
+              for cls in A.ACTION_TYPES}
+_START_TYPES = frozenset(A.STARTS)
 
 
-def _assign_buffers(acts: list):
-    """Interval-colour the virtual buffers of one rank; returns the renamed
-    list and the number of weight and gradient slots used."""
+def _assign_buffers(specs: list):
+    """Interval-colour the virtual buffers of one rank's (class, args) list;
+    returns the actions and the number of weight and gradient slots used."""
     first: Dict[str, int] = {}
     last: Dict[str, int] = {}
     tag_buf: Dict[int, str] = {}
-    for i, a in enumerate(acts):
-        if isinstance(a, A.STARTS) and getattr(a, "buf", "").startswith("~"):
-            tag_buf[a.tag] = a.buf
-        for b in _virtual_buffers(a, tag_buf):
-            first.setdefault(b, i)
-            last[b] = i
+    refs = []                                   # (index, [field index])
+    Wait = A.Wait
+    for i, (cls, args) in enumerate(specs):
+        if cls is Wait:
+            b = tag_buf.get(args[0])
+            if b is not None:
+                last[b] = i
+            continue
+        found = None
+        for j in _BUF_INDEX[cls]:
+            b = args[j]
+            if b and b[0] == "~":
+                if b not in first:
+                    first[b] = i
+                last[b] = i
+                if found is None:
+                    found = []
+                    if cls in _START_TYPES:
+                        tag_buf[args[0]] = b
+                found.append(j)
+        if found:
+            refs.append((i, found))
     names: Dict[str, str] = {}
     counts = {}
     for pool, prefix in (("~w", "w"), ("~g", "g")):
-        bufs = sorted((b for b in first if b.startswith(pool)), key=lambda b: first[b])
+        bufs = sorted((b for b in first if b.startswith(pool)), key=first.__getitem__)
         free: List[int] = []          # heap of free slot numbers
         busy: List[Tuple[int, int]] = []  # heap of (last index, slot)
         used = 0
         for b in bufs:
-            while busy and busy[0][0] < first[b]:
+            start = first[b]
+            while busy and busy[0][0] < start:
                 heapq.heappush(free, heapq.heappop(busy)[1])
             slot = heapq.heappop(free) if free else used
             used = max(used, slot + 1)
             names[b] = f"{prefix}{slot}"
             heapq.heappush(busy, (last[b], slot))
         counts[pool] = used
-    out = []
-    for a in acts:
-        cls = type(a)
-        fields = A.FIELD_NAMES[cls]
-        values = None
-        for j, name in enumerate(fields):
-            if name in _BUF_FIELDS:
-                b = getattr(a, name)
-                if b and b[0] == "~":
-                    if values is None:
-                        values = [getattr(a, f) for f in fields]
-                    values[j] = names[b]
-        out.append(cls(*values) if values is not None else a)
-    return out, counts["~w"], counts["~g"]
+    for i, found in refs:
+        cls, args = specs[i]
+        args = list(args)
+        for j in found:
+            args[j] = names[args[j]]
+        specs[i] = (cls, args)
+    return [cls(*args) for cls, args in specs], counts["~w"], counts["~g"]

@@ -28,7 +28,7 @@ def _tawpipe_flat(**kw):
 
 
 def _tawpipe_paper(**kw):
-    return plan_tawpipe(**{"cache": False, "drain": True, "prefetch": 2, **kw})
+    return plan_tawpipe(**{"cache": False, "drain": True, **kw})
 
 
 def _activation(name):
@@ -52,8 +52,8 @@ SCHEDULES = {
 
 def build_plan(schedule: str, *, num_ranks: int, num_groups: int = 1, num_layers: int = None,
                num_microbatches: int = 1, **options) -> Plan:
-    """Build the plan of ``schedule`` (a key of ``SCHEDULES``) for ``num_ranks`` ranks in ``num_groups``
-    groups (nodes) of consecutive ranks.  ``num_layers`` defaults to one layer
+    """Build the plan of ``schedule`` (a key of ``SCHEDULES``) for ``num_ranks``
+    ranks in ``num_groups`` groups (nodes) of consecutive ranks.  ``num_layers`` defaults to one layer
     per shard; ``num_microbatches`` is per rank for weight passing and per
     pipeline for activation passing.  Extra keyword options go to the planner."""
     try:

@@ -20,8 +20,7 @@
 
 Arrangement (choices the papers leave open; the defaults are the fastest
 arrangement the simulator found, see docs/schedules.md; ``cache=False,
-drain=True, prefetch=2`` is the reference arrangement, schedule
-``tawpipe-paper``):
+drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
 
 * ``stagger``: group g runs ``g`` slots behind group 0, so that in a slot the D
   groups need D different shards owned by D different groups and every node
@@ -34,9 +33,10 @@ drain=True, prefetch=2`` is the reference arrangement, schedule
   chunk instead of once per micro-batch; more boundary activations kept).
 * ``cache``: a staging rank keeps each fetched foreign shard for the whole
   iteration and accumulates its group's reduced gradient of that shard, sending
-  it to the owner once at the end.  Costs ``D-1`` weight and ``D-1`` gradient
-  buffers on a rank; cuts inter-group traffic to two shard units per foreign
-  (group, shard) per iteration.
+  it to the owner once at the end.  Costs up to ``D-1`` weight and ``D-1``
+  gradient buffers on a rank; cuts inter-group traffic to two shard units per
+  foreign (group, shard) per iteration, independent of N.  Default: on for
+  ``D <= 4`` groups.
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
   is the flat-group ablation (one group of all ranks, no GWPS).
 """
@@ -69,7 +69,7 @@ def _visits(P: int, N: int, chunk: int) -> List[Tuple[str, int, Tuple[int, ...],
 
 def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
                  groups: int = None, overlap: bool = True, stagger: bool = True,
-                 drain: bool = False, chunk: int = 1, cache: bool = True, prefetch: int = 3):
+                 drain: bool = False, chunk: int = 1, cache: bool = None, prefetch: int = 2):
     P, N = num_ranks, num_microbatches
     D = num_groups if groups is None else groups
     if D < 1 or P % D:
@@ -79,12 +79,21 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     if chunk < 1 or prefetch < 1:
         raise ValueError("chunk and prefetch must be >= 1")
     G = P // D
+    if cache is None:
+        # Keeping foreign shards costs 2(D-1) shard buffers per rank: worth it
+        # for a few groups (nodes), not when groups are tiny.
+        cache = D <= 4
+    # Groups may run up to D-1 slots ahead of or behind their nominal stagger
+    # (they only stay staggered while links are the bottleneck), so the owner
+    # side of an inter-group transfer is posted D-1 slots early and waited
+    # D-1 slots late: neither side then waits for a peer that is on time.
+    slack = D - 1 if stagger or drain else 0
     b = PlanBuilder(P, num_groups)
     owner = [tawpipe_owner(s, D, G) for s in range(P)]
     visits = _visits(P, N, chunk)
 
     for s in range(P):
-        b.emit(owner[s], (START, 0), A.LoadWeights(s, "~wown"))
+        b.emit(owner[s], (START, 0), A.LoadWeights, s, "~wown")
 
     first_b_visit: Dict[int, int] = {}
     last_b_visit: Dict[int, int] = {}
@@ -116,7 +125,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                     if overlap:
                         b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
                               start_key=(tau - prefetch, POST, 0), src_wait_key=(END, 0),
-                              dst_wait_key=(tau - 1, POST, 1))
+                              dst_wait_key=(tau - 1, POST, 1),
+                              src_start_key=(tau - prefetch - slack, POST, 0))
                     else:
                         b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
                               start_key=(tau, WAIT, 0), src_wait_key=(tau, WAIT, 1),
@@ -130,7 +140,7 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             if phase == "F":
                 for j, m in enumerate(mbs):
                     for r in members:
-                        b.emit(r, (tau, COMP, j), A.Forward(m, s, wbuf[r]))
+                        b.emit(r, (tau, COMP, j), A.Forward, m, s, wbuf[r])
                 continue
             gbuf = {m: f"~g{v}" for m in members}
             direct = G == 1 and root == owner[s]
@@ -141,9 +151,9 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             for r in members:
                 accumulating = cache and r == root and root != owner[s]
                 if gbuf[r] != A.MAIN and (not accumulating or first_b_visit[s] == v):
-                    b.emit(r, (tau, POST, 3), A.ZeroGrad(s, gbuf[r]))
+                    b.emit(r, (tau, POST, 3), A.ZeroGrad, s, gbuf[r])
                 for j, m in enumerate(mbs):
-                    b.emit(r, (tau, COMP, j), A.Backward(m, s, wbuf[r], gbuf[r]))
+                    b.emit(r, (tau, COMP, j), A.Backward, m, s, wbuf[r], gbuf[r])
             if direct:
                 continue
             # -------------------------------------------------- gradients out
@@ -155,22 +165,31 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             else:
                 ready = (tau, AFTER, 2)
             if root == owner[s]:
-                b.emit(root, ready, A.AccumulateToOwner(s, gbuf[root]))
+                b.emit(root, ready, A.AccumulateToOwner, s, gbuf[root])
                 continue
             if cache and last_b_visit[s] != v:
                 continue
             recv = f"~gr{g}.{v}"
-            if overlap:
-                start, wait = (ready[0], ready[1], 2), (ready[0] + 1, WAIT, 0)
+            if overlap and cache:
+                # The group's whole gradient of the shard, sent once; nothing
+                # reuses the buffers, so nobody waits before the iteration ends.
+                start, dst_start = (ready[0], ready[1], 2), (ready[0] - slack, POST, 0)
+                src_wait = dst_wait = (END, 0, 0)
+            elif overlap:
+                start = (ready[0], ready[1], 2)
+                src_wait = (ready[0] + 1 + slack, WAIT, 0)
+                dst_start = (ready[0] - slack, POST, 0)
+                dst_wait = (ready[0] + 1 + slack, WAIT, 0)
             else:
-                start, wait = (tau, AFTER, 3), (tau, AFTER, 4)
+                start = dst_start = (tau, AFTER, 3)
+                src_wait = dst_wait = (tau, AFTER, 4)
             b.p2p(root, owner[s], "grad", s, gbuf[root], recv, start_key=start,
-                  src_wait_key=wait, dst_wait_key=wait)
-            b.emit(owner[s], wait[:2] + (wait[2] + 1,), A.AccumulateToOwner(s, recv))
+                  src_wait_key=src_wait, dst_wait_key=dst_wait, dst_start_key=dst_start)
+            b.emit(owner[s], dst_wait[:2] + (dst_wait[2] + 1,), A.AccumulateToOwner, s, recv)
 
     b.replicated_allreduce({r: (last_slot[r // G], AFTER, 9) for r in range(P)}, (END, 1))
     for r in range(P):
-        b.emit(r, (END, 2), A.OptimizerStep())
+        b.emit(r, (END, 2), A.OptimizerStep)
     name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
     if not overlap:
         name += "-nooverlap"

@@ -87,26 +87,18 @@ def _check_meta(plan: Plan) -> None:
 
 
 # ----------------------------------------------------------------- static
-_NO_ROLES = ()
-
-
-def _buffer_roles(a):
-    """(name, role) pairs of the buffers an action names; role weight/grad."""
-    t = type(a)
-    if t is A.Wait:
-        return _NO_ROLES
-    if t in (A.Forward, A.BackwardInput):
-        return ((a.wbuf, "weight"),)
-    if t in (A.Backward, A.BackwardWeight):
-        return ((a.wbuf, "weight"), (a.gbuf, "grad"))
-    if t is A.LoadWeights:
-        return ((a.buf, "weight"),)
-    if t in (A.ZeroGrad, A.AccumulateToOwner):
-        return ((a.buf, "grad"),)
-    if t in (A.SendStart, A.RecvStart, A.BroadcastStart, A.ReduceStart) and \
-            a.kind in ("weight", "grad"):
-        return ((a.buf, a.kind),)
-    return ()
+# Buffer fields with a fixed role, per action type; communication actions
+# take the role from their kind.
+_ROLE_FIELDS = {
+    A.Forward: (("wbuf", "weight"),), A.BackwardInput: (("wbuf", "weight"),),
+    A.Backward: (("wbuf", "weight"), ("gbuf", "grad")),
+    A.BackwardWeight: (("wbuf", "weight"), ("gbuf", "grad")),
+    A.LoadWeights: (("buf", "weight"),), A.ZeroGrad: (("buf", "grad"),),
+    A.AccumulateToOwner: (("buf", "grad"),),
+}
+_COMM_BUF = frozenset((A.SendStart, A.RecvStart, A.BroadcastStart, A.ReduceStart))
+_KNOWN = frozenset(A.ACTION_TYPES)
+_MAIN_OK = frozenset((A.Backward, A.BackwardWeight))
 
 
 def _check_static(plan: Plan):
@@ -117,25 +109,36 @@ def _check_static(plan: Plan):
     comm_order = defaultdict(list)                      # (ranks, channel, rank) -> [tag]
     for r, acts in enumerate(plan.actions):
         open_tags = set()
+        seen_tags = set()
         roles: Dict[str, str] = {}
-        counts = {"weight": set(), "grad": set()}
         for i, a in enumerate(acts):
             t = type(a)
-            if t not in A.BY_NAME.values():
+            if t is A.Wait:
+                if a.tag not in open_tags:
+                    raise PlanError(f"waits for tag {a.tag}, which this rank has not started "
+                                    "(or already waited for)", r, i, a)
+                open_tags.discard(a.tag)
+                continue
+            if t not in _KNOWN:
                 raise PlanError("not a plan action", r, i, a)
-            for name, role in _buffer_roles(a):
-                if name == A.MAIN:
-                    if role != "grad" or t not in (A.Backward, A.BackwardWeight):
-                        raise PlanError("'main' may only be the gradient target of a backward",
-                                        r, i, a)
-                    continue
-                if roles.setdefault(name, role) != role:
-                    raise PlanError(f"buffer {name!r} is used both as {roles[name]} and {role} "
-                                    "buffer", r, i, a)
-                counts[role].add(name)
+            fields = _ROLE_FIELDS.get(t)
+            if fields is None and t in _COMM_BUF and a.kind in ("weight", "grad"):
+                fields = (("buf", a.kind),)
+            if fields:
+                for f, role in fields:
+                    name = getattr(a, f)
+                    if name == A.MAIN:
+                        if role != "grad" or t not in _MAIN_OK:
+                            raise PlanError("'main' may only be the gradient target of a "
+                                            "backward", r, i, a)
+                        continue
+                    if roles.setdefault(name, role) != role:
+                        raise PlanError(f"buffer {name!r} is used both as {roles[name]} and "
+                                        f"{role} buffer", r, i, a)
             if t in _STARTS:
-                if a.tag in open_tags or any(x[0] == r for x in starts.get(a.tag, ())):
+                if a.tag in seen_tags:
                     raise PlanError(f"tag {a.tag} started twice on this rank", r, i, a)
+                seen_tags.add(a.tag)
                 open_tags.add(a.tag)
                 starts[a.tag].append((r, i, a))
                 if t in A.P2P:
@@ -165,19 +168,15 @@ def _check_static(plan: Plan):
                             raise PlanError(f"link class should be {want!r}", r, i, a)
                         channel = A.CHANNEL[a.kind]
                     comm_order[(a.ranks, channel, r)].append(a.tag)
-            elif t is A.Wait:
-                if a.tag not in open_tags:
-                    raise PlanError(f"waits for tag {a.tag}, which this rank has not started "
-                                    "(or already waited for)", r, i, a)
-                open_tags.discard(a.tag)
         if open_tags:
             tag = min(open_tags)
             rr, i, a = next(x for x in starts[tag] if x[0] == r)
             raise PlanError("started but never waited for", rr, i, a)
         for role, bound in (("weight", plan.max_weight_buffers), ("grad", plan.max_grad_buffers)):
-            if len(counts[role]) > bound:
-                raise PlanError(f"rank {r} uses {len(counts[role])} {role} buffers "
-                                f"{sorted(counts[role])}, more than the plan's bound {bound}")
+            names = sorted(n for n, x in roles.items() if x == role)
+            if len(names) > bound:
+                raise PlanError(f"rank {r} uses {len(names)} {role} buffers {names}, more than "
+                                f"the plan's bound {bound}")
     _check_matching(plan, starts)
     for (src, dst, channel, is_send), tags in p2p_order.items():
         if is_send:

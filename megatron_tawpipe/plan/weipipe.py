@@ -92,7 +92,7 @@ def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                 buf = f"~w{kind}{s}.{t}"
                 weight_buf[(kind, s, t)] = buf
                 if h == s:
-                    b.emit(h, k_post(t - 1), A.LoadWeights(s, buf))
+                    b.emit(h, k_post(t - 1), A.LoadWeights, s, buf)
                 else:
                     # present[t-1] holds by construction (t >= 1 here).
                     prev = holder(kind, s, t - 1)
@@ -112,10 +112,10 @@ def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             if bw is not None and bw[1] == s:
                 if buf is None and h != s:
                     buf = f"~g{s}.{t}"
-                    b.emit(h, (t, GWAIT, 1), A.ZeroGrad(s, buf))
+                    b.emit(h, (t, GWAIT, 1), A.ZeroGrad, s, buf)
                 grad_buf[(s, t)] = buf if buf is not None else A.MAIN
             if buf is not None and h == s:
-                b.emit(h, (t, GPOST, 0), A.AccumulateToOwner(s, buf))
+                b.emit(h, (t, GPOST, 0), A.AccumulateToOwner, s, buf)
                 buf = None
             carried = None
             if buf is not None:
@@ -132,10 +132,10 @@ def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     for (r, t), (f, bw) in work.items():
         if f is not None:
             m, s = f
-            b.emit(r, (t, FWD), A.Forward(m, s, weight_buf[("F", s, t)]))
+            b.emit(r, (t, FWD), A.Forward, m, s, weight_buf[("F", s, t)])
         if bw is not None:
             m, s = bw
-            b.emit(r, (t, BWD), A.Backward(m, s, weight_buf[("B", s, t)], grad_buf[(s, t)]))
+            b.emit(r, (t, BWD), A.Backward, m, s, weight_buf[("B", s, t)], grad_buf[(s, t)])
 
     last_bwd: Dict[int, int] = {}
     for (r, t), (_, bw) in work.items():
@@ -143,7 +143,7 @@ def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             last_bwd[r] = max(last_bwd.get(r, t), t)
     b.replicated_allreduce({r: (last_bwd[r], GPOST, 9) for r in range(P)}, (END, 0))
     for r in range(P):
-        b.emit(r, (END, 1), A.OptimizerStep())
+        b.emit(r, (END, 1), A.OptimizerStep)
     name = "weipipe" if interleave else "weipipe-naive"
     return b.build(schedule=name, family="weight", num_layers=num_layers,
                    num_microbatches=N, owners=range(P), streams=range(P),

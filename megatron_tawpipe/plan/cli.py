@@ -1,0 +1,116 @@
+"""Command-line plumbing shared by ``tools/simulate.py`` and
+``tools/plot_schedule.py``: cluster/model arguments, cost model and plan
+construction."""
+
+from __future__ import annotations
+
+import argparse
+
+from .costmodel import CostModel, parse_rate, parse_time
+from .fsdp import simulate_fsdp
+from .planners import build_plan
+from .simulate import simulate
+from .validate import validate_plan
+
+ACTIVATION = ("gpipe", "1f1b", "interleaved")
+ALL = ("tawpipe", "tawpipe-paper", "tawpipe-nooverlap", "tawpipe-flat", "weipipe",
+       "weipipe-naive", "gpipe", "1f1b", "interleaved", "fsdp")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--ranks", type=int, default=8, help="total ranks P")
+    g.add_argument("--groups", type=int, default=2, help="groups (nodes) D; ranks of a group "
+                   "are consecutive")
+    g.add_argument("--intra-bw", default="200GB/s", help="bandwidth inside a group")
+    g.add_argument("--inter-bw", default="12.5GB/s", help="bandwidth of a node's link to "
+                   "other groups (per direction, shared by its ranks)")
+    g.add_argument("--intra-latency", default="5us")
+    g.add_argument("--inter-latency", default="20us")
+    g.add_argument("--peak-tflops", type=float, default=312.0)
+    g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached")
+    g.add_argument("--measured-times", metavar="JSON", help="per-layer forward/backward/"
+                   "recompute times measured on a GPU (overrides the FLOP model)")
+    m = p.add_argument_group("model and batch")
+    m.add_argument("--num-layers", type=int, default=16)
+    m.add_argument("--hidden-size", type=int, default=4096)
+    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 12*H^2 "
+                   "parameters per layer (ffn = 8H/3)")
+    m.add_argument("--num-attention-heads", type=int, default=None)
+    m.add_argument("--num-query-groups", type=int, default=None)
+    m.add_argument("--vocab-size", type=int, default=32000)
+    m.add_argument("--seq-length", type=int, default=16384)
+    m.add_argument("--micro-batch-size", type=int, default=1)
+    m.add_argument("--num-microbatches", type=int, default=8, help="per rank")
+    m.add_argument("--no-recompute", action="store_true", help="keep all activations instead "
+                   "of recomputing shards in backward")
+    m.add_argument("--dtype-bytes", type=int, default=2, help="compute dtype size (bf16: 2)")
+    s = p.add_argument_group("schedule options")
+    s.add_argument("--no-overlap", action="store_true", help="tawpipe/weipipe without "
+                   "comm/compute overlap")
+    s.add_argument("--flat", action="store_true", help="tawpipe with one flat group")
+    s.add_argument("--no-cache", action="store_true", help="tawpipe: fetch foreign shards "
+                   "every visit instead of keeping them for the iteration")
+    s.add_argument("--drain", action="store_true", help="tawpipe: re-align groups after each "
+                   "micro-batch round")
+    s.add_argument("--chunk", type=int, default=None, help="tawpipe: micro-batches per visit")
+    s.add_argument("--prefetch", type=int, default=None, help="tawpipe: slots of look-ahead for "
+                   "inter-group fetches")
+    s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
+
+
+def cost_model(args) -> CostModel:
+    cost = CostModel.from_flops(
+        hidden_size=args.hidden_size, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.vocab_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, peak_tflops=args.peak_tflops,
+        efficiency=args.efficiency, recompute=not args.no_recompute,
+        intra_bw=parse_rate(args.intra_bw), intra_latency=parse_time(args.intra_latency),
+        inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
+        dtype_bytes=args.dtype_bytes)
+    if args.measured_times:
+        cost = cost.with_measured(args.measured_times)
+    return cost
+
+
+def planner_options(name: str, args) -> dict:
+    kw = {}
+    if name.startswith("tawpipe"):
+        if args.no_overlap:
+            kw["overlap"] = False
+        if args.flat:
+            kw["groups"] = 1
+        if args.no_cache:
+            kw["cache"] = False
+        if args.drain:
+            kw["drain"] = True
+        if args.chunk:
+            kw["chunk"] = args.chunk
+        if args.prefetch:
+            kw["prefetch"] = args.prefetch
+    elif name.startswith("weipipe") and args.no_overlap:
+        kw["overlap"] = False
+    elif name == "interleaved" and args.virtual_stages:
+        kw["virtual_stages"] = args.virtual_stages
+    return kw
+
+
+def make_plan(name: str, args, validate: bool = True):
+    n = args.num_microbatches * (args.ranks if name in ACTIVATION else 1)
+    plan = build_plan(name, num_ranks=args.ranks, num_groups=args.groups,
+                      num_layers=args.num_layers, num_microbatches=n,
+                      **planner_options(name, args))
+    if validate:
+        validate_plan(plan)
+    return plan
+
+
+def run_one(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
+    if name == "fsdp":
+        return None, simulate_fsdp(cost, args.ranks, args.groups, args.num_layers,
+                                   args.num_microbatches)
+    plan = make_plan(name, args, validate)
+    return plan, simulate(plan, cost, record=record)
+
+
