@@ -195,6 +195,8 @@ def action_to_dict(action) -> dict:
 
 
 def action_from_dict(d: dict):
+    """Inverse of ``action_to_dict``; also accepts the all-string values of a
+    CSV row (empty cells of non-text fields count as absent)."""
     try:
         cls = BY_NAME[d["op"]]
     except KeyError:
@@ -204,14 +206,17 @@ def action_from_dict(d: dict):
         if f.name not in d:
             continue
         value = d[f.name]
+        if f.type == "str":
+            kwargs[f.name] = "" if value is None else str(value)
+            continue
+        if value is None or value == "":
+            continue
         if f.name == "ranks":
-            value = tuple(int(x) for x in value)
-        elif f.name == "size":
+            value = tuple(int(x) for x in (value.split() if isinstance(value, str) else value))
+        elif f.type == "float":
             value = float(value)
-        elif f.type in ("int",):
+        elif f.type == "int":
             value = int(value)
-        elif f.type in ("str",):
-            value = str(value)
         kwargs[f.name] = value
     return cls(**kwargs)
 

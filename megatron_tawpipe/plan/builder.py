@@ -18,6 +18,7 @@ including the wait of any transfer on it, is done.
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 from . import actions as A
@@ -34,7 +35,7 @@ class PlanBuilder:
         self.num_groups = num_groups
         self.ranks_per_group = num_ranks // num_groups
         self._items: List[List[Tuple[tuple, int, object]]] = [[] for _ in range(num_ranks)]
-        self._seq = 0
+        self._seq = itertools.count()
         self._tag = 0
 
     # ------------------------------------------------------------ primitives
@@ -50,8 +51,7 @@ class PlanBuilder:
 
     def emit(self, rank: int, key: tuple, cls, *args) -> None:
         """Append action ``cls(*args)`` (positional fields) to ``rank`` at ``key``."""
-        self._items[rank].append((key, self._seq, cls, args))
-        self._seq += 1
+        self._items[rank].append((key, next(self._seq), cls, args))
 
     # ------------------------------------------------------- comm patterns
     def p2p(self, src: int, dst: int, kind: str, shard: int, src_buf: str, dst_buf: str,

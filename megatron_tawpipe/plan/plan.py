@@ -146,9 +146,7 @@ class Plan:
         meta = json.loads(first[len("# plan-meta: "):])
         actions: List[List[object]] = [[] for _ in range(int(meta["num_ranks"]))]
         for row in csv.DictReader(io.StringIO(rest)):
-            d = {k: v for k, v in row.items() if v != "" and k not in ("rank", "step")}
-            if "ranks" in d:
-                d["ranks"] = [int(x) for x in d["ranks"].split()]
+            d = {k: v for k, v in row.items() if k not in ("rank", "step")}
             rank, step = int(row["rank"]), int(row["step"])
             if step != len(actions[rank]):
                 raise ValueError(f"CSV rows of rank {rank} out of order at step {step}")

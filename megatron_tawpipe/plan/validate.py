@@ -289,6 +289,7 @@ class _Executor:
         self.bi_open: Dict[tuple, int] = {}
         self.activation = plan.family == "activation"
         self._woken: List[int] = []
+        self.need = {tag: len(posts) for tag, posts in starts.items()}
 
     # --------------------------------------------------------------- driver
     def run(self) -> None:
@@ -318,24 +319,28 @@ class _Executor:
         st = self.state[r]
         acts = self.plan.actions[r]
         handlers = self._handlers
-        while st.pc < len(acts):
-            a = acts[st.pc]
-            if type(a) is A.Wait:
-                if not self._complete(a.tag):
-                    return a.tag
-                self._finish_wait(r, st, st.pc, a)
-            else:
-                handlers[type(a)](self, r, st, st.pc, a)
-            st.pc += 1
-        return None
-
-    def _complete(self, tag: int) -> bool:
-        return len(self.posted.get(tag, ())) == len(self.starts[tag])
+        posted, need, Wait = self.posted, self.need, A.Wait
+        pc, n = st.pc, len(acts)
+        try:
+            while pc < n:
+                a = acts[pc]
+                if type(a) is Wait:
+                    got = posted.get(a.tag)
+                    if got is None or len(got) != need[a.tag]:
+                        return a.tag
+                    self._finish_wait(r, st, pc, a)
+                else:
+                    st.pc = pc
+                    handlers[type(a)](self, r, st, pc, a)
+                pc += 1
+            return None
+        finally:
+            st.pc = pc
 
     def _post(self, r: int, tag: int, snapshot) -> None:
         posted = self.posted[tag]
         posted[r] = snapshot
-        if len(posted) == len(self.starts[tag]) and tag in self.waiters:
+        if len(posted) == self.need[tag] and tag in self.waiters:
             self._woken = self._woken + self.waiters.pop(tag)
 
     # ------------------------------------------------------------- helpers
@@ -345,8 +350,7 @@ class _Executor:
     def _unlocked(self, st, buf, r, i, a, allow_read=False):
         locks = st.locks.get(buf)
         if locks:
-            modes = set(locks.values())
-            if allow_read and modes == {"r"}:
+            if allow_read and "w" not in locks.values():
                 return
             tag = next(iter(locks))
             self._err(f"buffer {buf!r} has a transfer in flight (tag {tag}, not yet waited)", r, i, a)
@@ -597,8 +601,7 @@ class _Executor:
     def _finish_wait(self, r, st, i, w):
         start_step, a, _ = st.pending.pop(w.tag)
         t = type(a)
-        if t in (A.SendStart, A.RecvStart, A.BroadcastStart, A.ReduceStart) and \
-                a.kind in ("weight", "grad"):
+        if t is not A.ReplicatedAllReduceStart and (a.kind == "weight" or a.kind == "grad"):
             locks = st.locks[a.buf]
             del locks[w.tag]
             if not locks:

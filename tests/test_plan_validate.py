@@ -1,0 +1,211 @@
+"""The validator accepts every planner's output over the grid and rejects
+broken plans with an error that names the rank, the step and the action."""
+
+import dataclasses
+
+import pytest
+
+from megatron_tawpipe.plan import (AccumulateToOwner, Backward, Forward, PlanError, RecvStart,
+                                   SendStart, Wait, build_plan, validate_plan)
+from megatron_tawpipe.plan import actions as A
+
+# Every planner the issue names; variants of tawpipe are checked further below.
+SCHEDULES = ("weipipe", "weipipe-naive", "tawpipe", "tawpipe-nooverlap", "tawpipe-flat",
+             "gpipe", "1f1b", "interleaved")
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@pytest.mark.parametrize("P", range(2, 9))
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grid_is_accepted(schedule, P):
+    """P in 2..8, D | P, L/P in 1..3, N in 1..6 (N per rank for weight passing,
+    per pipeline for activation passing)."""
+    for D in divisors(P):
+        for layers_per_rank in (1, 2, 3):
+            for N in range(1, 7):
+                plan = build_plan(schedule, num_ranks=P, num_groups=D,
+                                  num_layers=layers_per_rank * P, num_microbatches=N)
+                report = validate_plan(plan)
+                assert report.contributions == plan.num_streams * N * plan.num_shards
+                assert plan.num_shards * plan.layers_per_shard == layers_per_rank * P
+
+
+@pytest.mark.parametrize("options", [
+    dict(cache=False, drain=True),      # the reference arrangement, "tawpipe-paper"
+    dict(cache=False), dict(cache=True), dict(chunk=2), dict(chunk=4, cache=False),
+    dict(prefetch=1), dict(prefetch=4, cache=False), dict(stagger=False), dict(drain=True),
+    dict(overlap=False, cache=True), dict(groups=2), dict(drain=True, stagger=False),
+])
+def test_tawpipe_options_are_accepted(options):
+    for P in (4, 6, 8):
+        for D in divisors(P):
+            if "groups" in options and P % options["groups"]:
+                continue
+            for N in (1, 3, 5):
+                validate_plan(build_plan("tawpipe", num_ranks=P, num_groups=D,
+                                         num_microbatches=N, **options))
+
+
+def test_weipipe_ring_is_right_for_every_P():
+    # Rank r computes forward shard (r+t) mod P and backward shard (P-1-r-t) mod P at
+    # turn t; every compute must find that shard in its buffer (checked symbolically).
+    for P in range(2, 17):
+        for interleave in ("weipipe", "weipipe-naive"):
+            validate_plan(build_plan(interleave, num_ranks=P, num_microbatches=3))
+
+
+# ----------------------------------------------------------- broken plans
+def mutable(plan):
+    return dataclasses.replace(plan, actions=[list(x) for x in plan.actions])
+
+
+def find(plan, rank, cls, pred=lambda a: True, start=0):
+    for i, a in enumerate(plan.actions[rank][start:], start):
+        if type(a) is cls and pred(a):
+            return i
+    raise LookupError(cls)
+
+
+def expect(plan, rank, step, action, *words):
+    with pytest.raises(PlanError) as info:
+        validate_plan(plan)
+    err = info.value
+    assert (err.rank, err.step, err.action) == (rank, step, action), str(err)
+    text = str(err)
+    assert text.startswith(f"rank {rank}, step {step}, {type(action).__name__}("), text
+    for w in words:
+        assert w in text, text
+    return text
+
+
+def test_swapped_shard_is_rejected():
+    """WeiPipe rank 2 uses its backward-copy buffer for a forward (the kind of slot
+    mix-up the reference implementation makes for P > 2)."""
+    plan = mutable(build_plan("weipipe", num_ranks=4, num_microbatches=2))
+    acts = plan.actions[2]
+    i = find(plan, 2, Forward, lambda a: a.mb == 1)
+    j = find(plan, 2, Backward, start=i)
+    f, b = acts[i], acts[j]
+    assert f.shard != b.shard
+    acts[i] = Forward(f.mb, f.shard, b.wbuf)
+    expect(plan, 2, i, acts[i], f"holds shard {b.shard}, not shard {f.shard}")
+
+
+def test_swapped_shards_in_transfer_are_rejected():
+    plan = mutable(build_plan("tawpipe", num_ranks=4, num_groups=2, num_microbatches=1))
+    i = find(plan, 0, RecvStart)
+    recv = plan.actions[0][i]
+    plan.actions[0][i] = dataclasses.replace(recv, shard=recv.shard + 1)
+    expect(plan, 0, i, plan.actions[0][i], "shard differs from the matching send")
+
+
+def test_missing_receive_is_rejected():
+    plan = mutable(build_plan("tawpipe", num_ranks=8, num_groups=2, num_microbatches=2))
+    i = find(plan, 5, RecvStart, lambda a: a.kind == "weight")
+    recv = plan.actions[5][i]
+    w = find(plan, 5, Wait, lambda a: a.tag == recv.tag)
+    del plan.actions[5][w], plan.actions[5][i]
+    s = find(plan, recv.peer, SendStart, lambda a: a.tag == recv.tag)
+    expect(plan, recv.peer, s, plan.actions[recv.peer][s], "no matching receive")
+
+
+def test_gradient_sent_twice_is_rejected():
+    """A staging rank sends its group's partial gradient to the owner a second time
+    (and the owner accumulates it again)."""
+    plan = mutable(build_plan("tawpipe-paper", num_ranks=4, num_groups=2, num_microbatches=1))
+    src = next(r for r in range(4) for a in plan.actions[r]
+               if type(a) is SendStart and a.kind == "grad")
+    i = find(plan, src, SendStart, lambda a: a.kind == "grad")
+    send = plan.actions[src][i]
+    dst = send.peer
+    tag = 10_000
+    j = find(plan, src, Wait, lambda a: a.tag == send.tag)
+    plan.actions[src][j + 1:j + 1] = [dataclasses.replace(send, tag=tag), Wait(tag)]
+    k = find(plan, dst, AccumulateToOwner, lambda a: a.shard == send.shard)
+    recv = plan.actions[dst][find(plan, dst, RecvStart, lambda a: a.tag == send.tag)]
+    plan.actions[dst][k + 1:k + 1] = [dataclasses.replace(recv, tag=tag), Wait(tag),
+                                      AccumulateToOwner(send.shard, recv.buf)]
+    expect(plan, src, j + 1, plan.actions[src][j + 1], "already left", "counted twice")
+
+
+def test_gradient_accumulated_twice_is_rejected():
+    plan = mutable(build_plan("weipipe", num_ranks=3, num_microbatches=2))
+    r = next(r for r in range(3) if any(type(a) is AccumulateToOwner for a in plan.actions[r]))
+    i = find(plan, r, AccumulateToOwner)
+    acc = plan.actions[r][i]
+    plan.actions[r].insert(i + 1, acc)
+    expect(plan, r, i + 1, acc, f"emptied at step {i}")
+
+
+def test_deadlocking_order_is_rejected():
+    """1F1B on 2 ranks where rank 0 waits for the output gradient of micro-batch 0
+    before it has sent the activation that produces it."""
+    plan = mutable(build_plan("1f1b", num_ranks=2, num_microbatches=2))
+    acts = plan.actions[0]
+    i = find(plan, 0, RecvStart, lambda a: a.kind == "actgrad")
+    recv = acts.pop(i)
+    wait = acts.pop(find(plan, 0, Wait, lambda a: a.tag == recv.tag))
+    acts[0:0] = [recv, wait]
+    text = expect(plan, 0, 1, wait, "deadlock", "have not posted")
+    assert "rank 1 step" in text      # the other blocked rank is named too
+
+
+def test_deadlock_between_blocking_sends_is_rejected():
+    """Both ranks wait for their own send before posting the receive."""
+    plan = mutable(build_plan("weipipe", num_ranks=2, num_microbatches=1, overlap=False))
+    for r in (0, 1):
+        acts = plan.actions[r]
+        i = find(plan, r, SendStart)
+        send = acts[i]
+        acts.remove(Wait(send.tag))
+        acts.insert(i + 1, Wait(send.tag))
+        j = find(plan, r, RecvStart)
+        recv = acts.pop(j)
+        acts.insert(i + 2, recv)
+    with pytest.raises(PlanError, match="deadlock"):
+        validate_plan(plan)
+
+
+def test_reading_a_buffer_still_being_received_is_rejected():
+    plan = mutable(build_plan("weipipe", num_ranks=3, num_microbatches=1))
+    acts = plan.actions[1]
+    i = find(plan, 1, Forward, lambda a: a.shard == 2)
+    recv_i = max(k for k in range(i) if type(acts[k]) is RecvStart and acts[k].buf == acts[i].wbuf)
+    w = find(plan, 1, Wait, lambda a: a.tag == acts[recv_i].tag)
+    acts.insert(i + 1, acts.pop(w))
+    expect(plan, 1, i - 1, acts[i - 1], "transfer in flight")
+
+
+def test_missing_backward_is_rejected():
+    plan = mutable(build_plan("tawpipe", num_ranks=4, num_groups=2, num_microbatches=2))
+    i = find(plan, 3, Backward, lambda a: a.mb == 1 and a.shard == 2)
+    del plan.actions[3][i]
+    with pytest.raises(PlanError, match="backward of micro-batch 1 reaches shard 1 but its next "
+                                        "backward shard is 2"):
+        validate_plan(plan)
+
+
+def test_buffer_bound_is_enforced():
+    plan = build_plan("tawpipe", num_ranks=4, num_groups=2, num_microbatches=2)
+    tight = dataclasses.replace(plan, max_weight_buffers=plan.max_weight_buffers - 1)
+    with pytest.raises(PlanError, match="more than the plan's bound"):
+        validate_plan(tight)
+
+
+def test_only_the_owner_may_load_or_step():
+    plan = mutable(build_plan("tawpipe", num_ranks=4, num_groups=2, num_microbatches=1))
+    i = find(plan, 1, A.LoadWeights)
+    plan.actions[1][i] = A.LoadWeights(0, plan.actions[1][i].buf)
+    expect(plan, 1, i, plan.actions[1][i], "only the owner of shard 0")
+
+
+def test_collective_member_mismatch_is_rejected():
+    plan = mutable(build_plan("tawpipe", num_ranks=4, num_groups=1, num_microbatches=1))
+    i = find(plan, 2, A.BroadcastStart)
+    a = plan.actions[2][i]
+    plan.actions[2][i] = dataclasses.replace(a, root=(a.root + 1) % 4)
+    with pytest.raises(PlanError, match="differs from the same collective"):
+        validate_plan(plan)
