@@ -19,7 +19,7 @@ import os
 import sys
 
 try:
-    import megatron_tawpipe  # noqa: F401
+    import megatron_tawpipe  # noqa: F401  (installed, or found below)
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,7 +12,8 @@ from .actions import (Forward, Backward, BackwardInput, BackwardWeight, LoadWeig
                       AccumulateToOwner, SendStart, RecvStart, BroadcastStart, ReduceStart,
                       ReplicatedAllReduceStart, Wait, OptimizerStep, MAIN)
 from .plan import Plan
-from .validate import PlanError, ValidationReport, validate_plan
+from .errors import PlanError
+from .validate import ValidationReport, validate_plan
 from .planners import SCHEDULES, build_plan, split_backward
 
 __all__ = [

@@ -135,7 +135,7 @@ class Plan:
                 if "ranks" in d:
                     d["ranks"] = " ".join(str(x) for x in d["ranks"])
                 d["rank"], d["step"] = rank, step
-                writer.writerow(["" if d.get(c) is None else d.get(c, "") for c in self._CSV_COLUMNS])
+                writer.writerow(["" if d.get(c) is None else d[c] for c in self._CSV_COLUMNS])
         return out.getvalue()
 
     @classmethod

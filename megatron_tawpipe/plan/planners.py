@@ -53,9 +53,10 @@ SCHEDULES = {
 def build_plan(schedule: str, *, num_ranks: int, num_groups: int = 1, num_layers: int = None,
                num_microbatches: int = 1, **options) -> Plan:
     """Build the plan of ``schedule`` (a key of ``SCHEDULES``) for ``num_ranks``
-    ranks in ``num_groups`` groups (nodes) of consecutive ranks.  ``num_layers`` defaults to one layer
-    per shard; ``num_microbatches`` is per rank for weight passing and per
-    pipeline for activation passing.  Extra keyword options go to the planner."""
+    ranks in ``num_groups`` groups (nodes) of consecutive ranks.  ``num_layers``
+    defaults to one layer per shard; ``num_microbatches`` is per rank for weight
+    passing and per pipeline for activation passing.  Extra keyword options go
+    to the planner."""
     try:
         planner = SCHEDULES[schedule]
     except KeyError:

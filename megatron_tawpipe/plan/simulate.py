@@ -235,9 +235,8 @@ class _Simulator:
             a = acts[self.pc[r]]
             cls = type(a)
             if cls is A.Wait:
-                op = self.ops.get(a.tag)
-                if op is None or op.done is None:
-                    op = op or self._op(a.tag)
+                op = self._op(a.tag)
+                if op.done is None:
                     op.waiters.append(r)
                     return
                 self.pc[r] += 1
@@ -360,34 +359,26 @@ class _Simulator:
 
 
 def _max_min_rates(flows: List[_Flow], capacity: float) -> None:
-    """Max-min fair rates; each flow uses its source node's outgoing and its
-    destination node's incoming link, each of ``capacity`` bytes/s."""
-    remaining = {}
+    """Max-min fair rates (progressive filling); each flow uses its source
+    node's outgoing and its destination node's incoming link, each of
+    ``capacity`` bytes/s."""
     users: Dict[tuple, List[_Flow]] = {}
     for f in flows:
         f.rate = -1.0
-        for res in (("o", f.out), ("i", f.into)):
-            users.setdefault(res, []).append(f)
-            remaining[res] = capacity
-    active = set(users)
-    while active:
-        best, share = None, INF
-        for res in active:
-            n = sum(1 for f in users[res] if f.rate < 0)
-            if n == 0:
-                continue
-            s = remaining[res] / n
-            if s < share:
-                best, share = res, s
-        if best is None:
-            break
+        users.setdefault(("o", f.out), []).append(f)
+        users.setdefault(("i", f.into), []).append(f)
+    remaining = {res: capacity for res in users}
+    unfrozen = {res: len(fs) for res, fs in users.items()}
+    while unfrozen:
+        best = min(unfrozen, key=lambda res: remaining[res] / unfrozen[res])
+        share = remaining[best] / unfrozen[best]
         for f in users[best]:
             if f.rate < 0:
                 f.rate = share
                 for res in (("o", f.out), ("i", f.into)):
                     remaining[res] -= share
-        active.discard(best)
-        active = {res for res in active if any(f.rate < 0 for f in users[res])}
+                    unfrozen[res] -= 1
+        unfrozen = {res: n for res, n in unfrozen.items() if n > 0}
 
 
 _STARTS = frozenset(A.STARTS)

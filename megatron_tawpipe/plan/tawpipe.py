@@ -19,7 +19,7 @@
   transfer in place (the no-CCO ablation).
 
 Arrangement (choices the papers leave open; the defaults are the fastest
-arrangement the simulator found, see docs/schedules.md; ``cache=False,
+arrangement the simulator found, see megatron_tawpipe/plan/README.md; ``cache=False,
 drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
 
 * ``stagger``: group g runs ``g`` slots behind group 0, so that in a slot the D
@@ -43,7 +43,6 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Tuple
 
 from . import actions as A
@@ -106,9 +105,19 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     for g in range(D):
         members = list(range(g * G, (g + 1) * G))
         prev_wbuf = None
+        slots = [(g if stagger else 0) + v + (k * (D - 1) if drain else 0)
+                 for v, (_, _, _, k) in enumerate(visits)]
+        busy = set(slots)
         for v, (phase, s, mbs, k) in enumerate(visits):
-            tau = (g if stagger else 0) + v + (k * (D - 1) if drain else 0)
+            tau = slots[v]
             last_slot[g] = tau
+            # The next shard is normally waited for (and broadcast) before the
+            # previous visit's compute, so that the broadcast hides behind it.
+            # If no compute of this group lies between posting the fetch and
+            # that point (the first visits, or after a drain gap), wait after
+            # the previous visit's compute instead, so that the fetch does.
+            ahead = any(x in busy for x in range(tau - prefetch, tau - 1))
+            ready_key = (tau - 1, POST) if ahead else (tau - 1, AFTER, 5)
             root = owner[s] if owner[s] // G == g else g * G + s // D
             wbuf = {m: f"~w{v}" for m in members}
             # -------------------------------------------------- weights in
@@ -125,14 +134,14 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                     if overlap:
                         b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
                               start_key=(tau - prefetch, POST, 0), src_wait_key=(END, 0),
-                              dst_wait_key=(tau - 1, POST, 1),
+                              dst_wait_key=ready_key + (1,),
                               src_start_key=(tau - prefetch - slack, POST, 0))
                     else:
                         b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
                               start_key=(tau, WAIT, 0), src_wait_key=(tau, WAIT, 1),
                               dst_wait_key=(tau, WAIT, 1))
             if G > 1 and wbuf is not prev_wbuf:
-                keys = ((tau - 1, POST, 2), (tau, WAIT, 0)) if overlap else \
+                keys = (ready_key + (2,), (tau, WAIT, 0)) if overlap else \
                     ((tau, WAIT, 2), (tau, WAIT, 3))
                 b.collective(A.BroadcastStart, root, members, wbuf, "weight", s, *keys)
             prev_wbuf = wbuf
@@ -158,10 +167,12 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                 continue
             # -------------------------------------------------- gradients out
             if G > 1:
-                keys = ((tau, AFTER, 0), (tau + 1, WAIT, 0)) if overlap else \
+                # Waited after the next visit's compute: a member that finished
+                # this visit early does not wait for the slowest one.
+                keys = ((tau, AFTER, 0), (tau + 1, AFTER, 0)) if overlap else \
                     ((tau, AFTER, 0), (tau, AFTER, 1))
                 b.collective(A.ReduceStart, root, members, gbuf, "grad", s, *keys)
-                ready = (tau + 1, WAIT, 1) if overlap else (tau, AFTER, 2)
+                ready = (tau + 1, AFTER, 1) if overlap else (tau, AFTER, 2)
             else:
                 ready = (tau, AFTER, 2)
             if root == owner[s]:

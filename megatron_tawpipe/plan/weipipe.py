@@ -24,7 +24,7 @@ from the schedule, which is what makes the plan right for every P.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from . import actions as A
 from .builder import PlanBuilder

@@ -1,0 +1,227 @@
+"""Simulator and cost model: closed forms, byte counts, link sharing."""
+
+import json
+import math
+
+import pytest
+
+from megatron_tawpipe.plan import (CostModel, Link, Plan, build_plan, link_bytes,
+                                   params_per_layer, parse_rate, parse_time, simulate)
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.fsdp import simulate_fsdp
+
+# Equal stage times, free communication, no head/optimizer/copy costs.
+FREE = CostModel(layer_forward=1.0, layer_backward=2.0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+@pytest.mark.parametrize("N", [1, 2, 5, 8])
+def test_pipeline_bubble_closed_form(schedule, P, N):
+    for lps in (1, 2):
+        plan = build_plan(schedule, num_ranks=P, num_layers=lps * P, num_microbatches=N)
+        r = simulate(plan, FREE)
+        assert r.bubble_ratio == pytest.approx((P - 1) / (N + P - 1), abs=1e-12)
+        assert r.iteration_time == pytest.approx((N + P - 1) * 3.0 * lps)
+
+
+@pytest.mark.parametrize("P,V", [(2, 2), (4, 2), (4, 3)])
+def test_interleaved_bubble_closed_form(P, V):
+    for N in (P, 2 * P, 3 * P):
+        plan = build_plan("interleaved", num_ranks=P, num_layers=P * V, num_microbatches=N,
+                          virtual_stages=V)
+        assert simulate(plan, FREE).bubble_ratio == pytest.approx((P - 1) / (V * N + P - 1))
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("N", [1, 2, 3, 6])
+def test_weipipe_bubble_equals_1f1b_on_the_same_global_batch(P, N):
+    # P ranks x N micro-batches each = one 1F1B pipeline of P stages with N*P.
+    r = simulate(build_plan("weipipe", num_ranks=P, num_microbatches=N), FREE)
+    one_f_one_b = (P - 1) / (N * P + P - 1)
+    if N == 1 or P == 2:
+        # Small cases can do better: with one micro-batch per rank there is
+        # no forward/backward pairing to wait for, and with two ranks rank 1
+        # starts only one turn late.
+        assert r.bubble_ratio <= one_f_one_b + 1e-12
+    else:
+        assert r.bubble_ratio == pytest.approx(one_f_one_b)
+        assert r.iteration_time == pytest.approx((N * P + P - 1) * 3.0)
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "tawpipe-paper"])
+def test_tawpipe_has_no_bubble_when_communication_is_free(schedule):
+    # Every rank always has its own micro-batches to run and weights never
+    # change within the iteration: with free links nothing ever waits.
+    for P, D in ((4, 2), (6, 3), (8, 2), (8, 4)):
+        for N in (1, 4):
+            plan = build_plan(schedule, num_ranks=P, num_groups=D, num_microbatches=N)
+            r = simulate(plan, FREE)
+            assert r.bubble_ratio == pytest.approx(0.0, abs=1e-12)
+            assert r.iteration_time == pytest.approx(N * P * 3.0)
+
+
+# ------------------------------------------------------------ byte counts
+def units(plan, link=None):
+    b = link_bytes(plan, bytes_per_shard=1.0)
+    return b[link] if link else b["intra"] + b["inter"]
+
+
+@pytest.mark.parametrize("P,D", [(2, 2), (4, 2), (6, 3), (8, 4), (8, 8), (5, 1)])
+def test_weipipe_per_turn_volume_is_36_H2(P, D):
+    """One more micro-batch per rank adds P turns; in each, every rank receives a
+    forward weight copy, a backward weight copy and a gradient from its ring
+    neighbour, except that the hop into a shard's owner carries no weight (the
+    owner reloads its master) and none leaves an owner's gradient (it absorbed
+    it): 3(P-1)/P shard units per rank and turn -> 36 H^2 (P-1)/P per layer."""
+    plans = [build_plan("weipipe", num_ranks=P, num_groups=D, num_microbatches=n)
+             for n in (4, 5)]
+    per_turn = (units(plans[1]) - units(plans[0])) / (P * P)
+    assert per_turn == pytest.approx(3 * (P - 1) / P)
+    if D > 1:      # the D ring hops that cross groups carry the same per turn
+        per_link = (units(plans[1], "inter") - units(plans[0], "inter")) / (D * P)
+        assert per_link == pytest.approx(3 * (P - 1) / P)
+    H, lps = 4096, 2
+    shard = params_per_layer(H) * lps
+    assert per_turn * shard / lps == pytest.approx(36 * H * H * (P - 1) / P)
+
+
+@pytest.mark.parametrize("P,D", [(4, 2), (6, 3), (8, 2), (12, 3), (24, 3), (8, 8)])
+def test_tawpipe_per_turn_volume_is_24_H2_between_groups(P, D):
+    """Reference arrangement (weights fetched per visit).  Per extra micro-batch
+    round a group makes 2P visits; two reuse the previous visit's shard (F then B
+    of the last shard, B of shard 0 then F of the next round), the others fetch
+    the shard over the slow link when another group owns it, and all P backward
+    visits send a reduced gradient to a foreign owner likewise:
+    (D-1)(3P-2) units between groups, i.e. (D-1)(3P-2)/(DP) per node link and
+    turn -> 3(D-1)/D units = 24 H^2 per layer for D = 3 (WeiPipe: 36 H^2).
+    Inside the groups the same visits move (G-1) units each (broadcast, reduce)."""
+    G = P // D
+    plans = [build_plan("tawpipe-paper", num_ranks=P, num_groups=D, num_microbatches=n)
+             for n in (4, 5)]
+    d_inter = units(plans[1], "inter") - units(plans[0], "inter")
+    d_intra = units(plans[1], "intra") - units(plans[0], "intra")
+    assert d_inter == pytest.approx((D - 1) * (3 * P - 2))
+    assert d_intra == pytest.approx(D * (G - 1) * (3 * P - 2))
+    # Total per rank and turn equals WeiPipe's 3(P-1)/P asymptotically: the
+    # volume is the same, TawPipe moves most of it inside the groups.
+    assert (d_inter + d_intra) / (P * P) == pytest.approx((3 * P - 2) * (P - 1) / P ** 2)
+    if D == 3:
+        per_link_turn = d_inter / (D * P)
+        assert per_link_turn == pytest.approx(2 * (3 * P - 2) / (3 * P))
+        assert per_link_turn * 12 == pytest.approx(24 * (3 * P - 2) / (3 * P))   # x H^2
+
+
+@pytest.mark.parametrize("P,D", [(4, 2), (6, 3), (8, 4), (24, 3)])
+def test_tawpipe_cached_inter_group_volume_is_independent_of_N(P, D):
+    # Each group fetches each foreign shard once and returns its gradient once.
+    for N in (1, 3, 7):
+        plan = build_plan("tawpipe", num_ranks=P, num_groups=D, num_microbatches=N, cache=True)
+        assert units(plan, "inter") == 2 * P * (D - 1)
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "tawpipe-paper", "tawpipe-flat", "weipipe",
+                                      "1f1b", "interleaved"])
+def test_simulated_transfers_add_up_to_link_bytes(schedule):
+    cost = CostModel.from_flops(hidden_size=256, seq_length=512, inter_bw="1GB/s")
+    n = 8 if schedule in ("1f1b", "interleaved") else 3
+    plan = build_plan(schedule, num_ranks=4, num_groups=2, num_layers=8, num_microbatches=n)
+    r = simulate(plan, cost)
+    moved = {"intra": 0.0, "inter": 0.0}
+    for t in r.transfers:
+        moved[t.link] += t.nbytes
+        assert t.end >= t.posted
+    expect = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes)
+    assert moved == pytest.approx(expect)
+    assert r.link_bytes == pytest.approx(expect)
+
+
+def _two_flows_plan(concurrent: bool) -> Plan:
+    """Ranks 0 and 1 (group 0) each send one shard to ranks 2 and 3 (group 1)."""
+    acts = [[], [], [], []]
+    for tag, (src, dst) in enumerate(((0, 2), (1, 3)), 1):
+        acts[src] += [A.LoadWeights(src, "w0"), A.SendStart(tag, dst, "w0", "weight", src, "inter"),
+                      A.Wait(tag)]
+        acts[dst] += [A.RecvStart(tag, src, "w0", "weight", src, "inter"), A.Wait(tag)]
+    if not concurrent:       # rank 1 only starts after a compute as long as the transfer
+        acts[1].insert(0, A.Forward(0, 0, "w0"))
+    for a in acts:
+        a.append(A.OptimizerStep())
+    return Plan("two-flows", "weight", 4, 2, 4, 1, (0, 1, 2, 3), (0, 1, 2, 3), 1, 0, acts)
+
+
+def test_node_link_is_shared_by_concurrent_flows():
+    cost = CostModel(layer_forward=1.0, layer_backward=1.0, params_per_layer=1e9, dtype_bytes=1,
+                     inter=Link(1e9), intra=Link(1e12))
+    both = simulate(_two_flows_plan(True), cost)
+    assert sorted(t.end for t in both.transfers) == pytest.approx([2.0, 2.0])
+    staggered = simulate(_two_flows_plan(False), cost)
+    assert sorted(t.end for t in staggered.transfers) == pytest.approx([1.0, 2.0])
+
+
+def test_latency_and_bandwidth_of_a_transfer():
+    cost = CostModel(layer_forward=10.0, layer_backward=0.0, params_per_layer=5e8,
+                     dtype_bytes=2, inter=Link(1e9, 0.25), intra=Link(1e12))
+    r = simulate(_two_flows_plan(False), cost)      # 1e9 bytes each, one after the other
+    assert sorted(t.end for t in r.transfers) == pytest.approx([1.25, 11.25])
+
+
+# ------------------------------------------------------------- cost model
+def test_flop_model():
+    H, S = 4096, 16384
+    c = CostModel.from_flops(hidden_size=H, seq_length=S, peak_tflops=312, efficiency=0.5)
+    flops = 2 * S * 12 * H * H + 2 * S * S * H          # matmuls + causal attention
+    assert c.layer_forward == pytest.approx(flops / 156e12)
+    assert c.layer_backward == pytest.approx(2 * c.layer_forward)
+    assert c.layer_recompute == pytest.approx(c.layer_forward)
+    plan = build_plan("tawpipe", num_ranks=24, num_groups=3, num_layers=48, num_microbatches=1)
+    assert c.shard_bytes(plan) == 12 * H * H * 2 * 2               # 2 layers in bf16
+    assert c.activation_bytes == S * H * 2
+    assert c.forward_time(plan, 23) > c.forward_time(plan, 0)      # the head
+    exact = params_per_layer(H, ffn_hidden_size=11008, num_attention_heads=32,
+                             num_query_groups=8)
+    assert exact == 2 * H * H + 2 * H * 1024 + 3 * H * 11008 + 2 * H
+
+
+def test_measured_times_override(tmp_path):
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps({"layer_forward": 0.01, "layer_backward": 0.02,
+                                "layer_recompute": 0.01, "device": "H100"}))
+    c = CostModel.from_flops(hidden_size=1024, seq_length=1024).with_measured(str(path))
+    assert (c.layer_forward, c.layer_backward, c.layer_recompute) == (0.01, 0.02, 0.01)
+    with pytest.raises(ValueError, match="unknown keys"):
+        c.with_measured({"layer_fwd": 1})
+
+
+@pytest.mark.parametrize("text,value", [
+    ("200GB/s", 200e9), ("1.25 GB/s", 1.25e9), ("100Gbit/s", 12.5e9), ("25Gbps", 25e9 / 8),
+    ("10GbE", 1.25e9), ("100Gb/s", 12.5e9), ("1GiB/s", 2 ** 30), ("inf", math.inf), (3e9, 3e9)])
+def test_parse_rate(text, value):
+    assert parse_rate(text) == pytest.approx(value)
+
+
+def test_parse_time():
+    assert parse_time("5us") == pytest.approx(5e-6)
+    assert parse_time("1.5ms") == pytest.approx(1.5e-3)
+    assert parse_time("2") == 2.0
+
+
+def test_fsdp_model():
+    c = CostModel(layer_forward=1.0, layer_backward=2.0, params_per_layer=1.0)
+    r = simulate_fsdp(c, num_ranks=4, num_groups=2, num_layers=8, num_microbatches=3)
+    assert r.bubble_ratio == pytest.approx(0.0)
+    assert r.tokens_per_sec_per_rank == 0.0 and r.iteration_time == pytest.approx(3 * 8 * 3)
+    slow = c.with_links(inter=Link(1.0))
+    r = simulate_fsdp(slow, num_ranks=4, num_groups=2, num_layers=8, num_microbatches=3)
+    assert r.bubble_ratio > 0.3 and r.link_bytes["inter"] > 0
+
+
+def test_memory_report():
+    c = CostModel.from_flops(hidden_size=1024, seq_length=2048)
+    plan = build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=8, num_microbatches=4)
+    r = simulate(plan, c, record=False)
+    assert r.weight_buffer_bytes == plan.max_weight_buffers * c.shard_bytes(plan)
+    assert r.activation_bytes > 0 and r.state_bytes > 0
+    assert r.memory_bytes == pytest.approx(r.weight_buffer_bytes + r.grad_buffer_bytes +
+                                           r.activation_bytes + r.state_bytes)
+    assert not r.spans and not r.transfers
