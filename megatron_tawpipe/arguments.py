@@ -113,6 +113,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
                    help="groups (nodes) of the weight pipeline; default: one per node")
     g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
+    g.add_argument("--tawpipe-no-recompute", action="store_true",
+                   help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
+                        "in backward (faster, needs memory for N x L/P layers of activations)")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -234,13 +237,19 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError(
                 f"--num-layers {args.num_layers} must be divisible by the number of ranks {world_size} "
                 f"for --pipeline-schedule {args.pipeline_schedule}")
+        if args.recompute_granularity == "selective":
+            raise ArgumentError(
+                f"--recompute-granularity selective is not supported with --pipeline-schedule "
+                f"{args.pipeline_schedule} (it recomputes whole shards; --tawpipe-no-recompute turns that off)")
         groups = args.tawpipe_num_groups
         if groups is not None and world_size % groups:
             raise ArgumentError(
                 f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
         return
-    if args.tawpipe_num_groups is not None or args.tawpipe_no_overlap:
-        raise ArgumentError("--tawpipe-num-groups / --tawpipe-no-overlap need --pipeline-schedule tawpipe")
+    if args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute:
+        raise ArgumentError(
+            "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute need "
+            "--pipeline-schedule tawpipe or weipipe")
     if world_size % pp:
         raise ArgumentError(
             f"--pipeline-model-parallel-size {pp} must divide the number of ranks {world_size}")

@@ -214,3 +214,6 @@ class NativeTrainer:
 
     def param_groups(self):
         return self.optimizer.param_groups
+
+    def close(self) -> None:
+        pass

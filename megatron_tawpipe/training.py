@@ -127,7 +127,7 @@ def _pretrain(args) -> List[IterationRecord]:
             loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
             if not math.isfinite(loss) and not args.fp16:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping")
-            extra = {}
+            extra = dict(step.get("extra", {}))
             if args.eval_interval and iteration % args.eval_interval == 0:
                 extra["validation_lm_loss"] = _report_validation(trainer, valid_ds, args, iteration)
             records.append(writer.record(
@@ -142,6 +142,7 @@ def _pretrain(args) -> List[IterationRecord]:
             save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
     finally:
         writer.close()
+        trainer.close()
     return records
 
 

@@ -1,46 +1,129 @@
-"""weipipe / tawpipe train exactly like single-process data-parallel training."""
+"""weipipe / tawpipe train exactly like single-process data-parallel training.
+
+Every case runs 3 iterations with gradient clipping active and compares, against
+a single-process run of the same model, initial weights and global batch
+(megatron-core without pipelining, gradient accumulation over the whole batch):
+the loss and gradient norm of every iteration, and every parameter after every
+optimizer step (both runs checkpoint each iteration; the files are compared).
+It also checks that the bytes the executor sent per link class equal the plan's.
+"""
+
+import os
 
 import pytest
+import torch
 
 from distributed_harness import run_ranks
 from training_helpers import assert_close_rel, losses, tiny_args, train_rank
 
+ITERS = 3
 
-def _args(*extra, layers=8, micro_batch=1, global_batch=8):
-    argv = tiny_args(*extra, train_iters=3, global_batch=global_batch, micro_batch=micro_batch)
+
+def _args(*extra, layers, global_batch, save=None):
+    argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1)
     argv[argv.index("--num-layers") + 1] = str(layers)
+    if save:
+        argv += ["--save", save, "--save-interval", "1"]
     return argv
 
 
-_REFERENCES = {}
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache = {}
+
+    def get(layers, global_batch):
+        key = (layers, global_batch)
+        if key not in cache:
+            save = str(tmp_path_factory.mktemp(f"ref-L{layers}-B{global_batch}"))
+            (records,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch, save=save))
+            cache[key] = (records, save)
+        return cache[key]
+
+    return get
 
 
-def _reference(layers, global_batch):
-    key = (layers, global_batch)
-    if key not in _REFERENCES:
-        (_REFERENCES[key],) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch))
-    return _REFERENCES[key]
+def _load_params(root, iteration):
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    index = torch.load(os.path.join(directory, "common.pt"), weights_only=True)["index"]
+    files = {}
+    params = {}
+    for name, (_, filename) in index.items():
+        if filename not in files:
+            files[filename] = torch.load(os.path.join(directory, filename), weights_only=True)["params"]
+        params[name] = files[filename][name]
+    return params
+
+
+def assert_same_parameters(root, reference_root, iteration, rtol=1e-5):
+    ours, theirs = _load_params(root, iteration), _load_params(reference_root, iteration)
+    assert set(ours) == set(theirs)
+    for name, expected in theirs.items():
+        diff = (ours[name] - expected).abs().max().item()
+        scale = expected.abs().max().item()
+        assert diff <= rtol * scale, f"{name} after step {iteration}: max diff {diff} vs max {scale}"
+
+
+def _planned_bytes(rank, argv):
+    """Build the trainer's plan accounting without training (runs inside a forked rank)."""
+    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.data import build_tokenizer
+    from megatron_tawpipe.initialize import destroy, initialize_distributed, initialize_model_parallel
+    from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
+
+    args = validate_args(parse_args(argv))
+    initialize_distributed(args)
+    initialize_model_parallel(args)
+    build_tokenizer(args)
+    trainer = WeightPassingTrainer(args)
+    try:
+        return trainer.planned_link_bytes()
+    finally:
+        trainer.close()
+        destroy()
 
 
 CASES = [
-    # (world, schedule flags, layers, global batch): 1 or 2 layers per shard, 1 or 3 micro-batches per rank
+    # world, schedule flags, layers, global batch (micro-batches per rank = batch / world)
     (2, ["--pipeline-schedule", "weipipe"], 2, 2),
+    (2, ["--pipeline-schedule", "weipipe", "--tawpipe-no-recompute"], 4, 6),
     (3, ["--pipeline-schedule", "weipipe"], 6, 9),
-    (4, ["--pipeline-schedule", "weipipe"], 8, 4),
+    (4, ["--pipeline-schedule", "weipipe", "--tawpipe-no-recompute"], 4, 4),
+    (4, ["--pipeline-schedule", "weipipe"], 8, 12),
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "1"], 4, 12),
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"], 8, 4),
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-no-recompute"], 8, 12),
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "4"], 4, 4),
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-no-overlap"], 4, 12),
-    (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3"], 6, 6),
+    (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"], 6, 18),
+    (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", "--tawpipe-no-recompute"], 12, 6),
 ]
 
 
-@pytest.mark.parametrize("world,extra,layers,global_batch", CASES,
-                         ids=[f"{e[1]}-P{w}-{'-'.join(e[2:])}-L{l}-B{b}" for w, e, l, b in CASES])
-def test_matches_single_process_reference(world, extra, layers, global_batch):
-    reference = _reference(layers, global_batch)
-    per_rank = run_ranks(train_rank, world, _args(*extra, layers=layers, global_batch=global_batch))
+def _case_id(case):
+    world, extra, layers, batch = case
+    flags = "-".join(f.replace("--tawpipe-", "") for f in extra[1:])
+    return f"P{world}-{flags}-{layers // world}lps-{batch // world}mb"
+
+
+@pytest.mark.parametrize("world,extra,layers,global_batch", CASES, ids=[_case_id(c) for c in CASES])
+def test_matches_single_process_reference(world, extra, layers, global_batch, reference, tmp_path):
+    ref_records, ref_save = reference(layers, global_batch)
+    save = str(tmp_path / "ckpt")
+    per_rank = run_ranks(train_rank, world, _args(*extra, layers=layers, global_batch=global_batch, save=save))
     for records in per_rank:
-        assert_close_rel(losses(records), losses(reference), 1e-5)
-        assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], 1e-5, "grad norm")
-    assert losses(reference)[0] != losses(reference)[-1]
+        assert_close_rel(losses(records), losses(ref_records), 1e-5)
+        assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in ref_records], 1e-5,
+                         "grad norm")
+    # Clipping was active (--clip-grad 1.0) and the model trained.
+    assert max(r["grad_norm"] for r in ref_records) > 1.0
+    assert losses(ref_records)[0] != losses(ref_records)[-1]
+    for iteration in range(1, ITERS + 1):
+        assert_same_parameters(save, ref_save, iteration)
+    # Bytes: what the executor sent equals what the plan prescribes, exactly, every iteration.
+    planned = run_ranks(_planned_bytes, world, _args(*extra, layers=layers, global_batch=global_batch))[0]
+    for record in per_rank[0]:
+        assert record["inter_group_bytes"] == planned["inter"]
+        assert record["intra_group_bytes"] == planned["intra"]
+    groups = int(extra[extra.index("--tawpipe-num-groups") + 1]) if "--tawpipe-num-groups" in extra else 1
+    if groups > 1:
+        assert planned["inter"] > 0

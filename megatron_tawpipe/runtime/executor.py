@@ -117,6 +117,9 @@ class PlanExecutor:
             if buf == name and (write or not reads_only):
                 raise ExecutionError(f"buffer {name} is used while transfer {tag} is in flight")
 
+    def reset_counters(self) -> None:
+        self.bytes_sent = {"intra": 0, "inter": 0}
+
     # ---- running ------------------------------------------------------------------------
 
     def run(self, actions: List[object], forward_only: bool = False) -> None:

@@ -65,6 +65,8 @@ class ShardTemplate:
         self._layer_params = [param for _, param in self.layers.named_parameters()]
         for param in self._layer_params:
             param.requires_grad_(True)
+        # Weight slot for copy-binding (see bind): parameters stay views of it.
+        self._slot = torch.empty(self.shard_numel, dtype=template_config.params_dtype, device=device)
         self._init_replicated(args.seed)
 
     # ---- layout ---------------------------------------------------------------------
@@ -105,16 +107,41 @@ class ShardTemplate:
     # ---- binding and running ------------------------------------------------------
 
     def bind(self, flat: torch.Tensor) -> None:
-        """Point the template's decoder-layer parameters at ``flat`` (no copy)."""
+        """Point the template's decoder-layer parameters at ``flat`` (no copy).
+
+        For full recompute: each computation builds and consumes its own graph.
+        """
         for param, view in zip(self._layer_params, self.views(flat)):
             param.data = view
             param.grad = None
+
+    def bind_by_copy(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` into the template's own weight slot.
+
+        Without recompute, a forward's autograd graph lives until that
+        micro-batch's backward and refers to the parameters as they are
+        *then*: the backward copies its shard's weights into the same slot
+        (bypassing autograd's version counter, since the values are the ones
+        the forward used) and runs the stored graph.
+        """
+        if self._layer_params[0].data_ptr() != self._slot.data_ptr():
+            for param, view in zip(self._layer_params, self.views(self._slot)):
+                param.data = view
+        with torch.no_grad():
+            self._slot.copy_(flat)
 
     def layer_grads_into(self, grad_flat: torch.Tensor) -> None:
         """Add the template's accumulated layer gradients into ``grad_flat`` and clear them."""
         for param, view in zip(self._layer_params, self.views(grad_flat)):
             if param.grad is not None:
                 view.add_(param.grad)
+                param.grad = None
+
+    def replicated_grads_into(self, grads: List[torch.Tensor]) -> None:
+        """Add the replicated parameters' gradients into fp32 accumulators and clear them."""
+        for (_, param), grad in zip(self.replicated_parameters(), grads):
+            if param.grad is not None:
+                grad.add_(param.grad)
                 param.grad = None
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

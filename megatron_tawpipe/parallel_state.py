@@ -1,0 +1,117 @@
+"""Weight-pipeline topology, beside megatron-core's ``parallel_state``.
+
+megatron-core sees a weight-passing run as plain data parallelism (TP = 1,
+PP = 1, DP = world). On top of that, the weight pipeline needs its own
+layout: D groups (nodes) of G = P / D consecutive ranks, the process groups
+inside each group, and which rank owns which shard. This module builds that
+once per run, with getters in megatron's style and a clean destroy.
+
+Rank ``r = k * G + j`` is local index ``j`` of group ``k``. The plan decides
+shard ownership (TawPipe spreads each group's shards over the model's depth);
+the topology records it so that checkpoints and tools can ask.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WeightPipeTopology:
+    world_size: int
+    num_groups: int
+    rank: int
+    shard_owners: Tuple[int, ...]
+
+    @property
+    def ranks_per_group(self) -> int:
+        return self.world_size // self.num_groups
+
+    @property
+    def group_index(self) -> int:
+        return self.rank // self.ranks_per_group
+
+    @property
+    def local_index(self) -> int:
+        return self.rank % self.ranks_per_group
+
+    def group_ranks(self, group: Optional[int] = None) -> List[int]:
+        group = self.group_index if group is None else group
+        start = group * self.ranks_per_group
+        return list(range(start, start + self.ranks_per_group))
+
+    def peer_in_group(self, group: int) -> int:
+        """The rank with this rank's local index in ``group`` (TawPipe's staging rank)."""
+        return group * self.ranks_per_group + self.local_index
+
+    def owned_shards(self, rank: Optional[int] = None) -> List[int]:
+        rank = self.rank if rank is None else rank
+        return [s for s, owner in enumerate(self.shard_owners) if owner == rank]
+
+
+def default_num_groups(world_size: int) -> int:
+    """One group per node as torchrun reports it (LOCAL_WORLD_SIZE ranks per node)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local <= 0 or world_size % local:
+        return 1
+    return world_size // local
+
+
+_TOPOLOGY: Optional[WeightPipeTopology] = None
+_INTRA_GROUPS: Dict[int, dist.ProcessGroup] = {}
+
+
+def initialize_weight_pipeline(num_groups: int, shard_owners: Sequence[int]) -> WeightPipeTopology:
+    """Create the topology and one process group per group (collective: every rank calls it)."""
+    global _TOPOLOGY
+    if _TOPOLOGY is not None:
+        raise RuntimeError("the weight pipeline is already initialised; call destroy_weight_pipeline() first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % num_groups:
+        raise ValueError(f"--tawpipe-num-groups {num_groups} must divide the number of ranks {world}")
+    topology = WeightPipeTopology(world, num_groups, rank, tuple(shard_owners))
+    for group in range(num_groups):
+        # new_group is collective over the default group: every rank creates every group.
+        _INTRA_GROUPS[group] = dist.new_group(topology.group_ranks(group))
+    _TOPOLOGY = topology
+    return topology
+
+
+def is_initialized() -> bool:
+    return _TOPOLOGY is not None
+
+
+def get_topology() -> WeightPipeTopology:
+    if _TOPOLOGY is None:
+        raise RuntimeError("the weight pipeline is not initialised")
+    return _TOPOLOGY
+
+
+def get_num_groups() -> int:
+    return get_topology().num_groups
+
+
+def get_group_index() -> int:
+    return get_topology().group_index
+
+
+def get_intra_group() -> dist.ProcessGroup:
+    """The process group of this rank's group (fast links)."""
+    return _INTRA_GROUPS[get_topology().group_index]
+
+
+def get_shard_owner(shard: int) -> int:
+    return get_topology().shard_owners[shard]
+
+
+def destroy_weight_pipeline() -> None:
+    global _TOPOLOGY
+    for group in _INTRA_GROUPS.values():
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    _INTRA_GROUPS.clear()
+    _TOPOLOGY = None
