@@ -1,0 +1,84 @@
+"""Weight-passing training beyond fp32 equivalence: resume across schedules, precision, dropout, errors."""
+
+import pytest
+
+from distributed_harness import run_ranks
+from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+
+ITERS = 6
+TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_tawpipe():
+    return run_ranks(train_rank, 4, tiny_args(*TAWPIPE, train_iters=ITERS))[0]
+
+
+@pytest.fixture(scope="module")
+def saved_by_tawpipe(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("tawpipe-ckpt"))
+    first = run_ranks(train_rank, 4, tiny_args(*TAWPIPE, "--save", save, "--exit-interval", "3", train_iters=ITERS))[0]
+    assert [r["iteration"] for r in first] == [1, 2, 3]
+    return save
+
+
+def test_resume_under_tawpipe_is_exact(saved_by_tawpipe, uninterrupted_tawpipe):
+    resumed = run_ranks(train_rank, 4, tiny_args(*TAWPIPE, "--load", saved_by_tawpipe, train_iters=ITERS))[0]
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    assert losses(resumed) == losses(uninterrupted_tawpipe[3:])
+
+
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--pipeline-schedule", "weipipe"]),
+    (1, ["--pipeline-schedule", "1f1b"]),
+    (2, ["--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "2"]),
+], ids=["to-weipipe", "to-native-1f1b", "to-native-1f1b-pp2"])
+def test_resume_across_schedules(saved_by_tawpipe, uninterrupted_tawpipe, world, extra):
+    resumed = run_ranks(train_rank, world, tiny_args(*extra, "--load", saved_by_tawpipe, train_iters=ITERS))[0]
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    assert_close_rel(losses(resumed), losses(uninterrupted_tawpipe[3:]), 1e-5)
+
+
+def test_native_checkpoint_resumes_under_tawpipe(tmp_path, uninterrupted_tawpipe):
+    save = str(tmp_path / "ckpt")
+    run_ranks(train_rank, 2, tiny_args("--pipeline-model-parallel-size", "2", "--save", save,
+                                       "--exit-interval", "3", train_iters=ITERS))
+    resumed = run_ranks(train_rank, 4, tiny_args(*TAWPIPE, "--load", save, train_iters=ITERS))[0]
+    assert_close_rel(losses(resumed), losses(uninterrupted_tawpipe[3:]), 1e-5)
+
+
+@pytest.fixture(scope="module")
+def fp32_reference():
+    return run_ranks(train_rank, 1, tiny_args(train_iters=3))[0]
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]], ids=["bf16", "fp16"])
+def test_reduced_precision_trains_close_to_fp32(precision, fp32_reference):
+    records = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", *precision, train_iters=3))[0]
+    assert not any(r["skipped"] for r in records)
+    assert_close_rel(losses(records), losses(fp32_reference), 2e-3, "loss vs fp32")
+    if "--fp16" in precision:
+        assert all(r["loss_scale"] == 4096.0 for r in records)
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale():
+    overflowing = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", "--fp16",
+                                                     "--initial-loss-scale", "1e30", train_iters=3))
+    frozen = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", "--fp16", "--lr", "0",
+                                                "--min-lr", "0", train_iters=3))[0]
+    for records in overflowing:
+        assert [r["skipped"] for r in records] == [True, True, True]
+        scales = [r["loss_scale"] for r in records]
+        assert scales[0] > scales[1] > scales[2]
+        # Skipped steps leave the weights as they were: same losses as a run that never updates.
+        assert losses(records) == losses(frozen)
+
+
+def test_recompute_replays_dropout_masks():
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    recompute = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", *dropout, train_iters=3))[0]
+    keep = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", *dropout,
+                                              "--tawpipe-no-recompute", train_iters=3))[0]
+    no_dropout = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", train_iters=3))[0]
+    assert_close_rel(losses(recompute), losses(keep), 1e-6, "loss with recompute vs without")
+    assert losses(recompute)[0] != losses(no_dropout)[0], "dropout must be active"
