@@ -82,3 +82,15 @@ def test_recompute_replays_dropout_masks():
     no_dropout = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", train_iters=3))[0]
     assert_close_rel(losses(recompute), losses(keep), 1e-6, "loss with recompute vs without")
     assert losses(recompute)[0] != losses(no_dropout)[0], "dropout must be active"
+
+
+def test_dispatcher_sits_beside_megatrons():
+    from megatron.core.pipeline_parallel import schedules as megatron_schedules
+
+    from megatron_tawpipe.runtime.schedules import (forward_backward_tawpipe, forward_backward_weipipe,
+                                                    get_forward_backward_func)
+
+    assert get_forward_backward_func("tawpipe") is forward_backward_tawpipe
+    assert get_forward_backward_func("weipipe") is forward_backward_weipipe
+    # Native schedules are megatron-core's own functions.
+    assert get_forward_backward_func("1f1b").__module__ == megatron_schedules.__name__

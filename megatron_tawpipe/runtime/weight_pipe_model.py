@@ -1,0 +1,258 @@
+"""The weight-pipeline model of one rank: owned shards, replicated parts, per-shard compute.
+
+Each rank owns one shard (device-bound storage): its fp32 master weights and
+its gradient accumulator stay on the owner; only compute-dtype weight copies
+and fp32 partial gradients travel, as the plan says. The replicated parts
+(embedding, final norm, output layer) live on every rank with fp32 masters.
+
+This object is the ``model`` that :func:`runtime.schedules.forward_backward_tawpipe`
+takes, and the ``compute`` side of the plan executor: the executor calls
+:meth:`forward` / :meth:`backward` for each (micro-batch, shard) action.
+
+Micro-batches enter through megatron's ``forward_step_func(data_iterator, model)``
+contract: at a micro-batch's first shard the function is called with a
+:class:`_MicroBatchRecorder` standing in for the model; it records the inputs and
+returns a placeholder, and the ``loss_func`` it returns is applied to the real
+per-token losses when the last shard has run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe import parallel_state
+from megatron_tawpipe.model import params_dtype
+from megatron_tawpipe.plan import build_plan, validate_plan
+from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
+from megatron_tawpipe.runtime.precision import RngSnapshot
+from megatron_tawpipe.runtime.shard_model import ShardTemplate
+
+
+def plan_name(args) -> str:
+    if args.pipeline_schedule == "weipipe":
+        return "weipipe"
+    return "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe"
+
+
+class _MicroBatchRecorder:
+    """Stands in for the model inside ``forward_step_func``: records one micro-batch's inputs."""
+
+    def __init__(self):
+        self.inputs: Optional[dict] = None
+
+    def __call__(self, input_ids, position_ids, attention_mask, labels=None, **unused):
+        self.inputs = dict(tokens=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                           labels=labels)
+        return None  # the real output (per-token losses) reaches loss_func after the last shard
+
+
+def _normalised_loss(outputs, num_microbatches: int) -> Tuple[torch.Tensor, object]:
+    """Megatron's normalisation of a loss_func result (see schedules.forward_step_calc_loss)."""
+    if len(outputs) == 3:
+        loss, num_tokens, report = outputs
+        return loss / torch.clamp(num_tokens, min=1) / num_microbatches, report
+    loss, report = outputs
+    return loss / num_microbatches, report
+
+
+class WeightPipeModel:
+    """One rank's weight-pipeline model: the plan, its executor and the compute callbacks."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        groups = args.tawpipe_num_groups or parallel_state.default_num_groups(self.world)
+        self.plan = build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
+                               num_layers=args.num_layers, num_microbatches=args.num_microbatches)
+        validate_plan(self.plan)
+        self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners)
+        self.recompute = not args.tawpipe_no_recompute
+        self.template = ShardTemplate(args, self.plan.num_shards, self.device)
+        self.shard_numel = self.template.shard_numel
+        self.compute_dtype = params_dtype(args)
+        self.owned = self.topology.owned_shards()
+        self._masters = {s: torch.empty(self.shard_numel, dtype=torch.float32, device=self.device) for s in self.owned}
+        self._main_grads = {s: torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device) for s in self.owned}
+        for shard, flat in self._masters.items():
+            self.template.init_shard(shard, flat)
+        self._build_replicated_masters()
+        self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self.executor = PlanExecutor(self.plan, self.rank, self, Communicators(self.plan, self.world))
+        self._reset(None, None, 1, forward_only=True)
+
+    def _build_replicated_masters(self) -> None:
+        self.replicated = self.template.replicated_parameters()
+        self.replicated_masters: List[torch.Tensor] = []
+        for _, param in self.replicated:
+            master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
+            master.grad = torch.zeros_like(master)
+            self.replicated_masters.append(master)
+
+    # ---- parameters ---------------------------------------------------------------------
+
+    def named_masters(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(global name, fp32 master, fp32 gradient)`` for every parameter this rank updates."""
+        out = []
+        for shard in self.owned:
+            views = self.template.views(self._masters[shard])
+            grads = self.template.views(self._main_grads[shard])
+            for slot, view, grad in zip(self.template.slots, views, grads):
+                out.append((self.template.global_name(shard, slot), view, grad))
+        for (name, _), master in zip(self.replicated, self.replicated_masters):
+            out.append((name, master, master.grad))
+        return out
+
+    def shard_grads(self) -> List[torch.Tensor]:
+        return list(self._main_grads.values())
+
+    def zero_grads(self) -> None:
+        for grad in self.shard_grads() + self.replicated_grads():
+            grad.zero_()
+
+    def copy_replicated_masters_to_model(self) -> None:
+        with torch.no_grad():
+            for (_, param), master in zip(self.replicated, self.replicated_masters):
+                if param.data_ptr() != master.data_ptr():
+                    param.copy_(master)
+
+    def train(self, mode: bool = True) -> None:
+        self.template.train(mode)
+
+    def eval(self) -> None:
+        self.template.train(False)
+
+    # ---- one iteration ------------------------------------------------------------------
+
+    def run(self, forward_step_func, data_iterator: Iterator, num_microbatches: int,
+            forward_only: bool) -> List[object]:
+        """Execute this rank's plan; returns the loss_func reports, one per local micro-batch."""
+        if num_microbatches != self.plan.num_microbatches:
+            raise ValueError(f"the plan was built for {self.plan.num_microbatches} micro-batches per rank, "
+                             f"got num_microbatches={num_microbatches}")
+        self._reset(forward_step_func, data_iterator, num_microbatches, forward_only)
+        self.executor.run(self.plan.actions[self.rank], forward_only=forward_only)
+        return [self._reports[mb] for mb in sorted(self._reports)]
+
+    def _reset(self, forward_step_func, data_iterator, num_microbatches: int, forward_only: bool) -> None:
+        self._forward_step_func = forward_step_func
+        self._data_iterator = data_iterator
+        self._num_microbatches = num_microbatches
+        self._forward_only = forward_only
+        self._batches: Dict[int, dict] = {}
+        self._loss_funcs: Dict[int, Callable] = {}
+        self._reports: Dict[int, object] = {}
+        self._inputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._outputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._output_grads: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._losses: Dict[int, torch.Tensor] = {}
+        needs_rng = self.args.hidden_dropout > 0 or self.args.attention_dropout > 0
+        self._rng: Optional[Dict[Tuple[int, int], RngSnapshot]] = {} if needs_rng and self.recompute else None
+        self._rotary = self.template.rotary(self.args.seq_length)
+        self.executor.reset_counters()
+
+    def _start_microbatch(self, mb: int) -> None:
+        recorder = _MicroBatchRecorder()
+        _, loss_func = self._forward_step_func(self._data_iterator, recorder)
+        if recorder.inputs is None:
+            raise RuntimeError("forward_step_func must call the model once per micro-batch")
+        self._batches[mb] = recorder.inputs
+        self._loss_funcs[mb] = loss_func
+
+    # ---- executor callbacks ---------------------------------------------------------
+
+    def master(self, shard: int) -> torch.Tensor:
+        return self._masters[shard]
+
+    def main_grad(self, shard: int) -> torch.Tensor:
+        return self._main_grads[shard]
+
+    def replicated_grads(self) -> List[torch.Tensor]:
+        return [master.grad for master in self.replicated_masters]
+
+    def optimizer_step(self) -> None:
+        """The plan's last action: every gradient has reached its owner. The step itself
+        is the caller's (megatron convention: forward_backward_func does not step)."""
+
+    def _bind(self, weights: torch.Tensor) -> None:
+        if self.recompute:
+            self.template.bind(weights)
+        else:
+            self.template.bind_by_copy(weights)
+
+    def forward(self, mb: int, shard: int, weights: torch.Tensor) -> None:
+        if shard == 0:
+            self._start_microbatch(mb)
+        batch = self._batches[mb]
+        self._bind(weights)
+        keep_graph = not self.recompute and not self._forward_only
+        if self._rng is not None and not self._forward_only:
+            self._rng[(mb, shard)] = RngSnapshot.capture()
+        with torch.set_grad_enabled(keep_graph):
+            if shard == 0:
+                hidden = self.template.embed(batch["tokens"], batch["position_ids"])
+                if not keep_graph:
+                    self._inputs[(mb, 0)] = hidden
+            else:
+                hidden = self._inputs[(mb, shard)]
+                if keep_graph:
+                    hidden = hidden.detach().requires_grad_(True)
+                    self._inputs[(mb, shard)] = hidden
+            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"])
+            if keep_graph:
+                self._outputs[(mb, shard)] = out
+            if shard + 1 < self.plan.num_shards:
+                self._inputs[(mb, shard + 1)] = out.detach() if keep_graph else out
+            else:
+                loss, report = self._loss(mb, out)
+                self._reports[mb] = report
+                if keep_graph:
+                    self._losses[mb] = loss
+                if self._forward_only:
+                    self._batches.pop(mb)
+
+    def _loss(self, mb: int, out: torch.Tensor) -> Tuple[torch.Tensor, object]:
+        """loss_func on the per-token losses, normalised like megatron and averaged over ranks."""
+        batch = self._batches[mb]
+        per_token = self.template.head_loss(out, batch["labels"])
+        loss, report = _normalised_loss(self._loss_funcs[mb](per_token), self._num_microbatches)
+        return self.loss_scale_func(loss / self.world), report
+
+    def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        self._bind(weights)
+        if self.recompute:
+            hidden, out = self._recompute(mb, shard)
+        else:
+            hidden, out = self._inputs.pop((mb, shard), None), self._outputs.pop((mb, shard))
+        if shard + 1 == self.plan.num_shards:
+            loss = self._loss(mb, out)[0] if self.recompute else self._losses.pop(mb)
+            loss.backward()
+        else:
+            out.backward(self._output_grads.pop((mb, shard)))
+        if shard > 0:
+            self._output_grads[(mb, shard - 1)] = hidden.grad
+        self.template.layer_grads_into(grad_buffer)
+        self.template.replicated_grads_into(self.replicated_grads())
+        if shard == 0:
+            self._batches.pop(mb)
+            self._loss_funcs.pop(mb)
+
+    def _recompute(self, mb: int, shard: int):
+        """Full recompute of (mb, shard), replaying the forward's RNG state (dropout)."""
+        batch = self._batches[mb]
+        snapshot = self._rng.pop((mb, shard)) if self._rng is not None else None
+        with RngSnapshot.replay(snapshot), torch.enable_grad():
+            if shard == 0:  # recompute the embedding so that its weights get gradients
+                hidden = self.template.embed(batch["tokens"], batch["position_ids"])
+                self._inputs.pop((mb, 0))
+            else:
+                hidden = self._inputs.pop((mb, shard)).detach().requires_grad_(True)
+            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"])
+        return hidden, out
+
+    def close(self) -> None:
+        parallel_state.destroy_weight_pipeline()
