@@ -26,12 +26,17 @@ def main(argv=None) -> int:
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
         return 2
 
-    from megatron_tawpipe.initialize import destroy
+    from megatron_tawpipe.checkpoint import CheckpointError
+    from megatron_tawpipe.initialize import DistributedSetupError, destroy
+    from megatron_tawpipe.runtime.executor import ExecutionError
     from megatron_tawpipe.training import TrainingError, pretrain
 
     try:
         pretrain(args)
-    except TrainingError as exc:
+    except DistributedSetupError as exc:
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
+        return 2
+    except (TrainingError, ExecutionError, CheckpointError) as exc:
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
         return 1
     finally:

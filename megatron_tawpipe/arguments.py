@@ -29,6 +29,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -95,6 +102,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale; default dynamic")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="stop with the iteration and shard where a NaN/Inf loss or gradient appears (default); "
+                        "with --fp16 such steps are skipped and the loss scale lowered instead")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=_positive_int, default=1)
@@ -109,7 +122,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl with CUDA, gloo otherwise")
-    g.add_argument("--distributed-timeout-minutes", type=_positive_int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10.0,
+                   help="a peer that sends nothing for this long is reported as stopped (no silent hangs)")
     g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
                    help="groups (nodes) of the weight pipeline; default: one per node")
     g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")

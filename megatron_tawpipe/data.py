@@ -25,12 +25,13 @@ import logging
 import math
 import os
 import re
-import struct
 import tempfile
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
+
+from megatron_tawpipe.data_checks import check_indexed_dataset, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ __all__ = [
     "build_tokenizer",
     "pad_vocab_size",
     "validate_data_args",
+    "check_data_files",
     "parse_data_path",
     "parse_split",
     "dataset_sizes",
@@ -295,13 +297,57 @@ def _split_bookends(split: List[float]) -> List[Optional[Tuple[float, float]]]:
 
 
 def _idx_counts(prefix: str) -> Tuple[int, int]:
-    """(sequence count, document count) from a Megatron .idx header."""
-    with open(prefix + ".idx", "rb") as f:
-        header = f.read(34)
-    if len(header) < 34 or header[:9] != b"MMIDIDX\x00\x00":
-        raise ValueError(f"--data-path: {prefix}.idx is not a Megatron indexed-dataset index")
-    seq_count, doc_count = struct.unpack("<QQ", header[18:34])
-    return seq_count, doc_count
+    """(sequence count, document count) of a Megatron .idx, after checking the .bin/.idx pair."""
+    info = check_indexed_dataset(prefix, "--data-path")
+    return info.sequence_count, info.document_count
+
+
+def _tokenizer_vocab(args, vocab_size: Optional[int] = None) -> Optional[Tuple[int, str, str]]:
+    """(number of token ids, message start naming the flag, hint) for the tokenizer of ``args``.
+
+    ``vocab_size`` is the built tokenizer's size when there is one; otherwise it is read
+    from the flags (SentencePiece: pieces in the model; NullTokenizer: --vocab-size ids
+    plus the eod id --vocab-size).  None when neither gives a size.
+    """
+    if getattr(args, "tokenizer_type", None) == "SentencePieceTokenizer":
+        model = getattr(args, "tokenizer_model", None)
+        if vocab_size is None:
+            import sentencepiece
+
+            vocab_size = sentencepiece.SentencePieceProcessor(model_file=model).get_piece_size()
+        return (int(vocab_size), f"--tokenizer-model {model} has {int(vocab_size)} tokens",
+                "the data was tokenized with another tokenizer")
+    null_vocab = getattr(args, "vocab_size", None)
+    if getattr(args, "tokenizer_type", None) != "NullTokenizer" or null_vocab is None:
+        if vocab_size is None:
+            return None
+        return (int(vocab_size), f"the tokenizer has {int(vocab_size)} tokens",
+                "the data was tokenized with another tokenizer")
+    null_vocab = int(null_vocab)
+    if vocab_size is None:
+        vocab_size = null_vocab + 1
+    return (int(vocab_size),
+            f"--vocab-size {null_vocab} gives the NullTokenizer {int(vocab_size)} token ids "
+            f"(0..{int(vocab_size) - 1}, eod {null_vocab})",
+            "the data was tokenized with another tokenizer or a larger --vocab-size")
+
+
+def check_data_files(args, vocab_size: Optional[int] = None) -> None:
+    """Check each --data-path prefix: an intact .bin/.idx pair whose ids fit the tokenizer.
+
+    Raises ValueError with one line naming the flag and file (see ``data_checks``).  A
+    no-op for --mock-data.  ``vocab_size`` overrides the tokenizer size read from the flags.
+    """
+    if getattr(args, "mock_data", False):
+        return
+    blend = parse_data_path(getattr(args, "data_path", None))
+    if blend is None:
+        return
+    infos = [check_indexed_dataset(prefix, "--data-path") for prefix in dict.fromkeys(blend[0])]
+    vocab = _tokenizer_vocab(args, vocab_size)
+    if vocab is not None:
+        for info in infos:
+            check_token_ids(info, *vocab)
 
 
 def _check_splits_nonempty(prefixes: Sequence[str], split_text: str) -> None:
@@ -328,7 +374,9 @@ def _check_splits_nonempty(prefixes: Sequence[str], split_text: str) -> None:
 def validate_data_args(args) -> None:
     """Check the data/tokenizer flags; raise ValueError with one line naming the flag/file.
 
-    Runs without torch.distributed and without building anything.
+    Runs without torch.distributed and without building anything.  Each --data-path
+    prefix must be an intact .bin/.idx pair whose token ids fit the tokenizer
+    (``check_data_files``); --mock-data skips the data checks.
     """
     ttype = getattr(args, "tokenizer_type", None)
     if ttype not in SUPPORTED_TOKENIZERS:
@@ -374,6 +422,7 @@ def validate_data_args(args) -> None:
                 raise ValueError(f"--data-path: {path} not found")
             if not os.access(path, os.R_OK):
                 raise ValueError(f"--data-path: {path} is not readable")
+    check_data_files(args)
     _check_splits_nonempty(blend[0], _arg(args, "split", DEFAULT_SPLIT))
 
 
@@ -459,6 +508,7 @@ def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool
 
     config = build_dataset_config(args, tokenizer)
     if not config.mock:
+        check_data_files(args, getattr(tokenizer, "vocab_size", None))
         _check_splits_nonempty(config.blend[0], config.split)
     cls = MockGPTDataset if config.mock else GPTDataset
     sizes = dataset_sizes(args)

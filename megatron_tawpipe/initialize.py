@@ -11,6 +11,7 @@ import datetime
 import os
 import random
 import socket
+import time
 
 import numpy as np
 import torch
@@ -18,6 +19,38 @@ import torch.distributed as dist
 
 from megatron_tawpipe import cpu_compat
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES, virtual_pipeline_size
+
+
+class DistributedSetupError(RuntimeError):
+    """The process group cannot be set up (master address unresolvable or unreachable)."""
+
+
+def check_master_reachable(addr: str, port: int, timeout_s: float, must_connect: bool) -> None:
+    """Fail with a clear message instead of hanging in init_process_group.
+
+    The name must resolve at once. Ranks that connect to a store hosted elsewhere
+    (every rank under torchrun; ranks > 0 otherwise) retry a TCP connection until
+    the distributed timeout: the store may simply not be up yet.
+    """
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DistributedSetupError(
+            f"MASTER_ADDR {addr!r} does not resolve ({exc.strerror}); set MASTER_ADDR "
+            "(torchrun --master-addr) to the address of node 0") from exc
+    if not must_connect:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise DistributedSetupError(
+                    f"cannot reach MASTER_ADDR:MASTER_PORT {addr}:{port} within {timeout_s:.0f} s ({exc}); "
+                    "check --master-addr / --master-port and the network between nodes") from exc
+            time.sleep(0.5)
 
 
 def default_backend() -> str:
@@ -37,9 +70,16 @@ def initialize_distributed(args) -> None:
         return
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if world_size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    else:
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise DistributedSetupError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (launch with torchrun)")
+        under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        check_master_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               timeout.total_seconds(), must_connect=under_torchrun or rank != 0)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = args.distributed_backend or default_backend()
@@ -47,7 +87,7 @@ def initialize_distributed(args) -> None:
         backend=backend,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        timeout=timeout,
     )
 
 

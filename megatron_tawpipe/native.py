@@ -88,7 +88,8 @@ class NativeTrainer:
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+            check_for_nan_in_grad=self.args.check_for_nan_in_loss_and_grad and not self.args.fp16)
         chunks = []
         for vp_stage in range(vpp or 1):
             stage = vp_stage if vpp else None

@@ -23,6 +23,7 @@ from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
 from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
 from megatron_tawpipe.metrics import IterationRecord, MetricsWriter
+from megatron_tawpipe.runtime.precision import NonFiniteGradientError
 
 
 class TrainingError(RuntimeError):
@@ -118,15 +119,20 @@ def _pretrain(args) -> List[IterationRecord]:
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
-            step = trainer.train_step(train_iterators)
+            try:
+                step = trainer.train_step(train_iterators)
+            except NonFiniteGradientError as exc:
+                raise TrainingError(f"{exc} at iteration {iteration + 1}; stopping "
+                                    "(--no-check-for-nan-in-loss-and-grad to continue anyway)") from exc
             elapsed = time.perf_counter() - start
             iteration += 1
             consumed_samples += args.global_batch_size
             if not step["skipped"]:
                 scheduler.step(increment=1)
             loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
-            if not math.isfinite(loss) and not args.fp16:
-                raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping")
+            if not math.isfinite(loss) and not args.fp16 and args.check_for_nan_in_loss_and_grad:
+                raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
+                                    "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
             extra = dict(step.get("extra", {}))
             if args.eval_interval and iteration % args.eval_interval == 0:
                 extra["validation_lm_loss"] = _report_validation(trainer, valid_ds, args, iteration)

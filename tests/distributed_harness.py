@@ -68,3 +68,36 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, **kw
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[rank] for rank in range(world_size)]
+
+
+def run_ranks_outcomes(fn: Callable, world_size: int, *args, timeout: float = 120.0, **kwargs) -> List[tuple]:
+    """Like run_ranks, but for fault tests: returns ``(status, payload, seconds)`` per rank.
+
+    status is "ok" (payload = result), "error" (payload = traceback text), or
+    "gone" (the rank died or was still running at ``timeout`` and was killed).
+    """
+    import time
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, queue, args, kwargs))
+             for rank in range(world_size)]
+    start = time.monotonic()
+    for proc in procs:
+        proc.start()
+    outcomes: dict = {}
+    deadline = start + timeout
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = queue.get(timeout=0.5)
+        except Exception:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            continue
+        outcomes[rank] = ("ok" if ok else "error", payload, time.monotonic() - start)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    return [outcomes.get(rank, ("gone", None, None)) for rank in range(world_size)]

@@ -447,8 +447,11 @@ def test_validate_data_args_errors(null_corpus, sp_model, tmp_path):
     msg = _error(_null_args(None, data_path=["0.5", null_corpus, null_corpus, "x"]))
     assert "--data-path" in msg
 
+    msg = _error(_null_args(null_corpus, tokenizer_model=sp_model, **sp))  # ids of another tokenizer
+    assert msg.startswith(f"--tokenizer-model {sp_model} has 500 tokens") and "token id 1000" in msg
+
     # valid settings pass
-    data.validate_data_args(_null_args(null_corpus, tokenizer_model=sp_model, **sp))
+    data.validate_data_args(_null_args(null_corpus))
     data.validate_data_args(_null_args(None, mock_data=True))
 
 

@@ -15,6 +15,8 @@ input, with the real tensor sizes.
 
 from __future__ import annotations
 
+import datetime
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -25,6 +27,19 @@ from megatron_tawpipe.plan import actions as A
 
 class ExecutionError(RuntimeError):
     """A plan action could not run on this rank; names rank, step and action."""
+
+
+class PeerFailure(ExecutionError):
+    """A transfer failed or timed out: a peer stopped, stalled or is unreachable."""
+
+
+@dataclass
+class _InFlight:
+    work: object
+    after: Callable[[], None]
+    buf: str
+    reads_only: bool
+    what: str           # e.g. "receive of weight shard 3 from rank 2", for error messages
 
 
 class Communicators:
@@ -66,14 +81,17 @@ class PlanExecutor:
     ``optimizer_step()`` and ``shard_numel``/``compute_dtype``/``device``.
     """
 
-    def __init__(self, plan, rank: int, compute, communicators: Communicators):
+    def __init__(self, plan, rank: int, compute, communicators: Communicators,
+                 timeout: Optional[datetime.timedelta] = None):
         self.plan = plan
+        # Bounded waits: a dead or stalled peer becomes an error, never a silent hang.
+        self.timeout = timeout or datetime.timedelta(minutes=10)
         self.rank = rank
         self.compute = compute
         self.comms = communicators
         self.weight_buffers: Dict[str, torch.Tensor] = {}
         self.grad_buffers: Dict[str, torch.Tensor] = {}
-        self.in_flight: Dict[int, Tuple[object, Callable[[], None], str, bool]] = {}
+        self.in_flight: Dict[int, _InFlight] = {}
         self.bytes_sent = {"intra": 0, "inter": 0}
         self._handlers = {
             A.Forward: self._forward,
@@ -113,8 +131,8 @@ class PlanExecutor:
 
     def _check_not_in_flight(self, name: str, write: bool) -> None:
         """Outgoing transfers only read their buffer; anything else in flight forbids all access."""
-        for tag, (_, _, buf, reads_only) in self.in_flight.items():
-            if buf == name and (write or not reads_only):
+        for tag, op in self.in_flight.items():
+            if op.buf == name and (write or not op.reads_only):
                 raise ExecutionError(f"buffer {name} is used while transfer {tag} is in flight")
 
     def reset_counters(self) -> None:
@@ -130,14 +148,22 @@ class PlanExecutor:
                 continue
             try:
                 self._handlers[type(action)](action)
+            except PeerFailure as exc:
+                raise PeerFailure(f"rank {self.rank}, step {step} of {len(actions)}, {action}: {exc}") from exc
             except ExecutionError as exc:
                 raise ExecutionError(f"rank {self.rank}, step {step}, {action}: {exc}") from exc
+            except RuntimeError as exc:
+                if isinstance(action, A.STARTS):
+                    raise PeerFailure(
+                        f"rank {self.rank}, step {step} of {len(actions)}, {action}: could not start "
+                        f"({_describe(action, self.rank)}): {_first_line(exc)}") from exc
+                raise
         if self.in_flight:
             raise ExecutionError(f"rank {self.rank}: plan ended with transfers in flight: {sorted(self.in_flight)}")
 
-    def _start(self, tag: int, work, buf: str, after: Callable[[], None] = lambda: None,
+    def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:
-        self.in_flight[tag] = (work, after, buf, reads_only)
+        self.in_flight[action.tag] = _InFlight(work, after, buf, reads_only, _describe(action, self.rank))
 
     def _count(self, link: str, tensor: torch.Tensor) -> None:
         self.bytes_sent[link] += tensor.numel() * tensor.element_size()
@@ -170,12 +196,12 @@ class PlanExecutor:
         self._count(a.link, tensor)
         # A sent gradient has moved to the receiver: the buffer is empty afterwards.
         after = (lambda: tensor.zero_()) if a.kind == "grad" else (lambda: None)
-        self._start(a.tag, work, a.buf, after, reads_only=a.kind == "weight")
+        self._start(a, work, a.buf, after, reads_only=a.kind == "weight")
 
     def _recv(self, a: A.RecvStart) -> None:
         tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
         work = dist.irecv(tensor, src=a.peer, group=self.comms.for_p2p(a.kind), tag=a.tag)
-        self._start(a.tag, work, a.buf)
+        self._start(a, work, a.buf)
 
     def _broadcast(self, a: A.BroadcastStart) -> None:
         is_root = self.rank == a.root
@@ -183,7 +209,7 @@ class PlanExecutor:
         work = dist.broadcast(tensor, src=a.root, group=self.comms.for_collective(a.ranks, a.kind), async_op=True)
         if not is_root:
             self._count(self.plan.link_between(self.rank, a.root), tensor)
-        self._start(a.tag, work, a.buf, reads_only=is_root)
+        self._start(a, work, a.buf, reads_only=is_root)
 
     def _reduce(self, a: A.ReduceStart) -> None:
         tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
@@ -193,7 +219,7 @@ class PlanExecutor:
         if self.rank != a.root:
             self._count(self.plan.link_between(self.rank, a.root), tensor)
             after = lambda: tensor.zero_()  # noqa: E731 - contributions moved to the root
-        self._start(a.tag, work, a.buf, after)
+        self._start(a, work, a.buf, after)
 
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
         grads = self.compute.replicated_grads()
@@ -206,12 +232,38 @@ class PlanExecutor:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
-        self._start(a.tag, work, "<replicated>", unflatten)
+        self._start(a, work, "<replicated>", unflatten)
 
     def _wait(self, a: A.Wait) -> None:
         if a.tag not in self.in_flight:
             raise ExecutionError(f"wait for transfer {a.tag}, which was not started")
-        work, after, _, _ = self.in_flight.pop(a.tag)
-        if work is not None:
-            work.wait()
-        after()
+        op = self.in_flight.pop(a.tag)
+        if op.work is not None:
+            try:
+                op.work.wait(timeout=self.timeout)
+            except RuntimeError as exc:
+                seconds = int(self.timeout.total_seconds())
+                raise PeerFailure(f"{op.what} failed or did not complete within {seconds} s "
+                                  f"(--distributed-timeout-minutes): {_first_line(exc)}") from exc
+        op.after()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _describe(action, rank: int) -> str:
+    """What a communication action waits for, naming the peer ranks it depends on."""
+    what = f"{getattr(action, 'kind', '')} shard {getattr(action, 'shard', '')}".strip()
+    if isinstance(action, A.SendStart):
+        return f"send of {what} to rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
+    if isinstance(action, A.RecvStart):
+        return f"receive of {what} from rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
+    if isinstance(action, A.BroadcastStart):
+        return f"broadcast of {what} from rank {action.root} over ranks {list(action.ranks)}"
+    if isinstance(action, A.ReduceStart):
+        return f"reduce of {what} to rank {action.root} over ranks {list(action.ranks)}"
+    if isinstance(action, A.ReplicatedAllReduceStart):
+        return f"all-reduce of the replicated gradients over ranks {list(action.ranks)}"
+    return type(action).__name__

@@ -19,6 +19,24 @@ import torch
 import torch.distributed as dist
 
 
+class NonFiniteGradientError(RuntimeError):
+    """A NaN/Inf gradient; ``where`` names the shards (or replicated parts) it was found in."""
+
+    def __init__(self, where: str):
+        super().__init__(f"NaN/Inf gradient in {where}")
+        self.where = where
+
+
+def find_non_finite(groups: List[List[torch.Tensor]], device: torch.device) -> List[int]:
+    """Indices of the gradient groups holding a NaN/Inf on *any* rank (one all-reduced flag vector)."""
+    flags = torch.zeros(len(groups), dtype=torch.float32, device=device)
+    for i, grads in enumerate(groups):
+        if any(not torch.isfinite(g).all() for g in grads):
+            flags[i] = 1.0
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [i for i, flag in enumerate(flags.tolist()) if flag > 0]
+
+
 class GradScaling:
     """No-op for fp32/bf16; megatron's grad scaler for fp16."""
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
-from megatron_tawpipe.runtime.precision import GradScaling
+from megatron_tawpipe.runtime.precision import GradScaling, NonFiniteGradientError, find_non_finite
 from megatron_tawpipe.runtime.schedules import get_forward_backward_func
 from megatron_tawpipe.runtime.weight_pipe_model import WeightPipeModel
 
@@ -106,10 +106,25 @@ class WeightPassingTrainer:
         grads = self.model.shard_grads() + self.model.replicated_grads()
         if self.scaling.unscale_and_check(grads):
             return None, True
+        if self.args.check_for_nan_in_loss_and_grad and not self.args.fp16:
+            self._check_finite()
         grad_norm = self._clip_gradients()
         self._adamw.step()
         self.model.copy_replicated_masters_to_model()
         return grad_norm, False
+
+    def _check_finite(self) -> None:
+        """Every rank checks what it holds; one all-reduced flag per shard makes all ranks agree."""
+        groups = [[self.model.main_grad(s)] if s in self.model.owned else [] for s in range(self.plan.num_shards)]
+        groups.append(self.model.replicated_grads())
+        bad = find_non_finite(groups, self.device)
+        if not bad:
+            return
+        lps = self.plan.layers_per_shard
+        names = [f"shard {s} (layers {s * lps}-{(s + 1) * lps - 1}, owner rank {self.plan.owners[s]})"
+                 if s < self.plan.num_shards else "the replicated embedding / final norm / output layer"
+                 for s in bad]
+        raise NonFiniteGradientError(", ".join(names))
 
     def _reduce_reports(self, reports) -> Tuple[float, float]:
         """Sum the ``[loss_sum, tokens]`` reports over micro-batches and ranks."""

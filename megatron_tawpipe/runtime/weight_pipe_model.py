@@ -18,6 +18,7 @@ per-token losses when the last shard has run.
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -82,7 +83,8 @@ class WeightPipeModel:
             self.template.init_shard(shard, flat)
         self._build_replicated_masters()
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        self.executor = PlanExecutor(self.plan, self.rank, self, Communicators(self.plan, self.world))
+        self.executor = PlanExecutor(self.plan, self.rank, self, Communicators(self.plan, self.world),
+                                     timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
         self._reset(None, None, 1, forward_only=True)
 
     def _build_replicated_masters(self) -> None:

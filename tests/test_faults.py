@@ -1,0 +1,129 @@
+"""Faults: dead or stalled ranks, a kill during checkpointing, NaN/Inf, an unreachable master."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from distributed_harness import run_ranks, run_ranks_outcomes
+from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+
+TIMEOUT_MINUTES = 0.25  # 15 s: the bound within which survivors must report
+
+
+def _faulty_rank(rank, argv, victim, fault, after_calls):
+    """Train; on ``victim`` the ``after_calls``-th shard forward kills or stalls the process."""
+    from megatron_tawpipe.runtime import weight_pipe_model
+
+    if rank == victim:
+        original = weight_pipe_model.WeightPipeModel.forward
+        calls = {"n": 0}
+
+        def forward(self, mb, shard, weights):
+            calls["n"] += 1
+            if calls["n"] == after_calls:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)
+            return original(self, mb, shard, weights)
+
+        weight_pipe_model.WeightPipeModel.forward = forward
+    return train_rank(rank, argv)
+
+
+@pytest.mark.parametrize("schedule,fault", [("tawpipe", "kill"), ("weipipe", "kill"), ("tawpipe", "stall")])
+def test_survivors_report_a_dead_or_stalled_rank(schedule, fault):
+    argv = tiny_args("--pipeline-schedule", schedule, "--tawpipe-num-groups", "2",
+                     "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=3)
+    # 8 layers on 4 ranks, 2 micro-batches per rank: 8 shard forwards per iteration; fail in iteration 2.
+    outcomes = run_ranks_outcomes(_faulty_rank, 4, argv, 2, fault, 11, timeout=120)
+    assert outcomes[2][0] == "gone"
+    survivors = [outcomes[r] for r in (0, 1, 3)]
+    for status, text, seconds in survivors:
+        assert status == "error", (status, text)
+        assert "PeerFailure" in text or "failed or did not complete" in text, text[-2000:]
+        assert "step" in text and "rank" in text
+        # Bounded by the timeout (plus start-up and a cascade of at most a few waits).
+        assert seconds < 4 * TIMEOUT_MINUTES * 60 + 30, seconds
+    assert any("rank 2" in text for _, text, _ in survivors), [t[-600:] for _, t, _ in survivors]
+
+
+def _kill_while_saving(rank, argv, kill_at_iteration):
+    from megatron_tawpipe import checkpoint
+
+    original = checkpoint._atomic_torch_save
+
+    def save(obj, path):
+        if f"iter_{kill_at_iteration:07d}.tmp" in path and path.endswith("common.pt"):
+            os.kill(os.getpid(), signal.SIGKILL)  # rank 0, after every shard file was written
+        return original(obj, path)
+
+    checkpoint._atomic_torch_save = save
+    return train_rank(rank, argv)
+
+
+def test_kill_during_checkpoint_save_leaves_previous_checkpoint_loadable(tmp_path):
+    save = str(tmp_path / "ckpt")
+    iters = 6
+    uninterrupted = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", train_iters=iters))[0]
+    argv = tiny_args("--pipeline-schedule", "tawpipe", "--save", save, "--save-interval", "2",
+                     "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=iters)
+    outcomes = run_ranks_outcomes(_kill_while_saving, 2, argv, 4, timeout=120)
+    assert outcomes[0][0] == "gone"
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    assert os.path.isdir(os.path.join(save, "iter_0000004.tmp"))  # the partial save, never promoted
+    resumed = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", "--load", save, train_iters=iters))[0]
+    assert [r["iteration"] for r in resumed] == [3, 4, 5, 6]
+    assert losses(resumed) == losses(uninterrupted[2:])
+
+
+@pytest.mark.parametrize("world,extra", [(4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]),
+                                         (1, ["--pipeline-schedule", "1f1b"])], ids=["tawpipe", "native"])
+def test_nan_stops_every_rank_naming_iteration(world, extra):
+    argv = tiny_args(*extra, "--lr", "1e20", "--min-lr", "1e20", train_iters=6)
+    outcomes = run_ranks_outcomes(train_rank, world, argv, timeout=120)
+    for status, text, _ in outcomes:
+        assert status == "error", (status, text)
+        assert "NaN" in text or "nan" in text or "inf" in text.lower(), text[-1500:]
+        assert "iteration" in text
+    if world > 1:
+        assert all("shard" in text or "replicated" in text for _, text, _ in outcomes)
+
+
+def test_nan_check_can_be_disabled():
+    argv = tiny_args("--pipeline-schedule", "tawpipe", "--lr", "1e20", "--min-lr", "1e20",
+                     "--no-check-for-nan-in-loss-and-grad", train_iters=4)
+    records = run_ranks(train_rank, 2, argv)[0]
+    assert len(records) == 4
+
+
+def test_unresolvable_master_address_is_one_line(monkeypatch, capsys):
+    import pretrain_llama
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert pretrain_llama.main(tiny_args("--pipeline-model-parallel-size", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MASTER_ADDR 'no-such-host.invalid' does not resolve" in err[0], err
+    assert not dist.is_initialized()
+
+
+def test_unreachable_master_is_reported_after_the_timeout(monkeypatch, capsys):
+    import pretrain_llama
+    from distributed_harness import free_port
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody listens there
+    start = time.monotonic()
+    assert pretrain_llama.main(tiny_args("--pipeline-model-parallel-size", "2",
+                                         "--distributed-timeout-minutes", "0.05")) == 2
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach MASTER_ADDR:MASTER_PORT 127.0.0.1:" in err[-1], err
+    assert not dist.is_initialized()
