@@ -87,7 +87,7 @@ Command = Union[str, Sequence[str]]
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_STALE_RE = re.compile(r"^%s(\d+)(?:c\d+)?(?:n\d+|sw)$" % NAME_PREFIX)
+_STALE_RE = re.compile(r"^%s(\d+)(?:c\d+)?(?:n\d+|sw|probe)$" % NAME_PREFIX)
 _counter = itertools.count()
 
 
@@ -330,7 +330,7 @@ class EmulatedCluster:
         try:
             self.setup()
         except BaseException:
-            self.teardown()
+            self.teardown()  # also restores the signal handlers
             raise
         return self
 
@@ -356,6 +356,13 @@ class EmulatedCluster:
             raise ClusterError(f"network namespaces already exist: {', '.join(clash)}")
         atexit.register(self.teardown)
         self._up = True
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+
+    def _build(self) -> None:
         sw = self.switch
         self._add_namespace(sw)
         self._ip("-n", sw, "link", "add", "br0", "type", "bridge")
@@ -515,7 +522,9 @@ class EmulatedCluster:
         if env:
             full_env.update({k: str(v) for k, v in env.items()})
         kwargs.setdefault("start_new_session", True)
-        kwargs.setdefault("preexec_fn", _set_pdeathsig)
+        if threading.current_thread() is threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the launching *thread* ends: main thread only.
+            kwargs.setdefault("preexec_fn", _set_pdeathsig)
         proc = subprocess.Popen(self.command(node, cmd), env=full_env, **kwargs)
         self._procs.append(proc)
         return proc
@@ -615,53 +624,47 @@ class EmulatedCluster:
                 if first_failure is not None and now - failed_at > fail_grace:
                     print(f"emulated_cluster: a node failed with exit status {first_failure}; "
                           "stopping the others", file=sys.stderr, flush=True)
-                    for p in procs:
-                        self._terminate(p)
+                    self._terminate_all(procs)
                     return first_failure
                 if timeout is not None and now - start > timeout:
                     print(f"emulated_cluster: timed out after {timeout:g} s; stopping",
                           file=sys.stderr, flush=True)
-                    for p in procs:
-                        self._terminate(p)
+                    self._terminate_all(procs)
                     return 124
                 time.sleep(0.05)
         except BaseException:
-            for p in procs:
-                self._terminate(p)
+            self._terminate_all(procs)
             raise
 
     def _terminate(self, proc: subprocess.Popen, grace: Optional[float] = None) -> None:
-        if proc.poll() is not None:
-            return
+        self._terminate_all([proc], grace)
+
+    def _terminate_all(self, procs: Sequence[subprocess.Popen],
+                       grace: Optional[float] = None) -> None:
+        """SIGTERM the process groups of ``procs``, SIGKILL what is left after ``grace`` s."""
         grace = self.term_grace if grace is None else grace
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                try:
-                    proc.send_signal(sig)
-                except ProcessLookupError:
-                    pass
-            try:
-                proc.wait(timeout=wait)
+            alive = [p for p in procs if p.poll() is None]
+            if not alive:
                 return
-            except subprocess.TimeoutExpired:
-                continue
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    try:
+                        p.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait
+            for p in alive:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
 
     def _stop_processes(self) -> None:
         procs, self._procs = self._procs, []
-        alive = [p for p in procs if p.poll() is None]
-        for p in alive:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + self.term_grace
-        for p in alive:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._terminate(p, grace=0.0)
+        self._terminate_all(procs)
 
     # ------------------------------------------------------------ statistics
     def link_bytes(self, node: Union[int, Node]) -> Dict[str, Dict[str, int]]:

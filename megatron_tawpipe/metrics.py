@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 from typing import IO, Optional
@@ -54,6 +55,7 @@ class IterationRecord:
             "tokens_per_sec_per_rank": self.tokens_per_sec_per_rank,
             "tflops_per_rank": self.tflops_per_rank,
             "skipped": self.skipped,
+            "peak_memory_bytes": peak_memory_bytes(),
         }
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
@@ -106,6 +108,15 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: GPU memory allocated on a GPU, resident set size on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def _fmt_float(value: Optional[float], spec: str) -> str:

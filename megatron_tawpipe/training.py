@@ -22,7 +22,7 @@ from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
 from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
-from megatron_tawpipe.metrics import IterationRecord, MetricsWriter
+from megatron_tawpipe.metrics import IterationRecord, MetricsWriter, peak_memory_bytes
 from megatron_tawpipe.runtime.precision import NonFiniteGradientError
 
 
@@ -84,6 +84,13 @@ def evaluate(trainer, dataset, args) -> Optional[float]:
     return loss_sum / max(tokens, 1.0)
 
 
+def _max_over_ranks(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64,
+                     device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 def _is_writer() -> bool:
     # The last rank sits on the last pipeline stage, where native schedules compute the loss.
     return dist.get_rank() == dist.get_world_size() - 1
@@ -134,6 +141,7 @@ def _pretrain(args) -> List[IterationRecord]:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
             extra = dict(step.get("extra", {}))
+            extra["peak_memory_bytes_max_rank"] = _max_over_ranks(peak_memory_bytes())
             if args.eval_interval and iteration % args.eval_interval == 0:
                 extra["validation_lm_loss"] = _report_validation(trainer, valid_ds, args, iteration)
             records.append(writer.record(

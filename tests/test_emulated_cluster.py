@@ -141,6 +141,20 @@ def test_teardown_after_failure_and_exception():
 
 
 @needs_netns
+def test_teardown_when_setup_fails_half_way(monkeypatch):
+    def broken(self, rate, first=False):
+        raise ec.ClusterError("tc refused")
+
+    monkeypatch.setattr(ec.EmulatedCluster, "_apply_rate", broken)
+    cluster = ec.EmulatedCluster(nodes=2, ranks_per_node=1, rate="10mbit")
+    with pytest.raises(ec.ClusterError, match="tc refused"):
+        with cluster:
+            pass
+    assert not set(cluster.namespaces) & set(ec.list_namespaces())
+    assert not any(os.path.exists(os.path.join(ec.NETNS_ETC, n)) for n in cluster.namespaces)
+
+
+@needs_netns
 def test_tool_returns_the_command_exit_status_and_cleans_up():
     proc = subprocess.Popen([sys.executable, TOOL, "--nodes", "2", "--rate", "100mbit", "--each-node",
                              "--", "sh", "-c", 'echo "node $EMULATED_NODE_RANK $EMULATED_NODE_ADDR"; exit 7'],

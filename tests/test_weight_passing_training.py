@@ -84,13 +84,25 @@ def test_recompute_replays_dropout_masks():
     assert losses(recompute)[0] != losses(no_dropout)[0], "dropout must be active"
 
 
-def test_dispatcher_sits_beside_megatrons():
+def _dispatch(rank):
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.initialize import destroy, initialize_distributed
     from megatron_tawpipe.runtime.schedules import (forward_backward_tawpipe, forward_backward_weipipe,
                                                     get_forward_backward_func)
 
-    assert get_forward_backward_func("tawpipe") is forward_backward_tawpipe
-    assert get_forward_backward_func("weipipe") is forward_backward_weipipe
+    initialize_distributed(parse_args(["--train-iters", "1"]))
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        return (get_forward_backward_func("tawpipe") is forward_backward_tawpipe,
+                get_forward_backward_func("weipipe") is forward_backward_weipipe,
+                get_forward_backward_func("1f1b") is megatron_schedules.forward_backward_no_pipelining)
+    finally:
+        destroy()
+
+
+def test_dispatcher_sits_beside_megatrons():
     # Native schedules are megatron-core's own functions.
-    assert get_forward_backward_func("1f1b").__module__ == megatron_schedules.__name__
+    assert run_ranks(_dispatch, 1)[0] == (True, True, True)

@@ -16,6 +16,7 @@ input, with the real tensor sizes.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -92,7 +93,7 @@ class PlanExecutor:
         self.weight_buffers: Dict[str, torch.Tensor] = {}
         self.grad_buffers: Dict[str, torch.Tensor] = {}
         self.in_flight: Dict[int, _InFlight] = {}
-        self.bytes_sent = {"intra": 0, "inter": 0}
+        self.reset_counters()
         self._handlers = {
             A.Forward: self._forward,
             A.Backward: self._backward,
@@ -137,6 +138,7 @@ class PlanExecutor:
 
     def reset_counters(self) -> None:
         self.bytes_sent = {"intra": 0, "inter": 0}
+        self.compute_seconds = 0.0   # time inside Forward/Backward actions (busy fraction)
 
     # ---- running ------------------------------------------------------------------------
 
@@ -171,10 +173,14 @@ class PlanExecutor:
     # ---- compute ------------------------------------------------------------------------
 
     def _forward(self, a: A.Forward) -> None:
+        start = time.perf_counter()
         self.compute.forward(a.mb, a.shard, self._weights(a.wbuf))  # reads only
+        self.compute_seconds += time.perf_counter() - start
 
     def _backward(self, a: A.Backward) -> None:
+        start = time.perf_counter()
         self.compute.backward(a.mb, a.shard, self._weights(a.wbuf), self._grads(a.gbuf, a.shard))
+        self.compute_seconds += time.perf_counter() - start
 
     def _load_weights(self, a: A.LoadWeights) -> None:
         self._weights(a.buf, write=True).copy_(self.compute.master(a.shard))

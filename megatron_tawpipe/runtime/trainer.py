@@ -14,6 +14,7 @@ the summed gradient equals data-parallel training's averaged one.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -81,7 +82,9 @@ class WeightPassingTrainer:
     def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
         self.model.train()
         self.model.zero_grads()
+        start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
+        busy = self.model.executor.compute_seconds / max(time.perf_counter() - start, 1e-9)
         grad_norm, skipped = self._optimizer_step()
         loss_sum, tokens = self._reduce_reports(reports)
         sent = self._reduce_bytes()
@@ -89,7 +92,8 @@ class WeightPassingTrainer:
                 "skipped": skipped, "loss_scale": self.scaling.loss_scale(),
                 "extra": {"inter_group_bytes": sent["inter"], "intra_group_bytes": sent["intra"],
                           "planned_inter_group_bytes": self._planned_bytes["inter"],
-                          "planned_intra_group_bytes": self._planned_bytes["intra"]}}
+                          "planned_intra_group_bytes": self._planned_bytes["intra"],
+                          "compute_busy_fraction": self._mean_over_ranks(busy)}}
 
     @torch.no_grad()
     def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
@@ -133,6 +137,11 @@ class WeightPassingTrainer:
             totals += report["lm loss"].to(totals)
         dist.all_reduce(totals)
         return float(totals[0]), float(totals[1])
+
+    def _mean_over_ranks(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t) / self.world
 
     def _reduce_bytes(self) -> Dict[str, int]:
         """Bytes all ranks sent this iteration, per link class (as the executor counted them)."""

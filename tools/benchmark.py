@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Run pipeline schedules side by side on the same model, global batch and data; print a table.
+
+Local (ranks on this machine):
+
+    python tools/benchmark.py --ranks 4 --schedules tawpipe weipipe 1f1b interleaved fsdp --repetitions 3 \\
+        --train-iters 4 --warmup-iters 1 --json runs/bench.json --chart runs/bench.png -- \\
+        --num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 1024 --micro-batch-size 1 \\
+        --global-batch-size 16 --mock-data --vocab-size 8000
+
+On an emulated cluster (root; one network namespace per node, links shaped to --rate):
+
+    python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate 100mbit ... -- MODEL FLAGS
+
+Flags after ``--`` go to every run (pretrain_llama.py's model, data and batch flags). Repetitions
+alternate (A B C A B C ...); the first --warmup-iters iterations of each run are dropped.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_tawpipe.benchmark import (SCHEDULES, BenchmarkConfig, BenchmarkError, format_table,  # noqa: E402
+                                        run_benchmark, write_chart)
+
+DEFAULT_MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
+                 "--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "16",
+                 "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000",
+                 "--lr", "1e-4", "--log-interval", "1000", "--eval-interval", "1000"]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_args = None
+    if "--" in argv:
+        i = argv.index("--")
+        argv, model_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument("--ranks", type=int, default=None, help="local ranks (default 4; nodes x ranks-per-node on a cluster)")
+    p.add_argument("--repetitions", type=int, default=2)
+    p.add_argument("--train-iters", type=int, default=4)
+    p.add_argument("--warmup-iters", type=int, default=1)
+    p.add_argument("--groups", type=int, default=None,
+                   help="--tawpipe-num-groups for tawpipe/weipipe (default: nodes; locally 2)")
+    p.add_argument("--nodes", type=int, default=None, help="run on an emulated cluster of this many nodes (root)")
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--rate", default="100mbit", help="emulated link rate per node, e.g. 100mbit, 1gbit")
+    p.add_argument("--outdir", default="runs/benchmark")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--chart", default=None, help="draw the table to this PNG")
+    args = p.parse_args(argv)
+
+    cluster = None
+    ranks = args.ranks or 4
+    if args.nodes is not None:
+        if os.geteuid() != 0:
+            print("benchmark.py: error: the emulated cluster needs root (network namespaces)", file=sys.stderr)
+            return 2
+        per_node = args.ranks_per_node or 1
+        cluster = (args.nodes, per_node, args.rate)
+        ranks = args.nodes * per_node
+    config = BenchmarkConfig(schedules=args.schedules, ranks=ranks, repetitions=args.repetitions,
+                             train_iters=args.train_iters, warmup_iters=args.warmup_iters, groups=args.groups,
+                             model_args=model_args if model_args is not None else DEFAULT_MODEL,
+                             outdir=args.outdir, cluster=cluster, timeout_s=args.timeout)
+    if args.warmup_iters >= args.train_iters:
+        print("benchmark.py: error: --warmup-iters must be smaller than --train-iters", file=sys.stderr)
+        return 2
+    print(f"benchmark: {', '.join(args.schedules)} x {args.repetitions} repetitions on {ranks} ranks"
+          + (f" (emulated {cluster[0]} x {cluster[1]}, {cluster[2]})" if cluster else " (local)"), flush=True)
+    try:
+        result = run_benchmark(config, progress=lambda line: print(line, flush=True))
+    except BenchmarkError as exc:
+        print(f"benchmark.py: error: {exc}", file=sys.stderr)
+        return 1
+    print()
+    print(format_table(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if args.chart:
+        write_chart(result, args.chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

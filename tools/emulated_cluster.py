@@ -1,0 +1,195 @@
+#!/usr/bin/env python
+"""Run a command on an emulated multi-node cluster inside this machine (needs root).
+
+Creates NODES network namespaces (one per emulated node, addresses
+10.77.0.1, 10.77.0.2, ...) joined by veth pairs to a bridge in a switch
+namespace, shapes each node's link to RATE in both directions with htb, runs
+the command, and deletes everything afterwards: on success, on failure, on
+Ctrl-C and on SIGTERM.  Nothing in the machine's own (root) network namespace
+is touched and no traffic leaves the machine.
+
+Default mode: torchrun on every node.  Node k runs, in its namespace,
+
+    python -m torch.distributed.run --nnodes NODES --node-rank k \\
+        --nproc-per-node RANKS_PER_NODE --master-addr 10.77.0.1 --master-port PORT \\
+        COMMAND...
+
+with GLOO_SOCKET_IFNAME=eth0, e.g.
+
+    tools/emulated_cluster.py --nodes 2 --ranks-per-node 2 --rate 100mbit -- \\
+        pretrain_llama.py --pipeline-schedule tawpipe --mock-data ...
+
+--each-node runs COMMAND itself (no torchrun) in every node, e.g. for
+benchmarks of your own; these variables tell it where it runs:
+EMULATED_NODE_RANK, EMULATED_NNODES, EMULATED_NODE_ADDR, EMULATED_NODE_ADDRS
+(comma-separated), EMULATED_MASTER_ADDR, EMULATED_RANKS_PER_NODE,
+EMULATED_RATE, EMULATED_NAMESPACE.
+
+--measure (without a command) reports the throughput of one TCP stream
+between node 0 and node 1 and inside node 0.
+
+Traffic between ranks of the same node is not shaped: all ranks of a node
+bind to its eth0 address (GLOO_SOCKET_IFNAME=eth0), and the kernel delivers
+packets addressed to the namespace's own address over lo, never through
+eth0's qdisc.  Only traffic to another node crosses the shaped link, which
+all ranks of a node share like one NIC.
+
+Inside a node, /etc/hosts (a file /etc/netns/<namespace>/hosts that ip netns
+exec mounts there, deleted at teardown) maps the machine's hostname to the
+node's address and each node's namespace name to its address, as DNS is not
+reachable from the namespaces.
+
+torchrun may log "Error waiting on exit barrier ... Failed to recv" on a node
+other than 0 after training has finished: node 0's agent hosts the rendezvous
+store and can exit before the others have read the barrier's last key
+(pytorch/pytorch#69520; real clusters see it too).  It does not change the
+exit status.
+
+Latency cannot be emulated: the kernel has no netem (no sch_netem module),
+so only bandwidth is shaped.  htb lets a link that has been idle send BURST
+bytes (default 2m = 2 MiB) at once before the rate applies.
+
+The exit status is the command's (the first failing node's; 128+N if it was
+killed by signal N), 124 on --timeout, 130 after Ctrl-C, 1 if the cluster
+could not be created.  Namespaces are named twp<pid>n<k> and twp<pid>sw;
+--cleanup-stale deletes those of invocations that were killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+try:
+    import megatron_tawpipe  # noqa: F401  (installed, or found below)
+except ImportError:  # running from a source checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_tawpipe.emulated_cluster import (  # noqa: E402
+    DEFAULT_BURST, DEFAULT_MASTER_PORT, DEFAULT_SUBNET, ClusterError, EmulatedCluster,
+    check_prerequisites, cleanup_stale, format_rate, measure_throughput, parse_rate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="emulated_cluster.py", description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] -- COMMAND [ARGS...]")
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="torchrun --nproc-per-node (default 1)")
+    p.add_argument("--rate", default="1gbit",
+                   help="link rate of each node, each direction, as tc writes it: 100mbit, "
+                        "1gbit, ...; 'none' for unshaped links (default 1gbit)")
+    p.add_argument("--burst", default=DEFAULT_BURST,
+                   help=f"htb burst and cburst (default {DEFAULT_BURST})")
+    p.add_argument("--egress-only", action="store_true",
+                   help="shape only what nodes send, not also what they receive")
+    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+                   help=f"torchrun rendezvous port on node 0 (default {DEFAULT_MASTER_PORT})")
+    p.add_argument("--subnet", default=DEFAULT_SUBNET,
+                   help=f"first three octets of the nodes' /24 (default {DEFAULT_SUBNET})")
+    p.add_argument("--each-node", action="store_true",
+                   help="run COMMAND as is in every node instead of torchrun")
+    p.add_argument("--node", type=int, action="append", dest="only_nodes", metavar="K",
+                   help="with --each-node: only in node K (repeatable)")
+    p.add_argument("--torchrun-args", default="",
+                   help="extra torchrun options, one string (e.g. \"--max-restarts 0\")")
+    p.add_argument("--python", default=sys.executable,
+                   help="interpreter that runs torchrun (default: this one)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="stop everything after this many seconds (exit status 124)")
+    p.add_argument("--fail-grace", type=float, default=10.0,
+                   help="seconds the other nodes get to finish once one has failed (default 10)")
+    p.add_argument("--tag-output", action="store_true",
+                   help="prefix every output line with [node K]")
+    p.add_argument("--measure", action="store_true",
+                   help="measure node 0 -> node 1 and intra-node throughput first")
+    p.add_argument("--cleanup-stale", action="store_true",
+                   help="delete namespaces left by killed invocations, then run COMMAND if any")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every ip/tc command")
+    p.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p
+
+
+def _measure(cluster: EmulatedCluster) -> None:
+    bps = cluster.rate_bps
+    if cluster.nodes >= 2:
+        nbytes = int(min(bps * 2 / 8, 500e6)) + (4 << 20) if bps else 500_000_000
+        r = measure_throughput(cluster, 0, 1, nbytes)
+        print(f"node 0 -> node 1: {format_rate(r['bits_per_s'])} "
+              f"(configured {format_rate(bps)}; {r['bytes'] / 1e6:.0f} MB in {r['seconds']:.2f} s)",
+              flush=True)
+    r = measure_throughput(cluster, 0, 0, 500_000_000)
+    print(f"inside node 0 (lo): {format_rate(r['bits_per_s'])}", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command and not (args.measure or args.cleanup_stale):
+        parser.error("no command given (put it after --)")
+    if args.only_nodes and not args.each_node:
+        parser.error("--node only goes with --each-node")
+    try:
+        parse_rate(args.rate)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        check_prerequisites()
+    except ClusterError as e:
+        print(f"emulated_cluster: {e}", file=sys.stderr)
+        return 1
+    if args.cleanup_stale:
+        gone = cleanup_stale()
+        print(f"emulated_cluster: deleted {len(gone)} stale namespace(s)"
+              + (f": {' '.join(gone)}" if gone else ""), file=sys.stderr)
+        if not command and not args.measure:
+            return 0
+    try:
+        cluster = EmulatedCluster(args.nodes, args.ranks_per_node, args.rate, burst=args.burst,
+                                  shape_ingress=not args.egress_only, subnet=args.subnet,
+                                  master_port=args.master_port, verbose=args.verbose)
+    except ValueError as e:
+        parser.error(str(e))
+    start = time.monotonic()
+    try:
+        with cluster:
+            print(cluster.describe(), file=sys.stderr, flush=True)
+            if args.measure:
+                _measure(cluster)
+            if not command:
+                return 0
+            if args.each_node:
+                rc = cluster.run_each(command, nodes=args.only_nodes, timeout=args.timeout,
+                                      fail_grace=args.fail_grace, tag_output=args.tag_output)
+            else:
+                rc = cluster.run_torchrun(command, timeout=args.timeout,
+                                          fail_grace=args.fail_grace, python=args.python,
+                                          torchrun_args=shlex.split(args.torchrun_args),
+                                          tag_output=args.tag_output)
+    except ClusterError as e:
+        print(f"emulated_cluster: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("emulated_cluster: interrupted; cluster torn down", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        if isinstance(e.code, int) and e.code > 128:
+            print(f"emulated_cluster: terminated by signal {e.code - 128}; cluster torn down",
+                  file=sys.stderr)
+        raise
+    print(f"emulated_cluster: exit status {rc} after {time.monotonic() - start:.1f} s; "
+          "cluster torn down", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
