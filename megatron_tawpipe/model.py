@@ -122,10 +122,10 @@ def llama_layer_spec(attention_backend: str = "auto") -> ModuleSpec:
     return spec
 
 
-def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,
-                      post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
-    """Build one (stage of a) Llama model and initialise it deterministically from ``args.seed``."""
-    model = GPTModel(
+def construct_llama_model(args, config: TransformerConfig, pre_process: bool = True,
+                          post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
+    """The megatron-core GPTModel with Llama's choices, not yet initialised, on the host."""
+    return GPTModel(
         config=config,
         transformer_layer_spec=llama_layer_spec(args.attention_backend),
         vocab_size=args.padded_vocab_size,
@@ -138,6 +138,12 @@ def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+
+
+def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,
+                      post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
+    """Build one (stage of a) Llama model and initialise it deterministically from ``args.seed``."""
+    model = construct_llama_model(args, config, pre_process, post_process, vp_stage)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     init_llama_weights(model, args.seed, config)

@@ -70,11 +70,13 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, **kw
     return [results[rank] for rank in range(world_size)]
 
 
-def run_ranks_outcomes(fn: Callable, world_size: int, *args, timeout: float = 120.0, **kwargs) -> List[tuple]:
+def run_ranks_outcomes(fn: Callable, world_size: int, *args, timeout: float = 120.0,
+                       expected_reports: int = None, **kwargs) -> List[tuple]:
     """Like run_ranks, but for fault tests: returns ``(status, payload, seconds)`` per rank.
 
     status is "ok" (payload = result), "error" (payload = traceback text), or
     "gone" (the rank died or was still running at ``timeout`` and was killed).
+    With ``expected_reports``, ranks still running once that many have reported are killed.
     """
     import time
 
@@ -88,7 +90,8 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, timeout: float = 12
         proc.start()
     outcomes: dict = {}
     deadline = start + timeout
-    while len(outcomes) < world_size and time.monotonic() < deadline:
+    wanted = world_size if expected_reports is None else expected_reports
+    while len(outcomes) < wanted and time.monotonic() < deadline:
         try:
             rank, ok, payload = queue.get(timeout=0.5)
         except Exception:

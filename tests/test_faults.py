@@ -1,6 +1,7 @@
 """Faults: dead or stalled ranks, a kill during checkpointing, NaN/Inf, an unreachable master."""
 
 import os
+import re
 import signal
 import time
 
@@ -38,16 +39,18 @@ def test_survivors_report_a_dead_or_stalled_rank(schedule, fault):
     argv = tiny_args("--pipeline-schedule", schedule, "--tawpipe-num-groups", "2",
                      "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=3)
     # 8 layers on 4 ranks, 2 micro-batches per rank: 8 shard forwards per iteration; fail in iteration 2.
-    outcomes = run_ranks_outcomes(_faulty_rank, 4, argv, 2, fault, 11, timeout=120)
+    outcomes = run_ranks_outcomes(_faulty_rank, 4, argv, 2, fault, 11, timeout=120, expected_reports=3)
     assert outcomes[2][0] == "gone"
     survivors = [outcomes[r] for r in (0, 1, 3)]
     for status, text, seconds in survivors:
         assert status == "error", (status, text)
         assert "PeerFailure" in text or "failed or did not complete" in text, text[-2000:]
-        assert "step" in text and "rank" in text
+        # Names this rank, its plan step, and the peer(s) it was waiting for. In a cascade the
+        # peer can be a rank that itself stopped because of the first failure.
+        assert re.search(r"rank \d, step \d+ of \d+", text), text[-2000:]
+        assert re.search(r"(from|to) rank \d|over ranks \[", text), text[-2000:]
         # Bounded by the timeout (plus start-up and a cascade of at most a few waits).
         assert seconds < 4 * TIMEOUT_MINUTES * 60 + 30, seconds
-    assert any("rank 2" in text for _, text, _ in survivors), [t[-600:] for _, t, _ in survivors]
 
 
 def _kill_while_saving(rank, argv, kill_at_iteration):

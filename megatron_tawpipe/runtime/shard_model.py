@@ -13,9 +13,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from megatron.core.models.gpt import GPTModel
-
-from megatron_tawpipe.model import init_parameter, llama_config, llama_layer_spec
+from megatron_tawpipe.model import construct_llama_model, init_parameter, llama_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +44,7 @@ class ShardTemplate:
         template_config = llama_config(args)
         template_config.num_layers = self.layers_per_shard
         self.config = template_config
-        self.model = GPTModel(
-            config=template_config,
-            transformer_layer_spec=llama_layer_spec(args.attention_backend),
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type="rope",
-            rotary_percent=1.0,
-            rotary_base=args.rotary_base,
-        ).to(device)
+        self.model = construct_llama_model(args, template_config).to(device)
         self.device = device
         self.layers = self.model.decoder.layers
         self.slots = self._layout()

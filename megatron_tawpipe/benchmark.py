@@ -1,0 +1,332 @@
+"""Side-by-side benchmark of the pipeline schedules on one model, batch and data.
+
+Each schedule runs as its own torchrun (``pretrain_llama.py``, or
+``tools/fsdp_baseline.py`` for the FSDP baseline) with ``--metrics-file``;
+repetitions alternate (A B C A B C ...) so that slow drift of the machine
+affects every schedule alike. Warm-up iterations are dropped; the remaining
+iterations of a run give its median tokens/s per rank, ms/iteration, bytes
+between groups (weight-passing schedules count what they send), peak memory
+and compute busy fraction. Across repetitions the table reports the median
+of the per-run medians and their spread (max - min).
+
+Locally the ranks run on this machine (``torch.distributed.run --standalone``);
+with ``cluster=(nodes, ranks_per_node, rate)`` they run on an emulated cluster
+(``megatron_tawpipe.emulated_cluster``: a network namespace per node, shaped
+links, root needed), and the bytes each node's ``eth0`` sent are measured for
+every schedule as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
+FSDP_SCRIPT = os.path.join(ROOT, "tools", "fsdp_baseline.py")
+
+SCHEDULES = ("tawpipe", "weipipe", "1f1b", "interleaved", "fsdp")
+
+
+class BenchmarkError(RuntimeError):
+    pass
+
+
+@dataclass
+class BenchmarkConfig:
+    schedules: Sequence[str] = ("tawpipe", "weipipe", "1f1b", "interleaved", "fsdp")
+    ranks: int = 4
+    repetitions: int = 2
+    train_iters: int = 4
+    warmup_iters: int = 1
+    groups: Optional[int] = None  # weight-pipeline groups; default: cluster nodes, else 2 (if it divides ranks)
+    model_args: Sequence[str] = ()  # pretrain_llama.py model/data/batch flags shared by every schedule
+    num_layers: int = 8
+    outdir: str = "runs/benchmark"
+    cluster: Optional[tuple] = None  # (nodes, ranks_per_node, rate) for the emulated cluster
+    timeout_s: Optional[float] = None
+    python: str = sys.executable
+    env: Dict[str, str] = field(default_factory=dict)
+
+    def num_groups(self) -> int:
+        if self.groups is not None:
+            return self.groups
+        if self.cluster is not None:
+            return int(self.cluster[0])
+        return 2 if self.ranks % 2 == 0 and self.ranks > 1 else 1
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    argv = list(argv)
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) -> List[str]:
+    """Script and arguments of one run (what follows ``torchrun ... ``)."""
+    p = config.ranks
+    layers = int(_flag_value(config.model_args, "--num-layers") or config.num_layers)
+    common = list(config.model_args) + ["--train-iters", str(config.train_iters), "--metrics-file", metrics_file,
+                                        "--eval-iters", "0"]
+    if _flag_value(config.model_args, "--num-layers") is None:
+        common += ["--num-layers", str(layers)]
+    if schedule in ("tawpipe", "weipipe"):
+        return [PRETRAIN, "--pipeline-schedule", schedule, "--tawpipe-num-groups", str(config.num_groups())] + common
+    if schedule == "1f1b":
+        return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(p)] + common
+    if schedule == "interleaved":
+        per_stage = layers // p
+        if per_stage < 2:
+            raise BenchmarkError(f"interleaved needs at least 2 layers per stage ({layers} layers on {p} ranks)")
+        per_virtual = per_stage // 2 if per_stage % 2 == 0 else 1
+        return [PRETRAIN, "--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", str(p),
+                "--num-layers-per-virtual-pipeline-stage", str(per_virtual)] + common
+    if schedule == "fsdp":
+        return [FSDP_SCRIPT] + common
+    raise BenchmarkError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+
+
+def read_metrics(path: str) -> List[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _median(values: List[float]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize_run(records: List[dict], warmup: int) -> dict:
+    """Median over the measured (post warm-up) iterations of one run."""
+    measured = records[warmup:] if len(records) > warmup else records[-1:]
+    if not measured:
+        raise BenchmarkError("the run wrote no metrics")
+
+    def med(key):
+        return _median([r.get(key) for r in measured])
+
+    peak = [r.get("peak_memory_bytes_max_rank", r.get("peak_memory_bytes")) for r in measured]
+    busy = med("compute_busy_fraction")
+    return {
+        "iterations": len(measured),
+        "tokens_per_sec_per_rank": med("tokens_per_sec_per_rank"),
+        "elapsed_ms": med("elapsed_ms"),
+        "inter_group_bytes": med("inter_group_bytes"),
+        "intra_group_bytes": med("intra_group_bytes"),
+        "peak_memory_bytes_max_rank": max(p for p in peak if p is not None) if any(p is not None for p in peak) else None,
+        "compute_busy_fraction": busy,
+        "lm_loss": [r.get("lm_loss") for r in records],
+    }
+
+
+def _launch_local(config: BenchmarkConfig, script_args: List[str], log_path: str) -> int:
+    cmd = [config.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.ranks)]
+    cmd += script_args
+    env = dict(os.environ)
+    env.update(config.env)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                              timeout=config.timeout_s)
+    return proc.returncode
+
+
+class _ClusterLauncher:
+    """Runs each torchrun on an emulated cluster; measures every node's eth0 tx bytes around it."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def __call__(self, config: BenchmarkConfig, script_args: List[str], log_path: str):
+        before = self._tx()
+        env = dict(config.env)
+        env.setdefault("PYTHONWARNINGS", "ignore")
+        env.setdefault("PYTHONPATH", ROOT)
+        # run_torchrun streams the ranks' output to ours: send it to the run's log.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            rc = self.cluster.run_torchrun(script_args, env=env, timeout=config.timeout_s,
+                                           python=config.python)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for d in (fd, *saved):
+                os.close(d)
+        after = self._tx()
+        return rc, sum(after[n] - before[n] for n in before)
+
+    def _tx(self) -> Dict[int, int]:
+        return {n: self.cluster.link_bytes(n)["eth0"]["tx_bytes"] for n in range(self.cluster.nodes)}
+
+
+def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = print,
+                  launcher: Optional[Callable] = None) -> dict:
+    """Run every schedule ``repetitions`` times, alternating; return the results dict.
+
+    ``launcher(config, script_args, log_path)`` starts one run and returns its
+    exit status (default: torchrun on this machine, or on the emulated cluster).
+    """
+    for s in config.schedules:
+        if s not in SCHEDULES:
+            raise BenchmarkError(f"unknown schedule {s!r}; choose from {', '.join(SCHEDULES)}")
+    if config.cluster is not None:
+        nodes, per_node, _rate = config.cluster
+        if nodes * per_node != config.ranks:
+            raise BenchmarkError(f"--nodes x --ranks-per-node ({nodes} x {per_node}) must equal the ranks {config.ranks}")
+    os.makedirs(config.outdir, exist_ok=True)
+    runs: List[dict] = []
+    start = time.time()
+
+    def body(launch):
+        for rep in range(config.repetitions):
+            for schedule in config.schedules:
+                metrics = os.path.abspath(os.path.join(config.outdir, f"{schedule}-rep{rep}.jsonl"))
+                log = os.path.abspath(os.path.join(config.outdir, f"{schedule}-rep{rep}.log"))
+                if os.path.exists(metrics):
+                    os.remove(metrics)  # the metrics writer appends
+                args = schedule_command(schedule, config, metrics)
+                t0 = time.time()
+                result = launch(config, args, log)
+                rc, node_tx = (result, None) if isinstance(result, int) else result
+                wall = time.time() - t0
+                if rc != 0:
+                    tail = open(log, encoding="utf-8", errors="replace").read()[-3000:]
+                    raise BenchmarkError(f"{schedule} repetition {rep} failed (exit {rc}); log {log}:\n{tail}")
+                run = {"schedule": schedule, "repetition": rep, "wall_s": wall, "metrics_file": metrics,
+                       **summarize_run(read_metrics(metrics), config.warmup_iters)}
+                if node_tx is not None:
+                    # Whole run (start-up included) over all iterations, warm-up included.
+                    run["node_tx_bytes_per_iteration"] = node_tx / config.train_iters
+                runs.append(run)
+                progress(f"  {schedule:<12} rep {rep}: {run['tokens_per_sec_per_rank']:.1f} tokens/s/rank, "
+                         f"{run['elapsed_ms']:.0f} ms/iteration ({wall:.0f} s)")
+
+    if config.cluster is None:
+        body(launcher or _launch_local)
+    else:
+        from megatron_tawpipe.emulated_cluster import EmulatedCluster
+
+        nodes, per_node, rate = config.cluster
+        with EmulatedCluster(nodes, per_node, rate) as cluster:
+            progress(cluster.describe())
+            body(_ClusterLauncher(cluster))
+    return {
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()
+                   if k not in ("env", "python")},
+        "num_groups": config.num_groups(),
+        "wall_s": time.time() - start,
+        "runs": runs,
+        "summary": summarize(runs, config.schedules),
+    }
+
+
+def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
+    rows = []
+    for schedule in schedules:
+        mine = [r for r in runs if r["schedule"] == schedule]
+        if not mine:
+            continue
+        tps = [r["tokens_per_sec_per_rank"] for r in mine]
+
+        def med(key):
+            return _median([r.get(key) for r in mine])
+
+        rows.append({
+            "schedule": schedule,
+            "repetitions": len(mine),
+            "tokens_per_sec_per_rank": statistics.median(tps),
+            "tokens_per_sec_per_rank_min": min(tps),
+            "tokens_per_sec_per_rank_max": max(tps),
+            "spread_pct": 100.0 * (max(tps) - min(tps)) / statistics.median(tps) if statistics.median(tps) else None,
+            "elapsed_ms": med("elapsed_ms"),
+            "inter_group_bytes": med("inter_group_bytes"),
+            "intra_group_bytes": med("intra_group_bytes"),
+            "node_tx_bytes_per_iteration": med("node_tx_bytes_per_iteration"),
+            "peak_memory_bytes_max_rank": max(r["peak_memory_bytes_max_rank"] for r in mine
+                                              if r["peak_memory_bytes_max_rank"] is not None),
+            "compute_busy_fraction": med("compute_busy_fraction"),
+        })
+    return rows
+
+
+def _fmt_bytes(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def format_table(result: dict) -> str:
+    rows = result["summary"]
+    cluster = any(r.get("node_tx_bytes_per_iteration") is not None for r in rows)
+    headers = ["schedule", "tokens/s/rank", "spread", "ms/iter", "between groups/iter"]
+    if cluster:
+        headers.append("eth0 tx/iter")
+    headers += ["peak mem/rank", "busy"]
+    lines = []
+    for r in rows:
+        cells = [r["schedule"], f"{r['tokens_per_sec_per_rank']:.1f}",
+                 f"{r['tokens_per_sec_per_rank_min']:.0f}-{r['tokens_per_sec_per_rank_max']:.0f}"
+                 f" ({r['spread_pct']:.0f}%)" if r["spread_pct"] is not None else "-",
+                 f"{r['elapsed_ms']:.0f}", _fmt_bytes(r["inter_group_bytes"])]
+        if cluster:
+            cells.append(_fmt_bytes(r["node_tx_bytes_per_iteration"]))
+        cells += [_fmt_bytes(r["peak_memory_bytes_max_rank"]),
+                  "-" if r["compute_busy_fraction"] is None else f"{100 * r['compute_busy_fraction']:.0f}%"]
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
+    out.append("  ".join("-" * w for w in widths))
+    for cells in lines:
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    return "\n".join(out)
+
+
+def write_chart(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["summary"]
+    names = [r["schedule"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    tps = [r["tokens_per_sec_per_rank"] for r in rows]
+    err = [[t - r["tokens_per_sec_per_rank_min"] for t, r in zip(tps, rows)],
+           [r["tokens_per_sec_per_rank_max"] - t for t, r in zip(tps, rows)]]
+    axes[0].bar(names, tps, yerr=err, capsize=4, color="tab:blue")
+    axes[0].set_title("tokens/s per rank (median, min-max)")
+    inter = [(r["node_tx_bytes_per_iteration"] if r.get("node_tx_bytes_per_iteration") is not None
+              else r["inter_group_bytes"]) or 0 for r in rows]
+    axes[1].bar(names, [b / 1e6 for b in inter], color="tab:orange")
+    axes[1].set_title("MB between nodes / iteration")
+    axes[2].bar(names, [(r["peak_memory_bytes_max_rank"] or 0) / 2 ** 20 for r in rows], color="tab:green")
+    axes[2].set_title("peak memory per rank (MiB)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    cfg = result["config"]
+    where = (f"emulated {cfg['cluster'][0]} nodes x {cfg['cluster'][1]} ranks, {cfg['cluster'][2]}"
+             if cfg.get("cluster") else f"{cfg['ranks']} local ranks")
+    fig.suptitle(f"{where}; {cfg['repetitions']} repetitions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,255 @@
+"""FSDP / ZeRO-3 baseline on the same megatron-core Llama model.
+
+The model is the one every schedule trains (``build_llama_model`` with
+``llama_config``, deterministic per-parameter initialisation), wrapped with
+torch FSDP2: ``fully_shard`` on every decoder layer, then on the root (the
+embedding, final norm and output layer). Each rank holds 1/P of every
+parameter, gradient and AdamW state; a layer's weights are all-gathered just
+before its forward and again before its backward, its gradients are
+reduce-scattered after its backward (every micro-batch: ZeRO-3).
+
+Numerics follow megatron's native path so that a run is comparable with
+``--pipeline-schedule 1f1b`` on the same seed and batch:
+
+- each micro-batch's loss is its mean token loss divided by the number of
+  micro-batches; FSDP averages over data-parallel ranks (megatron's DDP does
+  the same with a sum and a 1/dp scale);
+- AdamW (megatron's CPU choice, ``decoupled_weight_decay``) with megatron's
+  parameter groups: no weight decay on biases and 1-D parameters;
+- gradient clipping on the global L2 norm with megatron's ``clip / (norm + 1e-6)``;
+- megatron's ``OptimizerParamScheduler`` and the project's metrics file.
+
+fp32 only (``--bf16`` / ``--fp16`` are refused: mixed precision would need
+FSDP's MixedPrecisionPolicy, which rounds differently from megatron's
+Float16Module + fp32 master weights).
+
+Run it like ``pretrain_llama.py`` (same flags; the pipeline flags must be
+left at their defaults)::
+
+    torchrun --nproc-per-node 4 tools/fsdp_baseline.py --num-layers 8 ... --metrics-file m.jsonl
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe.model import build_llama_model, llama_config
+
+
+class FsdpSetupError(ValueError):
+    """The flags do not describe an FSDP baseline run."""
+
+
+def check_fsdp_args(args) -> None:
+    if args.pipeline_schedule != "1f1b" or args.pipeline_model_parallel_size != 1:
+        raise FsdpSetupError("the FSDP baseline shards over all ranks: leave --pipeline-schedule at 1f1b and "
+                             "--pipeline-model-parallel-size at 1")
+    if args.bf16 or args.fp16:
+        raise FsdpSetupError("the FSDP baseline runs in fp32 only (no --bf16 / --fp16)")
+    if args.recompute_granularity is not None:
+        raise FsdpSetupError("the FSDP baseline does not support --recompute-granularity")
+    if args.load or args.save:
+        raise FsdpSetupError("the FSDP baseline does not read or write checkpoints (--load / --save)")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def megatron_param_groups(model: torch.nn.Module, args) -> List[dict]:
+    """megatron's default groups: weight decay on matrices, none on biases and 1-D parameters.
+
+    The keys (``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr``) are those
+    megatron's ``OptimizerParamScheduler`` reads.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if (name.endswith(".bias") or len(param.shape) == 1) else decay).append(param)
+    groups = []
+    for params, wd_mult in ((decay, 1.0), (no_decay, 0.0)):
+        if params:
+            groups.append({"params": params, "wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False,
+                           "max_lr": args.lr, "min_lr": args.min_lr, "default_config": True,
+                           "is_expert_parallel": False})
+    return groups
+
+
+class FsdpTrainer:
+    """One FSDP2-sharded model with ``train_step`` / ``eval_step`` like the other trainers."""
+
+    def __init__(self, args, reshard_after_forward: bool = True):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        check_fsdp_args(args)
+        self.args = args
+        self.config = llama_config(args, 1, None)
+        model = build_llama_model(args, self.config)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        for layer in model.decoder.layers:
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(
+            megatron_param_groups(model, args), lr=args.lr, weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, foreach=False)
+        # Time in forward/backward calls (FSDP's all-gathers and reduce-scatters run inside them).
+        self.last_forward_backward_s = 0.0
+
+    @property
+    def num_data_iterators(self) -> int:
+        return 1
+
+    def set_train(self, training: bool) -> None:
+        self.model.train(training)
+
+    def _micro_batch_loss(self, data_iterator: Iterator) -> Tuple[torch.Tensor, torch.Tensor]:
+        from megatron_tawpipe.data import get_batch
+
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, _device())
+        losses = self.model(tokens, position_ids, attention_mask, labels=labels)
+        mask = loss_mask.float().view(-1)
+        return torch.sum(losses.float().view(-1) * mask), mask.sum()
+
+    def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
+        self.set_train(True)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = torch.zeros(2, dtype=torch.float64, device=_device())
+        n = self.args.num_microbatches
+        start = time.perf_counter()
+        for _ in range(n):
+            loss_sum, tokens = self._micro_batch_loss(data_iterators[0])
+            (loss_sum / torch.clamp(tokens, min=1) / n).backward()
+            totals += torch.stack([loss_sum.detach(), tokens]).to(totals)
+        self.last_forward_backward_s = time.perf_counter() - start
+        grad_norm = self._clip_gradients()
+        if self.args.check_for_nan_in_loss_and_grad and not math.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
+        self.optimizer.step()
+        dist.all_reduce(totals)
+        return {"loss_sum": float(totals[0]), "num_tokens": float(totals[1]), "grad_norm": grad_norm,
+                "skipped": False, "loss_scale": None}
+
+    def _clip_gradients(self) -> float:
+        """Global L2 norm of all (sharded) gradients; scale them by megatron's clip coefficient."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros(1, dtype=torch.float64, device=_device())
+        for g in grads:
+            sq += _local(g).double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = float(sq.sqrt())
+        clip = self.args.clip_grad
+        if clip and clip > 0:
+            coeff = clip / (norm + 1.0e-6)
+            if coeff < 1.0:
+                for g in grads:
+                    _local(g).mul_(coeff)
+        return norm
+
+    @torch.no_grad()
+    def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
+        self.set_train(False)
+        totals = torch.zeros(2, dtype=torch.float64, device=_device())
+        for _ in range(self.args.num_microbatches):
+            loss_sum, tokens = self._micro_batch_loss(data_iterators[0])
+            totals += torch.stack([loss_sum, tokens]).to(totals)
+        dist.all_reduce(totals)
+        return float(totals[0]), float(totals[1])
+
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def close(self) -> None:
+        pass
+
+
+def _max_over_ranks(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def _mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def pretrain_fsdp(args) -> list:
+    """The training loop of ``pretrain_llama.py`` around an ``FsdpTrainer``; returns the records."""
+    from megatron_tawpipe import cpu_compat
+    from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
+    from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
+    from megatron_tawpipe.metrics import MetricsWriter, peak_memory_bytes
+    from megatron_tawpipe.training import build_scheduler
+
+    check_fsdp_args(args)
+    with cpu_compat.explain_cuda_errors():
+        initialize_distributed(args)
+        initialize_model_parallel(args)
+        tokenizer = build_tokenizer(args)
+        train_ds, _valid_ds, _test_ds = build_datasets(args, tokenizer)
+        trainer = FsdpTrainer(args)
+        scheduler = build_scheduler(args, trainer.optimizer)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        writer = MetricsWriter(args, world, rank == world - 1)
+        iterators = [build_data_iterator(train_ds, args.micro_batch_size, rank, world, 0)]
+        records = []
+        consumed = 0
+        try:
+            for iteration in range(1, args.train_iters + 1):
+                start = time.perf_counter()
+                step = trainer.train_step(iterators)
+                elapsed = time.perf_counter() - start
+                consumed += args.global_batch_size
+                scheduler.step(increment=1)
+                loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
+                extra = {
+                    "schedule": "fsdp",
+                    "peak_memory_bytes_max_rank": _max_over_ranks(peak_memory_bytes()),
+                    # Forward/backward time including FSDP's blocking collectives: an upper bound on busy time.
+                    "forward_backward_fraction": _mean_over_ranks(trainer.last_forward_backward_s / elapsed),
+                }
+                records.append(writer.record(iteration, consumed, elapsed, loss, step["grad_norm"],
+                                             float(trainer.optimizer.param_groups[0]["lr"]), extra=extra))
+        finally:
+            writer.close()
+            trainer.close()
+    return records
+
+
+def main(argv=None) -> int:
+    import sys
+
+    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+    from megatron_tawpipe.data import validate_data_args
+    from megatron_tawpipe.initialize import DistributedSetupError, destroy
+
+    try:
+        args = parse_args(argv)
+        validate_args(args)
+        validate_data_args(args)
+        check_fsdp_args(args)
+    except (ArgumentError, FsdpSetupError, ValueError, FileNotFoundError) as exc:
+        print(f"fsdp_baseline.py: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        pretrain_fsdp(args)
+    except DistributedSetupError as exc:
+        print(f"fsdp_baseline.py: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        destroy()
+    return 0

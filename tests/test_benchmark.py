@@ -1,0 +1,132 @@
+"""The benchmark tool's local path and the FSDP baseline it compares against."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distributed_harness import run_ranks
+from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BENCH_MODEL = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "128",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--log-interval", "1000", "--eval-interval", "1000", "--seed", "3",
+]
+
+
+def fsdp_rank(rank, argv):
+    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.fsdp_baseline import pretrain_fsdp
+    from megatron_tawpipe.initialize import destroy
+
+    args = validate_args(parse_args(argv))
+    try:
+        return [record.to_json() for record in pretrain_fsdp(args)]
+    finally:
+        destroy()
+
+
+def _script_rank(rank, script, argv):
+    if os.path.basename(script) == "fsdp_baseline.py":
+        return fsdp_rank(rank, argv)
+    return train_rank(rank, argv)
+
+
+def fork_launcher(config, script_args, log_path):
+    """Runs what torchrun would run, on ranks forked from this process (no interpreter start-up per run)."""
+    with open(log_path, "w") as log:
+        log.write(" ".join(script_args) + "\n")
+    run_ranks(_script_rank, config.ranks, script_args[0], list(script_args[1:]))
+    return 0
+
+
+def test_benchmark_two_schedules_two_repetitions(tmp_path):
+    from megatron_tawpipe.benchmark import BenchmarkConfig, format_table, run_benchmark, write_chart
+
+    config = BenchmarkConfig(schedules=("tawpipe", "1f1b"), ranks=2, repetitions=2, train_iters=3, warmup_iters=1,
+                             model_args=BENCH_MODEL, outdir=str(tmp_path / "runs"))
+    lines = []
+    result = run_benchmark(config, progress=lines.append, launcher=fork_launcher)
+
+    # Alternating order: A B A B.
+    assert [(r["schedule"], r["repetition"]) for r in result["runs"]] == [
+        ("tawpipe", 0), ("1f1b", 0), ("tawpipe", 1), ("1f1b", 1)]
+    assert len(lines) == 4
+    rows = {row["schedule"]: row for row in result["summary"]}
+    assert set(rows) == {"tawpipe", "1f1b"}
+    for row in rows.values():
+        assert row["repetitions"] == 2
+        assert row["tokens_per_sec_per_rank_min"] <= row["tokens_per_sec_per_rank"] <= row["tokens_per_sec_per_rank_max"]
+        assert row["tokens_per_sec_per_rank"] > 0
+        # tokens/s per rank and ms/iteration describe the same time: G*S / t / P.
+        expected_tps = 4 * 32 / (row["elapsed_ms"] / 1000.0) / 2
+        assert row["tokens_per_sec_per_rank"] == pytest.approx(expected_tps, rel=0.5)
+        assert 1e6 < row["peak_memory_bytes_max_rank"] < 64e9
+    for run in result["runs"]:
+        assert run["iterations"] == 2  # 3 iterations, 1 warm-up dropped
+    # Weight passing counts its traffic between the 2 groups; native schedules do not count bytes.
+    assert rows["tawpipe"]["inter_group_bytes"] > 0
+    assert 0.0 < rows["tawpipe"]["compute_busy_fraction"] <= 1.0
+    assert rows["1f1b"]["inter_group_bytes"] is None
+    # Same model, batch, data and seed: both schedules train identically.
+    by_sched = {r["schedule"]: r["lm_loss"] for r in result["runs"] if r["repetition"] == 0}
+    assert_close_rel(by_sched["tawpipe"], by_sched["1f1b"], 1e-5)
+
+    table = format_table(result)
+    assert "tokens/s/rank" in table and "tawpipe" in table and "1f1b" in table
+    json.loads(json.dumps(result))  # what --json writes
+    chart = tmp_path / "chart.png"
+    write_chart(result, str(chart))
+    assert chart.stat().st_size > 1000
+
+
+def test_schedule_commands_are_valid_pretrain_flags():
+    """Every schedule's command line passes the project's own argument checks for 4 ranks."""
+    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.benchmark import SCHEDULES, BenchmarkConfig, schedule_command
+    from megatron_tawpipe.fsdp_baseline import check_fsdp_args
+
+    model = [a if a != "4" else "16" for a in BENCH_MODEL]  # global batch 16
+    model[model.index("--num-layers") + 1] = "8"
+    config = BenchmarkConfig(ranks=4, model_args=model)
+    for schedule in SCHEDULES:
+        cmd = schedule_command(schedule, config, "/tmp/m.jsonl")
+        args = validate_args(parse_args(cmd[1:]), world_size=4)
+        assert args.global_batch_size == 16 and args.metrics_file == "/tmp/m.jsonl"
+        if schedule == "fsdp":
+            check_fsdp_args(args)
+            assert cmd[0].endswith("fsdp_baseline.py")
+        else:
+            assert args.pipeline_schedule == schedule
+
+
+def test_fsdp_baseline_matches_native_1f1b():
+    """FSDP2 over 2 ranks trains exactly like native megatron 1f1b on one rank (pp 1)."""
+    argv = tiny_args()
+    (reference,) = run_ranks(train_rank, 1, argv)
+    per_rank = run_ranks(fsdp_rank, 2, argv)
+    assert len(reference) == 3
+    for records in per_rank:
+        assert_close_rel(losses(records), losses(reference), 1e-5)
+        assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], 1e-5, "grad norm")
+        assert all(r["schedule"] == "fsdp" for r in records)
+    assert losses(reference)[0] != losses(reference)[-1]
+
+
+@pytest.mark.skipif(os.environ.get("BENCHMARK_TORCHRUN_TEST") != "1",
+                    reason="starts real torchruns (~15 s each); set BENCHMARK_TORCHRUN_TEST=1")
+def test_cli_with_torchrun(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "benchmark.py"), "--ranks", "2", "--schedules", "fsdp",
+         "--repetitions", "1", "--train-iters", "2", "--outdir", str(tmp_path), "--json", str(out), "--"]
+        + BENCH_MODEL, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fsdp" in proc.stdout
+    assert json.loads(out.read_text())["summary"][0]["schedule"] == "fsdp"
