@@ -119,9 +119,8 @@ def test_fsdp_baseline_matches_native_1f1b():
     assert losses(reference)[0] != losses(reference)[-1]
 
 
-@pytest.mark.skipif(os.environ.get("BENCHMARK_TORCHRUN_TEST") != "1",
-                    reason="starts real torchruns (~15 s each); set BENCHMARK_TORCHRUN_TEST=1")
 def test_cli_with_torchrun(tmp_path):
+    """The command-line tool end to end, through a real torchrun (one schedule, one repetition)."""
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "benchmark.py"), "--ranks", "2", "--schedules", "fsdp",
