@@ -139,8 +139,11 @@ class FsdpTrainer:
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
         self.optimizer.step()
         dist.all_reduce(totals)
+        # Forward/backward time including FSDP's blocking collectives: an upper bound on busy time.
+        fraction = _mean_over_ranks(self.last_forward_backward_s / max(time.perf_counter() - start, 1e-9))
         return {"loss_sum": float(totals[0]), "num_tokens": float(totals[1]), "grad_norm": grad_norm,
-                "skipped": False, "loss_scale": None}
+                "skipped": False, "loss_scale": None,
+                "extra": {"schedule": "fsdp", "forward_backward_fraction": fraction}}
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of all (sharded) gradients; scale them by megatron's clip coefficient."""
@@ -175,12 +178,6 @@ class FsdpTrainer:
         pass
 
 
-def _max_over_ranks(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
 def _mean_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=_device())
     dist.all_reduce(t)
@@ -188,46 +185,11 @@ def _mean_over_ranks(value: float) -> float:
 
 
 def pretrain_fsdp(args) -> list:
-    """The training loop of ``pretrain_llama.py`` around an ``FsdpTrainer``; returns the records."""
-    from megatron_tawpipe import cpu_compat
-    from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
-    from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
-    from megatron_tawpipe.metrics import MetricsWriter, peak_memory_bytes
-    from megatron_tawpipe.training import build_scheduler
+    """``pretrain_llama.py``'s training loop around an ``FsdpTrainer``; returns the records."""
+    from megatron_tawpipe.training import pretrain
 
     check_fsdp_args(args)
-    with cpu_compat.explain_cuda_errors():
-        initialize_distributed(args)
-        initialize_model_parallel(args)
-        tokenizer = build_tokenizer(args)
-        train_ds, _valid_ds, _test_ds = build_datasets(args, tokenizer)
-        trainer = FsdpTrainer(args)
-        scheduler = build_scheduler(args, trainer.optimizer)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        writer = MetricsWriter(args, world, rank == world - 1)
-        iterators = [build_data_iterator(train_ds, args.micro_batch_size, rank, world, 0)]
-        records = []
-        consumed = 0
-        try:
-            for iteration in range(1, args.train_iters + 1):
-                start = time.perf_counter()
-                step = trainer.train_step(iterators)
-                elapsed = time.perf_counter() - start
-                consumed += args.global_batch_size
-                scheduler.step(increment=1)
-                loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
-                extra = {
-                    "schedule": "fsdp",
-                    "peak_memory_bytes_max_rank": _max_over_ranks(peak_memory_bytes()),
-                    # Forward/backward time including FSDP's blocking collectives: an upper bound on busy time.
-                    "forward_backward_fraction": _mean_over_ranks(trainer.last_forward_backward_s / elapsed),
-                }
-                records.append(writer.record(iteration, consumed, elapsed, loss, step["grad_norm"],
-                                             float(trainer.optimizer.param_groups[0]["lr"]), extra=extra))
-        finally:
-            writer.close()
-            trainer.close()
-    return records
+    return pretrain(args, trainer_factory=FsdpTrainer)
 
 
 def main(argv=None) -> int:

@@ -100,17 +100,18 @@ def _current_lr(scheduler: OptimizerParamScheduler) -> float:
     return float(scheduler.optimizer.param_groups[0]["lr"])
 
 
-def pretrain(args) -> List[IterationRecord]:
+def pretrain(args, trainer_factory=None) -> List[IterationRecord]:
+    """Train; ``trainer_factory(args)`` replaces the schedule's trainer (e.g. the FSDP baseline)."""
     with cpu_compat.explain_cuda_errors():
-        return _pretrain(args)
+        return _pretrain(args, trainer_factory or build_trainer)
 
 
-def _pretrain(args) -> List[IterationRecord]:
+def _pretrain(args, trainer_factory) -> List[IterationRecord]:
     initialize_distributed(args)
     initialize_model_parallel(args)
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
-    trainer = build_trainer(args)
+    trainer = trainer_factory(args)
     scheduler = build_scheduler(args, trainer.optimizer)
 
     iteration, consumed_samples = 0, 0
