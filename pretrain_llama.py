@@ -15,33 +15,9 @@ import sys
 
 
 def main(argv=None) -> int:
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
-    from megatron_tawpipe.data import validate_data_args
+    from megatron_tawpipe.launch import run_training
 
-    try:
-        args = parse_args(argv)
-        validate_args(args)
-        validate_data_args(args)
-    except (ArgumentError, ValueError, FileNotFoundError) as exc:
-        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
-        return 2
-
-    from megatron_tawpipe.checkpoint import CheckpointError
-    from megatron_tawpipe.initialize import DistributedSetupError, destroy
-    from megatron_tawpipe.runtime.executor import ExecutionError
-    from megatron_tawpipe.training import TrainingError, pretrain
-
-    try:
-        pretrain(args)
-    except DistributedSetupError as exc:
-        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
-        return 2
-    except (TrainingError, ExecutionError, CheckpointError) as exc:
-        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        destroy()
-    return 0
+    return run_training(argv, prog="pretrain_llama.py")
 
 
 if __name__ == "__main__":

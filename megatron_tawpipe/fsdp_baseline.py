@@ -193,25 +193,7 @@ def pretrain_fsdp(args) -> list:
 
 
 def main(argv=None) -> int:
-    import sys
+    """Command-line entry: the same flags, checks and error handling as ``pretrain_llama.py``."""
+    from megatron_tawpipe.launch import run_training
 
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
-    from megatron_tawpipe.data import validate_data_args
-    from megatron_tawpipe.initialize import DistributedSetupError, destroy
-
-    try:
-        args = parse_args(argv)
-        validate_args(args)
-        validate_data_args(args)
-        check_fsdp_args(args)
-    except (ArgumentError, FsdpSetupError, ValueError, FileNotFoundError) as exc:
-        print(f"fsdp_baseline.py: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        pretrain_fsdp(args)
-    except DistributedSetupError as exc:
-        print(f"fsdp_baseline.py: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        destroy()
-    return 0
+    return run_training(argv, prog="fsdp_baseline.py", check=check_fsdp_args, trainer_factory=FsdpTrainer)
