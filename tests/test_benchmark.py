@@ -47,7 +47,7 @@ def fork_launcher(config, script_args, log_path):
 
 
 def test_benchmark_two_schedules_two_repetitions(tmp_path):
-    from megatron_tawpipe.benchmark import BenchmarkConfig, format_table, run_benchmark, write_chart
+    from megatron_tawpipe.benchmark import BenchmarkConfig, format_table, read_metrics, run_benchmark, write_chart
 
     config = BenchmarkConfig(schedules=("tawpipe", "1f1b"), ranks=2, repetitions=2, train_iters=3, warmup_iters=1,
                              model_args=BENCH_MODEL, outdir=str(tmp_path / "runs"))
@@ -64,12 +64,15 @@ def test_benchmark_two_schedules_two_repetitions(tmp_path):
         assert row["repetitions"] == 2
         assert row["tokens_per_sec_per_rank_min"] <= row["tokens_per_sec_per_rank"] <= row["tokens_per_sec_per_rank_max"]
         assert row["tokens_per_sec_per_rank"] > 0
-        # tokens/s per rank and ms/iteration describe the same time: G*S / t / P.
-        expected_tps = 4 * 32 / (row["elapsed_ms"] / 1000.0) / 2
-        assert row["tokens_per_sec_per_rank"] == pytest.approx(expected_tps, rel=0.5)
+        assert row["elapsed_ms"] > 0
         assert 1e6 < row["peak_memory_bytes_max_rank"] < 64e9
     for run in result["runs"]:
         assert run["iterations"] == 2  # 3 iterations, 1 warm-up dropped
+        # Per iteration, tokens/s per rank and ms/iteration describe the same time: G*S / t / P.
+        # (Checked per record: medians of the two over noisy iterations need not satisfy it.)
+        for record in read_metrics(run["metrics_file"]):
+            expected_tps = 4 * 32 / (record["elapsed_ms"] / 1000.0) / 2
+            assert record["tokens_per_sec_per_rank"] == pytest.approx(expected_tps, rel=1e-3)
     # Weight passing counts its traffic between the 2 groups; native schedules do not count bytes.
     assert rows["tawpipe"]["inter_group_bytes"] > 0
     assert 0.0 < rows["tawpipe"]["compute_busy_fraction"] <= 1.0
