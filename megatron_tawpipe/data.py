@@ -31,7 +31,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import numpy
 
-from megatron_tawpipe.data_checks import check_indexed_dataset, check_token_ids
+from megatron_tawpipe.data_checks import (check_indexed_dataset, check_token_ids, check_tokenizer_record,
+                                          tokenizer_fingerprint, write_tokenizer_record)
 
 logger = logging.getLogger(__name__)
 
@@ -346,8 +347,15 @@ def check_data_files(args, vocab_size: Optional[int] = None) -> None:
     infos = [check_indexed_dataset(prefix, "--data-path") for prefix in dict.fromkeys(blend[0])]
     vocab = _tokenizer_vocab(args, vocab_size)
     if vocab is not None:
+        tokenizer_type = getattr(args, "tokenizer_type", None)
+        sentencepiece = tokenizer_type == "SentencePieceTokenizer"
+        model = getattr(args, "tokenizer_model", None) if sentencepiece else None
+        fingerprint = tokenizer_fingerprint(tokenizer_type, model, vocab[0])
+        flag = (f"--tokenizer-model {model}" if sentencepiece else
+                f"--vocab-size {args.vocab_size}" if tokenizer_type == "NullTokenizer" else "the tokenizer")
         for info in infos:
-            check_token_ids(info, *vocab)
+            check_token_ids(info, *vocab)  # the most concrete message first: an id the tokenizer lacks
+            check_tokenizer_record(info.prefix, fingerprint, flag)  # also catches a larger tokenizer
 
 
 def _check_splits_nonempty(prefixes: Sequence[str], split_text: str) -> None:
@@ -850,9 +858,11 @@ def write_indexed_dataset(records: Iterable[Dict[str, object]], output_prefix: s
         if pool is not None:
             pool.terminate()
             pool.join()
+    fingerprint = tokenizer_fingerprint(tokenizer_type, tokenizer_model, _Encoder.tokenizer.vocab_size)
     for key in json_keys:
         os.replace(tmp_prefixes[key] + ".bin", prefixes[key] + ".bin")
         os.replace(tmp_prefixes[key] + ".idx", prefixes[key] + ".idx")
+        write_tokenizer_record(prefixes[key], fingerprint)
     log(f"wrote {ndocs} documents, {ntokens} tokens ({numpy.dtype(dtype).name}) to "
         + ", ".join(prefixes[k] + ".{bin,idx}" for k in json_keys))
     return prefixes

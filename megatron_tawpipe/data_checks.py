@@ -50,6 +50,9 @@ __all__ = [
     "check_token_ids",
     "token_id_range",
     "FULL_SCAN_BYTES",
+    "check_tokenizer_record",
+    "tokenizer_fingerprint",
+    "write_tokenizer_record",
 ]
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -279,3 +282,62 @@ def check_token_ids(info: IndexInfo, vocab_size: int, tokenizer_desc: str,
         raise ValueError(f"{flag} {info.prefix}: {bin_path} contains the negative token id {lo_id} (corrupt)")
     if hi_id >= int(vocab_size):
         raise ValueError(f"{tokenizer_desc} but {bin_path} contains token id {hi_id}: {hint}")
+
+
+# ---- which tokenizer wrote the data ------------------------------------------------------
+#
+# Token ids alone cannot tell a larger tokenizer from the right one (every id of the data
+# is valid in both), so the preprocessing tool leaves ``{prefix}.tokenizer.json`` beside
+# the ``.bin``/``.idx``: the tokenizer type, its number of ids and, for SentencePiece, the
+# SHA-256 of the model file.  Training compares it with its own tokenizer.
+
+TOKENIZER_RECORD_SUFFIX = ".tokenizer.json"
+
+
+def tokenizer_fingerprint(tokenizer_type: str, tokenizer_model: Optional[str], num_token_ids: int) -> Dict[str, object]:
+    record: Dict[str, object] = {"tokenizer_type": tokenizer_type, "num_token_ids": int(num_token_ids)}
+    if tokenizer_model:
+        import hashlib
+
+        with open(tokenizer_model, "rb") as f:
+            record["model_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    return record
+
+
+def write_tokenizer_record(prefix: str, fingerprint: Dict[str, object]) -> str:
+    import json
+
+    path = prefix + TOKENIZER_RECORD_SUFFIX
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(fingerprint, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _describe_fingerprint(fp: Dict[str, object]) -> str:
+    text = f"{fp.get('tokenizer_type')} with {fp.get('num_token_ids')} token ids"
+    if fp.get("model_sha256"):
+        text += f", model sha256 {str(fp['model_sha256'])[:12]}"
+    return text
+
+
+def check_tokenizer_record(prefix: str, fingerprint: Dict[str, object], tokenizer_desc: str) -> None:
+    """Refuse data written with another tokenizer than ``fingerprint`` (no record: nothing to check)."""
+    import json
+
+    path = prefix + TOKENIZER_RECORD_SUFFIX
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--data-path {prefix}: unreadable tokenizer record {path} ({exc})") from None
+    keys = ("tokenizer_type", "num_token_ids", "model_sha256")
+    if all(recorded.get(k) == fingerprint.get(k) for k in keys if k in recorded or k in fingerprint):
+        return
+    raise ValueError(f"{tokenizer_desc} ({_describe_fingerprint(fingerprint)}) is not the tokenizer that wrote "
+                     f"--data-path {prefix}: {path} records {_describe_fingerprint(recorded)}; "
+                     "train with that tokenizer or re-tokenize the data (tools/preprocess_data.py)")

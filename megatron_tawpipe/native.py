@@ -8,6 +8,7 @@ wrapped in megatron's ``DistributedDataParallel``, the optimizer comes from
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -17,10 +18,13 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from megatron_tawpipe import progress
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
+from megatron_tawpipe.runtime.executor import PeerFailure
 
 
 def current_device() -> torch.device:
@@ -48,6 +52,39 @@ def gpt_forward_step(data_iterator: Iterator, model: torch.nn.Module):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, current_device())
     output = model(tokens, position_ids, attention_mask, labels=labels)
     return output, partial(lm_loss_func, loss_mask)
+
+
+def report_pipeline_waits() -> None:
+    """Make megatron's pipeline transfers visible on the progress board.
+
+    megatron-core waits on its stage-to-stage transfers without a bound; with
+    each transfer marked as a wait, the board's watchdog can tell a rank stuck
+    waiting for a peer from the peer that stalled, and name the latter.
+    Installed once per process; diagnostics only, so a megatron-core without
+    ``P2PCommunicator._communicate`` simply goes without.
+    """
+    original = getattr(P2PCommunicator, "_communicate", None)
+    if original is None or getattr(original, "_reports_waits", False):
+        return
+
+    def communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, **kwargs):
+        parts = [f"{verb} rank {peer}" for verb, peer, active in (
+            ("send to", self.next_rank, tensor_send_next is not None),
+            ("send to", self.prev_rank, tensor_send_prev is not None),
+            ("receive from", self.prev_rank, recv_prev),
+            ("receive from", self.next_rank, recv_next)) if active]
+        what = "pipeline transfer (" + ", ".join(parts) + ")"
+        board = progress.board()
+        with board.waiting(what):
+            try:
+                return original(self, tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                                recv_prev=recv_prev, recv_next=recv_next, **kwargs)
+            except RuntimeError as exc:  # the transport saw a peer go (connection closed or reset)
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise PeerFailure(f"rank {dist.get_rank()}, iteration {board.iteration}, {what} failed: {first}") from exc
+
+    communicate._reports_waits = True
+    P2PCommunicator._communicate = communicate
 
 
 def optimizer_config(args) -> OptimizerConfig:
@@ -85,6 +122,7 @@ class NativeTrainer:
         else:
             self.config.no_sync_func = self.model[0].no_sync
         self.forward_backward = get_forward_backward_func()
+        report_pipeline_waits()
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:
         ddp_config = DistributedDataParallelConfig(
@@ -140,8 +178,15 @@ class NativeTrainer:
 
     def _forward_backward(self, data_iterators: List[Iterator], forward_only: bool):
         iterators = data_iterators if len(self.model) > 1 else data_iterators[0]
+        board = progress.board()
+        forwards = itertools.count()
+
+        def forward_step(data_iterator, model):
+            board.at(f"native schedule, forward number {next(forwards)} of this step")
+            return gpt_forward_step(data_iterator, model)
+
         return self.forward_backward(
-            forward_step_func=gpt_forward_step,
+            forward_step_func=forward_step,
             data_iterator=iterators,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=self.args.num_microbatches,

@@ -17,12 +17,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_tawpipe import cpu_compat
+from megatron_tawpipe import cpu_compat, progress
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
 from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
 from megatron_tawpipe.metrics import IterationRecord, MetricsWriter, peak_memory_bytes
+from megatron_tawpipe.runtime.executor import PeerFailure
 from megatron_tawpipe.runtime.precision import NonFiniteGradientError
 
 
@@ -77,8 +78,10 @@ def evaluate(trainer, dataset, args) -> Optional[float]:
         return None
     iterators = _data_iterators(dataset, args, trainer.num_data_iterators, 0)
     loss_sum = tokens = 0.0
+    board = progress.board()
     for _ in range(args.eval_iters):
-        step_sum, step_tokens = trainer.eval_step(iterators)
+        with board.step(board.iteration, "evaluation step"):
+            step_sum, step_tokens = trainer.eval_step(iterators)
         loss_sum += step_sum
         tokens += step_tokens
     return loss_sum / max(tokens, 1.0)
@@ -109,6 +112,40 @@ def pretrain(args, trainer_factory=None) -> List[IterationRecord]:
 def _pretrain(args, trainer_factory) -> List[IterationRecord]:
     initialize_distributed(args)
     initialize_model_parallel(args)
+    progress.start_board(args.distributed_timeout_minutes * 60.0)
+    try:
+        return _train(args, trainer_factory)
+    except (PeerFailure, RuntimeError) as exc:
+        if not isinstance(exc, PeerFailure) and not _is_transport_failure(exc):
+            progress.board().finish("failed", f"{type(exc).__name__}: {exc}")
+            raise
+        reason = str(exc) if isinstance(exc, PeerFailure) else _first_line(exc)
+        board = progress.board()
+        board.finish("failed", reason)  # tell the others first: this rank gave up, it is not the cause
+        diagnosis = board.diagnose(settle_s=progress.SILENT_AFTER_S + 1)
+        board.linger_for_readers()
+        raise PeerFailure(f"{reason}; {diagnosis}") from exc
+    except BaseException as exc:
+        progress.board().finish("failed", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        progress.stop_board()
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"rank {dist.get_rank()}, iteration {progress.board().iteration}: " + (lines[0] if lines else type(exc).__name__)
+
+
+def _is_transport_failure(exc: RuntimeError) -> bool:
+    """A collective that failed because a peer went away (gloo/NCCL report these as plain RuntimeErrors)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                      "NCCL error", "Timed out waiting"))
+
+
+def _train(args, trainer_factory) -> List[IterationRecord]:
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
     trainer = trainer_factory(args)
@@ -128,7 +165,8 @@ def _pretrain(args, trainer_factory) -> List[IterationRecord]:
         while iteration < args.train_iters:
             start = time.perf_counter()
             try:
-                step = trainer.train_step(train_iterators)
+                with progress.board().step(iteration + 1, "training step"):
+                    step = trainer.train_step(train_iterators)
             except NonFiniteGradientError as exc:
                 raise TrainingError(f"{exc} at iteration {iteration + 1}; stopping "
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)") from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import traceback
 from typing import Any, Callable, List
 
@@ -19,7 +20,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, queue, args, kwargs) -> None:
+def _child(fn: Callable, rank: int, world_size: int, port: int, queue, args, kwargs, stderr_path=None) -> None:
+    if stderr_path:  # what a rank prints before exiting on its own (e.g. the hang watchdog)
+        fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -75,32 +81,44 @@ def run_ranks_outcomes(fn: Callable, world_size: int, *args, timeout: float = 12
     """Like run_ranks, but for fault tests: returns ``(status, payload, seconds)`` per rank.
 
     status is "ok" (payload = result), "error" (payload = traceback text), or
-    "gone" (the rank died or was still running at ``timeout`` and was killed).
+    "gone" (the rank exited without reporting, payload = its stderr, seconds = when
+    its exit was seen; or it was still running at ``timeout`` and was killed, seconds = None).
     With ``expected_reports``, ranks still running once that many have reported are killed.
     """
+    import tempfile
     import time
 
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, queue, args, kwargs))
-             for rank in range(world_size)]
-    start = time.monotonic()
-    for proc in procs:
-        proc.start()
-    outcomes: dict = {}
-    deadline = start + timeout
-    wanted = world_size if expected_reports is None else expected_reports
-    while len(outcomes) < wanted and time.monotonic() < deadline:
-        try:
-            rank, ok, payload = queue.get(timeout=0.5)
-        except Exception:
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
-            continue
-        outcomes[rank] = ("ok" if ok else "error", payload, time.monotonic() - start)
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-    return [outcomes.get(rank, ("gone", None, None)) for rank in range(world_size)]
+    with tempfile.TemporaryDirectory() as tmp:
+        stderr_paths = [os.path.join(tmp, f"rank{rank}.stderr") for rank in range(world_size)]
+        procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, queue, args, kwargs, stderr_paths[rank]))
+                 for rank in range(world_size)]
+        start = time.monotonic()
+        for proc in procs:
+            proc.start()
+        outcomes: dict = {}
+        exited: dict = {}
+        deadline = start + timeout
+        wanted = world_size if expected_reports is None else expected_reports
+        while len(outcomes) < wanted and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = queue.get(timeout=0.5)
+            except Exception:
+                for rank, proc in enumerate(procs):
+                    if not proc.is_alive() and rank not in exited:
+                        exited[rank] = time.monotonic() - start
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            outcomes[rank] = ("ok" if ok else "error", payload, time.monotonic() - start)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        for rank in range(world_size):
+            if rank not in outcomes:
+                with open(stderr_paths[rank], errors="replace") as f:
+                    outcomes[rank] = ("gone", f.read(), exited.get(rank))
+    return [outcomes[rank] for rank in range(world_size)]

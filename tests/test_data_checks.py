@@ -299,6 +299,32 @@ def test_sentencepiece_model_of_another_vocabulary(sp_pair):
                    f"the data was tokenized with another tokenizer")
 
 
+def test_larger_tokenizer_is_refused_by_the_record_preprocessing_left(sp_pair, tmp_path):
+    """Every id of data written with the small model is valid in the large one: only the record tells."""
+    small, large, _ = sp_pair
+    prefix = data.write_indexed_dataset(({"text": t} for t in _texts()), str(tmp_path / "small_corpus"),
+                                        "SentencePieceTokenizer", tokenizer_model=small, log=_quiet)["text"]
+    record = prefix + data_checks.TOKENIZER_RECORD_SUFFIX
+    assert os.path.exists(record)
+    sp = dict(tokenizer_type="SentencePieceTokenizer", vocab_size=None, split="1,0,0")
+    data.validate_data_args(_args(prefix, tokenizer_model=small, **sp))
+    msg = _error(_args(prefix, tokenizer_model=large, **sp))
+    assert msg.startswith(f"--tokenizer-model {large} (SentencePieceTokenizer with 900 token ids, model sha256 ")
+    assert f"is not the tokenizer that wrote --data-path {prefix}: {record} records SentencePieceTokenizer " \
+           "with 400 token ids" in msg
+    # A copy of the right model (same bytes, another path) is the same tokenizer.
+    same = tmp_path / "copy.model"
+    shutil.copyfile(small, same)
+    data.validate_data_args(_args(prefix, tokenizer_model=str(same), **sp))
+    # NullTokenizer data read with a larger --vocab-size.
+    null_prefix = data.write_indexed_dataset(({"text": "1 2 3 4"} for _ in range(40)), str(tmp_path / "null"),
+                                             "NullTokenizer", vocab_size=100, log=_quiet)["text"]
+    data.validate_data_args(_args(null_prefix, vocab_size=100, split="1,0,0"))
+    msg = _error(_args(null_prefix, vocab_size=5000, split="1,0,0"))
+    assert msg.startswith("--vocab-size 5000 (NullTokenizer with 5001 token ids) is not the tokenizer that wrote")
+    assert "records NullTokenizer with 101 token ids" in msg
+
+
 def test_build_datasets_refuses_too(sp_pair, copy):
     small, large, prefix = sp_pair
     args = _args(prefix, tokenizer_type="SentencePieceTokenizer", tokenizer_model=small, vocab_size=None)

@@ -9,6 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from distributed_harness import run_ranks, run_ranks_outcomes
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan import build_plan
 from training_helpers import assert_close_rel, losses, tiny_args, train_rank
 
 TIMEOUT_MINUTES = 0.25  # 15 s: the bound within which survivors must report
@@ -41,16 +43,67 @@ def test_survivors_report_a_dead_or_stalled_rank(schedule, fault):
     # 8 layers on 4 ranks, 2 micro-batches per rank: 8 shard forwards per iteration; fail in iteration 2.
     outcomes = run_ranks_outcomes(_faulty_rank, 4, argv, 2, fault, 11, timeout=120, expected_reports=3)
     assert outcomes[2][0] == "gone"
+    # The 11th shard forward of rank 2 is its 3rd forward of iteration 2: that plan step is where it stopped.
+    plan = build_plan(schedule, num_ranks=4, num_groups=2, num_layers=8, num_microbatches=2)
+    forwards = [i for i, a in enumerate(plan.actions[2]) if isinstance(a, A.Forward)]
+    assert len(forwards) == 8
+    culprit = (f"rank 2 {'stopped' if fault == 'kill' else 'stalled'} "
+               f"(.*) at iteration 2, plan step {forwards[2]} of {len(plan.actions[2])}, Forward\\(")
     survivors = [outcomes[r] for r in (0, 1, 3)]
     for status, text, seconds in survivors:
         assert status == "error", (status, text)
         assert "PeerFailure" in text or "failed or did not complete" in text, text[-2000:]
-        # Names this rank, its plan step, and the peer(s) it was waiting for. In a cascade the
-        # peer can be a rank that itself stopped because of the first failure.
+        # Names this rank, its plan step, and the peer(s) it was waiting for...
         assert re.search(r"rank \d, step \d+ of \d+", text), text[-2000:]
         assert re.search(r"(from|to) rank \d|over ranks \[", text), text[-2000:]
-        # Bounded by the timeout (plus start-up and a cascade of at most a few waits).
+        # ...and, from every rank's posted progress, the rank that stopped first and its plan step,
+        # also where this rank waited on an intermediate rank that gave up because of it.
+        assert re.search(culprit, text), text[-2000:]
+        # Bounded by the timeout (plus start-up, a cascade of at most a few waits and the diagnosis).
         assert seconds < 4 * TIMEOUT_MINUTES * 60 + 30, seconds
+
+
+def _faulty_native_rank(rank, argv, victim, fault, after_calls):
+    """Native megatron schedule; on ``victim`` the ``after_calls``-th micro-batch forward kills or stalls it."""
+    from megatron_tawpipe import native
+
+    if rank == victim:
+        original = native.gpt_forward_step
+        calls = {"n": 0}
+
+        def forward_step(data_iterator, model):
+            calls["n"] += 1
+            if calls["n"] == after_calls:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)
+            return original(data_iterator, model)
+
+        native.gpt_forward_step = forward_step
+    return train_rank(rank, argv)
+
+
+@pytest.mark.parametrize("fault", ["stall", "kill"])
+def test_native_pipeline_does_not_hang_on_a_stalled_or_dead_rank(fault):
+    """megatron's own pipeline transfers wait without a bound: the progress watchdog bounds them."""
+    from megatron_tawpipe.progress import hang_limit_s
+
+    argv = tiny_args("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "4",
+                     "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=3)
+    # 8 micro-batches per iteration on one pipeline: the 11th forward of stage 2 is in iteration 2.
+    outcomes = run_ranks_outcomes(_faulty_native_rank, 4, argv, 2, fault, 11, timeout=150)
+    limit = hang_limit_s(TIMEOUT_MINUTES * 60)
+    for rank in (0, 1, 3):
+        status, text, seconds = outcomes[rank]
+        assert status in ("error", "gone") and text, (rank, status, text)
+        assert seconds is not None and seconds < limit + 45, (rank, seconds)
+        if fault == "stall":
+            assert re.search(r"rank 2 stalled \(.*\) at iteration 2, native schedule, forward number 2 ", text), text[-2000:]
+        else:
+            assert re.search(r"rank 2 stopped \(.*\) at iteration 2, native schedule, forward number 2 ", text), text[-2000:]
+    if fault == "stall":  # the stalled rank's own watchdog ends it too
+        status, text, seconds = outcomes[2]
+        assert status == "gone" and seconds is not None and "rank 2 made no progress" in text, (status, text)
 
 
 def _kill_while_saving(rank, argv, kill_at_iteration):

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe import progress
 from megatron_tawpipe.plan import actions as A
 
 
@@ -145,9 +146,11 @@ class PlanExecutor:
     def run(self, actions: List[object], forward_only: bool = False) -> None:
         """Execute ``actions``; ``forward_only`` keeps forwards and weight traffic only (evaluation)."""
         self._forward_only = forward_only
+        board = progress.board()
         for step, action in enumerate(actions):
             if forward_only and not _needed_for_forward(action, self.in_flight):
                 continue
+            board.at(_PlanPosition(step, len(actions), action))
             try:
                 self._handlers[type(action)](action)
             except PeerFailure as exc:
@@ -246,12 +249,25 @@ class PlanExecutor:
         op = self.in_flight.pop(a.tag)
         if op.work is not None:
             try:
-                op.work.wait(timeout=self.timeout)
+                with progress.board().waiting(op.what):
+                    op.work.wait(timeout=self.timeout)
             except RuntimeError as exc:
                 seconds = int(self.timeout.total_seconds())
                 raise PeerFailure(f"{op.what} failed or did not complete within {seconds} s "
                                   f"(--distributed-timeout-minutes): {_first_line(exc)}") from exc
         op.after()
+
+
+class _PlanPosition:
+    """A plan step as the progress board shows it; formatted only when posted."""
+
+    __slots__ = ("step", "length", "action")
+
+    def __init__(self, step: int, length: int, action) -> None:
+        self.step, self.length, self.action = step, length, action
+
+    def __str__(self) -> str:
+        return f"plan step {self.step} of {self.length}, {self.action}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,294 @@
+"""Where every rank is: so that a dead or stalled rank is named, and no hang is silent.
+
+Each rank posts its position (iteration, plan step or micro-batch, and what it
+is waiting for, if anything) to the job's c10d store whenever it changes; a
+store ``set`` is one small write without a reply (a few microseconds), so the
+last post of a rank killed mid-step names that step. A background thread
+repeats the post every second as a heartbeat.
+
+When a rank gives up on a peer (the executor's bounded waits), it reads every
+rank's last post and names the culprit: a rank that went silent (died or became
+unreachable) or one that is alive but has not moved from a step that is not a
+wait (stalled). Ranks that themselves gave up waiting are reported as such,
+so a cascade does not blame an intermediate rank.
+
+The same thread is a watchdog for what cannot time out by itself (megatron's
+native pipeline transfers wait without a bound): while a training or
+evaluation step is running, a rank whose position has not changed for longer
+than ``--distributed-timeout-minutes`` (plus a margin) prints the diagnosis and
+exits with status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+KEY_PREFIX = "megatron_tawpipe/progress/"
+BEAT_INTERVAL_S = 1.0       # a post at least this often, also while nothing changes (liveness)
+SILENT_AFTER_S = 4 * BEAT_INTERVAL_S + 1.0
+HANG_EXIT_DELAY_S = 3.0
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group, or a torch without this helper: no board
+        return None
+
+
+def hang_limit_s(timeout_s: float) -> float:
+    """How long a step may make no progress before the watchdog stops the process.
+
+    Longer than any single bounded wait (``timeout_s``), so the executor's own,
+    more precise error comes first wherever there is one.
+    """
+    return 1.25 * timeout_s + 5.0
+
+
+def _exit_on_hang(message: str) -> None:
+    print(f"{os.path.basename(sys.argv[0]) or 'megatron_tawpipe'}: error: {message}", file=sys.stderr, flush=True)
+    board = _current
+    if board.hosts_store():
+        board.linger_for_readers()
+    else:
+        # Peers' watchdogs fire at about the same moment and read this rank's last post.
+        time.sleep(HANG_EXIT_DELAY_S)
+    os._exit(1)
+
+
+class ProgressBoard:
+    """This rank's position, posted to the store; and a reader of every rank's position."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float,
+                 on_hang: Callable[[str], None] = _exit_on_hang, clock: Callable[[], float] = time.time):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.on_hang = on_hang
+        self.clock = clock
+        self.iteration = 0
+        self._where: object = "starting"
+        self._waiting: Optional[str] = None
+        self._since = clock()
+        self._armed = 0
+        self._posted_at = 0.0
+        self._lock = threading.Lock()  # the training thread and the heartbeat share one store client
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ---- the training side (about 10 us per position) ------------------------------------
+
+    def at(self, where: object) -> None:
+        """Enter a new position; ``where`` is formatted with ``str`` only when posted."""
+        self._where = where
+        self._waiting = None
+        self._moved()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        self._waiting = what
+        self._moved()
+        try:
+            yield
+        finally:
+            self._waiting = None
+            self._moved()
+
+    @contextlib.contextmanager
+    def step(self, iteration: int, what: str):
+        """A training or evaluation step: the watchdog is armed inside it."""
+        self.iteration = iteration
+        self.at(what)
+        self._armed += 1
+        try:
+            yield
+        finally:
+            self._armed -= 1
+
+    def _moved(self) -> None:
+        self._since = self.clock()
+        self._post()
+
+    # ---- posting -----------------------------------------------------------------------
+
+    def start(self) -> "ProgressBoard":
+        if self.store is not None and self._thread is None:
+            self._post()
+            self._thread = threading.Thread(target=self._run, name="tawpipe-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def finish(self, state: str = "finished", reason: str = "") -> None:
+        """Stop posting; leave a last record saying how this rank ended (the first call counts)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._post(state=state, reason=reason)
+
+    def _record(self, state: str = "running", reason: str = "") -> dict:
+        return {"rank": self.rank, "iteration": self.iteration, "where": str(self._where),
+                "waiting": self._waiting, "since": self._since, "beat": self.clock(),
+                "state": state, "reason": reason}
+
+    def _post(self, state: str = "running", reason: str = "") -> None:
+        if self.store is None or (self._stop.is_set() and state == "running"):
+            return
+        record = json.dumps(self._record(state, reason))
+        with self._lock:
+            try:
+                self.store.set(KEY_PREFIX + str(self.rank), record)
+            except Exception:  # the store is gone (its host died): nothing left to tell
+                return
+            self._posted_at = self.clock()
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_INTERVAL_S / 4):
+            now = self.clock()
+            if now - self._posted_at >= BEAT_INTERVAL_S:
+                self._post()
+            if self._armed and now - self._since > hang_limit_s(self.timeout_s):
+                self._hang(now)
+                return
+
+    def _hang(self, now: float) -> None:
+        position = f"iteration {self.iteration}, {self._where}"
+        if self._waiting:
+            position += f", waiting for {self._waiting}"
+        message = (f"rank {self.rank} made no progress for {now - self._since:.0f} s at {position} "
+                   f"(--distributed-timeout-minutes {self.timeout_s / 60:g})")
+        # Not waiting for anyone: this rank is the one that stalled, whatever the others see next.
+        self._stop.set()  # this is how the rank ends: nothing posted later may say otherwise
+        self._post(state="failed" if self._waiting else "stalled", reason=message)
+        self.on_hang(f"{message}; {self.diagnose()}")
+
+    # ---- the store's host --------------------------------------------------------------
+
+    def hosts_store(self) -> bool:
+        """Outside torchrun's agent store, the first rank's process serves the job's store."""
+        return self.store is not None and self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+    def linger_for_readers(self) -> None:
+        """If this process serves the store, keep it up until the other ranks have ended or gone silent.
+
+        They need it to read the progress posts when they fail in turn (a cascade reaches
+        them up to one timeout later).  Bounded by one timeout plus the silence threshold.
+        """
+        if not self.hosts_store():
+            return
+        deadline = self.clock() + self.timeout_s + SILENT_AFTER_S + 1.0
+        while self.clock() < deadline:
+            try:
+                records = self.read_all()
+            except Exception:
+                return
+            now = self.clock()
+            if all(rec is not None and (rec["state"] != "running" or now - rec["beat"] > SILENT_AFTER_S)
+                   for rank, rec in records.items() if rank != self.rank):
+                return
+            time.sleep(0.5)
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def read_all(self) -> Dict[int, Optional[dict]]:
+        records: Dict[int, Optional[dict]] = {}
+        for rank in range(self.world_size):
+            key = KEY_PREFIX + str(rank)
+            with self._lock:
+                records[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return records
+
+    def diagnose(self, settle_s: float = 0.0) -> str:
+        """One sentence naming the rank(s) that stopped, as far as the posts tell.
+
+        A peer that just died may still look alive (its last beat is recent):
+        with ``settle_s``, keep reading until a culprit shows or that time passed.
+        """
+        if self.store is None:
+            return "progress: no records (no store)"
+        deadline = self.clock() + settle_s
+        while True:
+            try:
+                records = self.read_all()
+            except Exception as exc:  # the store's host died with the job's first rank
+                return f"progress: records unreadable ({exc.__class__.__name__})"
+            text, found = describe_records(records, self.rank, self.clock(), self.timeout_s)
+            if found or self.clock() >= deadline:
+                return text
+            time.sleep(0.5)
+
+
+def describe_records(records: Dict[int, Optional[dict]], reader: int, now: float,
+                     timeout_s: float) -> Tuple[str, bool]:
+    """``(sentence, whether a culprit was found)`` from every rank's last post, seen by ``reader``."""
+    culprits, gave_up, others = [], [], []
+    for rank, rec in sorted(records.items()):
+        if rank == reader:
+            continue
+        if rec is None:
+            culprits.append(f"rank {rank} never reported progress")
+            continue
+        position = f"iteration {rec['iteration']}, {rec['where']}"
+        if rec["state"] == "failed":
+            gave_up.append(f"rank {rank}")
+        elif rec["state"] == "stalled":
+            culprits.append(f"rank {rank} stalled (no progress for {now - rec['since']:.0f} s outside any wait; "
+                            f"stopped by its watchdog) at {position}")
+        elif rec["state"] == "finished":
+            others.append(f"rank {rank} finished")
+        elif now - rec["beat"] > SILENT_AFTER_S:
+            culprits.append(f"rank {rank} stopped (silent for {now - rec['beat']:.0f} s: died or unreachable) "
+                            f"at {position}")
+        elif rec["waiting"] is None and now - rec["since"] > timeout_s / 2:
+            culprits.append(f"rank {rank} stalled (alive, no progress for {now - rec['since']:.0f} s) at {position}")
+        elif rec["waiting"]:
+            others.append(f"rank {rank} waiting at {position} for {rec['waiting']}")
+        else:
+            others.append(f"rank {rank} running at {position}")
+    parts = []
+    if culprits:
+        parts.append("; ".join(culprits))
+    else:
+        parts.append("no rank is silent or stuck outside a wait")
+    if gave_up:
+        parts.append(f"{', '.join(gave_up)} gave up waiting as well")
+    if others and not culprits:
+        parts.append("; ".join(others))
+    return "progress: " + "; ".join(parts), bool(culprits)
+
+
+class _NoBoard(ProgressBoard):
+    """Stands in when no board runs (single-process tools, tests of parts)."""
+
+    def __init__(self):
+        super().__init__(None, 0, 1, 600.0)
+
+
+_current: ProgressBoard = _NoBoard()
+
+
+def board() -> ProgressBoard:
+    return _current
+
+
+def start_board(timeout_s: float) -> ProgressBoard:
+    global _current
+    _current = ProgressBoard(_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s).start()
+    return _current
+
+
+def stop_board(state: str = "finished", reason: str = "") -> None:
+    global _current
+    _current.finish(state, reason)
+    _current = _NoBoard()
