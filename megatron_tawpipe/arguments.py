@@ -166,6 +166,11 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
     g.add_argument("--exit-interval", type=_positive_int, default=None, help="stop after this iteration")
 
+    g = parser.add_argument_group("benchmarking")
+    g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
+                   help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "
+                        "of the seconds in FILE (tools/calibrate.py writes it); communication stays real")
+
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
@@ -211,6 +216,13 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             "version yet; use --pipeline-schedule 1f1b or interleaved")
     if args.train_iters is None:
         raise ArgumentError("--train-iters is required")
+    if args.emulated_compute_times:
+        from megatron_tawpipe.emulated_compute import load_compute_times
+
+        try:
+            load_compute_times(args.emulated_compute_times)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise ArgumentError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "

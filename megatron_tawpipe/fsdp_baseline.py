@@ -38,6 +38,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe import emulated_compute
 from megatron_tawpipe.model import build_llama_model, llama_config
 
 
@@ -96,6 +97,9 @@ class FsdpTrainer:
         self.args = args
         self.config = llama_config(args, 1, None)
         model = build_llama_model(args, self.config)
+        times = emulated_compute.maybe_load(args)
+        if times is not None:
+            emulated_compute.emulate_gpt_model(model, times, recompute=False)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         for layer in model.decoder.layers:

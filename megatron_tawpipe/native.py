@@ -20,7 +20,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megatron_tawpipe import progress
+from megatron_tawpipe import emulated_compute, progress
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
@@ -138,6 +138,9 @@ class NativeTrainer:
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 vp_stage=stage,
             )
+            times = emulated_compute.maybe_load(self.args)
+            if times is not None:
+                emulated_compute.emulate_gpt_model(model, times, recompute=self.args.recompute_granularity == "full")
             if self.args.bf16 or self.args.fp16:
                 from megatron.core.transformer.module import Float16Module
 

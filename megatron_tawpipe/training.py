@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_tawpipe import cpu_compat, progress
+from megatron_tawpipe import cpu_compat, emulated_compute, progress
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
@@ -87,11 +87,11 @@ def evaluate(trainer, dataset, args) -> Optional[float]:
     return loss_sum / max(tokens, 1.0)
 
 
-def _max_over_ranks(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64,
+def _over_ranks(value: float, op=dist.ReduceOp.MAX) -> float:
+    t = torch.tensor([value], dtype=torch.float64,
                      device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
+    dist.all_reduce(t, op=op)
+    return float(t)
 
 
 def _is_writer() -> bool:
@@ -164,6 +164,7 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
+            emulated_compute.reset_slept()
             try:
                 with progress.board().step(iteration + 1, "training step"):
                     step = trainer.train_step(train_iterators)
@@ -180,7 +181,11 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
             extra = dict(step.get("extra", {}))
-            extra["peak_memory_bytes_max_rank"] = _max_over_ranks(peak_memory_bytes())
+            extra["peak_memory_bytes_max_rank"] = int(_over_ranks(peak_memory_bytes()))
+            if getattr(args, "emulated_compute_times", None):  # busy = slept compute time, the same measure for every schedule
+                extra["compute"] = "emulated"
+                extra["compute_busy_fraction"] = (_over_ranks(emulated_compute.slept_seconds() / elapsed, dist.ReduceOp.SUM)
+                                                  / dist.get_world_size())
             if args.eval_interval and iteration % args.eval_interval == 0:
                 extra["validation_lm_loss"] = _report_validation(trainer, valid_ds, args, iteration)
             records.append(writer.record(

@@ -75,6 +75,13 @@ class Link:
         return self.latency + (0.0 if self.bandwidth == float("inf") else nbytes / self.bandwidth)
 
 
+# The measured-times JSON (tools/calibrate.py writes it): seconds per layer and micro-batch,
+# plus descriptive keys that say where the figures come from.
+MEASURED_TIME_KEYS = ("layer_forward", "layer_backward", "layer_recompute", "head_forward", "head_backward")
+MEASURED_INFO_KEYS = ("comment", "device", "source", "attention", "dtype", "hidden_size", "seq_length",
+                      "micro_batch_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
 @dataclass(frozen=True)
 class CostModel:
     layer_forward: float                  # s per layer per micro-batch
@@ -139,13 +146,10 @@ class CostModel:
         else:
             with open(path_or_dict) as f:
                 data = json.load(f)
-        known = ("layer_forward", "layer_backward", "layer_recompute", "head_forward",
-                 "head_backward")
-        unknown = set(data) - set(known) - {"comment", "device", "hidden_size", "seq_length",
-                                            "micro_batch_size"}
+        unknown = set(data) - set(MEASURED_TIME_KEYS) - set(MEASURED_INFO_KEYS)
         if unknown:
             raise ValueError(f"unknown keys in measured times: {sorted(unknown)}")
-        return replace(self, **{k: float(v) for k, v in data.items() if k in known})
+        return replace(self, **{k: float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS})
 
     def with_links(self, intra: Link = None, inter: Link = None) -> "CostModel":
         return replace(self, intra=intra or self.intra, inter=inter or self.inter)

@@ -20,6 +20,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe import emulated_compute
 from megatron_tawpipe.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
 from megatron_tawpipe.runtime.precision import GradScaling, NonFiniteGradientError, find_non_finite
@@ -49,6 +50,9 @@ class WeightPassingTrainer:
     def __init__(self, args):
         self.args = args
         self.model = WeightPipeModel(args)
+        times = emulated_compute.maybe_load(args)
+        if times is not None:
+            emulated_compute.emulate_weight_pipe_model(self.model, times)
         self.plan = self.model.plan
         self.rank, self.world, self.device = self.model.rank, self.model.world, self.model.device
         self.scaling = GradScaling.from_args(args, self.device)

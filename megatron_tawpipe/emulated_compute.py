@@ -1,0 +1,224 @@
+"""Emulated compute: real tensors on the real links, compute replaced by calibrated sleeps.
+
+``--emulated-compute-times FILE`` turns any schedule (tawpipe, weipipe, native
+1f1b/interleaved, the FSDP baseline) into a measurement of schedule and
+overlap quality alone: every tensor that the schedule communicates keeps its
+real size and crosses the real (possibly shaped) links, while each forward,
+backward and recompute of a decoder layer, and of the output layer, becomes a
+sleep of the time in FILE. On a CPU machine where four ranks share two cores,
+real compute contends for the cores and hides schedule effects; sleeps do not.
+
+FILE is the JSON that ``tools/calibrate.py`` writes and ``tools/simulate.py
+--measured-times`` reads (seconds per layer and micro-batch)::
+
+    {"layer_forward": 0.02, "layer_backward": 0.04, "layer_recompute": 0.02,
+     "head_forward": 0.01, "head_backward": 0.02, "device": "...", ...}
+
+What stays real: the data pipeline, every weight, gradient and activation
+transfer, collectives, the optimizer step on the real parameter sizes.
+Losses are not computed (reported as 0); the metrics record
+``compute_busy_fraction`` as slept time over iteration time on every schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_tawpipe.plan.costmodel import MEASURED_INFO_KEYS as INFO_KEYS
+from megatron_tawpipe.plan.costmodel import MEASURED_TIME_KEYS as TIME_KEYS
+
+
+@dataclass(frozen=True)
+class ComputeTimes:
+    """Seconds per layer (or output layer) and micro-batch."""
+
+    layer_forward: float
+    layer_backward: float
+    layer_recompute: float = 0.0
+    head_forward: float = 0.0
+    head_backward: float = 0.0
+
+    def forward_s(self, layers: int, head: bool) -> float:
+        return layers * self.layer_forward + (self.head_forward if head else 0.0)
+
+    def backward_s(self, layers: int, head: bool, recompute: bool) -> float:
+        per_layer = self.layer_backward + (self.layer_recompute if recompute else 0.0)
+        return layers * per_layer + (self.head_backward if head else 0.0)
+
+    def to_json(self) -> Dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def load_compute_times(path: str, flag: str = "--emulated-compute-times") -> ComputeTimes:
+    """Read and check FILE; errors name the flag and the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} {path}: expected a JSON object with {', '.join(TIME_KEYS)}")
+    unknown = sorted(set(data) - set(TIME_KEYS) - set(INFO_KEYS))
+    if unknown:
+        raise ValueError(f"{flag} {path}: unknown keys {unknown}; allowed: {', '.join(TIME_KEYS + INFO_KEYS)}")
+    missing = [k for k in ("layer_forward", "layer_backward") if k not in data]
+    if missing:
+        raise ValueError(f"{flag} {path}: missing {', '.join(missing)}")
+    values = {}
+    for key in TIME_KEYS:
+        if key in data:
+            value = data[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{flag} {path}: {key} must be a number of seconds >= 0, got {value!r}")
+            values[key] = float(value)
+    return ComputeTimes(**values)
+
+
+# ---- slept time (the busy fraction of emulated runs) ------------------------------------
+
+_slept = {"seconds": 0.0}
+
+
+def reset_slept() -> None:
+    _slept["seconds"] = 0.0
+
+
+def slept_seconds() -> float:
+    return _slept["seconds"]
+
+
+def emulate(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+        _slept["seconds"] += seconds
+
+
+class _SleepingCompute(torch.autograd.Function):
+    """A stand-in for a block of layers: sleeps in forward and backward.
+
+    Output: ``out_shape`` (a new tensor; ``x`` itself when the shapes match,
+    copied). Gradients: ``x`` gets the incoming gradient when the shapes match
+    (zeros otherwise), every parameter gets zeros of its own size, so that
+    gradient traffic (DDP, FSDP reduce-scatter) keeps its real size.
+    """
+
+    @staticmethod
+    def forward(ctx, forward_s: float, backward_s: float, out_shape: Tuple[int, ...], x, *params):
+        ctx.backward_s = backward_s
+        ctx.same_shape = tuple(x.shape) == tuple(out_shape)
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        ctx.param_meta = [(p.shape, p.dtype, p.device) for p in params]
+        emulate(forward_s)
+        return x.clone() if ctx.same_shape else x.new_zeros(out_shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        emulate(ctx.backward_s)
+        shape, dtype, device = ctx.x_meta
+        grad_x = grad_out if ctx.same_shape else torch.zeros(shape, dtype=dtype, device=device)
+        grads = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.param_meta]
+        return (None, None, None, grad_x, *grads)
+
+
+def sleeping_block(x: torch.Tensor, out_shape: Sequence[int], forward_s: float, backward_s: float,
+                   params: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    trainable = [p for p in params if p.requires_grad]
+    if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
+        emulate(forward_s)
+        return x.clone() if tuple(x.shape) == tuple(out_shape) else x.new_zeros(out_shape)
+    return _SleepingCompute.apply(forward_s, backward_s, tuple(out_shape), x, *trainable)
+
+
+# ---- a megatron-core GPTModel (one pipeline chunk, or the whole model under FSDP) -------
+
+def emulate_gpt_model(gpt, times: ComputeTimes, recompute: bool) -> None:
+    """Replace ``gpt.forward`` by sleeps of its layers' and output layer's calibrated times.
+
+    The chunk keeps its parameters (DDP and FSDP hooks, buffers and collectives
+    see their real sizes); its input is the embedding output on the first
+    stage and the received activation elsewhere, its output a hidden state of
+    the real shape ``[s, b, h]`` or, on the last stage, per-token losses ``[b, s]``.
+    Layers run as modules, so FSDP all-gathers each layer's weights as usual.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for layer in gpt.decoder.layers:
+        if isinstance(layer, TransformerLayer):
+            layer.forward = _sleeping_layer_forward(layer, times, recompute)
+
+    def forward(input_ids, position_ids, attention_mask, decoder_input=None, labels=None, **_):
+        batch, seq = input_ids.shape
+        hidden_shape = (seq, batch, gpt.config.hidden_size)
+        if gpt.pre_process:
+            embedding = [p for p in gpt.embedding.parameters()]
+            source = embedding[0]
+            hidden = sleeping_block(source.new_zeros(hidden_shape), hidden_shape, 0.0, 0.0, embedding)
+        else:
+            hidden = gpt.decoder.input_tensor
+        for layer in gpt.decoder.layers:
+            hidden = layer(hidden)
+        if not gpt.post_process:
+            return hidden
+        head = list(gpt.decoder.final_layernorm.parameters()) if gpt.decoder.final_layernorm is not None else []
+        head += list(gpt.output_layer.parameters())
+        per_token = sleeping_block(hidden, (batch, seq), times.head_forward, times.head_backward, head)
+        return per_token.float()
+
+    gpt.forward = forward
+
+
+def _sleeping_layer_forward(layer, times: ComputeTimes, recompute: bool):
+    params = list(layer.parameters())
+
+    def forward(hidden_states, *args, **kwargs):
+        return sleeping_block(hidden_states, hidden_states.shape, times.layer_forward,
+                              times.backward_s(1, False, recompute), params)
+
+    return forward
+
+
+# ---- a weight-passing rank (the executor's compute callbacks) ---------------------------
+
+def emulate_weight_pipe_model(model, times: ComputeTimes) -> None:
+    """Replace a ``WeightPipeModel``'s forward/backward callbacks by sleeps.
+
+    The executor still moves every weight and gradient buffer of real size; the
+    data pipeline and ``forward_step_func`` still run, and the last shard
+    reports a zero loss over the micro-batch's real token count.
+    """
+    from megatron_tawpipe.runtime.weight_pipe_model import _normalised_loss
+
+    layers = model.plan.layers_per_shard
+    last = model.plan.num_shards - 1
+
+    def forward(mb: int, shard: int, weights: torch.Tensor) -> None:
+        if shard == 0:
+            model._start_microbatch(mb)
+        emulate(times.forward_s(layers, shard == last))
+        if shard == last:
+            labels = model._batches[mb]["labels"]
+            per_token = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+            model._reports[mb] = _normalised_loss(model._loss_funcs[mb](per_token), model._num_microbatches)[1]
+            if model._forward_only:
+                model._batches.pop(mb)
+
+    def backward(mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        emulate(times.backward_s(layers, shard == last, model.recompute))
+        if shard == 0:
+            model._batches.pop(mb, None)
+            model._loss_funcs.pop(mb, None)
+
+    model.forward = forward
+    model.backward = backward
+
+
+def maybe_load(args) -> Optional[ComputeTimes]:
+    path = getattr(args, "emulated_compute_times", None)
+    return load_compute_times(path) if path else None

@@ -1,0 +1,147 @@
+"""Emulated compute (sleeps instead of layers, real tensors on the links) and the calibration tool."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distributed_harness import run_ranks
+from megatron_tawpipe.emulated_compute import ComputeTimes, load_compute_times
+from training_helpers import tiny_args, train_rank
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMES = {"layer_forward": 0.004, "layer_backward": 0.008, "layer_recompute": 0.004,
+         "head_forward": 0.002, "head_backward": 0.004, "comment": "test"}
+
+
+@pytest.fixture
+def times_file(tmp_path):
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps(TIMES))
+    return str(path)
+
+
+def test_compute_times_file_errors_name_flag_and_file(tmp_path):
+    def error(content):
+        path = tmp_path / "t.json"
+        path.write_text(content)
+        with pytest.raises(ValueError) as info:
+            load_compute_times(str(path))
+        message = str(info.value)
+        assert message.startswith(f"--emulated-compute-times {path}: ") and "\n" not in message
+        return message
+
+    assert "not JSON" in error("{")
+    assert "missing layer_backward" in error('{"layer_forward": 1}')
+    assert "unknown keys ['layer_fwd']" in error('{"layer_fwd": 1, "layer_forward": 1, "layer_backward": 2}')
+    assert "head_forward must be a number of seconds >= 0" in error(
+        '{"layer_forward": 1, "layer_backward": 2, "head_forward": -1}')
+    with pytest.raises(ValueError, match="cannot read it"):
+        load_compute_times(str(tmp_path / "absent.json"))
+    times = ComputeTimes(layer_forward=1, layer_backward=2, layer_recompute=1, head_forward=0.5, head_backward=1)
+    assert times.forward_s(2, head=True) == 2.5
+    assert times.backward_s(2, head=False, recompute=True) == 6
+    assert times.backward_s(2, head=True, recompute=False) == 5
+
+
+def test_bad_times_file_is_a_flag_error(tmp_path):
+    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+
+    path = tmp_path / "t.json"
+    path.write_text('{"layer_forward": "fast", "layer_backward": 1}')
+    with pytest.raises(ArgumentError, match="--emulated-compute-times .*layer_forward must be a number"):
+        validate_args(parse_args(tiny_args("--emulated-compute-times", str(path))), world_size=1)
+
+
+def _fsdp_rank(rank, argv):
+    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.fsdp_baseline import pretrain_fsdp
+    from megatron_tawpipe.initialize import destroy
+
+    try:
+        return [r.to_json() for r in pretrain_fsdp(validate_args(parse_args(argv)))]
+    finally:
+        destroy()
+
+
+# 8 layers, global batch 8 on 4 ranks: 2 micro-batches per rank (weight passing, FSDP) or 8 per pipeline (1f1b).
+def _compute_per_rank(schedule):
+    t = TIMES
+    layer = t["layer_forward"] + t["layer_backward"]
+    head = t["head_forward"] + t["head_backward"]
+    if schedule in ("tawpipe", "weipipe"):  # every rank runs its 2 micro-batches through all 8 layers, recomputing
+        return 2 * (8 * (layer + t["layer_recompute"]) + head)
+    if schedule == "fsdp":
+        return 2 * (8 * layer + head)
+    return 8 * 2 * layer  # 1f1b, middle stage: 8 micro-batches through its 2 layers
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe", "1f1b", "fsdp"])
+def test_every_schedule_runs_emulated(schedule, times_file):
+    extra = {"tawpipe": ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"],
+             "weipipe": ["--pipeline-schedule", "weipipe", "--tawpipe-num-groups", "2"],
+             "1f1b": ["--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "4"],
+             "fsdp": []}[schedule]
+    argv = tiny_args(*extra, "--emulated-compute-times", times_file, train_iters=2)
+    records = run_ranks(_fsdp_rank if schedule == "fsdp" else train_rank, 4, argv)
+    last = records[-1]
+    assert len(last) == 2
+    for record in last:
+        assert record["compute"] == "emulated"
+        assert record["lm_loss"] == 0.0  # no loss is computed
+        # Slept compute bounds the iteration from below; the busy fraction is that share.
+        assert record["elapsed_ms"] / 1000 >= 0.95 * _compute_per_rank(schedule)
+        assert 0.0 < record["compute_busy_fraction"] <= 1.0
+    if schedule in ("tawpipe", "weipipe"):
+        # Real sizes on the links: the executor sent exactly what the plan moves.
+        for record in last:
+            assert record["inter_group_bytes"] == record["planned_inter_group_bytes"] > 0
+            assert record["intra_group_bytes"] == record["planned_intra_group_bytes"]
+
+
+def test_calibration_from_cost_model_and_measured(tmp_path):
+    from megatron_tawpipe.calibrate import main
+    from megatron_tawpipe.plan.costmodel import CostModel
+
+    shape = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
+             "--vocab-size", "256", "--num-layers", "2"]
+    out = tmp_path / "model.json"
+    assert main(["--output", str(out), "--from-cost-model", "--peak-tflops", "0.5", "--efficiency", "0.5"] + shape) == 0
+    written = json.loads(out.read_text())
+    cost = CostModel.from_flops(hidden_size=64, seq_length=64, micro_batch_size=1, ffn_hidden_size=192,
+                                vocab_size=256, num_attention_heads=4, num_query_groups=4, peak_tflops=0.5,
+                                efficiency=0.5)
+    assert written["layer_forward"] == pytest.approx(cost.layer_forward)
+    assert written["head_backward"] == pytest.approx(cost.head_backward)
+    assert load_compute_times(str(out)).layer_backward == pytest.approx(2 * cost.layer_forward)
+
+    # Measuring creates a process group and applies the CPU layer: in its own process, as users run it.
+    measured = tmp_path / "measured.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "calibrate.py"), "--output", str(measured),
+                    "--repeats", "2", "--warmup", "1", "--scale", "2"] + shape, check=True, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    data = json.loads(measured.read_text())
+    assert data["device"].startswith("cpu") and data["dtype"] == "fp32" and data["attention"] == "sdpa"
+    assert data["hidden_size"] == 64 and data["seq_length"] == 64 and "scaled by 2" in data["comment"]
+    times = load_compute_times(str(measured))
+    # Differences of timings: non-negative by construction; a whole model's time is not zero.
+    assert min(times.to_json().values()) >= 0
+    assert times.layer_forward + times.head_forward > 0 and times.layer_backward + times.head_backward > 0
+    # The simulator reads the same file.
+    simulated = CostModel.from_flops(hidden_size=64, seq_length=64).with_measured(str(measured))
+    assert simulated.layer_backward == pytest.approx(times.layer_backward)
+
+
+def test_calibration_flag_errors(tmp_path, capsys):
+    from megatron_tawpipe.calibrate import main
+
+    with pytest.raises(SystemExit):
+        main(["--output", str(tmp_path / "x.json"), "--from-cost-model", "--hidden-size", "64",
+              "--num-attention-heads", "4", "--vocab-size", "256", "--num-layers", "2", "--seq-length", "64"])
+    assert "--from-cost-model needs --peak-tflops" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--output", str(tmp_path / "x.json"), "--hidden-size", "64", "--num-attention-heads", "4",
+              "--num-layers", "2", "--seq-length", "64"])
+    assert "--vocab-size is required" in capsys.readouterr().err

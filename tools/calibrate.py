@@ -1,0 +1,19 @@
+#!/usr/bin/env python
+"""Per-layer compute times of the Llama model, measured on this device (GPU when present) or from the FLOP model.
+
+    python tools/calibrate.py --output times.json --hidden-size 4096 --num-attention-heads 32 \\
+        --seq-length 16384 --micro-batch-size 1 --vocab-size 32000 --bf16           # measure here
+    python tools/calibrate.py --output times.json --from-cost-model --peak-tflops 312 --efficiency 0.5 ...
+
+The JSON feeds ``tools/simulate.py --measured-times`` and ``pretrain_llama.py --emulated-compute-times``.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if __name__ == "__main__":
+    from megatron_tawpipe.calibrate import main
+
+    sys.exit(main())
