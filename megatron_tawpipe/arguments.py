@@ -127,6 +127,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
                    help="groups (nodes) of the weight pipeline; default: one per node")
     g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
+    g.add_argument("--tawpipe-microbatches-per-visit", type=_positive_int, default=1,
+                   help="tawpipe: micro-batches each rank runs per visit of a shard; the shard is broadcast "
+                        "in the group (and its gradient reduced) once per visit, so intra-node traffic falls "
+                        "by this factor while boundary activations of that many micro-batches are kept")
     g.add_argument("--tawpipe-no-recompute", action="store_true",
                    help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
                         "in backward (faster, needs memory for N x L/P layers of activations)")
@@ -267,15 +271,18 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError(
                 f"--recompute-granularity selective is not supported with --pipeline-schedule "
                 f"{args.pipeline_schedule} (it recomputes whole shards; --tawpipe-no-recompute turns that off)")
+        if args.tawpipe_microbatches_per_visit != 1 and args.pipeline_schedule != "tawpipe":
+            raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
         groups = args.tawpipe_num_groups
         if groups is not None and world_size % groups:
             raise ArgumentError(
                 f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
         return
-    if args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute:
+    if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
+            or args.tawpipe_microbatches_per_visit != 1):
         raise ArgumentError(
-            "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute need "
-            "--pipeline-schedule tawpipe or weipipe")
+            "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
+            "--tawpipe-microbatches-per-visit need --pipeline-schedule tawpipe or weipipe")
     if world_size % pp:
         raise ArgumentError(
             f"--pipeline-model-parallel-size {pp} must divide the number of ranks {world_size}")

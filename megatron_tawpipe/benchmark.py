@@ -51,6 +51,9 @@ class BenchmarkConfig:
     outdir: str = "runs/benchmark"
     cluster: Optional[tuple] = None  # (nodes, ranks_per_node, rate) for the emulated cluster
     timeout_s: Optional[float] = None
+    recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
+    emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
+    tawpipe_microbatches_per_visit: int = 1
     python: str = sys.executable
     env: Dict[str, str] = field(default_factory=dict)
 
@@ -80,8 +83,14 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
                                         "--eval-iters", "0"]
     if _flag_value(config.model_args, "--num-layers") is None:
         common += ["--num-layers", str(layers)]
+    if config.emulated_compute_times:
+        common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
     if schedule in ("tawpipe", "weipipe"):
-        return [PRETRAIN, "--pipeline-schedule", schedule, "--tawpipe-num-groups", str(config.num_groups())] + common
+        extra = [] if config.recompute else ["--tawpipe-no-recompute"]
+        if schedule == "tawpipe" and config.tawpipe_microbatches_per_visit != 1:
+            extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
+        return ([PRETRAIN, "--pipeline-schedule", schedule, "--tawpipe-num-groups", str(config.num_groups())]
+                + extra + common)
     if schedule == "1f1b":
         return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(p)] + common
     if schedule == "interleaved":

@@ -6,7 +6,8 @@ torch FSDP2: ``fully_shard`` on every decoder layer, then on the root (the
 embedding, final norm and output layer). Each rank holds 1/P of every
 parameter, gradient and AdamW state; a layer's weights are all-gathered just
 before its forward and again before its backward, its gradients are
-reduce-scattered after its backward (every micro-batch: ZeRO-3).
+reduce-scattered after its backward (every micro-batch: ZeRO-3). Each layer
+prefetches the next one's all-gather (the previous one's in backward).
 
 Numerics follow megatron's native path so that a run is comparable with
 ``--pipeline-schedule 1f1b`` on the same seed and batch:
@@ -102,9 +103,17 @@ class FsdpTrainer:
             emulated_compute.emulate_gpt_model(model, times, recompute=False)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        for layer in model.decoder.layers:
+        layers = list(model.decoder.layers)
+        for layer in layers:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        # Explicit prefetch: start the next layer's all-gather while this one computes. FSDP's implicit
+        # prefetch relies on CUDA streams; on CPU/gloo only explicit prefetch overlaps anything.
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            if i > 0:
+                layer.set_modules_to_backward_prefetch([layers[i - 1]])
         self.model = model
         self.optimizer = torch.optim.AdamW(
             megatron_param_groups(model, args), lr=args.lr, weight_decay=args.weight_decay,

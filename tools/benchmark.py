@@ -53,6 +53,13 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--chart", default=None, help="draw the table to this PNG")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="weight-passing schedules keep activations (--tawpipe-no-recompute), like the native "
+                        "schedules and FSDP do by default: the same compute per micro-batch for all")
+    p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=1,
+                   help="passed to the tawpipe runs (see pretrain_llama.py --help)")
+    p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
+                   help="emulated compute for every schedule (see tools/calibrate.py)")
     args = p.parse_args(argv)
 
     cluster = None
@@ -67,7 +74,9 @@ def main(argv=None) -> int:
     config = BenchmarkConfig(schedules=args.schedules, ranks=ranks, repetitions=args.repetitions,
                              train_iters=args.train_iters, warmup_iters=args.warmup_iters, groups=args.groups,
                              model_args=model_args if model_args is not None else DEFAULT_MODEL,
-                             outdir=args.outdir, cluster=cluster, timeout_s=args.timeout)
+                             outdir=args.outdir, cluster=cluster, timeout_s=args.timeout,
+                             recompute=not args.no_recompute, emulated_compute_times=args.emulated_compute_times,
+                             tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit)
     if args.warmup_iters >= args.train_iters:
         print("benchmark.py: error: --warmup-iters must be smaller than --train-iters", file=sys.stderr)
         return 2

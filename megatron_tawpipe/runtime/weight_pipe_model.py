@@ -38,6 +38,11 @@ def plan_name(args) -> str:
     return "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe"
 
 
+def plan_options(args) -> dict:
+    chunk = getattr(args, "tawpipe_microbatches_per_visit", 1)
+    return {"chunk": chunk} if args.pipeline_schedule == "tawpipe" and chunk != 1 else {}
+
+
 class _MicroBatchRecorder:
     """Stands in for the model inside ``forward_step_func``: records one micro-batch's inputs."""
 
@@ -69,7 +74,8 @@ class WeightPipeModel:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         groups = args.tawpipe_num_groups or parallel_state.default_num_groups(self.world)
         self.plan = build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
-                               num_layers=args.num_layers, num_microbatches=args.num_microbatches)
+                               num_layers=args.num_layers, num_microbatches=args.num_microbatches,
+                               **plan_options(args))
         validate_plan(self.plan)
         self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners)
         self.recompute = not args.tawpipe_no_recompute
