@@ -174,6 +174,10 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
                    help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "
                         "of the seconds in FILE (tools/calibrate.py writes it); communication stays real")
+    g.add_argument("--timeline-file", default=None, metavar="FILE",
+                   help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
+                        "iteration (compute and transfers, wall clock) as JSON; draw it with "
+                        "tools/plot_schedule.py --timeline FILE")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -271,6 +275,8 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError(
                 f"--recompute-granularity selective is not supported with --pipeline-schedule "
                 f"{args.pipeline_schedule} (it recomputes whole shards; --tawpipe-no-recompute turns that off)")
+        if args.timeline_file and os.path.isdir(args.timeline_file):
+            raise ArgumentError(f"--timeline-file {args.timeline_file} is a directory; give a file name")
         if args.tawpipe_microbatches_per_visit != 1 and args.pipeline_schedule != "tawpipe":
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
         groups = args.tawpipe_num_groups
@@ -279,10 +285,10 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                 f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
-            or args.tawpipe_microbatches_per_visit != 1):
+            or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file):
         raise ArgumentError(
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
-            "--tawpipe-microbatches-per-visit need --pipeline-schedule tawpipe or weipipe")
+            "--tawpipe-microbatches-per-visit / --timeline-file need --pipeline-schedule tawpipe or weipipe")
     if world_size % pp:
         raise ArgumentError(
             f"--pipeline-model-parallel-size {pp} must divide the number of ranks {world_size}")

@@ -339,3 +339,35 @@ def write_chart(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def compare_with_simulation(result: dict, simulated: List[dict], reference: str = "tawpipe") -> dict:
+    """Measured against predicted: tokens/s per schedule and the ratios ``reference`` / other.
+
+    ``simulated`` is ``tools/simulate.py --json`` output for the same configuration. A
+    ratio's deviation is (measured ratio / predicted ratio - 1).
+    """
+    measured = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in result["summary"]}
+    predicted = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in simulated}
+    rows = [{"schedule": s, "measured": measured[s], "predicted": predicted[s],
+             "measured_over_predicted": measured[s] / predicted[s]}
+            for s in measured if s in predicted]
+    ratios = []
+    if reference in measured and reference in predicted:
+        for s in measured:
+            if s != reference and s in predicted:
+                m, p = measured[reference] / measured[s], predicted[reference] / predicted[s]
+                ratios.append({"ratio": f"{reference}/{s}", "measured": m, "predicted": p, "deviation": m / p - 1})
+    return {"rows": rows, "ratios": ratios}
+
+
+def format_comparison(comparison: dict) -> str:
+    out = [f"{'schedule':<12}  {'measured tok/s/rank':>19}  {'simulated':>9}  {'measured/simulated':>18}"]
+    for r in comparison["rows"]:
+        out.append(f"{r['schedule']:<12}  {r['measured']:>19.1f}  {r['predicted']:>9.1f}  "
+                   f"{r['measured_over_predicted']:>18.2f}")
+    out.append("")
+    out.append(f"{'ratio':<20}  {'measured':>8}  {'simulated':>9}  {'deviation':>9}")
+    for r in comparison["ratios"]:
+        out.append(f"{r['ratio']:<20}  {r['measured']:>8.2f}  {r['predicted']:>9.2f}  {100 * r['deviation']:>+8.0f}%")
+    return "\n".join(out)

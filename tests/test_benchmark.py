@@ -132,3 +132,24 @@ def test_cli_with_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fsdp" in proc.stdout
     assert json.loads(out.read_text())["summary"][0]["schedule"] == "fsdp"
+
+
+def test_comparison_with_the_simulator():
+    from megatron_tawpipe.benchmark import compare_with_simulation, format_comparison
+
+    result = {"summary": [{"schedule": "tawpipe", "tokens_per_sec_per_rank": 300.0},
+                          {"schedule": "1f1b", "tokens_per_sec_per_rank": 200.0},
+                          {"schedule": "fsdp", "tokens_per_sec_per_rank": 100.0}]}
+    simulated = [{"schedule": "tawpipe", "tokens_per_sec_per_rank": 400.0},
+                 {"schedule": "1f1b", "tokens_per_sec_per_rank": 250.0},
+                 {"schedule": "weipipe", "tokens_per_sec_per_rank": 1.0}]
+    comparison = compare_with_simulation(result, simulated)
+    rows = {r["schedule"]: r for r in comparison["rows"]}
+    assert set(rows) == {"tawpipe", "1f1b"}  # fsdp was not simulated, weipipe not measured
+    assert rows["tawpipe"]["measured_over_predicted"] == pytest.approx(0.75)
+    (ratio,) = comparison["ratios"]
+    assert ratio["ratio"] == "tawpipe/1f1b"
+    assert ratio["measured"] == pytest.approx(1.5) and ratio["predicted"] == pytest.approx(1.6)
+    assert ratio["deviation"] == pytest.approx(1.5 / 1.6 - 1)
+    text = format_comparison(comparison)
+    assert "tawpipe/1f1b" in text and "-6%" in text

@@ -191,6 +191,9 @@ def test_measured_times_override(tmp_path):
     assert (c.layer_forward, c.layer_backward, c.layer_recompute) == (0.01, 0.02, 0.01)
     with pytest.raises(ValueError, match="unknown keys"):
         c.with_measured({"layer_fwd": 1})
+    # Without recompute, a measured recompute time does not bring it back.
+    keep = CostModel.from_flops(hidden_size=1024, seq_length=1024, recompute=False).with_measured(str(path))
+    assert (keep.layer_forward, keep.layer_backward, keep.layer_recompute) == (0.01, 0.02, 0.0)
 
 
 @pytest.mark.parametrize("text,value", [

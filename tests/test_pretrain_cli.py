@@ -76,6 +76,11 @@ BAD_FLAGS = [
     (["--pipeline-schedule", "weipipe", "--pipeline-model-parallel-size", "2"], 4,
      "--pipeline-model-parallel-size must be 1"),
     (["--pipeline-schedule", "tawpipe", "--global-batch-size", "6"], 4, "--global-batch-size 6 must be divisible"),
+    (["--pipeline-schedule", "weipipe", "--tawpipe-microbatches-per-visit", "2"], 4,
+     "--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only"),
+    (["--tawpipe-microbatches-per-visit", "2"], 1, "need --pipeline-schedule tawpipe or weipipe"),
+    (["--pipeline-schedule", "tawpipe", "--tawpipe-microbatches-per-visit", "0"], 4,
+     "--tawpipe-microbatches-per-visit"),
 ]
 
 

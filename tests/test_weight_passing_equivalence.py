@@ -75,6 +75,8 @@ CASES = [
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-no-recompute"], 8, 12),
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "4"], 4, 4),
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-no-overlap"], 4, 12),
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-microbatches-per-visit", "2"],
+     8, 12),
     (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"], 6, 18),
     (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", "--tawpipe-no-recompute"], 12, 6),
 ]

@@ -23,7 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.benchmark import (SCHEDULES, BenchmarkConfig, BenchmarkError, format_table,  # noqa: E402
+from megatron_tawpipe.benchmark import (SCHEDULES, BenchmarkConfig, BenchmarkError,  # noqa: E402
+                                        compare_with_simulation, format_comparison, format_table,
                                         run_benchmark, write_chart)
 
 DEFAULT_MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
@@ -60,7 +61,19 @@ def main(argv=None) -> int:
                    help="passed to the tawpipe runs (see pretrain_llama.py --help)")
     p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
                    help="emulated compute for every schedule (see tools/calibrate.py)")
+    p.add_argument("--compare-simulated", default=None, metavar="SIM_JSON",
+                   help="with --results: print measured against tools/simulate.py --json output; run nothing")
+    p.add_argument("--results", default=None, metavar="JSON", help="a --json file of an earlier benchmark")
     args = p.parse_args(argv)
+    if args.compare_simulated or args.results:
+        if not (args.compare_simulated and args.results):
+            p.error("--compare-simulated and --results go together")
+        with open(args.results, encoding="utf-8") as f:
+            result = json.load(f)
+        with open(args.compare_simulated, encoding="utf-8") as f:
+            simulated = json.load(f)
+        print(format_comparison(compare_with_simulation(result, simulated)))
+        return 0
 
     cluster = None
     ranks = args.ranks or 4

@@ -10,6 +10,10 @@ pale = inside the group.
 
     python tools/plot_schedule.py --schedule tawpipe --ranks 8 --groups 2 \\
         --num-layers 16 --num-microbatches 4 --inter-bw 1.25GB/s --out /tmp/tawpipe.png
+
+A measured iteration (``pretrain_llama.py --timeline-file run.json``) draws the same way:
+
+    python tools/plot_schedule.py --timeline run.json --out /tmp/measured.png
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def draw(plan, result, out: str, title: str = None, time_range=None, dpi: int = 
         alpha = 1.0 if tr.link == "inter" else 0.35
         width = max(tr.end - tr.posted, (hi - lo) / 2000)
         for rank, lane in ((tr.dst, 0), (tr.src, 1)):
+            if rank < 0:  # a measured transfer is drawn on the lane of the rank that recorded it
+                continue
             ax.broken_barh([(tr.posted, width)],
                            (y0(rank) + 0.05 + bar_h + 0.04 + lane * (lane_h + 0.02), lane_h),
                            facecolors=colour, alpha=alpha, linewidth=0)
@@ -99,11 +105,40 @@ def draw(plan, result, out: str, title: str = None, time_range=None, dpi: int = 
     plt.close(fig)
 
 
+def load_timeline(path: str):
+    """A measured timeline (``pretrain_llama.py --timeline-file``) as the (plan, result) ``draw`` takes."""
+    import json
+    from types import SimpleNamespace
+
+    from megatron_tawpipe.plan.simulate import Span, Transfer
+
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    t0 = min([s[1] for s in doc["spans"]] + [x[4] for x in doc["transfers"]])
+    spans = [Span(rank=r, start=a - t0, end=b - t0, kind=k, mb=mb, shard=sh) for r, a, b, k, mb, sh in doc["spans"]]
+    transfers = []
+    for i, (rank, direction, kind, link, posted, end) in enumerate(doc["transfers"]):
+        src, dst = (-1, rank) if direction == "in" else (rank, -1)
+        transfers.append(Transfer(tag=i, src=src, dst=dst, kind=kind, link=link, nbytes=0.0,
+                                  posted=posted - t0, end=end - t0))
+    P, D = doc["num_ranks"], doc["num_groups"]
+    plan = SimpleNamespace(schedule=doc["schedule"], num_ranks=P, num_groups=D, ranks_per_group=P // D,
+                           num_layers=doc["num_layers"], num_microbatches=doc["num_microbatches"], family="weight",
+                           max_weight_buffers=doc["max_weight_buffers"], max_grad_buffers=doc["max_grad_buffers"])
+    iteration = max([s.end for s in spans] + [t.end for t in transfers])
+    busy = [sum(s.end - s.start for s in spans if s.rank == r and s.kind in ("F", "B")) for r in range(P)]
+    result = SimpleNamespace(spans=spans, transfers=transfers, iteration_time=iteration,
+                             bubble_ratio=1.0 - sum(busy) / (P * iteration), link_bytes={"inter": 0.0, "intra": 0.0})
+    return plan, result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--schedule", default="tawpipe", choices=sorted(SCHEDULES))
+    p.add_argument("--timeline", default=None, metavar="JSON",
+                   help="draw a measured timeline (pretrain_llama.py --timeline-file) instead of a simulated one")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--time-range", nargs=2, type=float, metavar=("FROM", "TO"),
                    help="zoom into this time window (seconds)")
@@ -112,6 +147,15 @@ def main(argv=None) -> int:
     add_model_args(p)
     p.set_defaults(num_microbatches=4)
     args = p.parse_args(argv)
+    if args.timeline:
+        plan, result = load_timeline(args.timeline)
+        title = (f"measured: {plan.schedule}, P={plan.num_ranks}, {plan.num_groups} groups, {plan.num_layers} layers, "
+                 f"N={plan.num_microbatches}  |  iteration {result.iteration_time:.2f} s, compute idle "
+                 f"{result.bubble_ratio:.1%} (forward/backward spans; the lanes show each rank's transfers "
+                 "from post to completed wait)")
+        draw(plan, result, args.out, title=title, time_range=args.time_range, dpi=args.dpi)
+        print(f"wrote {args.out}: iteration {result.iteration_time:.3f} s, compute idle {result.bubble_ratio:.3f}")
+        return 0
     plan, result = run_one(args.schedule, args, cost_model(args), validate=True, record=True)
     if args.grid:
         print(plan.grid())

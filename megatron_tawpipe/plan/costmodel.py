@@ -149,7 +149,10 @@ class CostModel:
         unknown = set(data) - set(MEASURED_TIME_KEYS) - set(MEASURED_INFO_KEYS)
         if unknown:
             raise ValueError(f"unknown keys in measured times: {sorted(unknown)}")
-        return replace(self, **{k: float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS})
+        times = {k: float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS}
+        if not self.recompute:  # a measured recompute time does not bring recompute back
+            times.pop("layer_recompute", None)
+        return replace(self, **times)
 
     def with_links(self, intra: Link = None, inter: Link = None) -> "CostModel":
         return replace(self, intra=intra or self.intra, inter=inter or self.inter)

@@ -94,6 +94,8 @@ class PlanExecutor:
         self.weight_buffers: Dict[str, torch.Tensor] = {}
         self.grad_buffers: Dict[str, torch.Tensor] = {}
         self.in_flight: Dict[int, _InFlight] = {}
+        self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
+        self._posted: Dict[int, Tuple[float, object]] = {}
         self.reset_counters()
         self._handlers = {
             A.Forward: self._forward,
@@ -151,8 +153,11 @@ class PlanExecutor:
             if forward_only and not _needed_for_forward(action, self.in_flight):
                 continue
             board.at(_PlanPosition(step, len(actions), action))
+            started = time.time() if self.trace is not None else 0.0
             try:
                 self._handlers[type(action)](action)
+                if self.trace is not None:
+                    self._record(action, started, time.time())
             except PeerFailure as exc:
                 raise PeerFailure(f"rank {self.rank}, step {step} of {len(actions)}, {action}: {exc}") from exc
             except ExecutionError as exc:
@@ -165,6 +170,29 @@ class PlanExecutor:
                 raise
         if self.in_flight:
             raise ExecutionError(f"rank {self.rank}: plan ended with transfers in flight: {sorted(self.in_flight)}")
+
+    # ---- timeline ---------------------------------------------------------------------
+
+    def start_trace(self) -> None:
+        """Record this rank's actions with wall-clock times (``tools/plot_schedule.py --timeline``)."""
+        self.trace = {"rank": self.rank, "spans": [], "transfers": []}
+        self._posted = {}
+
+    def _record(self, action, start: float, end: float) -> None:
+        kind = _SPAN_KINDS.get(type(action))
+        if kind is not None:
+            self.trace["spans"].append([self.rank, start, end, kind, getattr(action, "mb", -1),
+                                        getattr(action, "shard", -1)])
+        elif isinstance(action, A.STARTS):
+            self._posted[action.tag] = (start, action)
+        elif isinstance(action, A.Wait) and action.tag in self._posted:
+            posted, started = self._posted.pop(action.tag)
+            link = getattr(started, "link", None)
+            if link is None:
+                root = getattr(started, "root", None)
+                link = self.plan.link_between(self.rank, root) if root is not None else "inter"
+            self.trace["transfers"].append([self.rank, "in" if _arrives_here(started, self.rank) else "out",
+                                            getattr(started, "kind", "allreduce"), link, posted, end])
 
     def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:
@@ -256,6 +284,21 @@ class PlanExecutor:
                 raise PeerFailure(f"{op.what} failed or did not complete within {seconds} s "
                                   f"(--distributed-timeout-minutes): {_first_line(exc)}") from exc
         op.after()
+
+
+_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.LoadWeights: "load", A.AccumulateToOwner: "acc",
+               A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
+
+
+def _arrives_here(action, rank: int) -> bool:
+    """Whether a transfer brings data to ``rank`` (else it takes data away)."""
+    if isinstance(action, A.RecvStart):
+        return True
+    if isinstance(action, A.BroadcastStart):
+        return action.root != rank
+    if isinstance(action, A.ReduceStart):
+        return action.root == rank
+    return False
 
 
 class _PlanPosition:

@@ -14,6 +14,8 @@ the summed gradient equals data-parallel training's averaged one.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -86,9 +88,13 @@ class WeightPassingTrainer:
     def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
         self.model.train()
         self.model.zero_grads()
+        if self.args.timeline_file:
+            self.model.executor.start_trace()
         start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
         busy = self.model.executor.compute_seconds / max(time.perf_counter() - start, 1e-9)
+        if self.args.timeline_file:
+            self._write_timeline()
         grad_norm, skipped = self._optimizer_step()
         loss_sum, tokens = self._reduce_reports(reports)
         sent = self._reduce_bytes()
@@ -120,6 +126,26 @@ class WeightPassingTrainer:
         self._adamw.step()
         self.model.copy_replicated_masters_to_model()
         return grad_norm, False
+
+    def _write_timeline(self) -> None:
+        """Gather every rank's trace of this iteration; the first rank writes them (atomically)."""
+        executor = self.model.executor
+        traces = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(executor.trace, traces, dst=0)
+        executor.trace = None
+        if self.rank != 0:
+            return
+        plan = self.plan
+        doc = {"schedule": plan.schedule, "num_ranks": plan.num_ranks, "num_groups": plan.num_groups,
+               "num_layers": plan.num_layers, "num_microbatches": plan.num_microbatches,
+               "max_weight_buffers": plan.max_weight_buffers, "max_grad_buffers": plan.max_grad_buffers,
+               "spans": [s for t in traces for s in t["spans"]],
+               "transfers": [x for t in traces for x in t["transfers"]]}
+        path = self.args.timeline_file
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
 
     def _check_finite(self) -> None:
         """Every rank checks what it holds; one all-reduced flag per shard makes all ranks agree."""

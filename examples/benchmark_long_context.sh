@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The README's results: TawPipe, WeiPipe, native Megatron 1F1B / interleaved and FSDP on an
+# emulated cluster of 2 nodes x 2 ranks (root: network namespaces, htb-shaped node links),
+# long context (G*S/(12H) = 2*3072/(12*256) = 2), emulated compute calibrated so that one
+# shard's weights (2 layers, fp32, 6.4 MB) take about as long on the node link as one
+# shard's forward (2 x 24.4 ms). Then the simulator's prediction of the same configuration.
+#   sudo bash examples/benchmark_long_context.sh        (REPS=3 ITERS=4 RATE=1gbit VISIT=4)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/long_context}
+REPS=${REPS:-3}
+ITERS=${ITERS:-4}
+RATE=${RATE:-1gbit}          # per node link; 1gbit = 125 MB/s: 6.4 MB in 51 ms
+INTER_BW=${INTER_BW:-125MB/s} # the same rate, for the simulator
+INTRA_BW=${INTRA_BW:-0.6GB/s} # gloo over a namespace's loopback on this kind of machine (measured)
+VISIT=${VISIT:-4}            # tawpipe micro-batches per shard visit
+PEAK=${PEAK:-0.4}            # emulated device: TFLOP/s at efficiency 1 -> 24.4 ms per layer forward
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+MODEL=(--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --max-position-embeddings 3072
+       --micro-batch-size 1 --global-batch-size 16 --mock-data --tokenizer-type NullTokenizer --vocab-size 2047
+       --lr 1e-4 --log-interval 1000 --eval-interval 1000)
+mkdir -p "$OUT"
+python tools/calibrate.py --output "$OUT/times.json" --from-cost-model --peak-tflops "$PEAK" --efficiency 1 \
+    --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --vocab-size 2048 --num-layers 8
+python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" \
+    --train-iters "$ITERS" --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" \
+    --emulated-compute-times "$OUT/times.json" --outdir "$OUT/runs" --json "$OUT/results.json" \
+    --chart "$OUT/results.png" -- "${MODEL[@]}"
+python tools/simulate.py --schedule tawpipe,weipipe,1f1b,interleaved,fsdp --ranks 4 --groups 2 --num-layers 8 \
+    --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --num-microbatches 4 \
+    --vocab-size 2048 --dtype-bytes 4 --no-recompute --chunk "$VISIT" --virtual-stages 2 \
+    --measured-times "$OUT/times.json" --intra-bw "$INTRA_BW" --inter-bw "$INTER_BW" \
+    --json > "$OUT/simulated.json"
+python tools/benchmark.py --compare-simulated "$OUT/simulated.json" --results "$OUT/results.json"
