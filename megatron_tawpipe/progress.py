@@ -80,6 +80,10 @@ class ProgressBoard:
         self._waiting: Optional[str] = None
         self._since = clock()
         self._armed = 0
+        self.last_diagnosis: Optional[str] = None  # the watchdog's, when it fired
+        self._reported = False
+        self._final_state: Optional[str] = None
+        self._final_reason = ""
         self._posted_at = 0.0
         self._lock = threading.Lock()  # the training thread and the heartbeat share one store client
         self._stop = threading.Event()
@@ -137,14 +141,21 @@ class ProgressBoard:
             self._thread = None
         self._post(state=state, reason=reason)
 
+    def reported(self) -> None:
+        """This rank has read the others' posts and said its piece: the store may go."""
+        self._reported = True
+        self._post(state=self._final_state or "failed", reason=self._final_reason)
+
     def _record(self, state: str = "running", reason: str = "") -> dict:
         return {"rank": self.rank, "iteration": self.iteration, "where": str(self._where),
                 "waiting": self._waiting, "since": self._since, "beat": self.clock(),
-                "state": state, "reason": reason}
+                "state": state, "reason": reason, "reported": self._reported}
 
     def _post(self, state: str = "running", reason: str = "") -> None:
         if self.store is None or (self._stop.is_set() and state == "running"):
             return
+        if state != "running":
+            self._final_state, self._final_reason = state, reason
         record = json.dumps(self._record(state, reason))
         with self._lock:
             try:
@@ -171,7 +182,9 @@ class ProgressBoard:
         # Not waiting for anyone: this rank is the one that stalled, whatever the others see next.
         self._stop.set()  # this is how the rank ends: nothing posted later may say otherwise
         self._post(state="failed" if self._waiting else "stalled", reason=message)
-        self.on_hang(f"{message}; {self.diagnose()}")
+        self.last_diagnosis = self.diagnose()
+        self.reported()
+        self.on_hang(f"{message}; {self.last_diagnosis}")
 
     # ---- the store's host --------------------------------------------------------------
 
@@ -180,22 +193,32 @@ class ProgressBoard:
         return self.store is not None and self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
     def linger_for_readers(self) -> None:
-        """If this process serves the store, keep it up until the other ranks have ended or gone silent.
+        """If this process serves the store, keep it up until every other rank is done with it.
 
         They need it to read the progress posts when they fail in turn (a cascade reaches
-        them up to one timeout later).  Bounded by one timeout plus the silence threshold.
+        them up to one timeout later). A rank is done when it finished, when it reported
+        its diagnosis, or when it has been silent for longer than a diagnosis takes.
+        Bounded by one timeout plus two diagnoses.
         """
         if not self.hosts_store():
             return
-        deadline = self.clock() + self.timeout_s + SILENT_AFTER_S + 1.0
+        deadline = self.clock() + self.timeout_s + 2 * (SILENT_AFTER_S + 1.0)
+
+        def done(rec, now) -> bool:
+            if rec is None:
+                return False
+            if rec["state"] == "finished" or rec.get("reported"):
+                return True
+            silent = now - rec["beat"]
+            return silent > (SILENT_AFTER_S if rec["state"] == "running" else 2 * SILENT_AFTER_S + 2.0)
+
         while self.clock() < deadline:
             try:
                 records = self.read_all()
             except Exception:
                 return
             now = self.clock()
-            if all(rec is not None and (rec["state"] != "running" or now - rec["beat"] > SILENT_AFTER_S)
-                   for rank, rec in records.items() if rank != self.rank):
+            if all(done(rec, now) for rank, rec in records.items() if rank != self.rank):
                 return
             time.sleep(0.5)
 

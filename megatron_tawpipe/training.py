@@ -122,7 +122,9 @@ def _pretrain(args, trainer_factory) -> List[IterationRecord]:
         reason = str(exc) if isinstance(exc, PeerFailure) else _first_line(exc)
         board = progress.board()
         board.finish("failed", reason)  # tell the others first: this rank gave up, it is not the cause
-        diagnosis = board.diagnose(settle_s=progress.SILENT_AFTER_S + 1)
+        # The watchdog may have diagnosed already (it fired while this thread was blocked).
+        diagnosis = board.last_diagnosis or board.diagnose(settle_s=progress.SILENT_AFTER_S + 1)
+        board.reported()
         board.linger_for_readers()
         raise PeerFailure(f"{reason}; {diagnosis}") from exc
     except BaseException as exc:

@@ -79,8 +79,6 @@ BAD_FLAGS = [
     (["--pipeline-schedule", "weipipe", "--tawpipe-microbatches-per-visit", "2"], 4,
      "--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only"),
     (["--tawpipe-microbatches-per-visit", "2"], 1, "need --pipeline-schedule tawpipe or weipipe"),
-    (["--pipeline-schedule", "tawpipe", "--tawpipe-microbatches-per-visit", "0"], 4,
-     "--tawpipe-microbatches-per-visit"),
 ]
 
 
