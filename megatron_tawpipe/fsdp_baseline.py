@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tawpipe import emulated_compute
+from megatron_tawpipe.metrics import mean_over_ranks
 from megatron_tawpipe.model import build_llama_model, llama_config
 
 
@@ -153,7 +154,7 @@ class FsdpTrainer:
         self.optimizer.step()
         dist.all_reduce(totals)
         # Forward/backward time including FSDP's blocking collectives: an upper bound on busy time.
-        fraction = _mean_over_ranks(self.last_forward_backward_s / max(time.perf_counter() - start, 1e-9))
+        fraction = mean_over_ranks(self.last_forward_backward_s / max(time.perf_counter() - start, 1e-9))
         return {"loss_sum": float(totals[0]), "num_tokens": float(totals[1]), "grad_norm": grad_norm,
                 "skipped": False, "loss_scale": None,
                 "extra": {"schedule": "fsdp", "forward_backward_fraction": fraction}}
@@ -189,12 +190,6 @@ class FsdpTrainer:
 
     def close(self) -> None:
         pass
-
-
-def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=_device())
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
 
 
 def pretrain_fsdp(args) -> list:

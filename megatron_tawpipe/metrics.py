@@ -119,6 +119,30 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def max_over_ranks(value: float) -> float:
+    """The largest ``value`` over all ranks, on every rank (one all-reduce)."""
+    import torch.distributed as dist
+
+    return _all_reduce_scalar(value, dist.ReduceOp.MAX)
+
+
+def mean_over_ranks(value: float) -> float:
+    """The mean of ``value`` over all ranks, on every rank (one all-reduce)."""
+    import torch.distributed as dist
+
+    return _all_reduce_scalar(value, dist.ReduceOp.SUM) / dist.get_world_size()
+
+
+def _all_reduce_scalar(value: float, op) -> float:
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t)
+
+
 def _fmt_float(value: Optional[float], spec: str) -> str:
     if value is None:
         return "n/a"

@@ -24,7 +24,7 @@ from megatron_tawpipe import emulated_compute, progress
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
-from megatron_tawpipe.runtime.executor import PeerFailure
+from megatron_tawpipe.runtime.executor import PeerFailure, first_line
 
 
 def current_device() -> torch.device:
@@ -80,8 +80,8 @@ def report_pipeline_waits() -> None:
                 return original(self, tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
                                 recv_prev=recv_prev, recv_next=recv_next, **kwargs)
             except RuntimeError as exc:  # the transport saw a peer go (connection closed or reset)
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise PeerFailure(f"rank {dist.get_rank()}, iteration {board.iteration}, {what} failed: {first}") from exc
+                raise PeerFailure(f"rank {dist.get_rank()}, iteration {board.iteration}, {what} failed: "
+                                  f"{first_line(exc)}") from exc
 
     communicate._reports_waits = True
     P2PCommunicator._communicate = communicate
@@ -128,6 +128,7 @@ class NativeTrainer:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
             check_for_nan_in_grad=self.args.check_for_nan_in_loss_and_grad and not self.args.fp16)
+        times = emulated_compute.maybe_load(self.args)
         chunks = []
         for vp_stage in range(vpp or 1):
             stage = vp_stage if vpp else None
@@ -138,7 +139,6 @@ class NativeTrainer:
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 vp_stage=stage,
             )
-            times = emulated_compute.maybe_load(self.args)
             if times is not None:
                 emulated_compute.emulate_gpt_model(model, times, recompute=self.args.recompute_granularity == "full")
             if self.args.bf16 or self.args.fp16:

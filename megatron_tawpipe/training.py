@@ -12,7 +12,6 @@ import math
 import time
 from typing import List, Optional
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -22,8 +21,8 @@ from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
 from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
-from megatron_tawpipe.metrics import IterationRecord, MetricsWriter, peak_memory_bytes
-from megatron_tawpipe.runtime.executor import PeerFailure
+from megatron_tawpipe.metrics import IterationRecord, MetricsWriter, max_over_ranks, mean_over_ranks, peak_memory_bytes
+from megatron_tawpipe.runtime.executor import PeerFailure, first_line
 from megatron_tawpipe.runtime.precision import NonFiniteGradientError
 
 
@@ -87,13 +86,6 @@ def evaluate(trainer, dataset, args) -> Optional[float]:
     return loss_sum / max(tokens, 1.0)
 
 
-def _over_ranks(value: float, op=dist.ReduceOp.MAX) -> float:
-    t = torch.tensor([value], dtype=torch.float64,
-                     device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=op)
-    return float(t)
-
-
 def _is_writer() -> bool:
     # The last rank sits on the last pipeline stage, where native schedules compute the loss.
     return dist.get_rank() == dist.get_world_size() - 1
@@ -115,32 +107,30 @@ def _pretrain(args, trainer_factory) -> List[IterationRecord]:
     progress.start_board(args.distributed_timeout_minutes * 60.0)
     try:
         return _train(args, trainer_factory)
-    except (PeerFailure, RuntimeError) as exc:
-        if not isinstance(exc, PeerFailure) and not _is_transport_failure(exc):
-            progress.board().finish("failed", f"{type(exc).__name__}: {exc}")
-            raise
-        reason = str(exc) if isinstance(exc, PeerFailure) else _first_line(exc)
+    except BaseException as exc:
         board = progress.board()
+        if not _is_peer_failure(exc):
+            board.finish("failed", f"{type(exc).__name__}: {exc}")
+            raise
+        reason = str(exc) if isinstance(exc, PeerFailure) else (
+            f"rank {dist.get_rank()}, iteration {board.iteration}: {first_line(exc)}")
         board.finish("failed", reason)  # tell the others first: this rank gave up, it is not the cause
         # The watchdog may have diagnosed already (it fired while this thread was blocked).
         diagnosis = board.last_diagnosis or board.diagnose(settle_s=progress.SILENT_AFTER_S + 1)
         board.reported()
         board.linger_for_readers()
         raise PeerFailure(f"{reason}; {diagnosis}") from exc
-    except BaseException as exc:
-        progress.board().finish("failed", f"{type(exc).__name__}: {exc}")
-        raise
     finally:
         progress.stop_board()
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"rank {dist.get_rank()}, iteration {progress.board().iteration}: " + (lines[0] if lines else type(exc).__name__)
-
-
-def _is_transport_failure(exc: RuntimeError) -> bool:
-    """A collective that failed because a peer went away (gloo/NCCL report these as plain RuntimeErrors)."""
+def _is_peer_failure(exc: BaseException) -> bool:
+    """Our own PeerFailure, or a collective that failed because a peer went away (gloo/NCCL
+    report these as plain RuntimeErrors)."""
+    if isinstance(exc, PeerFailure):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
     text = str(exc)
     return isinstance(exc, dist.DistError) or any(
         marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
@@ -183,11 +173,10 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
             extra = dict(step.get("extra", {}))
-            extra["peak_memory_bytes_max_rank"] = int(_over_ranks(peak_memory_bytes()))
+            extra["peak_memory_bytes_max_rank"] = int(max_over_ranks(peak_memory_bytes()))
             if getattr(args, "emulated_compute_times", None):  # busy = slept compute time, the same measure for every schedule
                 extra["compute"] = "emulated"
-                extra["compute_busy_fraction"] = (_over_ranks(emulated_compute.slept_seconds() / elapsed, dist.ReduceOp.SUM)
-                                                  / dist.get_world_size())
+                extra["compute_busy_fraction"] = mean_over_ranks(emulated_compute.slept_seconds() / elapsed)
             if args.eval_interval and iteration % args.eval_interval == 0:
                 extra["validation_lm_loss"] = _report_validation(trainer, valid_ds, args, iteration)
             records.append(writer.record(

@@ -26,6 +26,7 @@ except ImportError:  # source checkout without installation
 
 from megatron_tawpipe import data  # noqa: E402
 from megatron_tawpipe import default_data  # noqa: E402
+from training_helpers import data_args_error  # noqa: E402
 
 
 def _load_tool(name):
@@ -399,55 +400,47 @@ def test_data_iterator_batches_and_resume(null_corpus):
 # ---------------------------------------------------------------------------------------
 
 
-def _error(args):
-    with pytest.raises(ValueError) as info:
-        data.validate_data_args(args)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
-
-
 def test_validate_data_args_errors(null_corpus, sp_model, tmp_path):
-    assert "--mock-data" in _error(_null_args(None))
-    assert "--data-path" in _error(_null_args(None))
+    assert "--mock-data" in data_args_error(_null_args(None))
+    assert "--data-path" in data_args_error(_null_args(None))
 
     missing = str(tmp_path / "nothere")
-    msg = _error(_null_args(missing))
+    msg = data_args_error(_null_args(missing))
     assert "--data-path" in msg and missing + ".bin" in msg
     only_bin = tmp_path / "half"
     (tmp_path / "half.bin").write_bytes(b"")
-    msg = _error(_null_args(str(only_bin)))
+    msg = data_args_error(_null_args(str(only_bin)))
     assert "--data-path" in msg and str(only_bin) + ".idx" in msg
-    msg = _error(_null_args(null_corpus + ".bin"))
+    msg = data_args_error(_null_args(null_corpus + ".bin"))
     assert "--data-path" in msg and "prefix" in msg
 
     for bad in ["a,b", "1,2,3,4", "-1,2", "0,0,0", ""]:
-        msg = _error(_null_args(null_corpus, split=bad))
+        msg = data_args_error(_null_args(null_corpus, split=bad))
         assert "--split" in msg
-    msg = _error(_null_args(null_corpus, split="995,4,1"))  # 60 docs: the valid share rounds to 0
+    msg = data_args_error(_null_args(null_corpus, split="995,4,1"))  # 60 docs: the valid share rounds to 0
     assert "--split" in msg and "valid" in msg and null_corpus in msg
     with pytest.raises(ValueError, match="--split"):  # the builder refuses it too (never hangs)
         args = _null_args(null_corpus, split="995,4,1")
         data.build_datasets(args, data.build_tokenizer(args))
 
-    msg = _error(_null_args(null_corpus, vocab_size=None))
+    msg = data_args_error(_null_args(null_corpus, vocab_size=None))
     assert "--vocab-size" in msg
 
     sp = dict(tokenizer_type="SentencePieceTokenizer", vocab_size=None)
-    assert "--tokenizer-model" in _error(_null_args(null_corpus, tokenizer_model=None, **sp))
+    assert "--tokenizer-model" in data_args_error(_null_args(null_corpus, tokenizer_model=None, **sp))
     gone = str(tmp_path / "gone.model")
-    msg = _error(_null_args(null_corpus, tokenizer_model=gone, **sp))
+    msg = data_args_error(_null_args(null_corpus, tokenizer_model=gone, **sp))
     assert "--tokenizer-model" in msg and gone in msg
     junk = tmp_path / "junk.model"
     junk.write_bytes(b"not a model")
-    msg = _error(_null_args(null_corpus, tokenizer_model=str(junk), **sp))
+    msg = data_args_error(_null_args(null_corpus, tokenizer_model=str(junk), **sp))
     assert "--tokenizer-model" in msg and str(junk) in msg
-    assert "--tokenizer-type" in _error(_null_args(null_corpus, tokenizer_type="GPT2BPETokenizer"))
+    assert "--tokenizer-type" in data_args_error(_null_args(null_corpus, tokenizer_type="GPT2BPETokenizer"))
 
-    msg = _error(_null_args(None, data_path=["0.5", null_corpus, null_corpus, "x"]))
+    msg = data_args_error(_null_args(None, data_path=["0.5", null_corpus, null_corpus, "x"]))
     assert "--data-path" in msg
 
-    msg = _error(_null_args(null_corpus, tokenizer_model=sp_model, **sp))  # ids of another tokenizer
+    msg = data_args_error(_null_args(null_corpus, tokenizer_model=sp_model, **sp))  # ids of another tokenizer
     assert msg.startswith(f"--tokenizer-model {sp_model} has 500 tokens") and "token id 1000" in msg
 
     # valid settings pass

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe import data, data_checks
 
-from training_helpers import tiny_args
+from training_helpers import data_args_error, tiny_args
 
 # Documents of integer ids for the NullTokenizer; the largest id is 999, eod is the vocab size.
 DOCS = [[(37 * k + 11 * i) % 1000 for i in range(2 + k % 7)] for k in range(40)] + [[999, 1, 2]]
@@ -42,14 +42,6 @@ def _args(prefix, **kw):
     for key, value in kw.items():
         setattr(args, key, value)
     return args
-
-
-def _error(args):
-    with pytest.raises(ValueError) as info:
-        data.validate_data_args(args)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +96,7 @@ def test_good_dataset_passes(good):
 def test_truncated_bin(copy):
     full = os.path.getsize(copy + ".bin")
     _truncate(copy + ".bin", full - 6)
-    msg = _error(_args(copy))
+    msg = data_args_error(_args(copy))
     assert msg == (f"--data-path {copy}: {copy}.bin is {full - 6} bytes but {copy}.idx describes "
                    f"{full} bytes (truncated or from another dataset)")
 
@@ -115,12 +107,12 @@ def test_bin_of_another_dataset(copy, tmp_path):
     shutil.copyfile(smaller + ".bin", copy + ".bin")
     size = os.path.getsize(copy + ".bin")
     assert size < described
-    assert _error(_args(copy)) == (f"--data-path {copy}: {copy}.bin is {size} bytes but {copy}.idx describes "
+    assert data_args_error(_args(copy)) == (f"--data-path {copy}: {copy}.bin is {size} bytes but {copy}.idx describes "
                                    f"{described} bytes (truncated or from another dataset)")
     larger = _write_null(tmp_path / "big", DOCS + DOCS)
     shutil.copyfile(larger + ".bin", copy + ".bin")
     size = os.path.getsize(copy + ".bin")
-    assert _error(_args(copy)) == (f"--data-path {copy}: {copy}.bin is {size} bytes but {copy}.idx describes "
+    assert data_args_error(_args(copy)) == (f"--data-path {copy}: {copy}.bin is {size} bytes but {copy}.idx describes "
                                    f"{described} bytes (from another dataset or corrupt)")
 
 
@@ -128,41 +120,45 @@ def test_truncated_idx(copy):
     size = os.path.getsize(copy + ".idx")
     _, _, _, nseq, ndoc = _header(copy)
     _truncate(copy + ".idx", size - 8)
-    msg = _error(_args(copy))
+    msg = data_args_error(_args(copy))
     assert msg == (f"--data-path {copy}: {copy}.idx is {size - 8} bytes but its header describes "
                    f"{nseq} sequences and {ndoc} document boundaries in {size} bytes (truncated)")
     _truncate(copy + ".idx", 20)
-    msg = _error(_args(copy))
+    msg = data_args_error(_args(copy))
     assert msg == (f"--data-path {copy}: {copy}.idx is 20 bytes, shorter than the 34-byte index header "
                    f"(truncated or not a Megatron index)")
     _truncate(copy + ".idx", 0)
-    assert f"{copy}.idx is 0 bytes" in _error(_args(copy))
+    assert f"{copy}.idx is 0 bytes" in data_args_error(_args(copy))
 
 
 def test_garbage_idx_header(copy):
     _poke(copy + ".idx", 0, b"GARBAGE!!")
-    msg = _error(_args(copy))
+    msg = data_args_error(_args(copy))
     assert msg == (f"--data-path {copy}: {copy}.idx is not a Megatron indexed-dataset index "
                    f"(bad magic bytes b'GARBAGE!!')")
 
 
+def _damaged_copy(good, prefix, offset, payload):
+    """A copy of the ``good`` dataset whose .idx has ``payload`` written at ``offset``."""
+    for ext in (".bin", ".idx"):
+        shutil.copyfile(good + ext, prefix + ext)
+    _poke(prefix + ".idx", offset, payload)
+    return prefix
+
+
 def test_bad_version_and_dtype_code(good, tmp_path):
     def damaged(name, offset, payload):
-        prefix = str(tmp_path / name)
-        for ext in (".bin", ".idx"):
-            shutil.copyfile(good + ext, prefix + ext)
-        _poke(prefix + ".idx", offset, payload)
-        return prefix
+        return _damaged_copy(good, str(tmp_path / name), offset, payload)
 
     p = damaged("version", 9, struct.pack("<Q", 7))
-    assert _error(_args(p)) == f"--data-path {p}: {p}.idx has index version 7; only version 1 is supported"
+    assert data_args_error(_args(p)) == f"--data-path {p}: {p}.idx has index version 7; only version 1 is supported"
     p = damaged("code", 17, struct.pack("<B", 42))
-    assert _error(_args(p)) == f"--data-path {p}: {p}.idx has an unknown token dtype code 42 (corrupt header)"
+    assert data_args_error(_args(p)) == f"--data-path {p}: {p}.idx has an unknown token dtype code 42 (corrupt header)"
     p = damaged("float", 17, struct.pack("<B", 7))
-    assert _error(_args(p)) == f"--data-path {p}: {p}.idx stores float32 values, not integer token ids"
+    assert data_args_error(_args(p)) == f"--data-path {p}: {p}.idx stores float32 values, not integer token ids"
     # a sequence count that does not match the file: the index is reported, not read past its end
     p = damaged("count", 18, struct.pack("<Q", 10**12))
-    msg = _error(_args(p))
+    msg = data_args_error(_args(p))
     assert msg.startswith(f"--data-path {p}: {p}.idx is {os.path.getsize(p + '.idx')} bytes but its header "
                           f"describes 1000000000000 sequences")
     assert msg.endswith("(truncated)")
@@ -173,24 +169,20 @@ def test_inconsistent_index_entries(good, tmp_path):
     lengths_at, pointers_at, docs_at = 34, 34 + 4 * nseq, 34 + 12 * nseq
 
     def damaged(name, offset, payload):
-        prefix = str(tmp_path / name)
-        for ext in (".bin", ".idx"):
-            shutil.copyfile(good + ext, prefix + ext)
-        _poke(prefix + ".idx", offset, payload)
-        return prefix
+        return _damaged_copy(good, str(tmp_path / name), offset, payload)
 
     p = damaged("negative", lengths_at + 4 * 3, struct.pack("<i", -5))
-    assert _error(_args(p)) == f"--data-path {p}: {p}.idx is corrupt: sequence 3 has negative length -5"
+    assert data_args_error(_args(p)) == f"--data-path {p}: {p}.idx is corrupt: sequence 3 has negative length -5"
     p = damaged("pointer", pointers_at + 8 * 5, struct.pack("<q", 12345))
-    msg = _error(_args(p))
+    msg = data_args_error(_args(p))
     assert msg.startswith(f"--data-path {p}: {p}.idx is corrupt: sequence 5 starts at byte 12345 but sequence 4 ends at byte ")
     p = damaged("first", pointers_at, struct.pack("<q", 2))
-    assert _error(_args(p)) == f"--data-path {p}: {p}.idx is corrupt: the first sequence starts at byte 2, not 0"
+    assert data_args_error(_args(p)) == f"--data-path {p}: {p}.idx is corrupt: the first sequence starts at byte 2, not 0"
     p = damaged("lastdoc", docs_at + 8 * (ndoc - 1), struct.pack("<q", nseq - 1))
-    assert _error(_args(p)) == (f"--data-path {p}: {p}.idx is corrupt: document boundaries run from 0 to "
+    assert data_args_error(_args(p)) == (f"--data-path {p}: {p}.idx is corrupt: document boundaries run from 0 to "
                                 f"{nseq - 1}, expected 0 to {nseq} (the sequence count)")
     p = damaged("order", docs_at + 8 * 4, struct.pack("<q", 1))
-    assert _error(_args(p)) == (f"--data-path {p}: {p}.idx is corrupt: document boundary 4 (1) is "
+    assert data_args_error(_args(p)) == (f"--data-path {p}: {p}.idx is corrupt: document boundary 4 (1) is "
                                 f"before boundary 3 (3)")
 
 
@@ -228,14 +220,14 @@ def test_file_replaced_after_a_check_is_checked_again(copy):
     data.validate_data_args(_args(copy))
     full = os.path.getsize(copy + ".bin")
     _truncate(copy + ".bin", full - 2)
-    assert "truncated" in _error(_args(copy))
+    assert "truncated" in data_args_error(_args(copy))
 
 
 def test_blend_names_the_bad_prefix(good, copy):
     _truncate(copy + ".bin", 10)
-    msg = _error(_args(["0.7", good, "0.3", copy]))
+    msg = data_args_error(_args(["0.7", good, "0.3", copy]))
     assert msg.startswith(f"--data-path {copy}: {copy}.bin is 10 bytes")
-    msg = _error(_args([good, copy]))
+    msg = data_args_error(_args([good, copy]))
     assert msg.startswith(f"--data-path {copy}: {copy}.bin is 10 bytes")
 
 
@@ -250,12 +242,12 @@ def test_mock_data_skips_the_checks(copy):
 
 
 def test_null_tokenizer_smaller_than_the_data(good):
-    msg = _error(_args(good, vocab_size=500))
+    msg = data_args_error(_args(good, vocab_size=500))
     assert msg == (f"--vocab-size 500 gives the NullTokenizer 501 token ids (0..500, eod 500) but "
                    f"{good}.bin contains token id 1000: the data was tokenized with another "
                    f"tokenizer or a larger --vocab-size")
     # id 1000 is the eod of --vocab-size 1000, one more than --vocab-size 999 allows
-    assert "contains token id 1000" in _error(_args(good, vocab_size=999))
+    assert "contains token id 1000" in data_args_error(_args(good, vocab_size=999))
 
 
 def _texts():
@@ -294,7 +286,7 @@ def test_sentencepiece_model_of_another_vocabulary(sp_pair):
     info = data_checks.check_indexed_dataset(prefix)
     top = data_checks.token_id_range(info)[1]
     assert 400 <= top < 900
-    msg = _error(_args(prefix, tokenizer_model=small, **sp))
+    msg = data_args_error(_args(prefix, tokenizer_model=small, **sp))
     assert msg == (f"--tokenizer-model {small} has 400 tokens but {prefix}.bin contains token id {top}: "
                    f"the data was tokenized with another tokenizer")
 
@@ -308,7 +300,7 @@ def test_larger_tokenizer_is_refused_by_the_record_preprocessing_left(sp_pair, t
     assert os.path.exists(record)
     sp = dict(tokenizer_type="SentencePieceTokenizer", vocab_size=None, split="1,0,0")
     data.validate_data_args(_args(prefix, tokenizer_model=small, **sp))
-    msg = _error(_args(prefix, tokenizer_model=large, **sp))
+    msg = data_args_error(_args(prefix, tokenizer_model=large, **sp))
     assert msg.startswith(f"--tokenizer-model {large} (SentencePieceTokenizer with 900 token ids, model sha256 ")
     assert f"is not the tokenizer that wrote --data-path {prefix}: {record} records SentencePieceTokenizer " \
            "with 400 token ids" in msg
@@ -320,7 +312,7 @@ def test_larger_tokenizer_is_refused_by_the_record_preprocessing_left(sp_pair, t
     null_prefix = data.write_indexed_dataset(({"text": "1 2 3 4"} for _ in range(40)), str(tmp_path / "null"),
                                              "NullTokenizer", vocab_size=100, log=_quiet)["text"]
     data.validate_data_args(_args(null_prefix, vocab_size=100, split="1,0,0"))
-    msg = _error(_args(null_prefix, vocab_size=5000, split="1,0,0"))
+    msg = data_args_error(_args(null_prefix, vocab_size=5000, split="1,0,0"))
     assert msg.startswith("--vocab-size 5000 (NullTokenizer with 5001 token ids) is not the tokenizer that wrote")
     assert "records NullTokenizer with 101 token ids" in msg
 
@@ -347,7 +339,7 @@ def test_large_bin_is_scanned_in_sampled_windows(tmp_path, monkeypatch):
     assert info.bin_bytes > 1024
     low, high, complete = data_checks.token_id_range(info)
     assert not complete and low == 0 and high == 1000  # eod of --vocab-size 1000
-    assert "contains token id 1000" in _error(_args(prefix, vocab_size=800))
+    assert "contains token id 1000" in data_args_error(_args(prefix, vocab_size=800))
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,7 +347,7 @@ def test_large_bin_is_scanned_in_sampled_windows(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------
 
 
-def _main_error(argv, capsys, monkeypatch):
+def _maindata_args_error(argv, capsys, monkeypatch):
     import pretrain_llama
 
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -373,19 +365,19 @@ def _cli(prefix, *extra):
 def test_pretrain_reports_a_truncated_bin(copy, capsys, monkeypatch):
     full = os.path.getsize(copy + ".bin")
     _truncate(copy + ".bin", full // 2)
-    line = _main_error(_cli(copy, "--vocab-size", "1000"), capsys, monkeypatch)
+    line = _maindata_args_error(_cli(copy, "--vocab-size", "1000"), capsys, monkeypatch)
     assert line == (f"pretrain_llama.py: error: --data-path {copy}: {copy}.bin is {full // 2} bytes but "
                     f"{copy}.idx describes {full} bytes (truncated or from another dataset)")
 
 
 def test_pretrain_reports_a_garbage_idx(copy, capsys, monkeypatch):
     _poke(copy + ".idx", 0, b"\x00" * 34)
-    line = _main_error(_cli(copy, "--vocab-size", "1000"), capsys, monkeypatch)
+    line = _maindata_args_error(_cli(copy, "--vocab-size", "1000"), capsys, monkeypatch)
     assert f"--data-path {copy}: {copy}.idx is not a Megatron indexed-dataset index" in line
 
 
 def test_pretrain_reports_a_vocabulary_mismatch(good, capsys, monkeypatch):
-    line = _main_error(_cli(good), capsys, monkeypatch)  # tiny_args has --vocab-size 200
+    line = _maindata_args_error(_cli(good), capsys, monkeypatch)  # tiny_args has --vocab-size 200
     assert line == (f"pretrain_llama.py: error: --vocab-size 200 gives the NullTokenizer 201 token ids "
                     f"(0..200, eod 200) but {good}.bin contains token id 1000: the data was tokenized "
                     f"with another tokenizer or a larger --vocab-size")
@@ -396,6 +388,6 @@ def test_pretrain_reports_a_sentencepiece_mismatch(sp_pair, capsys, monkeypatch)
     argv = [a for a in _cli(prefix) if a != "NullTokenizer"]
     argv[argv.index("--tokenizer-type") + 1:argv.index("--tokenizer-type") + 1] = ["SentencePieceTokenizer"]
     argv += ["--tokenizer-model", small]
-    line = _main_error(argv, capsys, monkeypatch)
+    line = _maindata_args_error(argv, capsys, monkeypatch)
     assert line.startswith(f"pretrain_llama.py: error: --tokenizer-model {small} has 400 tokens but {prefix}.bin")
     assert line.endswith("the data was tokenized with another tokenizer")

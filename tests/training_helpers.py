@@ -1,4 +1,4 @@
-"""Small models and in-process training runs shared by the training tests."""
+"""Small models, in-process training runs and flag checks shared by the tests."""
 
 from __future__ import annotations
 
@@ -39,3 +39,16 @@ def assert_close_rel(actual: List[float], expected: List[float], rtol: float, wh
     assert len(actual) == len(expected), (actual, expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert abs(a - e) <= rtol * abs(e), f"{what} at iteration {i + 1}: {a} vs reference {e} (rtol {rtol})"
+
+
+def data_args_error(args) -> str:
+    """The one-line ValueError that ``validate_data_args`` raises for ``args``."""
+    import pytest
+
+    from megatron_tawpipe import data
+
+    with pytest.raises(ValueError) as info:
+        data.validate_data_args(args)
+    message = str(info.value)
+    assert "\n" not in message
+    return message

@@ -166,7 +166,7 @@ class PlanExecutor:
                 if isinstance(action, A.STARTS):
                     raise PeerFailure(
                         f"rank {self.rank}, step {step} of {len(actions)}, {action}: could not start "
-                        f"({_describe(action, self.rank)}): {_first_line(exc)}") from exc
+                        f"({_describe(action, self.rank)}): {first_line(exc)}") from exc
                 raise
         if self.in_flight:
             raise ExecutionError(f"rank {self.rank}: plan ended with transfers in flight: {sorted(self.in_flight)}")
@@ -282,7 +282,7 @@ class PlanExecutor:
             except RuntimeError as exc:
                 seconds = int(self.timeout.total_seconds())
                 raise PeerFailure(f"{op.what} failed or did not complete within {seconds} s "
-                                  f"(--distributed-timeout-minutes): {_first_line(exc)}") from exc
+                                  f"(--distributed-timeout-minutes): {first_line(exc)}") from exc
         op.after()
 
 
@@ -313,7 +313,7 @@ class _PlanPosition:
         return f"plan step {self.step} of {self.length}, {self.action}"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tawpipe import emulated_compute
+from megatron_tawpipe.metrics import mean_over_ranks
 from megatron_tawpipe.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
 from megatron_tawpipe.runtime.precision import GradScaling, NonFiniteGradientError, find_non_finite
@@ -103,7 +104,7 @@ class WeightPassingTrainer:
                 "extra": {"inter_group_bytes": sent["inter"], "intra_group_bytes": sent["intra"],
                           "planned_inter_group_bytes": self._planned_bytes["inter"],
                           "planned_intra_group_bytes": self._planned_bytes["intra"],
-                          "compute_busy_fraction": self._mean_over_ranks(busy)}}
+                          "compute_busy_fraction": mean_over_ranks(busy)}}
 
     @torch.no_grad()
     def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
@@ -167,11 +168,6 @@ class WeightPassingTrainer:
             totals += report["lm loss"].to(totals)
         dist.all_reduce(totals)
         return float(totals[0]), float(totals[1])
-
-    def _mean_over_ranks(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t) / self.world
 
     def _reduce_bytes(self) -> Dict[str, int]:
         """Bytes all ranks sent this iteration, per link class (as the executor counted them)."""
