@@ -154,8 +154,10 @@ def test_gradient_sent_twice_is_rejected():
     plan.actions[src][j + 1:j + 1] = [dataclasses.replace(send, tag=tag), Wait(tag)]
     k = find(plan, dst, AccumulateToOwner, lambda a: a.shard == send.shard)
     recv = plan.actions[dst][find(plan, dst, RecvStart, lambda a: a.tag == send.tag)]
-    plan.actions[dst][k + 1:k + 1] = [dataclasses.replace(recv, tag=tag), Wait(tag),
-                                      AccumulateToOwner(send.shard, recv.buf)]
+    extra = f"g{plan.max_grad_buffers}"    # a buffer of its own: no hazard with the plan's
+    plan.max_grad_buffers += 1
+    plan.actions[dst][k + 1:k + 1] = [dataclasses.replace(recv, tag=tag, buf=extra), Wait(tag),
+                                      AccumulateToOwner(send.shard, extra)]
     expect(plan, src, j + 1, plan.actions[src][j + 1], "already left", "counted twice")
 
 

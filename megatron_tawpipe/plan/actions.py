@@ -24,7 +24,7 @@ plans every rank is a data-parallel rank with its own micro-batches
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Tuple
+from typing import Optional, Tuple
 
 # Communication kinds and the channel (communicator) each travels on.  Weight
 # and gradient traffic use separate channels so that one can overlap the other.
@@ -103,7 +103,11 @@ class SendStart:
     The matching ``RecvStart`` on ``peer`` carries the same ``tag``; on each
     (src, dst, channel) sends and receives are posted in the same order.  The
     buffer must not be written until ``Wait(tag)``; a sent gradient buffer is
-    empty after the wait (its contributions moved to the receiver)."""
+    empty after the wait (its contributions moved to the receiver).
+
+    ``batch``: starts of one rank that carry the same integer are issued
+    together as one NCCL group (``batch_isend_irecv``); they must be adjacent
+    in the rank's list and use one communicator.  ``None``: issued alone."""
     tag: int
     peer: int
     buf: str
@@ -112,6 +116,7 @@ class SendStart:
     link: str
     size: float = 1.0
     mb: int = -1
+    batch: Optional[int] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,7 @@ class RecvStart:
     link: str
     size: float = 1.0
     mb: int = -1
+    batch: Optional[int] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +221,7 @@ def action_from_dict(d: dict):
             value = tuple(int(x) for x in (value.split() if isinstance(value, str) else value))
         elif f.type == "float":
             value = float(value)
-        elif f.type == "int":
+        elif f.type in ("int", "Optional[int]"):
             value = int(value)
         kwargs[f.name] = value
     return cls(**kwargs)

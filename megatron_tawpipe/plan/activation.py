@@ -115,24 +115,23 @@ def plan_activation(schedule: str, num_ranks: int, num_groups: int, num_layers: 
     for r in range(P):
         for s in range(r, S, P):
             b.emit(r, (-1, 0), A.LoadWeights, s, f"~w{s}")
-    # Every producer/consumer pair is matched by tag; the consumer's position
-    # decides when the receive is posted, the producer's when the send is.
-    position = {}
+    # Keys are times of one global clock (each rank's order run as soon as its
+    # inputs are ready), so that both sides of a transfer are posted at the
+    # same key: when the producer finishes.  The consumer waits right before use.
+    start, end = _asap_times(orders, S)
     for r, ops in enumerate(orders):
-        for i, op in enumerate(ops):
-            position[op] = (r, i)
-    for r, ops in enumerate(orders):
-        for i, (phase, m, s) in enumerate(ops):
+        for phase, m, s in ops:
+            op = (phase, m, s)
             if phase == "F":
-                b.emit(r, (i, 2), A.Forward, m, s, f"~w{s}")
+                b.emit(r, (start[op], 2), A.Forward, m, s, f"~w{s}")
                 nxt = s + 1
                 if nxt < S and owner[nxt] != r:
-                    _transfer(b, "act", m, nxt, r, i, *position[("F", m, nxt)])
+                    _transfer(b, "act", m, nxt, r, end[op], owner[nxt], start[("F", m, nxt)])
             else:
-                b.emit(r, (i, 2), A.Backward, m, s, f"~w{s}", A.MAIN)
+                b.emit(r, (start[op], 2), A.Backward, m, s, f"~w{s}", A.MAIN)
                 prv = s - 1
                 if prv >= 0 and owner[prv] != r:
-                    _transfer(b, "actgrad", m, prv, r, i, *position[("B", m, prv)])
+                    _transfer(b, "actgrad", m, prv, r, end[op], owner[prv], start[("B", m, prv)])
     for r in range(P):
         b.emit(r, (END, 1), A.OptimizerStep)
     return b.build(schedule=schedule, family="activation", num_layers=num_layers,
@@ -140,15 +139,39 @@ def plan_activation(schedule: str, num_ranks: int, num_groups: int, num_layers: 
                    options={"virtual_stages": V})
 
 
-def _transfer(b: PlanBuilder, kind: str, mb: int, shard: int, src: int, src_pos: int,
-              dst: int, dst_pos: int) -> None:
+def _asap_times(orders: List[List[Op]], S: int):
+    """Start and end of every op when each rank runs its order as soon as the
+    op's input is ready (forward 1, backward 2 time units)."""
+    start, end = {}, {}
+    pc = [0] * len(orders)
+    clock = [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for r, ops in enumerate(orders):
+            while pc[r] < len(ops):
+                phase, m, s = op = ops[pc[r]]
+                dep = (("F", m, s - 1) if s > 0 else None) if phase == "F" else \
+                    (("B", m, s + 1) if s + 1 < S else ("F", m, s))
+                if dep is not None and dep not in end:
+                    break
+                start[op] = max(clock[r], end[dep] if dep is not None else 0)
+                end[op] = clock[r] = start[op] + (1 if phase == "F" else 2)
+                pc[r] += 1
+                moved = True
+    if any(pc[r] < len(ops) for r, ops in enumerate(orders)):
+        raise RuntimeError("activation schedule orders have a cyclic dependency")
+    return start, end
+
+
+def _transfer(b: PlanBuilder, kind: str, mb: int, shard: int, src: int, ready: int,
+              dst: int, use: int) -> None:
     tag = b.new_tag()
     link = b.link((src, dst))
-    b.emit(src, (src_pos, 3), A.SendStart, tag, dst, "", kind, shard, link, 1.0, mb)
+    b.emit(src, (ready, 0), A.SendStart, tag, dst, "", kind, shard, link, 1.0, mb)
     b.emit(src, (END, 0), A.Wait, tag)
-    # Posted before the consumer's previous compute, waited right before use.
-    b.emit(dst, (dst_pos - 1, 1), A.RecvStart, tag, src, "", kind, shard, link, 1.0, mb)
-    b.emit(dst, (dst_pos, 1), A.Wait, tag)
+    b.emit(dst, (ready, 0), A.RecvStart, tag, src, "", kind, shard, link, 1.0, mb)
+    b.emit(dst, (use, 1), A.Wait, tag)
 
 
 def _default_virtual_stages(num_layers: int, P: int) -> int:

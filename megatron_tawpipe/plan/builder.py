@@ -56,17 +56,14 @@ class PlanBuilder:
     # ------------------------------------------------------- comm patterns
     def p2p(self, src: int, dst: int, kind: str, shard: int, src_buf: str, dst_buf: str,
             start_key: tuple, src_wait_key: tuple, dst_wait_key: tuple,
-            size: float = 1.0, mb: int = -1, src_start_key: tuple = None,
-            dst_start_key: tuple = None) -> int:
-        """A matched send/receive pair, both posted at ``start_key`` unless a
-        side has its own start key."""
+            size: float = 1.0, mb: int = -1) -> int:
+        """A matched send/receive pair, both posted at ``start_key`` (the same
+        key on both sides is what keeps them in step on NCCL: see ``build``)."""
         tag = self.new_tag()
         G = self.ranks_per_group
         link = "intra" if src // G == dst // G else "inter"
-        self.emit(src, src_start_key or start_key, A.SendStart, tag, dst, src_buf, kind, shard,
-                  link, size, mb)
-        self.emit(dst, dst_start_key or start_key, A.RecvStart, tag, src, dst_buf, kind, shard,
-                  link, size, mb)
+        self.emit(src, start_key, A.SendStart, tag, dst, src_buf, kind, shard, link, size, mb)
+        self.emit(dst, start_key, A.RecvStart, tag, src, dst_buf, kind, shard, link, size, mb)
         self.emit(src, src_wait_key, A.Wait, tag)
         self.emit(dst, dst_wait_key, A.Wait, tag)
         return tag
@@ -98,9 +95,11 @@ class PlanBuilder:
               owners: Sequence[int], streams: Sequence[int], options: dict) -> Plan:
         lists = []
         weight_slots = grad_slots = 0
+        batches = itertools.count()
         for items in self._items:
             items.sort()      # by key, then emission order (seq is unique)
-            acts, nw, ng = _assign_buffers([(cls, args) for _, _, cls, args in items])
+            specs = _batch_p2p([(key, cls, args) for key, _, cls, args in items], batches)
+            acts, nw, ng = _assign_buffers(specs)
             weight_slots, grad_slots = max(weight_slots, nw), max(grad_slots, ng)
             lists.append(acts)
         return Plan(schedule=schedule, family=family, num_ranks=self.num_ranks,
@@ -108,6 +107,50 @@ class PlanBuilder:
                     num_microbatches=num_microbatches, owners=tuple(owners),
                     streams=tuple(streams), max_weight_buffers=weight_slots,
                     max_grad_buffers=grad_slots, actions=lists, options=dict(options))
+
+
+def _batch_p2p(items: list, counter) -> list:
+    """Lower sorted ``(key, class, args)`` items of one rank to ``(class, args)``
+    specs in which the sends and receives of one key and one channel form one
+    NCCL group (``batch``).
+
+    Why this makes a plan safe under NCCL's ordering rules (plan/nccl.py), by
+    induction over keys: both sides of every transfer and all members of a
+    collective are posted at the same key, and every wait has a larger key
+    than what it waits for.  Once everything below key K has completed, every
+    rank reaches its key-K starts; each FIFO then holds at its head exactly one
+    key-K entry per channel, whose partners are the peers' key-K entries, so
+    all of them run.  Starts of one key are moved to the last of them, never
+    earlier, so nothing they read is written after them.  Every send and
+    receive is batched (a batch of one included): ProcessGroupNCCL runs
+    batches on the process group's own communicator, which the executor creates
+    up front, so no pair communicator is created in the middle of a plan."""
+    out = []
+    i = 0
+    n = len(items)
+    while i < n:
+        j = i
+        key = items[i][0]
+        while j < n and items[j][0] == key:
+            j += 1
+        run = items[i:j]
+        groups: Dict[str, list] = {}
+        for _, cls, args in run:
+            if cls is A.SendStart or cls is A.RecvStart:
+                groups.setdefault(A.CHANNEL[args[3]], []).append((cls, args))
+        last = {id(members[-1][1]): channel for channel, members in groups.items()}
+        for _, cls, args in run:
+            if cls is A.SendStart or cls is A.RecvStart:
+                channel = last.get(id(args))
+                if channel is None:
+                    continue
+                batch = next(counter)
+                for c, a in groups[channel]:
+                    out.append((c, tuple(a) + (batch,)))
+            else:
+                out.append((cls, args))
+        i = j
+    return out
 
 
 _BUF_INDEX = {cls: tuple(j for j, f in enumerate(A.FIELD_NAMES[cls]) if f in _BUF_FIELDS)

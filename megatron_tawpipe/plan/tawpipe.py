@@ -83,9 +83,11 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
         # for a few groups (nodes), not when groups are tiny.
         cache = D <= 4
     # Groups may run up to D-1 slots ahead of or behind their nominal stagger
-    # (they only stay staggered while links are the bottleneck), so the owner
-    # side of an inter-group transfer is posted D-1 slots early and waited
-    # D-1 slots late: neither side then waits for a peer that is on time.
+    # (they only stay staggered while links are the bottleneck), so the side
+    # of an inter-group gradient transfer that does not need it soon waits
+    # D-1 slots late.  Both sides *post* a transfer at the same slot: on NCCL
+    # a posted send holds its stream until the receive runs, and equal keys
+    # are what make the builder's batches line up (builder._batch_p2p).
     slack = D - 1 if stagger or drain else 0
     b = PlanBuilder(P, num_groups)
     owner = [tawpipe_owner(s, D, G) for s in range(P)]
@@ -134,8 +136,7 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                     if overlap:
                         b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
                               start_key=(tau - prefetch, POST, 0), src_wait_key=(END, 0),
-                              dst_wait_key=ready_key + (1,),
-                              src_start_key=(tau - prefetch - slack, POST, 0))
+                              dst_wait_key=ready_key + (1,))
                     else:
                         b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
                               start_key=(tau, WAIT, 0), src_wait_key=(tau, WAIT, 1),
@@ -184,18 +185,16 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             if overlap and cache:
                 # The group's whole gradient of the shard, sent once; nothing
                 # reuses the buffers, so nobody waits before the iteration ends.
-                start, dst_start = (ready[0], ready[1], 2), (ready[0] - slack, POST, 0)
+                start = (ready[0], ready[1], 2)
                 src_wait = dst_wait = (END, 0, 0)
             elif overlap:
                 start = (ready[0], ready[1], 2)
-                src_wait = (ready[0] + 1 + slack, WAIT, 0)
-                dst_start = (ready[0] - slack, POST, 0)
-                dst_wait = (ready[0] + 1 + slack, WAIT, 0)
+                src_wait = dst_wait = (ready[0] + 1 + slack, WAIT, 0)
             else:
-                start = dst_start = (tau, AFTER, 3)
+                start = (tau, AFTER, 3)
                 src_wait = dst_wait = (tau, AFTER, 4)
             b.p2p(root, owner[s], "grad", s, gbuf[root], recv, start_key=start,
-                  src_wait_key=src_wait, dst_wait_key=dst_wait, dst_start_key=dst_start)
+                  src_wait_key=src_wait, dst_wait_key=dst_wait)
             b.emit(owner[s], dst_wait[:2] + (dst_wait[2] + 1,), A.AccumulateToOwner, s, recv)
 
     b.replicated_allreduce({r: (last_slot[r // G], AFTER, 9) for r in range(P)}, (END, 1))

@@ -18,6 +18,12 @@ a transfer in flight may not be written, and one being received into may not
 be read).  At the end every owner's gradient must hold each of the
 ``streams * N`` contributions exactly once.
 
+A third pass runs the plan's communication under NCCL's ordering rules
+(:mod:`plan.nccl`): per-communicator FIFOs in issue order, NCCL groups
+(``batch``), sends that finish only when their receive runs, in both of
+ProcessGroupNCCL's arrangements (a communicator per rank pair, or one per
+process group).  gloo would run a plan that fails it; a GPU cluster would hang.
+
 Errors are ``PlanError`` with ``rank``, ``step`` and ``action`` set where one
 place is to blame.
 """
@@ -30,6 +36,7 @@ from typing import Dict
 
 from . import actions as A
 from .errors import PlanError
+from .nccl import MODES, check_nccl_order
 from .plan import Plan
 from .symbolic import SymbolicExecutor
 
@@ -44,11 +51,14 @@ class ValidationReport:
     contributions: int
 
 
-def validate_plan(plan: Plan) -> ValidationReport:
-    """Raise ``PlanError`` unless ``plan`` is sound; return a few counts."""
+def validate_plan(plan: Plan, nccl_modes=MODES) -> ValidationReport:
+    """Raise ``PlanError`` unless ``plan`` is sound, on gloo and under NCCL's
+    ordering rules in each of ``nccl_modes`` (``()`` skips that pass); return
+    a few counts."""
     _check_meta(plan)
     starts = _check_static(plan)
     SymbolicExecutor(plan, starts).run()
+    check_nccl_order(plan, nccl_modes)
     p2p = sum(1 for v in starts.values() if isinstance(v[0][2], A.P2P))
     return ValidationReport(actions=plan.num_actions(), transfers=p2p,
                             collectives=len(starts) - p2p,

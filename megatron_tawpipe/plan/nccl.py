@@ -1,0 +1,360 @@
+"""NCCL's ordering rules, as a model a plan must satisfy.
+
+gloo matches point-to-point messages by tag and progresses each one on its
+own; NCCL does neither (DESIGN §9).  This module executes a plan's
+communication the way ProcessGroupNCCL runs it and raises ``PlanError`` where
+a cluster would hang:
+
+* Every start action is enqueued, in the rank's issue order, on a *stream*
+  (a FIFO) of one communicator.  An entry is one start, or every start of one
+  ``batch`` (an NCCL group: ``batch_isend_irecv``), and only the head entry of
+  a FIFO runs.  Inside a running entry its operations progress in any order;
+  the entry leaves the head once all of them completed.
+* A send or receive completes only when its partner is in the head entry of
+  the peer's FIFO of the same communicator (a large send cannot finish until
+  the receive runs).  NCCL ignores tags: on each communicator, the k-th send
+  from ``a`` to ``b`` is received by the k-th receive on ``b`` from ``a``.
+* A collective completes when it is in the head entry on every member.
+* ``Wait`` blocks its rank until the operation completed.  (On a GPU it
+  blocks the compute stream, and later communication is ordered after that
+  stream, which comes to the same thing.)
+
+Which FIFO an operation joins (``mode``):
+
+* ``"pair"`` -- PyTorch's default lazy initialisation: an unbatched send or
+  receive runs on a communicator of its two ranks, created at their first
+  operation together (that first call blocks both hosts until both made it);
+  batched sends/receives and collectives run on the process group's own
+  communicator.
+* ``"group"`` -- eager initialisation (``init_process_group(device_id=...)``):
+  one FIFO per rank for all operations of a process group, whatever the peer.
+
+The process groups are the executor's (:class:`runtime.executor.Communicators`):
+one for all point-to-point traffic of each channel (weights, gradients, ...),
+one per (members, channel) of broadcasts/reductions, and the default group for
+the replicated all-reduce.  The executor creates every process group's
+communicator before the first iteration, collectively and in one order, so a
+group communicator's first use inside a plan never blocks; the pair
+communicators of ``"pair"`` mode are created by the plan's traffic.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Dict, List, Optional, Tuple
+
+from . import actions as A
+from .errors import PlanError
+from .plan import Plan
+
+MODES = ("pair", "group")
+
+
+# ------------------------------------------------------------ communicators
+def process_group(action) -> tuple:
+    """The executor's process group of a start action."""
+    t = type(action)
+    if t is A.SendStart or t is A.RecvStart:
+        return ("p2p", A.CHANNEL[action.kind])
+    if t is A.ReplicatedAllReduceStart:
+        return ("replicated", action.ranks)
+    return ("collective", action.ranks, A.CHANNEL[action.kind])
+
+
+def _fifo(rank: int, action, mode: str) -> tuple:
+    """The communicator whose FIFO ``action`` joins on ``rank``."""
+    pg = process_group(action)
+    if mode == "pair" and type(action) in _P2P and action.batch is None:
+        return pg + ("pair", min(rank, action.peer), max(rank, action.peer))
+    return pg
+
+
+def describe_fifo(key: tuple) -> str:
+    if key[0] == "p2p":
+        if len(key) > 2:
+            return f"{key[1]} point-to-point communicator of ranks {key[3]} and {key[4]}"
+        return f"{key[1]} point-to-point process group"
+    if key[0] == "replicated":
+        return f"replicated all-reduce group {list(key[1])}"
+    return f"{key[2]} collective group {list(key[1])}"
+
+
+# ------------------------------------------------------------------ batches
+def batch_entries(plan: Plan, rank: int, mode: str) -> List[Tuple[tuple, List[Tuple[int, object]]]]:
+    """The FIFO entries ``rank`` issues, in order: ``(fifo key, [(step, start)])``.
+
+    Raises ``PlanError`` for a batch whose starts are not adjacent, mix
+    communicators, or contain a collective."""
+    out: List[Tuple[tuple, List[Tuple[int, object]]]] = []
+    closed = set()
+    current: Optional[int] = None
+    for step, a in enumerate(plan.actions[rank]):
+        if type(a) not in _STARTS:
+            if current is not None:
+                closed.add(current)
+                current = None
+            continue
+        batch = getattr(a, "batch", None)
+        if batch is None:
+            if current is not None:
+                closed.add(current)
+                current = None
+            out.append((_fifo(rank, a, mode), [(step, a)]))
+            continue
+        if type(a) not in _P2P:
+            raise PlanError("only sends and receives can be batched", rank, step, a)
+        if batch == current:
+            key = _fifo(rank, a, mode)
+            if key != out[-1][0]:
+                first = out[-1][1][0]
+                raise PlanError(f"batch {batch} mixes communicators: {describe_fifo(key)} and "
+                                f"{describe_fifo(out[-1][0])} (step {first[0]})", rank, step, a)
+            out[-1][1].append((step, a))
+            continue
+        if current is not None:
+            closed.add(current)
+        if batch in closed:
+            raise PlanError(f"the starts of batch {batch} are not adjacent on this rank "
+                            "(a batch is issued at once)", rank, step, a)
+        current = batch
+        out.append((_fifo(rank, a, mode), [(step, a)]))
+    return out
+
+
+# ------------------------------------------------------------------- model
+class _Entry:
+    __slots__ = ("rank", "key", "ops", "left")
+
+    def __init__(self, rank: int, key: tuple, ops: List[Tuple[int, object]]):
+        self.rank, self.key, self.ops = rank, key, ops
+        self.left = len(ops)
+
+
+class NcclModel:
+    """Issue-order execution of a plan's communication under NCCL's rules."""
+
+    def __init__(self, plan: Plan, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"unknown NCCL model mode {mode!r}; known: {', '.join(MODES)}")
+        self.plan, self.mode = plan, mode
+        P = plan.num_ranks
+        self.entries: List[List[_Entry]] = []
+        self.entry_of: Dict[Tuple[int, int], _Entry] = {}       # (rank, tag) -> entry
+        self.first_of_step: List[Dict[int, _Entry]] = []        # rank -> {step: entry posted there}
+        for r in range(P):
+            entries, first = [], {}
+            for key, ops in batch_entries(plan, r, mode):
+                e = _Entry(r, key, ops)
+                entries.append(e)
+                first[ops[0][0]] = e
+                for _, a in ops:
+                    self.entry_of[(r, a.tag)] = e
+            self.entries.append(entries)
+            self.first_of_step.append(first)
+        self.partners = self._match()
+        self.fifo: Dict[Tuple[int, tuple], deque] = defaultdict(deque)
+        self.done = set()
+        self.pc = [0] * P
+        self.arrived: Dict[tuple, set] = defaultdict(set)        # pair communicator -> ranks
+
+    # ------------------------------------------------------------ matching
+    def _match(self) -> Dict[Tuple[int, int], List[Tuple[int, int]]]:
+        """Partners of every operation, as NCCL pairs them: {(rank, tag): [(rank, tag)]}."""
+        sends, recvs = defaultdict(list), defaultdict(list)
+        members: Dict[int, List[int]] = defaultdict(list)
+        for r, entries in enumerate(self.entries):
+            for e in entries:
+                comm = e.key      # each communicator (pair or group) pairs its own traffic
+                for step, a in e.ops:
+                    t = type(a)
+                    if t is A.SendStart:
+                        sends[(comm, r, a.peer)].append((step, a))
+                    elif t is A.RecvStart:
+                        recvs[(comm, a.peer, r)].append((step, a))
+                    else:
+                        members[a.tag].append(r)
+        partners: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
+        for (comm, src, dst) in set(sends) | set(recvs):
+            s_list, r_list = sends.get((comm, src, dst), []), recvs.get((comm, src, dst), [])
+            for k, ((ss, sa), (rs, ra)) in enumerate(zip(s_list, r_list)):
+                if sa.tag != ra.tag:
+                    raise PlanError(
+                        f"NCCL ({self.mode} mode) pairs the send at rank {src} step {ss} "
+                        f"({A.describe(sa)}) with the receive at rank {dst} step {rs} "
+                        f"({A.describe(ra)}): they are the {_nth(k)} send and receive between "
+                        f"these ranks on the {describe_fifo(comm)}, and NCCL ignores tags",
+                        dst, rs, ra)
+                partners[(src, sa.tag)] = [(dst, ra.tag)]
+                partners[(dst, ra.tag)] = [(src, sa.tag)]
+            if len(s_list) != len(r_list):
+                longer, side, rank = (s_list, "send", src) if len(s_list) > len(r_list) else \
+                    (r_list, "receive", dst)
+                step, a = longer[min(len(s_list), len(r_list))]
+                raise PlanError(f"NCCL ({self.mode} mode): this {side} has no partner on the "
+                                f"{describe_fifo(comm)} (its partner is issued on another "
+                                "communicator, batched differently)", rank, step, a)
+        for tag, ranks in members.items():
+            for r in ranks:
+                partners[(r, tag)] = [(x, tag) for x in ranks if x != r]
+        return partners
+
+    # ------------------------------------------------------------- running
+    def run(self) -> None:
+        P = self.plan.num_ranks
+        ready = deque(range(P))
+        waiting: Dict[object, List[int]] = defaultdict(list)     # tag or pair key -> ranks
+        queued = set(ready)
+        while ready:
+            r = ready.popleft()
+            queued.discard(r)
+            blocker, woken = self._advance(r)
+            if blocker is not None:
+                waiting[blocker].append(r)
+            for x in woken:
+                for rr in waiting.pop(x, ()):
+                    if rr not in queued:
+                        queued.add(rr)
+                        ready.append(rr)
+        stuck = [r for r in range(P) if self.pc[r] < len(self.plan.actions[r])]
+        if stuck:
+            self._deadlock(stuck)
+
+    def _advance(self, r: int):
+        """Run rank ``r`` until it blocks; returns (what it blocks on, things that happened)."""
+        acts = self.plan.actions[r]
+        first = self.first_of_step[r]
+        woken: List[object] = []
+        pc = self.pc[r]
+        while pc < len(acts):
+            a = acts[pc]
+            t = type(a)
+            if t is A.Wait:
+                if a.tag not in self.done:
+                    self.pc[r] = pc
+                    return a.tag, woken
+                pc += 1
+                continue
+            e = first.get(pc)
+            if e is not None:
+                if self.mode == "pair" and len(e.key) > 2:
+                    pair = e.key
+                    arrived = self.arrived[pair]
+                    if r not in arrived:
+                        arrived.add(r)
+                        woken.append(pair)
+                    if len(arrived) < 2:
+                        # Lazy creation of a pair communicator: both hosts block until both call.
+                        self.pc[r] = pc
+                        return pair, woken
+                fifo = self.fifo[(r, e.key)]
+                fifo.append(e)
+                if len(fifo) == 1:
+                    woken += self._run_head(r, e.key)
+            pc += 1
+        self.pc[r] = pc
+        return None, woken
+
+    def _run_head(self, r: int, key: tuple) -> List[object]:
+        """Complete what can complete now that an entry reached the head of a FIFO."""
+        woken: List[object] = []
+        todo = [(r, key)]
+        while todo:
+            rank, k = todo.pop()
+            fifo = self.fifo.get((rank, k))
+            if not fifo:
+                continue
+            head = fifo[0]
+            for _, a in list(head.ops):
+                if a.tag in self.done or not self._partners_at_head(rank, a.tag):
+                    continue
+                self.done.add(a.tag)
+                woken.append(a.tag)
+                for x, tag in [(rank, a.tag)] + self.partners.get((rank, a.tag), []):
+                    e = self.entry_of[(x, tag)]
+                    e.left -= 1
+                    if e.left == 0:
+                        q = self.fifo[(x, e.key)]
+                        q.popleft()
+                        if q:
+                            todo.append((x, e.key))
+        return woken
+
+    def _partners_at_head(self, r: int, tag: int) -> bool:
+        for x, t in self.partners.get((r, tag), ()):
+            e = self.entry_of[(x, t)]
+            q = self.fifo.get((x, e.key))
+            if not q or q[0] is not e:
+                return False
+        return True
+
+    # --------------------------------------------------------- diagnosis
+    def _deadlock(self, stuck: List[int]) -> None:
+        """Explain the hang: follow who waits for whom from the first stuck rank."""
+        lines, seen = [], set()
+        r = stuck[0]
+        blame = None
+        while r is not None and r not in seen and len(lines) < 8:
+            seen.add(r)
+            line, nxt, where = self._why(r)
+            if blame is None:
+                blame = where
+            lines.append(line)
+            r = nxt
+        others = [x for x in stuck if x not in seen]
+        msg = f"NCCL ordering ({self.mode} mode): deadlock. " + "; ".join(lines)
+        if others:
+            msg += f". Also stuck: rank(s) {others}"
+        rank, step, action = blame
+        raise PlanError(msg, rank, step, action)
+
+    def _why(self, r: int):
+        """One link of the wait chain: (text, next rank to look at, (rank, step, action))."""
+        step = self.pc[r]
+        a = self.plan.actions[r][step]
+        where = (r, step, a)
+        if type(a) is not A.Wait:
+            e = self.first_of_step[r][step]
+            other = e.key[3] if e.key[3] != r else e.key[4]
+            return (f"rank {r} step {step} ({A.describe(a)}) is creating the "
+                    f"{describe_fifo(e.key)} and waits for rank {other} to call it"), other, where
+        e = self.entry_of[(r, a.tag)]
+        q = self.fifo[(r, e.key)]
+        head = q[0]
+        text = f"rank {r} step {step} waits for tag {a.tag}"
+        if head is not e:
+            hs, ha = head.ops[0]
+            text += (f", queued on the {describe_fifo(e.key)} behind the head "
+                     f"{A.short(ha)} (step {hs}, {A.describe(ha)})")
+        pending = [(s, x) for s, x in head.ops if x.tag not in self.done]
+        for s, x in pending:
+            for peer, tag in self.partners.get((r, x.tag), ()):
+                pe = self.entry_of[(peer, tag)]
+                pq = self.fifo.get((peer, pe.key))
+                if pq and pq[0] is pe:
+                    continue
+                pstep = next(st for st, y in pe.ops if y.tag == tag)
+                if pq and pe in pq:
+                    phs, pha = pq[0].ops[0]
+                    return (text + f"; its partner on rank {peer} (step {pstep}) is queued behind "
+                            f"rank {peer}'s head {A.short(pha)} (step {phs}, {A.describe(pha)}) on "
+                            f"the {describe_fifo(pe.key)}"), peer, where
+                return (text + f"; rank {peer} has not issued its partner (step {pstep}) yet: it "
+                        f"is stopped at step {self.pc[peer]}"), peer, where
+        return text, None, where
+
+
+def _nth(k: int) -> str:
+    n = k + 1
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def check_nccl_order(plan: Plan, modes=MODES) -> None:
+    """Raise ``PlanError`` unless ``plan`` runs to completion under NCCL's
+    rules in every mode of ``modes``."""
+    for mode in modes:
+        NcclModel(plan, mode).run()
+
+
+_P2P = frozenset(A.P2P)
+_STARTS = frozenset(A.STARTS)

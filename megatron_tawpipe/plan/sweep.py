@@ -1,0 +1,102 @@
+"""Build and validate every planner's plans over a range of shapes and options.
+
+``tools/check_plans.py`` runs it; the tests run a small range.  Each plan is
+checked by :func:`validate_plan`: matching, symbolic execution on gloo's
+semantics, and NCCL's ordering rules in both communicator arrangements.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from .errors import PlanError
+from .planners import build_plan
+from .validate import validate_plan
+
+# Every TawPipe option with the values worth checking (chunk and prefetch are
+# capped by N in ``_tawpipe_options``).
+TAWPIPE_OPTIONS = {
+    "overlap": (True, False),
+    "cache": (True, False),
+    "stagger": (True, False),
+    "drain": (False, True),
+    "chunk": (1, 2, 3),
+    "prefetch": (2, 1, 3),
+    "flat": (False, True),
+}
+
+
+@dataclass
+class SweepResult:
+    checked: int = 0
+    by_schedule: dict = field(default_factory=dict)
+    failures: List[Tuple[str, dict, str]] = field(default_factory=list)
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tawpipe_options(N: int, full: bool) -> Iterator[dict]:
+    """Option sets: the whole product when ``full``, else each option changed
+    on its own from the default, plus the named variants (no overlap, flat, paper)."""
+    names = list(TAWPIPE_OPTIONS)
+    if full:
+        combos = (dict(zip(names, values)) for values in itertools.product(*TAWPIPE_OPTIONS.values()))
+    else:
+        default = {k: v[0] for k, v in TAWPIPE_OPTIONS.items()}
+        combos = [default] + [dict(default, **{k: v}) for k, values in TAWPIPE_OPTIONS.items()
+                              for v in values[1:]]
+        combos += [dict(default, cache=False, drain=True),            # tawpipe-paper
+                   dict(default, overlap=False, cache=False)]
+    seen = set()
+    for c in combos:
+        c = dict(c, chunk=min(c["chunk"], N))
+        key = tuple(sorted(c.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        flat = c.pop("flat")
+        if flat:
+            c["groups"] = 1
+        yield c
+
+
+def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
+               layers_per_shard: int = 1) -> Iterator[Tuple[str, dict]]:
+    """(schedule, build_plan keyword arguments) for every planner, shape and option set."""
+    for P in ranks:
+        for D in divisors(P):
+            for N in microbatches:
+                shape = dict(num_ranks=P, num_groups=D, num_microbatches=N,
+                             num_layers=P * layers_per_shard)
+                for opts in _tawpipe_options(N, full=P <= full_product_max_ranks):
+                    yield "tawpipe", dict(shape, **opts)
+                for interleave, overlap in itertools.product((True, False), (True, False)):
+                    name = "weipipe" if interleave else "weipipe-naive"
+                    yield name, dict(shape, overlap=overlap)
+                for name in ("gpipe", "1f1b"):
+                    yield name, dict(shape)
+                yield "interleaved", dict(shape, num_layers=P * 2, virtual_stages=2)
+
+
+def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
+              stop_on_failure: bool = False, progress=None) -> SweepResult:
+    result = SweepResult()
+    for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks):
+        error: Optional[str] = None
+        try:
+            validate_plan(build_plan(schedule, **kwargs))
+        except PlanError as exc:
+            error = str(exc)
+        result.checked += 1
+        result.by_schedule[schedule] = result.by_schedule.get(schedule, 0) + 1
+        if error is not None:
+            result.failures.append((schedule, kwargs, error))
+            if stop_on_failure:
+                break
+        if progress is not None:
+            progress(result)
+    return result

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Validate every planner's plans, NCCL's ordering rules included, over a range of shapes.
+
+    python tools/check_plans.py                       # P = 2..16, every D dividing P, N = 1..6
+    python tools/check_plans.py --ranks 2-8 --microbatches 1-3 --workers 2
+
+TawPipe's options are checked as a whole product for P <= --full-product-max-ranks
+and one at a time (plus the named variants) above.  Prints the count of plans checked
+per schedule and every failure; exits 1 if any plan fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_tawpipe.plan.sweep import run_sweep  # noqa: E402
+
+
+def _range(text: str):
+    lo, _, hi = text.partition("-")
+    try:
+        lo_i, hi_i = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N-M, got {text!r}") from None
+    if lo_i < 1 or hi_i < lo_i:
+        raise argparse.ArgumentTypeError(f"empty or non-positive range {text!r}")
+    return list(range(lo_i, hi_i + 1))
+
+
+def _one(args):
+    P, microbatches, full = args
+    return P, run_sweep([P], microbatches, full)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=_range, default=_range("2-16"), help="P range (default 2-16)")
+    p.add_argument("--microbatches", type=_range, default=_range("1-6"), help="N range (default 1-6)")
+    p.add_argument("--full-product-max-ranks", type=int, default=8,
+                   help="check TawPipe's whole option product up to this P (default 8)")
+    p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+    p.add_argument("--json", metavar="PATH", help="also write the counts and failures as JSON")
+    args = p.parse_args(argv)
+    start = time.time()
+    jobs = [(P, args.microbatches, args.full_product_max_ranks) for P in sorted(args.ranks, reverse=True)]
+    if args.workers > 1:
+        with mp.Pool(args.workers) as pool:
+            results = pool.map(_one, jobs, chunksize=1)
+    else:
+        results = [_one(j) for j in jobs]
+    total, by_schedule, failures = 0, {}, []
+    for P, res in sorted(results):
+        total += res.checked
+        for k, v in res.by_schedule.items():
+            by_schedule[k] = by_schedule.get(k, 0) + v
+        failures += res.failures
+        print(f"P={P:>2}: {res.checked} plans, {len(res.failures)} failed", flush=True)
+    for schedule, kwargs, error in failures[:20]:
+        print(f"FAILED {schedule} {kwargs}: {error}")
+    print(f"checked {total} plans in {time.time() - start:.0f} s: " +
+          ", ".join(f"{k} {v}" for k, v in sorted(by_schedule.items())) +
+          f"; {len(failures)} failed")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"checked": total, "by_schedule": by_schedule, "ranks": args.ranks,
+                       "microbatches": args.microbatches,
+                       "full_product_max_ranks": args.full_product_max_ranks,
+                       "failures": [[s, k, e] for s, k, e in failures]}, f, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
