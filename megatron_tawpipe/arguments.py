@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(parser)
     _add_training_args(parser)
+    _add_low_precision_args(parser)
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_checkpoint_and_logging_args(parser)
@@ -113,6 +114,48 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=_positive_int, default=1)
 
 
+# Megatron-LM's fp8 / fp4 flags (Transformer Engine recipes), recognised so that they are refused
+# with a clear message rather than argparse's "unrecognized arguments": (flag, add_argument kwargs).
+LOW_PRECISION_FLAGS = (
+    ("--fp8-format", {"default": None, "metavar": "{e4m3,hybrid}"}),
+    ("--fp8-recipe", {"default": None, "metavar": "{tensorwise,delayed,mxfp8,blockwise,custom}"}),
+    ("--fp8-param-gather", {"action": "store_true"}),
+    ("--fp8-margin", {"type": int, "default": None}),
+    ("--fp8-interval", {"type": int, "default": None}),
+    ("--fp8-amax-history-len", {"type": int, "default": None}),
+    ("--fp8-amax-compute-algo", {"default": None, "metavar": "{most_recent,max}"}),
+    ("--no-fp8-wgrad", {"action": "store_true"}),
+    ("--fp8-dot-product-attention", {"action": "store_true"}),
+    ("--fp8-multi-head-attention", {"action": "store_true"}),
+    ("--first-last-layers-bf16", {"action": "store_true"}),
+    ("--fp4-format", {"default": None, "metavar": "{e2m1}"}),
+    ("--fp4-recipe", {"default": None, "metavar": "{nvfp4,custom}"}),
+    ("--fp4-param-gather", {"action": "store_true"}),
+)
+
+
+def _add_low_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fp8 / fp4 (Megatron-LM's flags; not supported yet: refused)")
+    for flag, kwargs in LOW_PRECISION_FLAGS:
+        g.add_argument(flag, help=argparse.SUPPRESS, **kwargs)
+
+
+def _flag_dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def _validate_precision(args: argparse.Namespace) -> None:
+    """fp8 / fp4 training is refused, naming the flag given and what is supported."""
+    for flag, _kwargs in LOW_PRECISION_FLAGS:
+        value = getattr(args, _flag_dest(flag), None)
+        if value is None or value is False:
+            continue
+        given = flag if value is True else f"{flag} {value}"
+        kind = "fp4" if flag.startswith("--fp4") else "fp8"
+        raise ArgumentError(
+            f"{given}: {kind} training is not supported yet; train in fp32 (default), --bf16 or --fp16")
+
+
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--pipeline-schedule", default="1f1b",
@@ -127,6 +170,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
                    help="groups (nodes) of the weight pipeline; default: one per node")
     g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
+    g.add_argument("--tawpipe-nccl-faithful", action="store_true",
+                   help="weipipe/tawpipe on gloo: run the plan's transfers under NCCL's ordering rules "
+                        "(one FIFO per communicator, rendezvous sends), so that a plan that would hang "
+                        "on a GPU cluster fails here after --distributed-timeout-minutes, naming rank "
+                        "and step (tests; slower)")
     g.add_argument("--tawpipe-microbatches-per-visit", type=_positive_int, default=1,
                    help="tawpipe: micro-batches each rank runs per visit of a shard; the shard is broadcast "
                         "in the group (and its gradient reduced) once per visit, so intra-node traffic falls "
@@ -222,6 +270,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not part of this "
             "version yet; use --pipeline-schedule 1f1b or interleaved")
+    _validate_precision(args)
     if args.train_iters is None:
         raise ArgumentError("--train-iters is required")
     if args.emulated_compute_times:
@@ -279,16 +328,21 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError(f"--timeline-file {args.timeline_file} is a directory; give a file name")
         if args.tawpipe_microbatches_per_visit != 1 and args.pipeline_schedule != "tawpipe":
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
+        backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
+        if args.tawpipe_nccl_faithful and backend != "gloo":
+            raise ArgumentError("--tawpipe-nccl-faithful runs NCCL's rules on gloo: it needs "
+                                "--distributed-backend gloo (on NCCL the rules are NCCL's own)")
         groups = args.tawpipe_num_groups
         if groups is not None and world_size % groups:
             raise ArgumentError(
                 f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
-            or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file):
+            or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful):
         raise ArgumentError(
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
-            "--tawpipe-microbatches-per-visit / --timeline-file need --pipeline-schedule tawpipe or weipipe")
+            "--tawpipe-microbatches-per-visit / --tawpipe-nccl-faithful / --timeline-file need "
+            "--pipeline-schedule tawpipe or weipipe")
     if world_size % pp:
         raise ArgumentError(
             f"--pipeline-model-parallel-size {pp} must divide the number of ranks {world_size}")
@@ -337,3 +391,9 @@ def _validate_batch(args: argparse.Namespace, world_size: int) -> None:
             f"to be a multiple of --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
     args.data_parallel_size = dp
     args.num_microbatches = num_microbatches
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

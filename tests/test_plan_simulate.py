@@ -49,16 +49,24 @@ def test_weipipe_bubble_equals_1f1b_on_the_same_global_batch(P, N):
         assert r.iteration_time == pytest.approx((N * P + P - 1) * 3.0)
 
 
-@pytest.mark.parametrize("schedule", ["tawpipe", "tawpipe-paper"])
-def test_tawpipe_has_no_bubble_when_communication_is_free(schedule):
+@pytest.mark.parametrize("schedule,bound", [("tawpipe", 0.10), ("tawpipe-paper", 0.15)])
+def test_tawpipe_bubble_when_communication_is_free(schedule, bound):
     # Every rank always has its own micro-batches to run and weights never
-    # change within the iteration: with free links nothing ever waits.
+    # change within the iteration.  With two groups each rank exchanges shards
+    # with one peer, in one NCCL group per slot, and nothing ever waits.  With
+    # more groups an owner's batch also serves groups that free links let run
+    # ahead of their nominal stagger: under NCCL's FIFO rules that batch holds
+    # the stream until its slowest partner arrives, a small bubble that the
+    # gloo-era rendezvous model did not see.
     for P, D in ((4, 2), (6, 3), (8, 2), (8, 4)):
         for N in (1, 4):
             plan = build_plan(schedule, num_ranks=P, num_groups=D, num_microbatches=N)
             r = simulate(plan, FREE)
-            assert r.bubble_ratio == pytest.approx(0.0, abs=1e-12)
-            assert r.iteration_time == pytest.approx(N * P * 3.0)
+            if D <= 2:
+                assert r.bubble_ratio == pytest.approx(0.0, abs=1e-12)
+                assert r.iteration_time == pytest.approx(N * P * 3.0)
+            else:
+                assert 0.0 < r.bubble_ratio < bound, (P, D, N, r.bubble_ratio)
 
 
 # ------------------------------------------------------------ byte counts

@@ -6,6 +6,10 @@ a single-process run of the same model, initial weights and global batch
 the loss and gradient norm of every iteration, and every parameter after every
 optimizer step (both runs checkpoint each iteration; the files are compared).
 It also checks that the bytes the executor sent per link class equal the plan's.
+
+The weight-passing runs use the executor's NCCL-faithful mode (``--tawpipe-nccl-faithful``):
+their transfers obey NCCL's ordering rules on gloo, so a plan or executor change that would
+hang on a GPU cluster fails here (after the timeout, naming rank and step) instead.
 """
 
 import os
@@ -92,7 +96,8 @@ def _case_id(case):
 def test_matches_single_process_reference(world, extra, layers, global_batch, reference, tmp_path):
     ref_records, ref_save = reference(layers, global_batch)
     save = str(tmp_path / "ckpt")
-    per_rank = run_ranks(train_rank, world, _args(*extra, layers=layers, global_batch=global_batch, save=save))
+    per_rank = run_ranks(train_rank, world, _args(*extra, "--tawpipe-nccl-faithful", "--distributed-timeout-minutes",
+                                                  "2", layers=layers, global_batch=global_batch, save=save))
     for records in per_rank:
         assert_close_rel(losses(records), losses(ref_records), 1e-5)
         assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in ref_records], 1e-5,

@@ -2,8 +2,11 @@
 
 Each rank executes its list in order.  Compute and local actions (load, zero,
 accumulate, optimizer) occupy the rank for their duration; starts are posted
-instantly; a wait blocks until its operation completed.  An operation begins
-once every participant posted it (rendezvous), then moves its bytes:
+instantly; a wait blocks until its operation completed.  Starts join their
+communicator's FIFO as NCCL runs them (:mod:`plan.nccl`, one FIFO per rank and
+process group; a ``batch`` is one entry): an operation begins once every
+participant posted it *and* has it in the head entry of its FIFO, so a posted
+transfer holds its stream until its partner runs.  Then it moves its bytes:
 
 * intra-group flows get the full intra bandwidth each (a switched fabric with
   bandwidth-optimal collectives: an intra-group broadcast or reduce takes
@@ -28,8 +31,11 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from collections import deque
+
 from . import actions as A
 from .costmodel import CostModel
+from .nccl import batch_entries
 from .plan import Plan
 
 INF = float("inf")
@@ -141,11 +147,12 @@ def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float) -> Dict[str,
 
 # ----------------------------------------------------------------- simulator
 class _Op:
-    __slots__ = ("tag", "need", "posted", "done", "waiters", "flows_left", "start")
+    __slots__ = ("tag", "need", "posted", "done", "waiters", "flows_left", "start", "began")
 
     def __init__(self, tag: int, need: int, start):
         self.tag, self.need, self.start = tag, need, start
         self.posted = 0
+        self.began = False
         self.done: Optional[float] = None
         self.waiters: List[int] = []
         self.flows_left = 0
@@ -184,6 +191,14 @@ class _Simulator:
                     need[a.tag] = need.get(a.tag, 0) + 1
         self.need = need
         self.starts: Dict[int, Dict[int, object]] = {}
+        # NCCL streams: entries (lists of tags, a batch is one entry) per (rank, communicator).
+        self.entry_of: Dict[tuple, list] = {}          # (rank, tag) -> [key, tags, left]
+        for r in range(plan.num_ranks):
+            for key, ops in batch_entries(plan, r, "group"):
+                entry = [key, [a.tag for _, a in ops], len(ops)]
+                for _, a in ops:
+                    self.entry_of[(r, a.tag)] = entry
+        self.fifo: Dict[tuple, deque] = {}
         sb = cost.shard_bytes(plan)
         self.unit = {"weight": sb, "grad": sb, "act": cost.activation_bytes,
                      "actgrad": cost.activation_bytes}
@@ -291,10 +306,38 @@ class _Simulator:
         op = self._op(a.tag)
         op.start[r] = a
         op.posted += 1
-        if op.posted == op.need:
+        entry = self.entry_of[(r, a.tag)]
+        if entry[1][0] == a.tag:        # the first start of its entry: the entry joins the FIFO
+            fifo = self.fifo.setdefault((r, entry[0]), deque())
+            fifo.append(entry)
+        if op.posted == op.need and self._at_heads(op):
             self.begin(op, t)
 
+    def _at_heads(self, op: _Op) -> bool:
+        for r in op.start:
+            entry = self.entry_of[(r, op.tag)]
+            if self.fifo[(r, entry[0])][0] is not entry:
+                return False
+        return True
+
+    def _leave_fifos(self, op: _Op, t: float) -> None:
+        """``op`` completed: its entries may leave their FIFOs, letting the next ones run."""
+        for r in op.start:
+            entry = self.entry_of[(r, op.tag)]
+            entry[2] -= 1
+            if entry[2]:
+                continue
+            fifo = self.fifo[(r, entry[0])]
+            fifo.popleft()
+            if fifo:
+                for tag in fifo[0][1]:
+                    nxt = self.ops.get(tag)
+                    if nxt is not None and nxt.done is None and not nxt.began and \
+                            nxt.posted == nxt.need and self._at_heads(nxt):
+                        self.begin(nxt, t)
+
     def begin(self, op: _Op, t: float) -> None:
+        op.began = True
         a = next(iter(op.start.values()))
         cls = type(a)
         if cls is A.ReplicatedAllReduceStart:
@@ -340,6 +383,7 @@ class _Simulator:
         for r in op.waiters:
             self.push(t, "rank", r)
         op.waiters = []
+        self._leave_fifos(op, t)
 
     # ------------------------------------------------------- shared network
     def advance_net(self, t: float) -> None:

@@ -2,11 +2,17 @@
 
 The executor knows nothing about schedules: it interprets the actions of
 :mod:`megatron_tawpipe.plan.actions` in order. Communication is asynchronous
-(``isend/irecv``, ``broadcast/reduce(async_op=True)``) and every handle is
-waited on by the plan's ``Wait`` before its buffer is read or reused (the
-validator proves that; the executor also refuses to touch a buffer that is
-still in flight). Weight and gradient traffic use separate communicators, so
-that on NCCL they do not serialise behind each other.
+and goes through a transport (:mod:`runtime.transport`): the starts of one
+``batch`` are issued together as one NCCL group, and every handle is waited
+on by the plan's ``Wait`` before its buffer is read or reused (the validator
+proves that; the executor also refuses to touch a buffer that is still in
+flight). Weight and gradient traffic use separate communicators, so that on
+NCCL they do not serialise behind each other. ``nccl_faithful=True`` runs the
+communication on gloo under NCCL's ordering rules (:mod:`runtime.nccl_faithful`).
+
+Weight and gradient buffers are allocated once, from the plan's bounds.
+Compute time (the busy fraction, timelines) is measured with CUDA events on
+CUDA, where kernels are asynchronous, and with the wall clock on CPU.
 
 Bytes are counted per link class the way :func:`plan.simulate.link_bytes`
 does: each send, each non-root broadcast copy and each non-root reduction
@@ -25,6 +31,10 @@ import torch.distributed as dist
 
 from megatron_tawpipe import progress
 from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.runtime.timing import ComputeTimer
+from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
+
+__all__ = ["Communicators", "ExecutionError", "PeerFailure", "PlanExecutor", "first_line"]
 
 
 class ExecutionError(RuntimeError):
@@ -42,27 +52,6 @@ class _InFlight:
     buf: str
     reads_only: bool
     what: str           # e.g. "receive of weight shard 3 from rank 2", for error messages
-
-
-class Communicators:
-    """Process groups a plan needs, created collectively and in the same order on every rank."""
-
-    def __init__(self, plan, world_size: int):
-        everyone = tuple(range(world_size))
-        self.channel: Dict[str, Optional[dist.ProcessGroup]] = {}
-        for channel in ("weight", "grad"):
-            # One communicator per traffic class (NCCL ops on one communicator serialise).
-            self.channel[channel] = dist.new_group(list(everyone)) if world_size > 1 else None
-        self.groups: Dict[Tuple[Tuple[int, ...], str], Optional[dist.ProcessGroup]] = {}
-        for ranks, channel in plan.communicators():
-            self.groups[(tuple(ranks), channel)] = dist.new_group(list(ranks))
-        self.replicated = None  # the default group: the replicated all-reduce spans every rank
-
-    def for_collective(self, ranks, kind: str):
-        return self.groups[(tuple(ranks), A.CHANNEL[kind])]
-
-    def for_p2p(self, kind: str):
-        return self.channel[A.CHANNEL[kind]]
 
 
 def _needed_for_forward(action, in_flight) -> bool:
@@ -84,15 +73,22 @@ class PlanExecutor:
     """
 
     def __init__(self, plan, rank: int, compute, communicators: Communicators,
-                 timeout: Optional[datetime.timedelta] = None):
+                 timeout: Optional[datetime.timedelta] = None, nccl_faithful: bool = False):
         self.plan = plan
         # Bounded waits: a dead or stalled peer becomes an error, never a silent hang.
         self.timeout = timeout or datetime.timedelta(minutes=10)
         self.rank = rank
         self.compute = compute
         self.comms = communicators
-        self.weight_buffers: Dict[str, torch.Tensor] = {}
-        self.grad_buffers: Dict[str, torch.Tensor] = {}
+        self.nccl_faithful = nccl_faithful
+        if nccl_faithful:
+            from megatron_tawpipe.runtime.nccl_faithful import FaithfulTransport
+
+            self.transport = FaithfulTransport(rank, communicators, self.timeout)
+        else:
+            self.transport = DirectTransport(compute.device)
+        self.timer = ComputeTimer(compute.device)
+        self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
         self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
         self._posted: Dict[int, Tuple[float, object]] = {}
@@ -114,20 +110,31 @@ class PlanExecutor:
 
     # ---- buffers -----------------------------------------------------------------------
 
+    def _allocate_buffers(self, actions) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        """Every weight and gradient buffer this rank's list names, allocated once (the
+        plan bounds their number: ``max_weight_buffers``/``max_grad_buffers``)."""
+        names = {"weight": set(), "grad": set()}
+        for a in actions:
+            for field_name, role in _BUFFER_ROLES.get(type(a), ()):
+                name = getattr(a, field_name)
+                role = role or getattr(a, "kind", None)
+                if role in names and name and name != A.MAIN:
+                    names[role].add(name)
+        c = self.compute
+        weights = {n: torch.empty(c.shard_numel, dtype=c.compute_dtype, device=c.device)
+                   for n in sorted(names["weight"])}
+        grads = {n: torch.zeros(c.shard_numel, dtype=torch.float32, device=c.device)
+                 for n in sorted(names["grad"])}
+        return weights, grads
+
     def _weights(self, name: str, write: bool = False) -> torch.Tensor:
         self._check_not_in_flight(name, write)
-        if name not in self.weight_buffers:
-            self.weight_buffers[name] = torch.empty(
-                self.compute.shard_numel, dtype=self.compute.compute_dtype, device=self.compute.device)
         return self.weight_buffers[name]
 
     def _grads(self, name: str, shard: int, write: bool = True) -> torch.Tensor:
         if name == A.MAIN:
             return self.compute.main_grad(shard)
         self._check_not_in_flight(name, write)
-        if name not in self.grad_buffers:
-            self.grad_buffers[name] = torch.zeros(
-                self.compute.shard_numel, dtype=torch.float32, device=self.compute.device)
         return self.grad_buffers[name]
 
     def _buffer(self, name: str, kind: str, shard: int, write: bool) -> torch.Tensor:
@@ -141,18 +148,27 @@ class PlanExecutor:
 
     def reset_counters(self) -> None:
         self.bytes_sent = {"intra": 0, "inter": 0}
-        self.compute_seconds = 0.0   # time inside Forward/Backward actions (busy fraction)
+        self.timer.reset()
+
+    @property
+    def compute_seconds(self) -> float:
+        """Time inside Forward/Backward actions this iteration (busy fraction); on CUDA
+        this synchronises once to read the events."""
+        return self.timer.total()
 
     # ---- running ------------------------------------------------------------------------
 
     def run(self, actions: List[object], forward_only: bool = False) -> None:
         """Execute ``actions``; ``forward_only`` keeps forwards and weight traffic only (evaluation)."""
         self._forward_only = forward_only
+        self._actions = actions
+        self._issued = -1
         board = progress.board()
         for step, action in enumerate(actions):
             if forward_only and not _needed_for_forward(action, self.in_flight):
                 continue
             board.at(_PlanPosition(step, len(actions), action))
+            self._step = step
             started = time.time() if self.trace is not None else 0.0
             try:
                 self._handlers[type(action)](action)
@@ -166,10 +182,15 @@ class PlanExecutor:
                 if isinstance(action, A.STARTS):
                     raise PeerFailure(
                         f"rank {self.rank}, step {step} of {len(actions)}, {action}: could not start "
-                        f"({_describe(action, self.rank)}): {first_line(exc)}") from exc
+                        f"({describe_op(action, self.rank)}): {first_line(exc)}") from exc
                 raise
         if self.in_flight:
             raise ExecutionError(f"rank {self.rank}: plan ended with transfers in flight: {sorted(self.in_flight)}")
+        if self.trace is not None:
+            self._resolve_trace()
+
+    def close(self) -> None:
+        self.transport.close()
 
     # ---- timeline ---------------------------------------------------------------------
 
@@ -181,6 +202,8 @@ class PlanExecutor:
     def _record(self, action, start: float, end: float) -> None:
         kind = _SPAN_KINDS.get(type(action))
         if kind is not None:
+            if type(action) in (A.Forward, A.Backward):   # device time, resolved after the plan
+                start, end = self.timer.last_span()
             self.trace["spans"].append([self.rank, start, end, kind, getattr(action, "mb", -1),
                                         getattr(action, "shard", -1)])
         elif isinstance(action, A.STARTS):
@@ -194,9 +217,15 @@ class PlanExecutor:
             self.trace["transfers"].append([self.rank, "in" if _arrives_here(started, self.rank) else "out",
                                             getattr(started, "kind", "allreduce"), link, posted, end])
 
+    def _resolve_trace(self) -> None:
+        """Turn compute spans measured with events into wall-clock seconds."""
+        for span in self.trace["spans"]:
+            if callable(span[1]):
+                span[1], span[2] = span[1](), span[2]()
+
     def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:
-        self.in_flight[action.tag] = _InFlight(work, after, buf, reads_only, _describe(action, self.rank))
+        self.in_flight[action.tag] = _InFlight(work, after, buf, reads_only, describe_op(action, self.rank))
 
     def _count(self, link: str, tensor: torch.Tensor) -> None:
         self.bytes_sent[link] += tensor.numel() * tensor.element_size()
@@ -204,14 +233,14 @@ class PlanExecutor:
     # ---- compute ------------------------------------------------------------------------
 
     def _forward(self, a: A.Forward) -> None:
-        start = time.perf_counter()
-        self.compute.forward(a.mb, a.shard, self._weights(a.wbuf))  # reads only
-        self.compute_seconds += time.perf_counter() - start
+        weights = self._weights(a.wbuf)  # reads only
+        with self.timer.span():
+            self.compute.forward(a.mb, a.shard, weights)
 
     def _backward(self, a: A.Backward) -> None:
-        start = time.perf_counter()
-        self.compute.backward(a.mb, a.shard, self._weights(a.wbuf), self._grads(a.gbuf, a.shard))
-        self.compute_seconds += time.perf_counter() - start
+        weights, grads = self._weights(a.wbuf), self._grads(a.gbuf, a.shard)
+        with self.timer.span():
+            self.compute.backward(a.mb, a.shard, weights, grads)
 
     def _load_weights(self, a: A.LoadWeights) -> None:
         self._weights(a.buf, write=True).copy_(self.compute.master(a.shard))
@@ -227,31 +256,64 @@ class PlanExecutor:
 
     # ---- communication ------------------------------------------------------------------
 
+    def _batch(self, action) -> List[Tuple[int, object]]:
+        """The starts issued with ``action``: its whole ``batch`` (adjacent in the list)."""
+        step = self._step
+        batch = getattr(action, "batch", None)
+        if batch is None:
+            return [(step, action)]
+        out = [(step, action)]
+        for later in range(step + 1, len(self._actions)):
+            nxt = self._actions[later]
+            if getattr(nxt, "batch", None) != batch or not isinstance(nxt, A.P2P):
+                break
+            out.append((later, nxt))
+        return out
+
+    def _issue_p2p(self, a) -> None:
+        """Issue ``a`` with the rest of its batch (the later members are then skipped)."""
+        if self._step <= self._issued:
+            return
+        members = self._batch(a)
+        self._issued = members[-1][0]
+        ops, starts = [], []
+        for step, x in members:
+            send = type(x) is A.SendStart
+            tensor = self._buffer(x.buf, x.kind, x.shard, write=not send)
+            ops.append(Op(x.tag, x, step, "send" if send else "recv", [tensor], self.comms.for_action(x),
+                          peer=x.peer))
+            starts.append((x, tensor, send))
+        works = self.transport.issue(ops)
+        for x, tensor, send in starts:
+            if send:
+                self._count(x.link, tensor)
+                # A sent gradient has moved to the receiver: the buffer is empty afterwards.
+                after = (lambda t=tensor: t.zero_()) if x.kind == "grad" else (lambda: None)
+                self._start(x, works[x.tag], x.buf, after, reads_only=x.kind == "weight")
+            else:
+                self._start(x, works[x.tag], x.buf)
+
     def _send(self, a: A.SendStart) -> None:
-        tensor = self._buffer(a.buf, a.kind, a.shard, write=False)
-        work = dist.isend(tensor, dst=a.peer, group=self.comms.for_p2p(a.kind), tag=a.tag)
-        self._count(a.link, tensor)
-        # A sent gradient has moved to the receiver: the buffer is empty afterwards.
-        after = (lambda: tensor.zero_()) if a.kind == "grad" else (lambda: None)
-        self._start(a, work, a.buf, after, reads_only=a.kind == "weight")
+        self._issue_p2p(a)
 
     def _recv(self, a: A.RecvStart) -> None:
-        tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
-        work = dist.irecv(tensor, src=a.peer, group=self.comms.for_p2p(a.kind), tag=a.tag)
-        self._start(a, work, a.buf)
+        self._issue_p2p(a)
+
+    def _collective(self, a, kind: str, tensors, peer: int):
+        op = Op(a.tag, a, self._step, kind, tensors, self.comms.for_action(a), peer=peer, ranks=tuple(a.ranks))
+        return self.transport.issue([op])[a.tag]
 
     def _broadcast(self, a: A.BroadcastStart) -> None:
         is_root = self.rank == a.root
         tensor = self._buffer(a.buf, a.kind, a.shard, write=not is_root)
-        work = dist.broadcast(tensor, src=a.root, group=self.comms.for_collective(a.ranks, a.kind), async_op=True)
+        work = self._collective(a, "broadcast", [tensor], a.root)
         if not is_root:
             self._count(self.plan.link_between(self.rank, a.root), tensor)
         self._start(a, work, a.buf, reads_only=is_root)
 
     def _reduce(self, a: A.ReduceStart) -> None:
         tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
-        work = dist.reduce(tensor, dst=a.root, op=dist.ReduceOp.SUM,
-                           group=self.comms.for_collective(a.ranks, a.kind), async_op=True)
+        work = self._collective(a, "reduce", [tensor], a.root)
         after = lambda: None  # noqa: E731
         if self.rank != a.root:
             self._count(self.plan.link_between(self.rank, a.root), tensor)
@@ -259,17 +321,10 @@ class PlanExecutor:
         self._start(a, work, a.buf, after)
 
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
-        grads = self.compute.replicated_grads()
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True) if len(a.ranks) > 1 else None
-
-        def unflatten():
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
-
-        self._start(a, work, "<replicated>", unflatten)
+        # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
+        grads = [g for g in self.compute.replicated_grads() if g.numel()]
+        work = self._collective(a, "allreduce", grads, -1)
+        self._start(a, work, "<replicated>")
 
     def _wait(self, a: A.Wait) -> None:
         if a.tag not in self.in_flight:
@@ -278,11 +333,11 @@ class PlanExecutor:
         if op.work is not None:
             try:
                 with progress.board().waiting(op.what):
-                    op.work.wait(timeout=self.timeout)
+                    op.work.wait(self.timeout)
             except RuntimeError as exc:
                 seconds = int(self.timeout.total_seconds())
                 raise PeerFailure(f"{op.what} failed or did not complete within {seconds} s "
-                                  f"(--distributed-timeout-minutes): {first_line(exc)}") from exc
+                                  f"(--distributed-timeout-minutes): {_reason(exc)}") from exc
         op.after()
 
 
@@ -318,17 +373,21 @@ def first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _describe(action, rank: int) -> str:
-    """What a communication action waits for, naming the peer ranks it depends on."""
-    what = f"{getattr(action, 'kind', '')} shard {getattr(action, 'shard', '')}".strip()
-    if isinstance(action, A.SendStart):
-        return f"send of {what} to rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
-    if isinstance(action, A.RecvStart):
-        return f"receive of {what} from rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
-    if isinstance(action, A.BroadcastStart):
-        return f"broadcast of {what} from rank {action.root} over ranks {list(action.ranks)}"
-    if isinstance(action, A.ReduceStart):
-        return f"reduce of {what} to rank {action.root} over ranks {list(action.ranks)}"
-    if isinstance(action, A.ReplicatedAllReduceStart):
-        return f"all-reduce of the replicated gradients over ranks {list(action.ranks)}"
-    return type(action).__name__
+def _reason(exc: BaseException) -> str:
+    """The first line of a failure, and the NCCL-faithful mode's diagnosis if it gave one."""
+    text = str(exc).strip()
+    if "NCCL" in text:
+        return " ".join(text.split())
+    return first_line(exc)
+
+
+# Buffer fields per action type; a None role means "the action's kind" (weight/grad).
+_BUFFER_ROLES = {
+    A.Forward: (("wbuf", "weight"),), A.BackwardInput: (("wbuf", "weight"),),
+    A.Backward: (("wbuf", "weight"), ("gbuf", "grad")),
+    A.BackwardWeight: (("wbuf", "weight"), ("gbuf", "grad")),
+    A.LoadWeights: (("buf", "weight"),), A.ZeroGrad: (("buf", "grad"),),
+    A.AccumulateToOwner: (("buf", "grad"),),
+    A.SendStart: (("buf", None),), A.RecvStart: (("buf", None),),
+    A.BroadcastStart: (("buf", None),), A.ReduceStart: (("buf", None),),
+}

@@ -90,7 +90,8 @@ class WeightPipeModel:
         self._build_replicated_masters()
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self.executor = PlanExecutor(self.plan, self.rank, self, Communicators(self.plan, self.world),
-                                     timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+                                     timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                                     nccl_faithful=getattr(args, "tawpipe_nccl_faithful", False))
         self._reset(None, None, 1, forward_only=True)
 
     def _build_replicated_masters(self) -> None:
@@ -263,4 +264,5 @@ class WeightPipeModel:
         return hidden, out
 
     def close(self) -> None:
+        self.executor.close()
         parallel_state.destroy_weight_pipeline()

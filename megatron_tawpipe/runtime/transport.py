@@ -1,0 +1,161 @@
+"""How the executor's communication reaches torch.distributed.
+
+The executor turns each start action (or each ``batch`` of them) into
+:class:`Op` descriptions and hands them to a transport, which returns one
+handle per operation; ``handle.wait(timeout)`` is what a plan ``Wait`` does.
+
+* :class:`DirectTransport` issues the operations at once: ``isend``/``irecv``
+  and asynchronous collectives on gloo; on NCCL every send/receive goes
+  through ``batch_isend_irecv`` (a batch of one included), so it runs on the
+  process group's communicator -- created up front by :class:`Communicators`
+  -- and never creates a pair communicator in the middle of a plan.  On CUDA a
+  wait orders the current stream after the communication and returns: the
+  host does not block (dead or stalled peers are reported by the process
+  group's timeout and watchdog, and by the progress board).
+* :class:`runtime.nccl_faithful.FaithfulTransport` runs the same operations on
+  gloo under NCCL's ordering rules (see there).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.nccl import process_group
+
+
+@dataclass
+class Op:
+    """One communication operation of one rank, ready to issue."""
+    tag: int
+    action: object
+    step: int
+    kind: str                     # "send", "recv", "broadcast", "reduce", "allreduce"
+    tensors: List[torch.Tensor]
+    group: Optional[dist.ProcessGroup]
+    peer: int = -1                # send/recv: the other rank; broadcast/reduce: the root
+    ranks: Tuple[int, ...] = field(default_factory=tuple)
+    header_tag: int = -1          # NCCL-faithful mode: position among the pair's operations
+
+
+class Communicators:
+    """Process groups a plan needs, created collectively and in the same order on every rank.
+
+    One group per point-to-point channel (weights, gradients), one per
+    (members, channel) of broadcasts and reductions, and one for the
+    replicated all-reduce -- the arrangement :mod:`plan.nccl` models.  On NCCL
+    every group's communicator is created here, by one small all-reduce per
+    group in that order, so that no communicator is created lazily inside a
+    plan (a first use blocks until all members make it)."""
+
+    def __init__(self, plan, world_size: int):
+        everyone = list(range(world_size))
+        self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {}
+        keys = [("p2p", channel) for channel in ("weight", "grad")]
+        keys += [("collective", tuple(ranks), channel) for ranks, channel in plan.communicators()
+                 if channel != "replicated"]
+        keys.append(("replicated", tuple(everyone)))
+        for key in keys:
+            members = everyone if key[0] != "collective" else list(key[1])
+            self.groups[key] = dist.new_group(members) if world_size > 1 else None
+        if world_size > 1 and dist.get_backend() == "nccl":
+            self._create_nccl_communicators()
+
+    def _create_nccl_communicators(self) -> None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        me = dist.get_rank()
+        for key, group in self.groups.items():
+            members = range(dist.get_world_size()) if key[0] != "collective" else key[1]
+            if me in members:
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+    def for_action(self, action) -> Optional[dist.ProcessGroup]:
+        return self.groups[process_group(action)]
+
+
+class _Done:
+    """Handle of an operation with nothing to wait for (one-rank groups)."""
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        return None
+
+
+class _Works:
+    """Handle over one or more torch work objects."""
+
+    def __init__(self, works, host_blocking: bool):
+        self.works = [w for w in works if w is not None]
+        self.host_blocking = host_blocking
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        for work in self.works:
+            if self.host_blocking:
+                work.wait(timeout=timeout)
+            else:
+                work.wait()   # CUDA: the current stream waits, the host goes on
+
+
+class DirectTransport:
+    """Issue operations at once on the backend (gloo, or NCCL with batched P2P)."""
+
+    def __init__(self, device: torch.device):
+        self.nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        self.host_blocking = device.type != "cuda"
+
+    def issue(self, ops: List[Op]) -> Dict[int, object]:
+        handles: Dict[int, object] = {}
+        p2p = [op for op in ops if op.kind in ("send", "recv")]
+        if p2p and self.nccl:
+            p2p_ops = [dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensors[0],
+                                  op.peer, group=op.group, tag=op.tag) for op in p2p]
+            works = dist.batch_isend_irecv(p2p_ops)
+            # One work for the whole group, or one per op, depending on the torch version.
+            for op in p2p:
+                handles[op.tag] = _Works(works, self.host_blocking)
+        else:
+            for op in p2p:
+                fn = dist.isend if op.kind == "send" else dist.irecv
+                work = fn(op.tensors[0], op.peer, group=op.group, tag=op.tag)
+                handles[op.tag] = _Works([work], self.host_blocking)
+        for op in ops:
+            if op.kind in ("send", "recv"):
+                continue
+            handles[op.tag] = self._collective(op)
+        return handles
+
+    def _collective(self, op: Op):
+        if op.group is None or len(op.ranks) <= 1:
+            return _Done()
+        if op.kind == "broadcast":
+            works = [dist.broadcast(op.tensors[0], src=op.peer, group=op.group, async_op=True)]
+        elif op.kind == "reduce":
+            works = [dist.reduce(op.tensors[0], dst=op.peer, op=dist.ReduceOp.SUM, group=op.group,
+                                 async_op=True)]
+        else:  # replicated all-reduce: one per gradient tensor, no concatenated copy
+            works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=op.group, async_op=True)
+                     for t in op.tensors]
+        return _Works(works, self.host_blocking)
+
+    def close(self) -> None:
+        return None
+
+
+def describe_op(action, rank: int) -> str:
+    """What a communication action waits for, naming the peer ranks it depends on."""
+    what = f"{getattr(action, 'kind', '')} shard {getattr(action, 'shard', '')}".strip()
+    if isinstance(action, A.SendStart):
+        return f"send of {what} to rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
+    if isinstance(action, A.RecvStart):
+        return f"receive of {what} from rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
+    if isinstance(action, A.BroadcastStart):
+        return f"broadcast of {what} from rank {action.root} over ranks {list(action.ranks)}"
+    if isinstance(action, A.ReduceStart):
+        return f"reduce of {what} to rank {action.root} over ranks {list(action.ranks)}"
+    if isinstance(action, A.ReplicatedAllReduceStart):
+        return f"all-reduce of the replicated gradients over ranks {list(action.ranks)}"
+    return type(action).__name__

@@ -1,0 +1,118 @@
+"""The plan executor on gloo, directly and in NCCL-faithful mode, with a small numeric compute.
+
+The compute checks that every forward/backward gets the right shard's weights and
+adds a known gradient per micro-batch, so after one plan every owner's gradient
+must hold the sum over all ranks and micro-batches: a transfer that went to the
+wrong buffer or peer, or was lost, changes it.
+"""
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed_harness import run_ranks
+from megatron_tawpipe.plan import Plan, build_plan, validate_plan
+from megatron_tawpipe.runtime.executor import Communicators, PeerFailure, PlanExecutor
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+NUMEL = 16
+
+
+class _Compute:
+    """Weights of shard s are all s + 1; backward of micro-batch m adds m + 1 to every element."""
+
+    def __init__(self, plan, rank):
+        self.shard_numel, self.compute_dtype, self.device = NUMEL, torch.float32, torch.device("cpu")
+        self.grads = {s: torch.zeros(NUMEL) for s in plan.shards_owned_by(rank)}
+        self.replicated = [torch.full((3,), float(rank + 1)), torch.full((2,), 1.0)]
+        self.rank = rank
+
+    def _check(self, shard, weights):
+        if not torch.all(weights == shard + 1):
+            raise AssertionError(f"rank {self.rank}: shard {shard} computed with weights {weights[:3].tolist()}")
+
+    def forward(self, mb, shard, weights):
+        self._check(shard, weights)
+
+    def backward(self, mb, shard, weights, grad):
+        self._check(shard, weights)
+        grad.add_(mb + 1)
+
+    def master(self, shard):
+        return torch.full((NUMEL,), float(shard + 1))
+
+    def main_grad(self, shard):
+        return self.grads[shard]
+
+    def replicated_grads(self):
+        return self.replicated
+
+    def optimizer_step(self):
+        pass
+
+
+def _run_plan(rank, plan_json, faithful, timeout_s):
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    plan = Plan.from_json(plan_json)
+    compute = _Compute(plan, rank)
+    executor = PlanExecutor(plan, rank, compute, Communicators(plan, dist.get_world_size()),
+                            timeout=datetime.timedelta(seconds=timeout_s), nccl_faithful=faithful)
+    try:
+        executor.run(plan.actions[rank])
+    except PeerFailure as exc:
+        return {"failure": str(exc)}
+    finally:
+        executor.close()
+    return {"grads": {s: g.tolist() for s, g in compute.grads.items()},
+            "replicated": [t.tolist() for t in compute.replicated], "bytes": executor.bytes_sent}
+
+
+def _expect_sums(plan, results):
+    P, N = plan.num_ranks, plan.num_microbatches
+    want = P * N * (N + 1) / 2
+    for rank, res in enumerate(results):
+        assert "failure" not in res, res
+        for shard, grad in res["grads"].items():
+            assert grad == [want] * NUMEL, (rank, shard, grad[:3])
+        assert res["replicated"][0] == [P * (P + 1) / 2] * 3
+        assert res["replicated"][1] == [float(P)] * 2
+
+
+CASES = [
+    ("tawpipe", 4, 2, 2, {}),
+    ("tawpipe", 4, 4, 1, {}),
+    ("tawpipe-paper", 4, 2, 2, {}),
+    ("tawpipe", 6, 3, 3, {"chunk": 2}),
+    ("tawpipe", 4, 2, 3, {"cache": False}),
+    ("tawpipe-nooverlap", 4, 2, 2, {}),
+    ("weipipe", 3, 1, 2, {}),
+]
+
+
+@pytest.mark.parametrize("faithful", [True, False], ids=["nccl-faithful", "direct"])
+@pytest.mark.parametrize("schedule,P,D,N,opts", CASES, ids=[f"{c[0]}-P{c[1]}-D{c[2]}-N{c[3]}{c[4]}" for c in CASES])
+def test_every_owner_gets_every_contribution(schedule, P, D, N, opts, faithful):
+    plan = build_plan(schedule, num_ranks=P, num_groups=D, num_microbatches=N, **opts)
+    validate_plan(plan)
+    results = run_ranks(_run_plan, P, plan.to_json(), faithful, 60, timeout=120)
+    _expect_sums(plan, results)
+
+
+def test_unsafe_plan_runs_on_gloo_but_fails_nccl_faithful_within_timeout():
+    """The gloo-era multi-group TawPipe plan: gloo runs it, NCCL-faithful mode reports the
+    hang after the executor's timeout, naming the rank, the step and what holds its FIFO."""
+    with open(os.path.join(DATA, "tawpipe_gloo_era_P4_D2.json"), encoding="utf-8") as f:
+        plan_json = f.read()
+    plan = Plan.from_json(plan_json)
+    _expect_sums(plan, run_ranks(_run_plan, 4, plan_json, False, 60, timeout=120))
+    results = run_ranks(_run_plan, 4, plan_json, True, 3, timeout=60)
+    failures = [r["failure"] for r in results if "failure" in r]
+    assert failures, results
+    text = "\n".join(failures)
+    assert "under NCCL's ordering rules" in text
+    assert "FIFO on the weight point-to-point process group is held by step" in text
+    for message in failures:
+        assert message.startswith("rank ") and ", step " in message
