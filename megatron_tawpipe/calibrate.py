@@ -15,37 +15,86 @@ Two sources, one JSON (the keys ``ComputeTimes`` reads)::
   forward costs when backward recomputes it), recompute is the forward with
   autograd, backward is the backward pass alone. Each figure is the fastest
   of ``repeats`` runs: other processes (or other ranks on a shared CPU) only
-  ever add time, and the emulation wants the device's own speed.
+  ever add time, and the emulation wants the device's own speed. On a GPU each
+  run is timed with CUDA events recorded on the current stream around it
+  (kernels are asynchronous: a host clock would measure their launch); on the
+  CPU with the host's monotonic clock (``time.perf_counter``).
 * ``cost_model_times(...)``: the simulator's FLOP model at a given peak and
   efficiency (``CostModel.from_flops``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from megatron_tawpipe.emulated_compute import TIME_KEYS
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def uses_cuda_events(device: torch.device) -> bool:
+    """Whether compute on ``device`` is timed with CUDA events (else with the host clock)."""
+    return torch.device(device).type == "cuda"
 
 
-def _fastest_time(fn: Callable[[], None], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
+def time_once(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds that ``fn``'s work takes on ``device``.
+
+    CUDA: events recorded on the current stream before and after ``fn``, then
+    the end event is waited for, so the figure is the GPU's time for the
+    queued kernels (work queued earlier is drained first, so it does not
+    count). CPU: ``time.perf_counter`` around the call.
+    """
+    if uses_cuda_events(device):
+        torch.cuda.current_stream(device).synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def fastest_time(fn: Callable[[], None], repeats: int, warmup: int, device: torch.device,
+                 prepare: Optional[Callable[[], None]] = None) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` after ``warmup`` untimed ones.
+
+    ``prepare`` (untimed) runs before every call, e.g. the forward whose backward is timed.
+    """
     times: List[float] = []
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
+    for i in range(warmup + repeats):
+        if prepare is not None:
+            prepare()
+        if i < warmup:
+            fn()
+            continue
+        times.append(time_once(fn, device))
     return min(times)
+
+
+def timer_name(device: torch.device) -> str:
+    return "CUDA events" if uses_cuda_events(device) else "wall clock"
+
+
+def device_description(device: torch.device) -> str:
+    """The device and software a measurement ran on (the ``device`` key of the JSON)."""
+    name = torch.cuda.get_device_name(device) if uses_cuda_events(device) else "cpu"
+    return f"{name}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def write_times(result: Dict[str, object], path: str) -> None:
+    """Write a times JSON atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def _model_times(args, num_layers: int, repeats: int, warmup: int) -> Dict[str, float]:
@@ -84,18 +133,10 @@ def _model_times(args, num_layers: int, repeats: int, warmup: int) -> Dict[str, 
         state.pop("loss").backward()
         model.zero_grad(set_to_none=True)
 
-    fwd = _fastest_time(forward_no_grad, repeats, warmup)
-    fwd_grad = _fastest_time(forward_grad, repeats, warmup)
-    backward_times = []
-    for i in range(warmup + repeats):
-        prepare_backward()
-        _sync()
-        start = time.perf_counter()
-        backward()
-        _sync()
-        if i >= warmup:
-            backward_times.append(time.perf_counter() - start)
-    return {"forward": fwd, "forward_grad": fwd_grad, "backward": min(backward_times)}
+    fwd = fastest_time(forward_no_grad, repeats, warmup, device)
+    fwd_grad = fastest_time(forward_grad, repeats, warmup, device)
+    bwd = fastest_time(backward, repeats, warmup, device, prepare=prepare_backward)
+    return {"forward": fwd, "forward_grad": fwd_grad, "backward": bwd}
 
 
 def measure_compute_times(args, repeats: int = 5, warmup: int = 2, base_layers: int = 1,
@@ -107,19 +148,19 @@ def measure_compute_times(args, repeats: int = 5, warmup: int = 2, base_layers: 
     large = _model_times(args, base_layers + extra_layers, repeats, warmup)
     per_layer = {k: max(0.0, (large[k] - small[k]) / extra_layers) for k in small}
     head = {k: max(0.0, small[k] - base_layers * per_layer[k]) for k in small}
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return {
         "layer_forward": per_layer["forward"],
         "layer_backward": per_layer["backward"],
         "layer_recompute": per_layer["forward_grad"],
         "head_forward": head["forward"],
         "head_backward": head["backward"],
-        "device": f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "source": f"measured: fastest of {repeats} after {warmup} warm-up, {base_layers}- vs "
-                  f"{base_layers + extra_layers}-layer model",
+        "device": device_description(device),
+        "source": f"measured ({timer_name(device)}): fastest of {repeats} after {warmup} warm-up, "
+                  f"{base_layers}- vs {base_layers + extra_layers}-layer model",
         "attention": resolve_attention_backend(args.attention_backend),
         "dtype": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        **_shape(args),
+        **model_shape(args),
     }
 
 
@@ -133,10 +174,11 @@ def cost_model_times(args, peak_tflops: float, efficiency: float) -> Dict[str, o
                                 efficiency=efficiency, recompute=True)
     times = {key: getattr(cost, key) for key in TIME_KEYS}
     return {**times, "device": f"cost model: {peak_tflops:g} TFLOP/s peak x {efficiency:g}",
-            "source": "FLOP model (tools/simulate.py's CostModel.from_flops)", **_shape(args)}
+            "source": "FLOP model (tools/simulate.py's CostModel.from_flops)", **model_shape(args)}
 
 
-def _shape(args) -> Dict[str, object]:
+def model_shape(args) -> Dict[str, object]:
+    """The model and batch sizes a set of times belongs to (descriptive keys of the JSON)."""
     return {"hidden_size": args.hidden_size, "seq_length": args.seq_length,
             "micro_batch_size": args.micro_batch_size, "num_attention_heads": args.num_attention_heads,
             "ffn_hidden_size": args.ffn_hidden_size, "vocab_size": args.vocab_size}
@@ -145,8 +187,6 @@ def _shape(args) -> Dict[str, object]:
 def main(argv=None) -> int:
     """``tools/calibrate.py``: the tool's own flags, then pretrain_llama.py's model flags."""
     import argparse
-    import json
-    import os
     import sys
 
     parser = argparse.ArgumentParser(
@@ -198,10 +238,6 @@ def main(argv=None) -> int:
         for key in TIME_KEYS:
             result[key] *= tool.scale
         result["comment"] = f"times scaled by {tool.scale:g}"
-    tmp = f"{tool.output}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, tool.output)
+    write_times(result, tool.output)
     print(json.dumps({k: result[k] for k in TIME_KEYS}), file=sys.stdout)
     return 0

@@ -17,7 +17,12 @@ Layout of ``SAVE/iter_0000100/``::
 Writes are atomic: everything goes to ``iter_0000100.tmp/``, each file is
 fsynced, the directory is renamed into place, and ``latest_checkpointed_iteration.txt``
 is replaced last. A run killed mid-save leaves the previous checkpoint as the
-latest one. Loading uses ``torch.load(weights_only=True)``.
+latest one.
+
+Loading opens only what a rank needs: ``common.pt`` (the index), the parameter
+files that hold its own parameters, one at a time, and its RNG file; each with
+``torch.load(mmap=True, weights_only=True)``, so only the bytes of its own
+tensors are read from disk and copied into place.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 import os
 import random
 import shutil
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -211,11 +216,44 @@ def latest_iteration(root: str) -> Optional[int]:
 
 def _load(path: str):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint file {path} is missing") from exc
     except Exception as exc:  # truncated or corrupt file
         raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+
+
+# (name in the checkpoint, model param, fp32 master) for every parameter a rank loads
+_Target = Tuple[str, torch.Tensor, torch.Tensor]
+
+
+def _targets_by_file(trainer, index: dict, tied: bool, directory: str) -> Dict[str, List[_Target]]:
+    """This rank's parameters, grouped by the checkpoint file that holds each."""
+    by_file: Dict[str, List[_Target]] = {}
+    for name, param, master in trainer.named_master_parameters():
+        source = _tied_alias(name, tied) or name
+        if source not in index:
+            raise CheckpointError(f"{directory}: parameter {source} is missing from the checkpoint")
+        _shape, filename = index[source]
+        by_file.setdefault(filename, []).append((source, param, master))
+    return by_file
+
+
+def _load_parameters_from(path: str, targets: List[_Target], trainer, restore_optimizer: bool) -> None:
+    contents = _load(path)
+    directory, filename = os.path.split(path)
+    for source, param, master in targets:
+        tensor = contents["params"].get(source)
+        if tensor is None:
+            raise CheckpointError(f"{path}: parameter {source} is missing")
+        if list(tensor.shape) != list(master.shape):
+            raise CheckpointError(
+                f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {list(master.shape)}")
+        master.copy_(tensor)
+        if param is not master:
+            param.copy_(tensor)
+        if restore_optimizer:
+            _restore_optimizer_state(trainer, master, contents["optimizer"].get(source, {}))
 
 
 def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
@@ -229,29 +267,12 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     directory = iteration_dir(root, iteration)
     common = _load(os.path.join(directory, "common.pt"))
     _check_signature(common, args, directory)
-    index = common["index"]
-    files = {}
-    for filename in sorted({entry[1] for entry in index.values()}):
-        files[filename] = _load(os.path.join(directory, filename))
-
     tied = not args.untie_embeddings_and_output_weights
+    by_file = _targets_by_file(trainer, common["index"], tied, directory)
+    restore_optimizer = not (args.no_load_optim or args.finetune)
     with torch.no_grad():
-        for name, param, master in trainer.named_master_parameters():
-            source = _tied_alias(name, tied) or name
-            if source not in index:
-                raise CheckpointError(f"{directory}: parameter {source} is missing from the checkpoint")
-            shape, filename = index[source]
-            tensor = files[filename]["params"].get(source)
-            if tensor is None:
-                raise CheckpointError(f"{directory}/{filename}: parameter {source} is missing")
-            if list(tensor.shape) != list(master.shape):
-                raise CheckpointError(
-                    f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {list(master.shape)}")
-            master.copy_(tensor)
-            if param is not master:
-                param.copy_(tensor)
-            if not (args.no_load_optim or args.finetune):
-                _restore_optimizer_state(trainer, master, files[filename]["optimizer"].get(source, {}))
+        for filename in sorted(by_file):
+            _load_parameters_from(os.path.join(directory, filename), by_file[filename], trainer, restore_optimizer)
     if args.finetune:
         return 0, 0
     trainer.after_parameters_loaded()
@@ -267,9 +288,11 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
 
 
 def _restore_optimizer_state(trainer, master: torch.Tensor, saved: dict) -> None:
+    """Copies (never views of the memory-mapped file) beside the master; step counts stay on the host."""
     if not saved:
         return
-    restored = {key: value.to(master.device) if value.dim() else value.clone() for key, value in saved.items()}
+    restored = {key: value.to(master.device, copy=True) if value.dim() else value.clone()
+                for key, value in saved.items()}
     trainer.set_optimizer_state(master, restored)
 
 

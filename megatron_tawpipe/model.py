@@ -15,10 +15,13 @@ cross-schedule equivalence and checkpoint exchange possible.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import importlib
 import math
 import re
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,77 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # missing, or built for another torch / CUDA
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionKernels:
+    """Which of megatron-core's fused kernels can run here (each is optional)."""
+
+    swiglu: bool = False               # megatron's bias-SwiGLU, jit-fused by torch.compile (Triton on GPUs)
+    rope: bool = False                 # Transformer Engine's fused RoPE (>= 1.4)
+    masked_softmax: bool = False       # the scaled (upper-triangular) masked softmax CUDA extensions (Apex)
+    wgrad_accumulation: bool = False   # fused_weight_gradient_mlp_cuda (Apex): wgrad GEMM into main_grad
+
+    @classmethod
+    def probe(cls) -> "FusionKernels":
+        return cls(swiglu=_swiglu_fusion_importable(), rope=_rope_fusion_importable(),
+                   masked_softmax=(_importable("scaled_upper_triang_masked_softmax_cuda")
+                                   and _importable("scaled_masked_softmax_cuda")),
+                   wgrad_accumulation=_importable("fused_weight_gradient_mlp_cuda"))
+
+
+def _swiglu_fusion_importable() -> bool:
+    if not _importable("megatron.core.fusions.fused_bias_swiglu"):
+        return False
+    from megatron.core import jit
+
+    # megatron's jit_fuser is torch.compile on current torch: its GPU code generator is Triton.
+    return jit.jit_fuser is not torch.compile or _importable("triton")
+
+
+def _rope_fusion_importable() -> bool:
+    try:
+        from megatron.core.models.common.embeddings import rope_utils
+    except Exception:
+        return False
+    return getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None
+
+
+@functools.lru_cache(maxsize=1)
+def available_fusion_kernels() -> FusionKernels:
+    """The fused kernels importable in this process (probed once; only asked for with CUDA)."""
+    return FusionKernels.probe()
+
+
+def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bool) -> Dict[str, bool]:
+    """TransformerConfig fusion flags: each on only with CUDA and its kernel importable.
+
+    ``gradient_accumulation_fusion`` also needs every weight to carry an fp32 ``main_grad``
+    that the wgrad GEMM accumulates into (megatron's backward reads ``weight.main_grad``
+    unconditionally once the flag is on). megatron's DDP provides one (native schedules:
+    ``main_grad_buffers=True``); the weight-passing shard template does not: its gradients
+    come out of autograd into ``param.grad`` and are added into the plan's gradient buffers
+    (see :meth:`runtime.shard_model.ShardTemplate.layer_grads_into`), so it stays off there.
+    Bias-dropout-add fusion stays off: without linear biases and with Llama's zero dropout it
+    would only fuse the residual add, and its compiled dropout is a second random-number path
+    that the recompute-replays-dropout tests (on CPU) could not check.
+    """
+    if not on_cuda:
+        kernels = FusionKernels()
+    return {
+        "bias_activation_fusion": kernels.swiglu,   # with gated_linear_unit + silu: fused SwiGLU
+        "apply_rope_fusion": kernels.rope,
+        "masked_softmax_fusion": kernels.masked_softmax,  # used by --attention-backend local
+        "gradient_accumulation_fusion": kernels.wgrad_accumulation and main_grad_buffers,
+    }
+
+
 def params_dtype(args) -> torch.dtype:
     if args.bf16:
         return torch.bfloat16
@@ -49,10 +123,16 @@ def params_dtype(args) -> torch.dtype:
 
 
 def llama_config(args, pipeline_model_parallel_size: int = 1,
-                 virtual_pipeline_model_parallel_size: Optional[int] = None) -> TransformerConfig:
-    """A megatron-core TransformerConfig for a Llama-style model from parsed arguments."""
+                 virtual_pipeline_model_parallel_size: Optional[int] = None,
+                 main_grad_buffers: bool = False) -> TransformerConfig:
+    """A megatron-core TransformerConfig for a Llama-style model from parsed arguments.
+
+    ``main_grad_buffers``: the model's parameters will get fp32 ``main_grad`` buffers (megatron
+    DDP), which fused gradient accumulation needs (see :func:`fusion_settings`).
+    """
     on_gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
+    fusions = fusion_settings(on_gpu, available_fusion_kernels() if on_gpu else FusionKernels(), main_grad_buffers)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -83,13 +163,10 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
-        # Fused kernels need CUDA; megatron falls back to apex/TE when present.
-        bias_activation_fusion=False,
+        # Fused kernels: with CUDA, where importable (fusion_settings); all off on CPU.
+        **fusions,
         bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,  # LayerNorm only; the model uses RMSNorm
         attention_softmax_in_fp32=True,
         deallocate_pipeline_outputs=on_gpu,
         variable_seq_lengths=False,

@@ -3,7 +3,8 @@
 Everything here is megatron-core, reused as is: the model chunks are
 wrapped in megatron's ``DistributedDataParallel``, the optimizer comes from
 ``get_megatron_optimizer``, and one iteration is megatron's
-``get_forward_backward_func()`` followed by ``optimizer.step()``.
+``get_forward_backward_func(pp_size, vp_size)`` (called as the installed release
+expects, see :mod:`megatron_tawpipe.runtime.schedules`) followed by ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_tawpipe import emulated_compute, progress
@@ -25,6 +25,7 @@ from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
 from megatron_tawpipe.runtime.executor import PeerFailure, first_line
+from megatron_tawpipe.runtime.schedules import megatron_forward_backward_func
 
 
 def current_device() -> torch.device:
@@ -112,7 +113,8 @@ class NativeTrainer:
     def __init__(self, args):
         self.args = args
         vpp = virtual_pipeline_size(args)
-        self.config = llama_config(args, args.pipeline_model_parallel_size, vpp)
+        # megatron's DDP gives every parameter an fp32 ``main_grad``: fused wgrad accumulation fits.
+        self.config = llama_config(args, args.pipeline_model_parallel_size, vpp, main_grad_buffers=True)
         self.model = self._build_model_chunks(vpp)
         self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -121,7 +123,7 @@ class NativeTrainer:
             self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
         else:
             self.config.no_sync_func = self.model[0].no_sync
-        self.forward_backward = get_forward_backward_func()
+        self.forward_backward = megatron_forward_backward_func(args.pipeline_model_parallel_size, vpp)
         report_pipeline_waits()
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:

@@ -1,10 +1,17 @@
 """Where every rank is: so that a dead or stalled rank is named, and no hang is silent.
 
 Each rank posts its position (iteration, plan step or micro-batch, and what it
-is waiting for, if anything) to the job's c10d store whenever it changes; a
-store ``set`` is one small write without a reply (a few microseconds), so the
-last post of a rank killed mid-step names that step. A background thread
-repeats the post every second as a heartbeat.
+is waiting for, if anything) to the job's c10d store when it changes, within a
+budget of store ``set``s per rank (a token bucket: ``max_posts_per_s`` on
+average, bursts of up to ``burst`` posts), so that thousands of ranks running
+small plan steps cannot flood the store. Positions that arrive while the budget
+is spent are coalesced: the rank keeps only the latest, and a background thread
+posts it as soon as the budget allows (about 0.1 s at the default budget), so a
+rank blocked in a wait or stalled in compute always shows where it is. The same
+thread repeats the post every second as a heartbeat. A rank killed mid-step
+leaves its last post: its exact step while it posts within budget, otherwise a
+position at most about 0.1 s old. How a rank ended (finished, failed, stalled)
+is always posted, outside the budget.
 
 When a rank gives up on a peer (the executor's bounded waits), it reads every
 rank's last post and names the culprit: a rank that went silent (died or became
@@ -33,6 +40,8 @@ import torch.distributed as dist
 
 KEY_PREFIX = "megatron_tawpipe/progress/"
 BEAT_INTERVAL_S = 1.0       # a post at least this often, also while nothing changes (liveness)
+MAX_POSTS_PER_S = 50.0      # store sets per second per rank, on average (the heartbeat included)
+BURST_POSTS = 500           # posts a rank may make at once after a quiet spell (start-up, evaluation)
 SILENT_AFTER_S = 4 * BEAT_INTERVAL_S + 1.0
 HANG_EXIT_DELAY_S = 3.0
 
@@ -64,11 +73,34 @@ def _exit_on_hang(message: str) -> None:
     os._exit(1)
 
 
+class _PostBudget:
+    """A token bucket: ``rate`` posts per second on average, at most ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: int, now: float):
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.updated = now
+
+    def take(self, now: float) -> bool:
+        """Spend one post if the budget has one (the caller holds the board's lock)."""
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
 class ProgressBoard:
     """This rank's position, posted to the store; and a reader of every rank's position."""
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float,
-                 on_hang: Callable[[str], None] = _exit_on_hang, clock: Callable[[], float] = time.time):
+                 on_hang: Callable[[str], None] = _exit_on_hang, clock: Callable[[], float] = time.time,
+                 max_posts_per_s: float = MAX_POSTS_PER_S, burst: int = BURST_POSTS):
+        if max_posts_per_s < 2.0 / BEAT_INTERVAL_S or burst < 1:
+            raise ValueError(f"progress posts: max_posts_per_s must be >= {2.0 / BEAT_INTERVAL_S:g} (the heartbeat "
+                             f"and a position each beat) and burst >= 1, got {max_posts_per_s:g} and {burst}")
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -85,6 +117,8 @@ class ProgressBoard:
         self._final_state: Optional[str] = None
         self._final_reason = ""
         self._posted_at = 0.0
+        self._budget = _PostBudget(max_posts_per_s, burst, clock())
+        self._dirty = False  # the position changed since the last post (it waits for the budget)
         self._lock = threading.Lock()  # the training thread and the heartbeat share one store client
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -120,13 +154,14 @@ class ProgressBoard:
 
     def _moved(self) -> None:
         self._since = self.clock()
-        self._post()
+        self._dirty = True
+        self._post(within_budget=True)
 
     # ---- posting -----------------------------------------------------------------------
 
     def start(self) -> "ProgressBoard":
         if self.store is not None and self._thread is None:
-            self._post()
+            self._post(within_budget=True)
             self._thread = threading.Thread(target=self._run, name="tawpipe-progress", daemon=True)
             self._thread.start()
         return self
@@ -151,13 +186,17 @@ class ProgressBoard:
                 "waiting": self._waiting, "since": self._since, "beat": self.clock(),
                 "state": state, "reason": reason, "reported": self._reported}
 
-    def _post(self, state: str = "running", reason: str = "") -> None:
+    def _post(self, state: str = "running", reason: str = "", within_budget: bool = False) -> None:
+        """Write this rank's record; ``within_budget``: only if the budget allows, else leave it pending."""
         if self.store is None or (self._stop.is_set() and state == "running"):
             return
         if state != "running":
             self._final_state, self._final_reason = state, reason
-        record = json.dumps(self._record(state, reason))
         with self._lock:
+            if within_budget and not self._budget.take(self.clock()):
+                return  # pending: the heartbeat thread posts the latest position when the budget allows
+            self._dirty = False
+            record = json.dumps(self._record(state, reason))
             try:
                 self.store.set(KEY_PREFIX + str(self.rank), record)
             except Exception:  # the store is gone (its host died): nothing left to tell
@@ -165,10 +204,11 @@ class ProgressBoard:
             self._posted_at = self.clock()
 
     def _run(self) -> None:
-        while not self._stop.wait(BEAT_INTERVAL_S / 4):
+        tick = min(BEAT_INTERVAL_S / 4, max(1.0 / self._budget.rate, 0.05))  # pending positions wait <= 2 ticks
+        while not self._stop.wait(tick):
             now = self.clock()
-            if now - self._posted_at >= BEAT_INTERVAL_S:
-                self._post()
+            if self._dirty or now - self._posted_at >= BEAT_INTERVAL_S:
+                self._post(within_budget=True)
             if self._armed and now - self._since > hang_limit_s(self.timeout_s):
                 self._hang(now)
                 return
@@ -305,9 +345,10 @@ def board() -> ProgressBoard:
     return _current
 
 
-def start_board(timeout_s: float) -> ProgressBoard:
+def start_board(timeout_s: float, max_posts_per_s: float = MAX_POSTS_PER_S, burst: int = BURST_POSTS) -> ProgressBoard:
     global _current
-    _current = ProgressBoard(_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s).start()
+    _current = ProgressBoard(_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s,
+                             max_posts_per_s=max_posts_per_s, burst=burst).start()
     return _current
 
 

@@ -75,3 +75,84 @@ def test_truncated_shard_is_refused_naming_the_file(tmp_path):
         handle.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(AssertionError, match="params_rank00000.pt"):
         run_ranks(train_rank, 1, tiny_args("--load", save, train_iters=2))
+
+
+class _OwnerOf:
+    """A trainer holding only ``names`` (as a weight-passing rank holds its own shard)."""
+
+    def __init__(self, names):
+        self.masters = {name: torch.zeros(3) for name in names}
+        self.states = {}
+
+    def named_master_parameters(self):
+        for name, master in self.masters.items():
+            yield name, master, master
+
+    def set_optimizer_state(self, master, state):
+        self.states[id(master)] = state
+
+    def after_parameters_loaded(self):
+        pass
+
+    def load_grad_scaler_state(self, state):
+        pass
+
+
+def _write_sharded_checkpoint(root, args, files):
+    """``files``: {filename: [names]}; every parameter is ``[i, i, i]`` with an ``exp_avg`` of ``-i``."""
+    from megatron_tawpipe import checkpoint
+
+    directory = checkpoint.iteration_dir(root, 5)
+    os.makedirs(directory)
+    index, value = {}, 0.0
+    for filename, names in files.items():
+        params, optim = {}, {}
+        for name in names:
+            value += 1.0
+            params[name] = torch.full((3,), value)
+            optim[name] = {"exp_avg": torch.full((3,), -value), "step": torch.tensor(5.0)}
+            index[name] = [[3], filename]
+        torch.save({"params": params, "optimizer": optim}, os.path.join(directory, filename))
+    common = {"format_version": checkpoint.FORMAT_VERSION, "iteration": 5, "consumed_samples": 40,
+              "scheduler": None, "grad_scaler": None, "index": index, "pipeline_schedule": "tawpipe",
+              "world_size": len(files), "model": checkpoint.model_signature(args)}
+    torch.save(common, os.path.join(directory, "common.pt"))
+    with open(os.path.join(root, checkpoint.TRACKER_FILE), "w") as handle:
+        handle.write("5\n")
+    return directory
+
+
+def test_a_rank_opens_only_the_files_holding_its_parameters(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_tawpipe import checkpoint
+
+    args = SimpleNamespace(num_layers=4, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                           num_query_groups=2, padded_vocab_size=128, untie_embeddings_and_output_weights=True,
+                           no_load_optim=False, finetune=False, no_load_rng=False, pipeline_schedule="tawpipe")
+    root = str(tmp_path)
+    directory = _write_sharded_checkpoint(root, args, {
+        "params_rank00000.pt": ["embedding.word_embeddings.weight", "decoder.layers.0.w"],
+        "params_rank00001.pt": ["decoder.layers.1.w"],
+        "params_rank00002.pt": ["decoder.layers.2.w"],
+        "params_rank00003.pt": ["decoder.layers.3.w"]})
+    opened = []
+    real_load = torch.load
+
+    def recording_load(path, *a, **kw):
+        opened.append((os.path.basename(path), kw.get("mmap"), kw.get("weights_only")))
+        return real_load(path, *a, **kw)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    trainer = _OwnerOf(["decoder.layers.2.w", "embedding.word_embeddings.weight"])
+    assert checkpoint.load_checkpoint(root, trainer, None, args) == (5, 40)
+    assert sorted(name for name, _, _ in opened) == ["common.pt", "params_rank00000.pt", "params_rank00002.pt"]
+    assert all(mmap and weights_only for _, mmap, weights_only in opened), opened
+    assert trainer.masters["decoder.layers.2.w"].tolist() == [4.0] * 3
+    assert trainer.masters["embedding.word_embeddings.weight"].tolist() == [1.0] * 3
+    state = trainer.states[id(trainer.masters["decoder.layers.2.w"])]
+    assert state["exp_avg"].tolist() == [-4.0] * 3 and float(state["step"]) == 5.0
+    # Restored state is the trainer's own memory, not a view of the memory-mapped file.
+    state["exp_avg"].add_(100.0)
+    saved = real_load(os.path.join(directory, "params_rank00002.pt"), weights_only=True)
+    assert saved["optimizer"]["decoder.layers.2.w"]["exp_avg"].tolist() == [-4.0] * 3

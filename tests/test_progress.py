@@ -4,6 +4,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from megatron_tawpipe import progress
 from megatron_tawpipe.progress import KEY_PREFIX, ProgressBoard, describe_records, hang_limit_s
 
@@ -127,3 +129,83 @@ def test_no_board_costs_nothing_and_says_so():
     with board.step(1, "training step"), board.waiting("x"):
         pass
     assert "no records" in board.diagnose()
+
+
+class CountingStore(DictStore):
+    def __init__(self):
+        super().__init__()
+        self.sets = 0
+
+    def set(self, key, value):
+        self.sets += 1
+        super().set(key, value)
+
+
+class FrozenClock:
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def _posted(store, rank=0):
+    return json.loads(store.get(KEY_PREFIX + str(rank)))
+
+
+def test_positions_beyond_the_budget_are_coalesced_to_the_latest():
+    store, clock = CountingStore(), FrozenClock()
+    board = ProgressBoard(store, rank=0, world_size=2, timeout_s=60, clock=clock, max_posts_per_s=4, burst=3)
+    for step in range(3):  # the burst: posted at once
+        board.at(f"plan step {step} of 100")
+    assert store.sets == 3 and _posted(store)["where"] == "plan step 2 of 100"
+    for step in range(3, 50):  # budget spent: nothing posted, only the latest kept
+        board.at(f"plan step {step} of 100")
+    assert store.sets == 3 and _posted(store)["where"] == "plan step 2 of 100"
+    clock.now += 0.25  # one post's worth of budget (4 per second)
+    board.at("plan step 50 of 100")
+    assert store.sets == 4 and _posted(store)["where"] == "plan step 50 of 100"
+    # How a rank ends is always posted, budget or not.
+    board.at("plan step 51 of 100")
+    board.finish("failed", "gave up")
+    assert _posted(store)["state"] == "failed" and _posted(store)["where"] == "plan step 51 of 100"
+
+
+def test_a_wait_that_blocks_is_posted_by_the_heartbeat_when_the_budget_allows():
+    store = CountingStore()
+    board = ProgressBoard(store, rank=0, world_size=2, timeout_s=60, max_posts_per_s=4, burst=1).start()
+    try:
+        board.at("plan step 7 of 9, Forward(mb=0, shard=1)")  # the start used the burst: pending
+        with board.waiting("receive of weight shard 2 from rank 1"):
+            deadline = time.time() + 3
+            while _posted(store)["waiting"] is None and time.time() < deadline:
+                time.sleep(0.02)
+            record = _posted(store)
+            assert record["waiting"] == "receive of weight shard 2 from rank 1", record
+            assert record["where"] == "plan step 7 of 9, Forward(mb=0, shard=1)"
+    finally:
+        board.finish()
+
+
+def test_store_sets_per_second_stay_within_the_budget():
+    store = CountingStore()
+    board = ProgressBoard(store, rank=0, world_size=2, timeout_s=60, max_posts_per_s=20, burst=5).start()
+    start = time.time()
+    try:
+        step = 0
+        while time.time() - start < 1.0:
+            board.at(f"plan step {step}")
+            with board.waiting("transfer"):
+                pass
+            step += 1
+    finally:
+        elapsed = time.time() - start
+        board.finish()
+    assert step > 1000  # far more positions than posts
+    assert store.sets <= 5 + 20 * elapsed + 1, (store.sets, elapsed)  # burst + rate, + the final record
+    assert _posted(store)["state"] == "finished"
+
+
+def test_budget_must_leave_room_for_the_heartbeat():
+    with pytest.raises(ValueError, match="max_posts_per_s"):
+        ProgressBoard(DictStore(), rank=0, world_size=1, timeout_s=60, max_posts_per_s=1)

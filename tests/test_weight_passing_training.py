@@ -22,10 +22,32 @@ def saved_by_tawpipe(tmp_path_factory):
     return save
 
 
+def _train_recording_loads(rank, argv):
+    """Train, and name every file this rank passed to torch.load."""
+    import os
+
+    import torch
+
+    opened = []
+    real_load = torch.load
+
+    def load(path, *args, **kwargs):
+        opened.append(os.path.basename(str(path)))
+        return real_load(path, *args, **kwargs)
+
+    torch.load = load
+    return train_rank(rank, argv), sorted(opened)
+
+
 def test_resume_under_tawpipe_is_exact(saved_by_tawpipe, uninterrupted_tawpipe):
-    resumed = run_ranks(train_rank, 4, tiny_args(*TAWPIPE, "--load", saved_by_tawpipe, train_iters=ITERS))[0]
+    results = run_ranks(_train_recording_loads, 4, tiny_args(*TAWPIPE, "--load", saved_by_tawpipe, train_iters=ITERS))
+    resumed = results[0][0]
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     assert losses(resumed) == losses(uninterrupted_tawpipe[3:])
+    # Each rank reads the index, the file of its own shard, rank 0's (replicated parts) and its RNG state.
+    for rank, (_, opened) in enumerate(results):
+        assert opened == sorted({"common.pt", "params_rank00000.pt", f"params_rank{rank:05d}.pt",
+                                 f"rng_rank{rank:05d}.pt"}), (rank, opened)
 
 
 @pytest.mark.parametrize("world,extra", [

@@ -28,11 +28,14 @@ class NonFiniteGradientError(RuntimeError):
 
 
 def find_non_finite(groups: List[List[torch.Tensor]], device: torch.device) -> List[int]:
-    """Indices of the gradient groups holding a NaN/Inf on *any* rank (one all-reduced flag vector)."""
+    """Indices of the gradient groups holding a NaN/Inf on *any* rank (one all-reduced flag vector).
+
+    The flags are computed on the device: the host waits once, for the all-reduced vector.
+    """
     flags = torch.zeros(len(groups), dtype=torch.float32, device=device)
     for i, grads in enumerate(groups):
-        if any(not torch.isfinite(g).all() for g in grads):
-            flags[i] = 1.0
+        if grads:
+            flags[i] = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [i for i, flag in enumerate(flags.tolist()) if flag > 0]
 
@@ -59,15 +62,17 @@ class GradScaling:
         return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
 
     def unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
-        """Unscale ``grads`` in place; True (on every rank) if any rank saw inf/nan."""
+        """Unscale ``grads`` in place; True (on every rank) if any rank saw inf/nan.
+
+        One fused kernel per device and dtype (torch's AMP unscale) multiplies and checks; the
+        host waits once, for the all-reduced flag.
+        """
         if self.scaler is None:
             return False
-        inv_scale = float(self.scaler.inv_scale)
+        inv_scale = self.scaler.inv_scale.detach().to(device=self.device, dtype=torch.float32).reshape(1)
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for grad in grads:
-            grad.mul_(inv_scale)
-            if not torch.isfinite(grad).all():
-                found.fill_(1.0)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found, inv_scale)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         overflow = bool(found.item() > 0)
         self.scaler.update(overflow)

@@ -8,11 +8,25 @@
 megatron's functions they run forward and backward over all micro-batches and
 return the ``loss_func`` reports; the optimizer step is the caller's. The
 ``forward_step_func`` is megatron's: ``(data_iterator, model) -> (output, loss_func)``.
+
+Compatibility with megatron-core releases (checked against their sources, see
+:func:`megatron_forward_backward_func`):
+
+* ``get_forward_backward_func`` takes ``(pp_size=None, vp_size=None)`` from 0.16
+  through 0.18 and adds ``schedule_pg_collection=None`` in 0.19 (used there only
+  to pick the multi-module bridge schedule); with no arguments every release
+  reads the sizes from ``parallel_state``.
+* Megatron-LM's ``train_step`` passes ``decoder_seq_length=``,
+  ``adjust_tensor_shapes_fn=`` and ``force_all_reduce=`` (0.16+) and
+  ``p2p_communicator=`` and ``pg_collection=`` (0.19+) to the schedule function;
+  megatron's own functions also take ``first_val_step=``. The weight-passing
+  functions accept all of them.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Union
+import inspect
+from typing import Callable, Iterator, List, Optional, Union
 
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 
@@ -20,7 +34,17 @@ from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 def _forward_backward_weight_passing(expected: str, *, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
                                      model, num_microbatches: int, seq_length: int, micro_batch_size: int,
                                      decoder_seq_length=None, forward_only: bool = False,
-                                     collect_non_loss_data: bool = False, **unused) -> list:
+                                     collect_non_loss_data: bool = False, first_val_step=None,
+                                     adjust_tensor_shapes_fn=None, force_all_reduce=False,
+                                     p2p_communicator=None, pg_collection=None, **newer_keywords) -> list:
+    """Megatron's keywords are accepted and ignored where weight passing has no use for them:
+
+    ``decoder_seq_length`` (single-stack model), ``first_val_step`` (fp8 weight caching),
+    ``adjust_tensor_shapes_fn`` (stage-to-stage shapes: no activations travel here),
+    ``force_all_reduce`` (gradients always reach their owner whole), ``p2p_communicator`` and
+    ``pg_collection`` (the weight pipeline's groups come from its plan, over all ranks).
+    Keywords of later releases are ignored likewise.
+    """
     if collect_non_loss_data:
         raise NotImplementedError("collect_non_loss_data is not supported by weight-passing schedules")
     if isinstance(model, list):
@@ -43,7 +67,30 @@ def forward_backward_tawpipe(**kwargs) -> list:
     return _forward_backward_weight_passing("tawpipe", **kwargs)
 
 
-def get_forward_backward_func(pipeline_schedule: str):
+def layout_keywords(megatron_get: Callable, pp_size: Optional[int], vp_size: Optional[int]) -> dict:
+    """The keywords to pass to megatron's ``get_forward_backward_func`` for a pipeline layout.
+
+    Sizes go in explicitly where the function takes ``pp_size`` and ``vp_size`` (0.16 and
+    later); otherwise, or when no size is given, it reads them from ``parallel_state``.
+    ``schedule_pg_collection`` (0.19+) is left out: it only selects the multi-module schedule.
+    """
+    if pp_size is None and vp_size is None:
+        return {}
+    parameters = inspect.signature(megatron_get).parameters
+    if "pp_size" in parameters and "vp_size" in parameters:
+        return {"pp_size": pp_size, "vp_size": vp_size}
+    return {}
+
+
+def megatron_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
+    """megatron-core's schedule function for a pipeline of ``pp_size`` stages (``vp_size`` virtual)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get
+
+    return megatron_get(**layout_keywords(megatron_get, pp_size, vp_size))
+
+
+def get_forward_backward_func(pipeline_schedule: str, pp_size: Optional[int] = None,
+                              vp_size: Optional[int] = None) -> Callable:
     """Beside megatron-core's ``get_forward_backward_func``: ours for weight passing, megatron's otherwise."""
     if pipeline_schedule == "weipipe":
         return forward_backward_weipipe
@@ -51,6 +98,4 @@ def get_forward_backward_func(pipeline_schedule: str):
         return forward_backward_tawpipe
     if pipeline_schedule in WEIGHT_PASSING_SCHEDULES:  # pragma: no cover - kept in sync above
         raise ValueError(pipeline_schedule)
-    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
-
-    return megatron_func()
+    return megatron_forward_backward_func(pp_size, vp_size)

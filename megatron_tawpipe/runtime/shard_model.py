@@ -41,7 +41,14 @@ class ShardTemplate:
         self.layers_per_shard = args.num_layers // num_shards
         # The full-model config decides initialisation (output-projection std uses all layers).
         self.full_config = llama_config(args)
-        template_config = llama_config(args)
+        # No fp32 ``main_grad`` on the template's parameters: weights are rebound per shard
+        # (``param.data`` views of a flat buffer) and wgrads leave through autograd's
+        # ``param.grad`` into the plan's gradient buffers (layer_grads_into), so megatron's
+        # fused wgrad accumulation, which writes into ``weight.main_grad``, stays off.
+        # (Enabling it would need a template-owned fp32 main_grad flat buffer bound once as
+        # views, drained into the plan buffer after each backward, and the same for the
+        # output layer among the replicated parts.) The other fusions follow llama_config.
+        template_config = llama_config(args, main_grad_buffers=False)
         template_config.num_layers = self.layers_per_shard
         self.config = template_config
         self.model = construct_llama_model(args, template_config).to(device)
@@ -52,8 +59,10 @@ class ShardTemplate:
         self._layer_params = [param for _, param in self.layers.named_parameters()]
         for param in self._layer_params:
             param.requires_grad_(True)
-        # Weight slot for copy-binding (see bind): parameters stay views of it.
-        self._slot = torch.empty(self.shard_numel, dtype=template_config.params_dtype, device=device)
+        # Weight slot for copy-binding (bind_by_copy, no-recompute mode only): allocated on first
+        # use, so that recompute mode keeps no spare shard copy.
+        self._slot: Optional[torch.Tensor] = None
+        self._slot_dtype = template_config.params_dtype
         self._init_replicated(args.seed)
 
     # ---- layout ---------------------------------------------------------------------
@@ -111,6 +120,8 @@ class ShardTemplate:
         (bypassing autograd's version counter, since the values are the ones
         the forward used) and runs the stored graph.
         """
+        if self._slot is None:
+            self._slot = torch.empty(self.shard_numel, dtype=self._slot_dtype, device=self.device)
         if self._layer_params[0].data_ptr() != self._slot.data_ptr():
             for param, view in zip(self._layer_params, self.views(self._slot)):
                 param.data = view

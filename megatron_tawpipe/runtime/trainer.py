@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,47 @@ from megatron_tawpipe.runtime.weight_pipe_model import WeightPipeModel
 def _no_weight_decay(name: str, shape) -> bool:
     # Megatron's rule: no weight decay on biases and on 1-D parameters (norm weights).
     return name.endswith(".bias") or len(shape) == 1
+
+
+def adamw_kernel_options(params: Sequence[torch.Tensor]) -> Dict[str, bool]:
+    """torch AdamW's implementation: fused where every parameter is a CUDA fp32 tensor.
+
+    The fused kernel updates all parameters of a device and dtype in a few launches; the
+    weight-passing masters are fp32 by construction. Otherwise foreach on CUDA, and torch's
+    default on CPU (as before).
+    """
+    if params and all(p.is_cuda and p.dtype == torch.float32 for p in params):
+        return {"fused": True}
+    return {"foreach": True} if any(p.is_cuda for p in params) else {}
+
+
+def squared_l2_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squared L2 norms of ``grads``, as a one-element fp64 tensor on ``device``.
+
+    Each gradient's norm is taken in fp32 by ``torch._foreach_norm`` (one kernel per device and
+    dtype, no copy of any gradient; 16-bit gradients are read as fp32); only the per-tensor norms
+    are widened to fp64 before they are squared and summed.
+    """
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if grads:
+        widen = {"dtype": torch.float32} if any(g.dtype in (torch.float16, torch.bfloat16) for g in grads) else {}
+        norms = torch._foreach_norm(list(grads), 2, **widen)
+        total += torch.stack(norms).to(torch.float64).square().sum()
+    return total
+
+
+def single_connection_warning(environ: Mapping[str, str], device_type: str, pipeline_schedule: str) -> Optional[str]:
+    """The warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` under a weight-passing schedule on CUDA, or None.
+
+    With one hardware queue, the weight and gradient transfers that the plan overlaps with the
+    next shard's compute queue behind it instead (megatron's environments often set it for
+    tensor-parallel communication ordering, which weight passing does not need).
+    """
+    if device_type != "cuda" or environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+        return None
+    return (f"warning: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every CUDA stream on one hardware queue, so "
+            f"--pipeline-schedule {pipeline_schedule} cannot overlap weight/gradient transfers with "
+            "compute; unset it (or set it to 8 or more) for this schedule")
 
 
 class _ParamGroupsView:
@@ -63,6 +105,12 @@ class WeightPassingTrainer:
         self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
         self._build_optimizer()
         self._planned_bytes = self.planned_link_bytes()
+        self._warn_about_single_connection()
+
+    def _warn_about_single_connection(self) -> None:
+        message = single_connection_warning(os.environ, self.device.type, self.args.pipeline_schedule)
+        if message and self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
 
     def _build_optimizer(self) -> None:
         """AdamW over the owned shards' fp32 master views and the replicated fp32 masters."""
@@ -77,7 +125,7 @@ class WeightPassingTrainer:
         self._adamw = torch.optim.AdamW(
             [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
             lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, weight_decay=a.weight_decay,
-            foreach=True if self.device.type == "cuda" else None)
+            **adamw_kernel_options(decay + no_decay))
         self.optimizer = _ParamGroupsView(self._adamw)
 
     # ---- iteration ----------------------------------------------------------------------
@@ -190,18 +238,14 @@ class WeightPassingTrainer:
 
     def _clip_gradients(self) -> float:
         """Megatron's global-norm clipping over owned shards (summed over ranks) and replicated parts."""
-        local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for grad in self.model.shard_grads():
-            local += grad.double().pow(2).sum()
-        dist.all_reduce(local)
-        for grad in self.model.replicated_grads():
-            local += grad.double().pow(2).sum()
-        norm = float(local.sqrt())
+        squared = squared_l2_norm(self.model.shard_grads(), self.device)
+        dist.all_reduce(squared)
+        squared += squared_l2_norm(self.model.replicated_grads(), self.device)  # the same on every rank
+        norm = float(squared.sqrt())
         if self.args.clip_grad > 0:
             coeff = self.args.clip_grad / (norm + 1.0e-6)
             if coeff < 1.0:
-                for grad in self.model.shard_grads() + self.model.replicated_grads():
-                    grad.mul_(coeff)
+                torch._foreach_mul_(self.model.shard_grads() + self.model.replicated_grads(), coeff)
         return norm
 
     # ---- checkpoint support ---------------------------------------------------------
@@ -214,7 +258,17 @@ class WeightPassingTrainer:
         return self._adamw.state.get(master, {})
 
     def set_optimizer_state(self, master: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
-        self._adamw.state[master] = state
+        self._adamw.state[master] = {key: self._place_state(key, value, master) for key, value in state.items()}
+
+    def _place_state(self, key: str, value: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """Where torch's own ``load_state_dict`` puts a loaded state tensor: moments beside the
+        parameter; the step count on the host, or beside the parameter as fp32 for the fused kernel."""
+        defaults = self._adamw.defaults
+        if key == "step" and not (defaults.get("fused") or defaults.get("capturable")):
+            return value
+        if key == "step":
+            return value.to(device=master.device, dtype=torch.float32)
+        return value.to(device=master.device, dtype=master.dtype)
 
     def writes_checkpoint(self) -> bool:
         return True
