@@ -181,6 +181,27 @@ class OptimizerStep:
     """One optimizer step on the rank's owned shard(s) and replicated parts."""
 
 
+# Buffer fields with a fixed role, per action type; communication actions take
+# the role from their kind (``COMM_BUFFER``).
+BUFFER_ROLES = {
+    Forward: (("wbuf", "weight"),), BackwardInput: (("wbuf", "weight"),),
+    Backward: (("wbuf", "weight"), ("gbuf", "grad")),
+    BackwardWeight: (("wbuf", "weight"), ("gbuf", "grad")),
+    LoadWeights: (("buf", "weight"),), ZeroGrad: (("buf", "grad"),),
+    AccumulateToOwner: (("buf", "grad"),),
+}
+COMM_BUFFER = (SendStart, RecvStart, BroadcastStart, ReduceStart)
+
+
+def buffer_roles(action):
+    """``(field, role)`` pairs of ``action``'s buffers; role is "weight" or "grad"
+    (communication of activations has no buffer)."""
+    roles = BUFFER_ROLES.get(type(action))
+    if roles is None and type(action) in COMM_BUFFER and action.kind in ("weight", "grad"):
+        roles = (("buf", action.kind),)
+    return roles or ()
+
+
 ACTION_TYPES = (Forward, Backward, BackwardInput, BackwardWeight, LoadWeights, ZeroGrad,
                 AccumulateToOwner, SendStart, RecvStart, BroadcastStart, ReduceStart,
                 ReplicatedAllReduceStart, Wait, OptimizerStep)

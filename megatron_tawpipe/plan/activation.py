@@ -71,23 +71,32 @@ def interleaved_orders(P: int, N: int, V: int) -> List[List[Op]]:
 def _first_stuck(orders: List[List[Op]], S: int) -> List[int]:
     """Ranks blocked on a backward when executing ``orders`` with their data
     dependencies; empty if everything runs."""
-    done = set()
-    pc = [0] * len(orders)
-    progress = True
-    while progress:
-        progress = False
-        for r, ops in enumerate(orders):
-            while pc[r] < len(ops):
-                phase, m, s = ops[pc[r]]
-                dep = (("F", m, s - 1) if s > 0 else None) if phase == "F" else \
-                    (("B", m, s + 1) if s + 1 < S else ("F", m, s))
-                if dep is not None and dep not in done:
-                    break
-                done.add(ops[pc[r]])
-                pc[r] += 1
-                progress = True
+    _, _, pc = _run_orders(orders, S)
     return [r for r, ops in enumerate(orders)
             if pc[r] < len(ops) and ops[pc[r]][0] == "B"]
+
+
+def _run_orders(orders: List[List[Op]], S: int):
+    """Run each rank's order as soon as each op's input is ready (forward 1,
+    backward 2 time units): ``(start, end, pc)``, ``pc`` where each rank stopped."""
+    start, end = {}, {}
+    pc = [0] * len(orders)
+    clock = [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for r, ops in enumerate(orders):
+            while pc[r] < len(ops):
+                phase, m, s = op = ops[pc[r]]
+                dep = (("F", m, s - 1) if s > 0 else None) if phase == "F" else \
+                    (("B", m, s + 1) if s + 1 < S else ("F", m, s))
+                if dep is not None and dep not in end:
+                    break
+                start[op] = max(clock[r], end[dep] if dep is not None else 0)
+                end[op] = clock[r] = start[op] + (1 if phase == "F" else 2)
+                pc[r] += 1
+                moved = True
+    return start, end, pc
 
 
 def plan_activation(schedule: str, num_ranks: int, num_groups: int, num_layers: int,
@@ -140,25 +149,8 @@ def plan_activation(schedule: str, num_ranks: int, num_groups: int, num_layers: 
 
 
 def _asap_times(orders: List[List[Op]], S: int):
-    """Start and end of every op when each rank runs its order as soon as the
-    op's input is ready (forward 1, backward 2 time units)."""
-    start, end = {}, {}
-    pc = [0] * len(orders)
-    clock = [0] * len(orders)
-    moved = True
-    while moved:
-        moved = False
-        for r, ops in enumerate(orders):
-            while pc[r] < len(ops):
-                phase, m, s = op = ops[pc[r]]
-                dep = (("F", m, s - 1) if s > 0 else None) if phase == "F" else \
-                    (("B", m, s + 1) if s + 1 < S else ("F", m, s))
-                if dep is not None and dep not in end:
-                    break
-                start[op] = max(clock[r], end[dep] if dep is not None else 0)
-                end[op] = clock[r] = start[op] + (1 if phase == "F" else 2)
-                pc[r] += 1
-                moved = True
+    """Start and end time of every op (see ``_run_orders``)."""
+    start, end, pc = _run_orders(orders, S)
     if any(pc[r] < len(ops) for r, ops in enumerate(orders)):
         raise RuntimeError("activation schedule orders have a cyclic dependency")
     return start, end

@@ -88,16 +88,6 @@ def _check_meta(plan: Plan) -> None:
 
 
 # ----------------------------------------------------------------- static
-# Buffer fields with a fixed role, per action type; communication actions
-# take the role from their kind.
-_ROLE_FIELDS = {
-    A.Forward: (("wbuf", "weight"),), A.BackwardInput: (("wbuf", "weight"),),
-    A.Backward: (("wbuf", "weight"), ("gbuf", "grad")),
-    A.BackwardWeight: (("wbuf", "weight"), ("gbuf", "grad")),
-    A.LoadWeights: (("buf", "weight"),), A.ZeroGrad: (("buf", "grad"),),
-    A.AccumulateToOwner: (("buf", "grad"),),
-}
-_COMM_BUF = frozenset((A.SendStart, A.RecvStart, A.BroadcastStart, A.ReduceStart))
 _KNOWN = frozenset(A.ACTION_TYPES)
 _MAIN_OK = frozenset((A.Backward, A.BackwardWeight))
 
@@ -122,9 +112,7 @@ def _check_static(plan: Plan):
                 continue
             if t not in _KNOWN:
                 raise PlanError("not a plan action", r, i, a)
-            fields = _ROLE_FIELDS.get(t)
-            if fields is None and t in _COMM_BUF and a.kind in ("weight", "grad"):
-                fields = (("buf", a.kind),)
+            fields = A.buffer_roles(a)
             if fields:
                 for f, role in fields:
                     name = getattr(a, f)

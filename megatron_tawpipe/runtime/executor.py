@@ -115,10 +115,9 @@ class PlanExecutor:
         plan bounds their number: ``max_weight_buffers``/``max_grad_buffers``)."""
         names = {"weight": set(), "grad": set()}
         for a in actions:
-            for field_name, role in _BUFFER_ROLES.get(type(a), ()):
+            for field_name, role in A.buffer_roles(a):
                 name = getattr(a, field_name)
-                role = role or getattr(a, "kind", None)
-                if role in names and name and name != A.MAIN:
+                if name != A.MAIN:
                     names[role].add(name)
         c = self.compute
         weights = {n: torch.empty(c.shard_numel, dtype=c.compute_dtype, device=c.device)
@@ -379,15 +378,3 @@ def _reason(exc: BaseException) -> str:
     if "NCCL" in text:
         return " ".join(text.split())
     return first_line(exc)
-
-
-# Buffer fields per action type; a None role means "the action's kind" (weight/grad).
-_BUFFER_ROLES = {
-    A.Forward: (("wbuf", "weight"),), A.BackwardInput: (("wbuf", "weight"),),
-    A.Backward: (("wbuf", "weight"), ("gbuf", "grad")),
-    A.BackwardWeight: (("wbuf", "weight"), ("gbuf", "grad")),
-    A.LoadWeights: (("buf", "weight"),), A.ZeroGrad: (("buf", "grad"),),
-    A.AccumulateToOwner: (("buf", "grad"),),
-    A.SendStart: (("buf", None),), A.RecvStart: (("buf", None),),
-    A.BroadcastStart: (("buf", None),), A.ReduceStart: (("buf", None),),
-}
