@@ -9,7 +9,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from megatron_tawpipe.plan import (AccumulateToOwner, Backward, Forward, PlanError, RecvStart,
-                                   SendStart, Wait, build_plan, validate_plan)
+                                   ReplicatedAllReduceStart, SendStart, Wait, build_plan,
+                                   validate_plan)
 from megatron_tawpipe.plan import actions as A
 
 # Every planner the issue names; variants of tawpipe are checked further below.
@@ -239,3 +240,26 @@ def test_collective_member_mismatch_is_rejected():
     plan.actions[2][i] = dataclasses.replace(a, root=(a.root + 1) % 4)
     with pytest.raises(PlanError, match="differs from the same collective"):
         validate_plan(plan)
+
+
+def test_head_all_reduce_starts_before_the_last_backward_of_shard_0():
+    """The head's replicated gradients are final after the last shard's last backward: their
+    all-reduce starts then, overlapping the rest of the backward work."""
+    for plan in (build_plan("tawpipe", num_ranks=4, num_groups=2, num_microbatches=2),
+                 build_plan("weipipe", num_ranks=3, num_microbatches=2)):
+        for acts in plan.actions:
+            head = next(i for i, a in enumerate(acts)
+                        if type(a) is ReplicatedAllReduceStart and a.part == "head")
+            later = [a for a in acts[head:] if type(a) is Backward]
+            assert later and all(a.shard != plan.num_shards - 1 for a in later)
+
+
+def test_backward_after_its_replicated_all_reduce_started_is_rejected():
+    plan = mutable(build_plan("tawpipe", num_ranks=4, num_groups=2, num_microbatches=2))
+    r = 0
+    i = find(plan, r, ReplicatedAllReduceStart, lambda a: a.part == "head")
+    start = plan.actions[r].pop(i)
+    j = max(k for k, a in enumerate(plan.actions[r])
+            if type(a) is Backward and a.shard == plan.num_shards - 1)
+    plan.actions[r].insert(j, start)      # started before the last shard's last backward
+    expect(plan, r, j + 1, plan.actions[r][j + 1], "not final")

@@ -23,9 +23,11 @@ from training_helpers import assert_close_rel, losses, tiny_args, train_rank
 ITERS = 3
 
 
-def _args(*extra, layers, global_batch, save=None):
+def _args(*extra, layers, global_batch, save=None, tied=False):
     argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1)
     argv[argv.index("--num-layers") + 1] = str(layers)
+    if tied:
+        argv.remove("--untie-embeddings-and-output-weights")
     if save:
         argv += ["--save", save, "--save-interval", "1"]
     return argv
@@ -35,11 +37,12 @@ def _args(*extra, layers, global_batch, save=None):
 def reference(tmp_path_factory):
     cache = {}
 
-    def get(layers, global_batch):
-        key = (layers, global_batch)
+    def get(layers, global_batch, tied=False):
+        key = (layers, global_batch, tied)
         if key not in cache:
             save = str(tmp_path_factory.mktemp(f"ref-L{layers}-B{global_batch}"))
-            (records,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch, save=save))
+            (records,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch, save=save,
+                                                        tied=tied))
             cache[key] = (records, save)
         return cache[key]
 
@@ -83,6 +86,9 @@ CASES = [
      8, 12),
     (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"], 6, 18),
     (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", "--tawpipe-no-recompute"], 12, 6),
+    # Tied embedding and output weights: the output layer's gradient is part of the embedding's
+    # replicated all-reduce, which starts only after shard 0's last backward.
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "tied"], 8, 8),
 ]
 
 
@@ -94,10 +100,13 @@ def _case_id(case):
 
 @pytest.mark.parametrize("world,extra,layers,global_batch", CASES, ids=[_case_id(c) for c in CASES])
 def test_matches_single_process_reference(world, extra, layers, global_batch, reference, tmp_path):
-    ref_records, ref_save = reference(layers, global_batch)
+    tied = "tied" in extra
+    extra = [f for f in extra if f != "tied"]
+    ref_records, ref_save = reference(layers, global_batch, tied)
     save = str(tmp_path / "ckpt")
     per_rank = run_ranks(train_rank, world, _args(*extra, "--tawpipe-nccl-faithful", "--distributed-timeout-minutes",
-                                                  "2", layers=layers, global_batch=global_batch, save=save))
+                                                  "2", layers=layers, global_batch=global_batch, save=save,
+                                                  tied=tied))
     for records in per_rank:
         assert_close_rel(losses(records), losses(ref_records), 1e-5)
         assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in ref_records], 1e-5,

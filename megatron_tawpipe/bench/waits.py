@@ -174,7 +174,7 @@ class _QueuedWork:
     def main_grad(self, shard: int) -> torch.Tensor:
         return self._grad
 
-    def replicated_grads(self) -> list:
+    def replicated_grads(self, part: str = "all") -> list:
         return []
 
     def optimizer_step(self) -> None:

@@ -32,6 +32,7 @@ KINDS = ("weight", "grad", "act", "actgrad")
 CHANNEL = {"weight": "weight", "grad": "grad", "act": "act", "actgrad": "actgrad"}
 LINKS = ("intra", "inter")
 MAIN = "main"
+REPLICATED_PARTS = ("all", "head", "embedding")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +165,17 @@ class ReduceStart:
 
 @dataclass(frozen=True, slots=True)
 class ReplicatedAllReduceStart:
-    """All-reduce (sum) of the replicated parameters' gradients (embedding,
-    final norm, output layer) over ``ranks``."""
+    """All-reduce (sum) of the replicated parameters' gradients over ``ranks``.
+
+    ``part``: ``"all"`` (embedding, final norm, output layer); ``"head"`` -- what
+    only the last shard's backward writes (final norm, untied output layer), final
+    once the rank's last backward of the last shard ran; ``"embedding"`` -- what
+    shard 0's backward writes (embedding, and a tied output layer, which is the
+    embedding's weight), final after the rank's last backward of shard 0.  A plan
+    all-reduces either ``"all"`` or both other parts before its step."""
     tag: int
     ranks: Tuple[int, ...]
+    part: str = "all"
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +287,7 @@ def short(action, starts=None) -> str:
     if t is ReduceStart:
         return f"rd{action.shard}@{action.root}"
     if t is ReplicatedAllReduceStart:
-        return "ar"
+        return "ar" if action.part == "all" else f"ar:{action.part}"
     if t is Wait:
         if starts is not None and action.tag in starts:
             return "w(" + short(starts[action.tag]) + ")"

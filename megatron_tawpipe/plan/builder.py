@@ -82,13 +82,22 @@ class PlanBuilder:
             self.emit(r, wait_key, A.Wait, tag)
         return tag
 
-    def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key: tuple) -> int:
+    def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key: tuple,
+                             part: str = "all") -> int:
         tag = self.new_tag()
         ranks = tuple(range(self.num_ranks))
         for r in ranks:
-            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart, tag, ranks)
+            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart, tag, ranks, part)
             self.emit(r, wait_key, A.Wait, tag)
         return tag
+
+    def replicated_allreduce_parts(self, head_keys: Dict[int, tuple], embedding_keys: Dict[int, tuple],
+                                   wait_key: tuple) -> None:
+        """The head's replicated gradients all-reduced once the last shard's last
+        backward ran, the embedding's after shard 0's: the first overlaps the
+        remaining backward work instead of waiting for the end."""
+        self.replicated_allreduce(head_keys, wait_key, "head")
+        self.replicated_allreduce(embedding_keys, wait_key, "embedding")
 
     # ------------------------------------------------------------- finalise
     def build(self, *, schedule: str, family: str, num_layers: int, num_microbatches: int,

@@ -95,6 +95,7 @@ class CostModel:
     layer_activation_bytes: float = 0.0   # everything one layer keeps for backward, one mb
     tokens_per_microbatch: int = 0
     replicated_params: float = 0.0        # embedding + final norm + output layer
+    embedding_params: float = 0.0         # the embedding's share of them (its all-reduce part)
     intra: Link = field(default_factory=lambda: Link(float("inf")))
     inter: Link = field(default_factory=lambda: Link(float("inf")))
     copy_bandwidth: float = float("inf")  # bytes/s of local copies (load, accumulate)
@@ -130,6 +131,7 @@ class CostModel:
                    layer_activation_bytes=34 * tokens * H * dtype_bytes / 2,
                    tokens_per_microbatch=tokens,
                    replicated_params=(2 if untied_embeddings else 1) * vocab_size * H + H,
+                   embedding_params=vocab_size * H,
                    intra=Link(parse_rate(intra_bw), parse_time(intra_latency)),
                    inter=Link(parse_rate(inter_bw), parse_time(inter_latency)),
                    copy_bandwidth=hbm / 2,
@@ -158,6 +160,14 @@ class CostModel:
         return replace(self, intra=intra or self.intra, inter=inter or self.inter)
 
     # ---------------------------------------------------------- per plan
+    def replicated_part_params(self, part: str) -> float:
+        """Parameters of one part of the replicated all-reduce ("all", "head", "embedding")."""
+        if part == "embedding":
+            return self.embedding_params
+        if part == "head":
+            return self.replicated_params - self.embedding_params
+        return self.replicated_params
+
     def shard_bytes(self, plan) -> float:
         return self.params_per_layer * plan.layers_per_shard * self.dtype_bytes
 

@@ -342,7 +342,7 @@ class _Simulator:
         cls = type(a)
         if cls is A.ReplicatedAllReduceStart:
             P = self.plan.num_ranks
-            nbytes = self.cost.replicated_params * self.cost.dtype_bytes
+            nbytes = self.cost.replicated_part_params(a.part) * self.cost.dtype_bytes
             link = self.cost.inter if self.plan.num_groups > 1 else self.cost.intra
             dur = 0.0 if P == 1 else 2 * (P - 1) * link.latency + \
                 (0.0 if link.bandwidth == INF else 2 * (P - 1) / P * nbytes / link.bandwidth)

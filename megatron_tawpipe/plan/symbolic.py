@@ -34,8 +34,8 @@ class _RankState:
         self.act = set()                            # (mb, shard) input boundaries held
         self.agrad = set()                          # (mb, shard) output gradients held
         self.pc = 0
-        self.replicated_done = False
-        self.compute_closed = False
+        self.replicated_done = set()                # parts all-reduced
+        self.compute_closed = set()                 # parts whose all-reduce started
         self.last_input = -1                        # last micro-batch started at shard 0
 
 
@@ -176,8 +176,17 @@ class SymbolicExecutor:
             self._err(f"micro-batch {a.mb} outside 0..{self.N - 1}", r, i, a)
         if not 0 <= a.shard < self.S:
             self._err(f"shard {a.shard} outside 0..{self.S - 1}", r, i, a)
-        if self.state[r].compute_closed:
-            self._err("compute after the replicated all-reduce started", r, i, a)
+        closed = self.state[r].compute_closed
+        if closed:
+            if "all" in closed:
+                self._err("compute after the replicated all-reduce started", r, i, a)
+            backward = type(a) is not A.Forward
+            if backward and a.shard == self.S - 1 and "head" in closed:
+                self._err("backward of the last shard after the head's replicated all-reduce "
+                          "started (its gradients were not final)", r, i, a)
+            if backward and a.shard == 0 and "embedding" in closed:
+                self._err("backward of shard 0 after the embedding's replicated all-reduce "
+                          "started (its gradients were not final)", r, i, a)
         return (self.plan.streams[r], a.mb)
 
     # ------------------------------------------------------------- compute
@@ -280,7 +289,8 @@ class SymbolicExecutor:
             self._err(f"operation tag {tag} still in flight", r, i, a)
         if i != len(self.plan.actions[r]) - 1:
             self._err("the optimizer step must be the last action", r, i, a)
-        if self.plan.family == "weight" and not st.replicated_done:
+        done = st.replicated_done
+        if self.plan.family == "weight" and "all" not in done and not {"head", "embedding"} <= done:
             self._err("replicated gradients were not all-reduced before the step", r, i, a)
         for shard, mask in st.main.items():
             if mask != self.full:
@@ -371,7 +381,13 @@ class SymbolicExecutor:
         self._post(r, a.tag, snap)
 
     def _replicated(self, r, st, i, a):
-        st.compute_closed = True
+        if a.part not in A.REPLICATED_PARTS:
+            self._err(f"unknown replicated part {a.part!r}; known: {', '.join(A.REPLICATED_PARTS)}",
+                      r, i, a)
+        if a.part in st.compute_closed or "all" in st.compute_closed or \
+                (a.part == "all" and st.compute_closed):
+            self._err("these replicated gradients are all-reduced twice", r, i, a)
+        st.compute_closed = st.compute_closed | {a.part}
         st.pending[a.tag] = (i, a, None)
         self._post(r, a.tag, None)
 
@@ -407,7 +423,7 @@ class SymbolicExecutor:
                 total |= snap
             st.g[a.buf] = [a.shard, total]
         elif t is A.ReplicatedAllReduceStart:
-            st.replicated_done = True
+            st.replicated_done.add(a.part)
 
     # ---------------------------------------------------------------- end
     def _deadlock(self, unfinished) -> None:

@@ -104,6 +104,7 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             last_b_visit[s] = v
     fetched = set()
     last_slot = {}
+    head_slot = {}      # group -> slot of its last backward of the last shard
     for g in range(D):
         members = list(range(g * G, (g + 1) * G))
         prev_wbuf = None
@@ -113,6 +114,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
         for v, (phase, s, mbs, k) in enumerate(visits):
             tau = slots[v]
             last_slot[g] = tau
+            if phase == "B" and s == P - 1:
+                head_slot[g] = tau
             # The next shard is normally waited for (and broadcast) before the
             # previous visit's compute, so that the broadcast hides behind it.
             # If no compute of this group lies between posting the fetch and
@@ -197,7 +200,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                   src_wait_key=src_wait, dst_wait_key=dst_wait)
             b.emit(owner[s], dst_wait[:2] + (dst_wait[2] + 1,), A.AccumulateToOwner, s, recv)
 
-    b.replicated_allreduce({r: (last_slot[r // G], AFTER, 9) for r in range(P)}, (END, 1))
+    b.replicated_allreduce_parts({r: (head_slot[r // G], AFTER, 9) for r in range(P)},
+                                 {r: (last_slot[r // G], AFTER, 9) for r in range(P)}, (END, 1))
     for r in range(P):
         b.emit(r, (END, 2), A.OptimizerStep)
     name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")

@@ -138,10 +138,14 @@ def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             b.emit(r, (t, BWD), A.Backward, m, s, weight_buf[("B", s, t)], grad_buf[(s, t)])
 
     last_bwd: Dict[int, int] = {}
+    last_head: Dict[int, int] = {}
     for (r, t), (_, bw) in work.items():
         if bw is not None:
             last_bwd[r] = max(last_bwd.get(r, t), t)
-    b.replicated_allreduce({r: (last_bwd[r], GPOST, 9) for r in range(P)}, (END, 0))
+            if bw[1] == P - 1:
+                last_head[r] = max(last_head.get(r, t), t)
+    b.replicated_allreduce_parts({r: (last_head[r], GPOST, 9) for r in range(P)},
+                                 {r: (last_bwd[r], GPOST, 9) for r in range(P)}, (END, 0))
     for r in range(P):
         b.emit(r, (END, 1), A.OptimizerStep)
     name = "weipipe" if interleave else "weipipe-naive"

@@ -68,7 +68,7 @@ class PlanExecutor:
     ``compute`` is the object that does forward/backward work and owns the
     master weights and gradients (see :class:`runtime.trainer.WeightPassingTrainer`):
     it provides ``forward(mb, shard, weights)``, ``backward(mb, shard, weights, grad)``,
-    ``master(shard)``, ``main_grad(shard)``, ``replicated_grads()``,
+    ``master(shard)``, ``main_grad(shard)``, ``replicated_grads(part="all")``,
     ``optimizer_step()`` and ``shard_numel``/``compute_dtype``/``device``.
     """
 
@@ -321,7 +321,7 @@ class PlanExecutor:
 
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
         # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
-        grads = [g for g in self.compute.replicated_grads() if g.numel()]
+        grads = [g for g in self.compute.replicated_grads(a.part) if g.numel()]
         work = self._collective(a, "allreduce", grads, -1)
         self._start(a, work, "<replicated>")
 

@@ -180,8 +180,13 @@ class WeightPipeModel:
     def main_grad(self, shard: int) -> torch.Tensor:
         return self._main_grads[shard]
 
-    def replicated_grads(self) -> List[torch.Tensor]:
-        return [master.grad for master in self.replicated_masters]
+    def replicated_grads(self, part: str = "all") -> List[torch.Tensor]:
+        """fp32 gradients of the replicated parameters; ``part`` as in the plan's
+        ``ReplicatedAllReduceStart``: "embedding" (what shard 0's backward writes,
+        a tied output layer included), "head" (the rest: final norm, untied output
+        layer) or "all"."""
+        return [master.grad for (name, _), master in zip(self.replicated, self.replicated_masters)
+                if part == "all" or (name.startswith("embedding.") == (part == "embedding"))]
 
     def optimizer_step(self) -> None:
         """The plan's last action: every gradient has reached its owner. The step itself
