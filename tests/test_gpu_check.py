@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from distributed_harness import run_ranks
+
 from megatron_tawpipe.bench import gpu_check, layer_specs
 from megatron_tawpipe.bench.one_rank import LlamaRun, one_rank_process_group, parsed_args
 
@@ -113,15 +115,12 @@ def fp32_args():
     return parsed_args(run)
 
 
-def test_layer_spec_comparison_agrees_on_equal_weights_and_catches_a_wrong_one(fp32_args, monkeypatch):
-    """SDPA vs megatron's local attention (both local spec) on the CPU: the comparison TE gets on a GPU."""
+def _layer_spec_case(rank, args):
+    """Runs in a forked child: a process group created in the test process itself would be
+    inherited, half torn down, by the ranks later tests fork."""
     cpu = torch.device("cpu")
-    with one_rank_process_group(fp32_args):
-        same = layer_specs.compare_layer_specs(fp32_args, "sdpa", "local", cpu, tolerance=1e-5)
-        assert same.passed, same.summary()
-        assert len(same.weight_grads) == 12  # 6 parameters x 2 layers, norms included
-        assert max(same.output, same.input_grad) > 0  # two implementations, not one compared with itself
-
+    with one_rank_process_group(args):
+        same = layer_specs.compare_layer_specs(args, "sdpa", "local", cpu, tolerance=1e-5)
         copy = layer_specs.copy_layer_weights
 
         def copy_all_but_one_norm(source, target):
@@ -130,26 +129,45 @@ def test_layer_spec_comparison_agrees_on_equal_weights_and_catches_a_wrong_one(f
                 layer_specs.layer_parameters(target)["1.pre_mlp_layernorm.weight"].fill_(1.0)
             return count
 
-        monkeypatch.setattr(layer_specs, "copy_layer_weights", copy_all_but_one_norm)
-        wrong = layer_specs.compare_layer_specs(fp32_args, "sdpa", "local", cpu, tolerance=1e-5)
-    assert not wrong.passed
+        layer_specs.copy_layer_weights = copy_all_but_one_norm
+        wrong = layer_specs.compare_layer_specs(args, "sdpa", "local", cpu, tolerance=1e-5)
+    return {"same": (same.passed, same.summary(), len(same.weight_grads), same.output, same.input_grad),
+            "wrong": (wrong.passed, wrong.output, wrong.input_grad,
+                      wrong.weight_grads["1.pre_mlp_layernorm.weight"])}
+
+
+def test_layer_spec_comparison_agrees_on_equal_weights_and_catches_a_wrong_one(fp32_args):
+    """SDPA vs megatron's local attention (both local spec) on the CPU: the comparison TE gets on a GPU."""
+    (result,) = run_ranks(_layer_spec_case, 1, fp32_args, timeout=120)
+    passed, summary, grads, output, input_grad = result["same"]
+    assert passed, summary
+    assert grads == 12  # 6 parameters x 2 layers, norms included
+    assert max(output, input_grad) > 0  # two implementations, not one compared with itself
+    passed, output, input_grad, norm_grad = result["wrong"]
+    assert not passed
     # Far above the tolerance everywhere the wrong norm weight reaches: the output, the
     # gradient reaching the input, and that weight's own gradient.
-    assert min(wrong.output, wrong.input_grad) > 10 * 1e-5
-    assert wrong.weight_grads["1.pre_mlp_layernorm.weight"] > 1e-2
+    assert min(output, input_grad) > 10 * 1e-5
+    assert norm_grad > 1e-2
 
 
 # ---- waits ---------------------------------------------------------------------------------------
 
 
-def test_wait_probe_runs_through_the_executor_and_restores_it(fp32_args):
+def _wait_probe_case(rank, args):
+    """Runs in a forked child (see _layer_spec_case)."""
     from megatron_tawpipe.bench.waits import probe_wait_behind_compute
     from megatron_tawpipe.runtime.executor import PlanExecutor
 
     original = PlanExecutor._wait
-    with one_rank_process_group(fp32_args):
+    with one_rank_process_group(args):
         probe = probe_wait_behind_compute(torch.device("cpu"), torch.float32, 64, 0.003, repeats=3)
-    assert PlanExecutor._wait is original
+    return probe, PlanExecutor._wait is original
+
+
+def test_wait_probe_runs_through_the_executor_and_restores_it(fp32_args):
+    ((probe, restored),) = run_ranks(_wait_probe_case, 1, fp32_args, timeout=120)
+    assert restored
     assert len(probe.executor_wait_s) == len(probe.c10d_wait_s) == len(probe.c10d_wait_timeout_s) == 3
     assert len(probe.queued_compute_s) == 9  # the executor's Forward and the two bare-c10d rounds
     assert min(probe.queued_compute_s) > 0 and min(probe.executor_wait_s + probe.c10d_wait_s) > 0
@@ -266,9 +284,10 @@ def test_every_check_end_to_end_on_cpu(tmp_path):
     assert max(losses["details"]["relative_differences"]) <= 1e-2
     assert "--bf16" in losses["details"]["argv"]
 
-    # (c) one plan Wait per iteration (the replicated all-reduce of a one-rank plan), and the probe.
+    # (c) two plan Waits per iteration (the replicated all-reduce of a one-rank plan, in its head
+    # and embedding parts), and the probe.
     wait = rows["wait"]["details"]
-    assert wait["plan_waits"]["count"] == 3 and wait["plan_waits"]["max_s"] > 0
+    assert wait["plan_waits"]["count"] == 2 * 3 and wait["plan_waits"]["max_s"] > 0
     assert len(wait["probe"]["executor_wait_s"]) == 3 and wait["probe"]["verdict"].startswith("not applicable")
 
     # (d) the calibration JSON, readable by the emulation and the simulator.
