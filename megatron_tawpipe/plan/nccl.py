@@ -85,10 +85,15 @@ def batch_entries(plan: Plan, rank: int, mode: str) -> List[Tuple[tuple, List[Tu
 
     Raises ``PlanError`` for a batch whose starts are not adjacent, mix
     communicators, or contain a collective."""
+    return entries_of(plan.actions[rank], rank, mode)
+
+
+def entries_of(actions, rank: int, mode: str) -> List[Tuple[tuple, List[Tuple[int, object]]]]:
+    """``batch_entries`` of the action list ``actions`` of ``rank``."""
     out: List[Tuple[tuple, List[Tuple[int, object]]]] = []
     closed = set()
     current: Optional[int] = None
-    for step, a in enumerate(plan.actions[rank]):
+    for step, a in enumerate(actions):
         if type(a) not in _STARTS:
             if current is not None:
                 closed.add(current)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe import progress
 from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.runtime.timing import ComputeTimer
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
 
@@ -90,6 +91,7 @@ class PlanExecutor:
         self.timer = ComputeTimer(compute.device)
         self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
+        self._entries_cache: Optional[Tuple[list, dict]] = None
         self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
         self._posted: Dict[int, Tuple[float, object]] = {}
         self.reset_counters()
@@ -160,8 +162,7 @@ class PlanExecutor:
     def run(self, actions: List[object], forward_only: bool = False) -> None:
         """Execute ``actions``; ``forward_only`` keeps forwards and weight traffic only (evaluation)."""
         self._forward_only = forward_only
-        self._actions = actions
-        self._issued = -1
+        self._entries = self._entries_by_step(actions)
         board = progress.board()
         for step, action in enumerate(actions):
             if forward_only and not _needed_for_forward(action, self.in_flight):
@@ -255,26 +256,20 @@ class PlanExecutor:
 
     # ---- communication ------------------------------------------------------------------
 
-    def _batch(self, action) -> List[Tuple[int, object]]:
-        """The starts issued with ``action``: its whole ``batch`` (adjacent in the list)."""
-        step = self._step
-        batch = getattr(action, "batch", None)
-        if batch is None:
-            return [(step, action)]
-        out = [(step, action)]
-        for later in range(step + 1, len(self._actions)):
-            nxt = self._actions[later]
-            if getattr(nxt, "batch", None) != batch or not isinstance(nxt, A.P2P):
-                break
-            out.append((later, nxt))
-        return out
+    def _entries_by_step(self, actions) -> Dict[int, List[Tuple[int, object]]]:
+        """The starts issued together (one ``batch``, or one start alone), by the step of
+        the first of them: the entries :mod:`plan.nccl` models. Computed once per list."""
+        cached = self._entries_cache
+        if cached is None or cached[0] is not actions:
+            entries = {ops[0][0]: ops for _, ops in entries_of(actions, self.rank, "group")}
+            self._entries_cache = cached = (actions, entries)
+        return cached[1]
 
     def _issue_p2p(self, a) -> None:
-        """Issue ``a`` with the rest of its batch (the later members are then skipped)."""
-        if self._step <= self._issued:
+        """Issue ``a`` with the rest of its batch; a later member was issued with the first."""
+        members = self._entries.get(self._step)
+        if members is None:
             return
-        members = self._batch(a)
-        self._issued = members[-1][0]
         ops, starts = [], []
         for step, x in members:
             send = type(x) is A.SendStart
@@ -336,7 +331,7 @@ class PlanExecutor:
             except RuntimeError as exc:
                 seconds = int(self.timeout.total_seconds())
                 raise PeerFailure(f"{op.what} failed or did not complete within {seconds} s "
-                                  f"(--distributed-timeout-minutes): {_reason(exc)}") from exc
+                                  f"(--distributed-timeout-minutes): {first_line(exc)}") from exc
         op.after()
 
 
@@ -371,10 +366,3 @@ def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
-
-def _reason(exc: BaseException) -> str:
-    """The first line of a failure, and the NCCL-faithful mode's diagnosis if it gave one."""
-    text = str(exc).strip()
-    if "NCCL" in text:
-        return " ".join(text.split())
-    return first_line(exc)

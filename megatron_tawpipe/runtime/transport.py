@@ -54,24 +54,21 @@ class Communicators:
     plan (a first use blocks until all members make it)."""
 
     def __init__(self, plan, world_size: int):
-        everyone = list(range(world_size))
-        self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {}
-        keys = [("p2p", channel) for channel in ("weight", "grad")]
-        keys += [("collective", tuple(ranks), channel) for ranks, channel in plan.communicators()
-                 if channel != "replicated"]
-        keys.append(("replicated", tuple(everyone)))
-        for key in keys:
-            members = everyone if key[0] != "collective" else list(key[1])
-            self.groups[key] = dist.new_group(members) if world_size > 1 else None
+        everyone = tuple(range(world_size))
+        members = {("p2p", channel): everyone for channel in ("weight", "grad")}
+        members.update({("collective", tuple(ranks), channel): tuple(ranks)
+                        for ranks, channel in plan.communicators() if channel != "replicated"})
+        members[("replicated", everyone)] = everyone
+        self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {
+            key: dist.new_group(list(ranks)) if world_size > 1 else None for key, ranks in members.items()}
         if world_size > 1 and dist.get_backend() == "nccl":
-            self._create_nccl_communicators()
+            self._create_nccl_communicators(members)
 
-    def _create_nccl_communicators(self) -> None:
+    def _create_nccl_communicators(self, members: Dict[tuple, Tuple[int, ...]]) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         me = dist.get_rank()
         for key, group in self.groups.items():
-            members = range(dist.get_world_size()) if key[0] != "collective" else key[1]
-            if me in members:
+            if me in members[key]:
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def for_action(self, action) -> Optional[dist.ProcessGroup]:
