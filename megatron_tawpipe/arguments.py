@@ -274,7 +274,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     if args.train_iters is None:
         raise ArgumentError("--train-iters is required")
     if args.emulated_compute_times:
-        from megatron_tawpipe.emulated_compute import load_compute_times
+        from megatron_tawpipe.bench.emulated_compute import load_compute_times
 
         try:
             load_compute_times(args.emulated_compute_times)

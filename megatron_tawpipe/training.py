@@ -16,7 +16,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_tawpipe import cpu_compat, emulated_compute, progress
+from megatron_tawpipe import cpu_compat, progress
+from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
@@ -35,7 +36,7 @@ def build_trainer(args):
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
         return WeightPassingTrainer(args)
-    from megatron_tawpipe.native import NativeTrainer
+    from megatron_tawpipe.baselines.native import NativeTrainer
 
     return NativeTrainer(args)
 

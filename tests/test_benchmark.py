@@ -22,7 +22,7 @@ BENCH_MODEL = [
 
 def fsdp_rank(rank, argv):
     from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.fsdp_baseline import pretrain_fsdp
+    from megatron_tawpipe.baselines.fsdp import pretrain_fsdp
     from megatron_tawpipe.initialize import destroy
 
     args = validate_args(parse_args(argv))
@@ -47,7 +47,7 @@ def fork_launcher(config, script_args, log_path):
 
 
 def test_benchmark_two_schedules_two_repetitions(tmp_path):
-    from megatron_tawpipe.benchmark import BenchmarkConfig, format_table, read_metrics, run_benchmark, write_chart
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, format_table, read_metrics, run_benchmark, write_chart
 
     config = BenchmarkConfig(schedules=("tawpipe", "1f1b"), ranks=2, repetitions=2, train_iters=3, warmup_iters=1,
                              model_args=BENCH_MODEL, outdir=str(tmp_path / "runs"))
@@ -92,8 +92,8 @@ def test_benchmark_two_schedules_two_repetitions(tmp_path):
 def test_schedule_commands_are_valid_pretrain_flags():
     """Every schedule's command line passes the project's own argument checks for 4 ranks."""
     from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.benchmark import SCHEDULES, BenchmarkConfig, schedule_command
-    from megatron_tawpipe.fsdp_baseline import check_fsdp_args
+    from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkConfig, schedule_command
+    from megatron_tawpipe.baselines.fsdp import check_fsdp_args
 
     model = [a if a != "4" else "16" for a in BENCH_MODEL]  # global batch 16
     model[model.index("--num-layers") + 1] = "8"
@@ -135,7 +135,7 @@ def test_cli_with_torchrun(tmp_path):
 
 
 def test_comparison_with_the_simulator():
-    from megatron_tawpipe.benchmark import compare_with_simulation, format_comparison
+    from megatron_tawpipe.bench.benchmark import compare_with_simulation, format_comparison
 
     result = {"summary": [{"schedule": "tawpipe", "tokens_per_sec_per_rank": 300.0},
                           {"schedule": "1f1b", "tokens_per_sec_per_rank": 200.0},

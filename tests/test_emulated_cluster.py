@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megatron_tawpipe import emulated_cluster as ec
+from megatron_tawpipe.bench import emulated_cluster as ec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "emulated_cluster.py")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from distributed_harness import run_ranks
-from megatron_tawpipe.emulated_compute import ComputeTimes, load_compute_times
+from megatron_tawpipe.bench.emulated_compute import ComputeTimes, load_compute_times
 from training_helpers import tiny_args, train_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def test_bad_times_file_is_a_flag_error(tmp_path):
 
 def _fsdp_rank(rank, argv):
     from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.fsdp_baseline import pretrain_fsdp
+    from megatron_tawpipe.baselines.fsdp import pretrain_fsdp
     from megatron_tawpipe.initialize import destroy
 
     try:
@@ -102,7 +102,7 @@ def test_every_schedule_runs_emulated(schedule, times_file):
 
 
 def test_calibration_from_cost_model_and_measured(tmp_path):
-    from megatron_tawpipe.calibrate import main
+    from megatron_tawpipe.bench.calibrate import main
     from megatron_tawpipe.plan.costmodel import CostModel
 
     shape = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
@@ -135,7 +135,7 @@ def test_calibration_from_cost_model_and_measured(tmp_path):
 
 
 def test_calibration_flag_errors(tmp_path, capsys):
-    from megatron_tawpipe.calibrate import main
+    from megatron_tawpipe.bench.calibrate import main
 
     with pytest.raises(SystemExit):
         main(["--output", str(tmp_path / "x.json"), "--from-cost-model", "--hidden-size", "64",

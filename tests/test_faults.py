@@ -65,7 +65,7 @@ def test_survivors_report_a_dead_or_stalled_rank(schedule, fault):
 
 def _faulty_native_rank(rank, argv, victim, fault, after_calls):
     """Native megatron schedule; on ``victim`` the ``after_calls``-th micro-batch forward kills or stalls it."""
-    from megatron_tawpipe import native
+    from megatron_tawpipe.baselines import native
 
     if rank == victim:
         original = native.gpt_forward_step

@@ -52,7 +52,7 @@ class _FakeStream:
 
 
 def test_time_once_uses_cuda_events_on_cuda_and_the_clock_on_cpu(monkeypatch):
-    from megatron_tawpipe import calibrate
+    from megatron_tawpipe.bench import calibrate
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
@@ -65,7 +65,7 @@ def test_time_once_uses_cuda_events_on_cuda_and_the_clock_on_cpu(monkeypatch):
 
 
 def test_fastest_time_runs_prepare_untimed_before_every_call():
-    from megatron_tawpipe.calibrate import fastest_time
+    from megatron_tawpipe.bench.calibrate import fastest_time
 
     calls = []
     seconds = fastest_time(lambda: calls.append("fn"), repeats=3, warmup=2, device=torch.device("cpu"),
@@ -257,7 +257,7 @@ def test_tool_hides_gpus_for_device_cpu(monkeypatch):
 
 def test_every_check_end_to_end_on_cpu(tmp_path):
     """The command as users run it, with --device cpu and tiny sizes: all five checks, table and JSON."""
-    from megatron_tawpipe.emulated_compute import load_compute_times
+    from megatron_tawpipe.bench.emulated_compute import load_compute_times
     from megatron_tawpipe.plan.costmodel import CostModel
 
     report_path = tmp_path / "report.json"

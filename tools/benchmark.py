@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.benchmark import (SCHEDULES, BenchmarkConfig, BenchmarkError,  # noqa: E402
+from megatron_tawpipe.bench.benchmark import (SCHEDULES, BenchmarkConfig, BenchmarkError,  # noqa: E402
                                         compare_with_simulation, format_comparison, format_table,
                                         run_benchmark, write_chart)
 

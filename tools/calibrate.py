@@ -17,6 +17,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
-    from megatron_tawpipe.calibrate import main
+    from megatron_tawpipe.bench.calibrate import main
 
     sys.exit(main())

@@ -68,7 +68,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.emulated_cluster import (  # noqa: E402
+from megatron_tawpipe.bench.emulated_cluster import (  # noqa: E402
     DEFAULT_BURST, DEFAULT_MASTER_PORT, DEFAULT_SUBNET, ClusterError, EmulatedCluster,
     check_prerequisites, cleanup_stale, format_rate, measure_throughput, parse_rate)
 

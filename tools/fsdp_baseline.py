@@ -13,6 +13,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":
-    from megatron_tawpipe.fsdp_baseline import main
+    from megatron_tawpipe.baselines.fsdp import main
 
     sys.exit(main())

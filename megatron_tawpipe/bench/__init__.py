@@ -1,4 +1,13 @@
-"""One-GPU checks and measurements of one rank (``tools/gpu_check.py``).
+"""Benchmarks and measurements: everything that times a run rather than trains one.
+
+Cluster benchmarks on CPU (``tools/benchmark.py``):
+
+* :mod:`.emulated_cluster` — nodes as network namespaces joined by shaped links;
+* :mod:`.emulated_compute` — layers that sleep for calibrated GPU times;
+* :mod:`.calibrate` — measures those times (``tools/calibrate.py``);
+* :mod:`.benchmark` — every strategy on the emulated cluster, table and chart.
+
+One-GPU checks and measurements of one rank (``tools/gpu_check.py``).
 
 NCCL refuses two ranks on one GPU, so a single GPU can check what one rank
 does — kernels, numerics, memory, timings — and nothing about multi-rank NCCL

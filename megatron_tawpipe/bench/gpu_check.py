@@ -317,7 +317,7 @@ def check_wait(session: Session) -> List[CheckRow]:
 def check_timings(session: Session) -> List[CheckRow]:
     from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS, one_rank_process_group, parsed_args
     from megatron_tawpipe.bench.shard_timing import calibration_record, measure_shard_times
-    from megatron_tawpipe.calibrate import write_times
+    from megatron_tawpipe.bench.calibrate import write_times
 
     tool = session.tool
     args = parsed_args(real_run(tool), *TAWPIPE_FLAGS)
@@ -395,7 +395,7 @@ def format_table(rows: List[CheckRow]) -> str:
 
 
 def environment(tool) -> Dict[str, object]:
-    from megatron_tawpipe.calibrate import device_description
+    from megatron_tawpipe.bench.calibrate import device_description
     from megatron_tawpipe.cpu_compat import megatron_version
 
     try:

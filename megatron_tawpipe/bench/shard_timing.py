@@ -24,7 +24,7 @@ from typing import Dict
 
 import torch
 
-from megatron_tawpipe.calibrate import device_description, fastest_time, model_shape, timer_name
+from megatron_tawpipe.bench.calibrate import device_description, fastest_time, model_shape, timer_name
 
 
 def _shard_inputs(args, device: torch.device, dtype: torch.dtype):

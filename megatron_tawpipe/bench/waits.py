@@ -31,7 +31,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron_tawpipe.calibrate import uses_cuda_events
+from megatron_tawpipe.bench.calibrate import uses_cuda_events
 
 
 @dataclass
@@ -248,7 +248,7 @@ class WaitProbe:
 
 def _matmuls_for(device: torch.device, dtype: torch.dtype, size: int, target_s: float) -> int:
     """How many ``size``-square matmuls take about ``target_s`` on ``device``."""
-    from megatron_tawpipe.calibrate import fastest_time
+    from megatron_tawpipe.bench.calibrate import fastest_time
 
     work = _QueuedWork(device, dtype, size, 4)
     one = fastest_time(work.run_matmuls, repeats=3, warmup=1, device=device) / 4

@@ -23,9 +23,9 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe import emulated_compute
+from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
-from megatron_tawpipe.native import gpt_forward_step
+from megatron_tawpipe.baselines.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
 from megatron_tawpipe.runtime.precision import GradScaling, NonFiniteGradientError, find_non_finite
 from megatron_tawpipe.runtime.schedules import get_forward_backward_func

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_tawpipe.emulated_compute import TIME_KEYS
+from megatron_tawpipe.bench.emulated_compute import TIME_KEYS
 
 
 def uses_cuda_events(device: torch.device) -> bool:

@@ -20,7 +20,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megatron_tawpipe import emulated_compute, progress
+from megatron_tawpipe import progress
+from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config

@@ -11,7 +11,7 @@ of the per-run medians and their spread (max - min).
 
 Locally the ranks run on this machine (``torch.distributed.run --standalone``);
 with ``cluster=(nodes, ranks_per_node, rate)`` they run on an emulated cluster
-(``megatron_tawpipe.emulated_cluster``: a network namespace per node, shaped
+(``megatron_tawpipe.bench.emulated_cluster``: a network namespace per node, shaped
 links, root needed), and the bytes each node's ``eth0`` sent are measured for
 every schedule as well.
 """
@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
 FSDP_SCRIPT = os.path.join(ROOT, "tools", "fsdp_baseline.py")
 
@@ -230,7 +230,7 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
     if config.cluster is None:
         body(launcher or _launch_local)
     else:
-        from megatron_tawpipe.emulated_cluster import EmulatedCluster
+        from megatron_tawpipe.bench.emulated_cluster import EmulatedCluster
 
         nodes, per_node, rate = config.cluster
         with EmulatedCluster(nodes, per_node, rate) as cluster:

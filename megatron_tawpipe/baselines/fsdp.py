@@ -39,7 +39,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe import emulated_compute
+from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
 from megatron_tawpipe.model import build_llama_model, llama_config
 
