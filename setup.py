@@ -19,6 +19,9 @@ setup(
         "megatron-core>=0.15,<0.17",
         "sentencepiece>=0.2",
         "numpy",
+        # megatron-core's partial data parallelism (--num-distributed-optimizer-instances) builds its
+        # hierarchical process groups with einops, an optional dependency of the megatron-core wheel.
+        "einops",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "apex"],

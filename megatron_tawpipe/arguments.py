@@ -182,6 +182,27 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tawpipe-no-recompute", action="store_true",
                    help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
                         "in backward (faster, needs memory for N x L/P layers of activations)")
+    _add_data_parallel_args(parser)
+
+
+def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data parallelism (native schedules and FSDP)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the fp32 master weights and optimizer state over the data-parallel ranks "
+                        "(megatron's distributed optimizer: reduce-scatter gradients, all-gather weights)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradient buckets while backward goes on")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="distributed optimizer: all-gather updated weights during the next forward "
+                        "(needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    g.add_argument("--num-distributed-optimizer-instances", type=_positive_int, default=1,
+                   help="partial data parallelism: that many replicas of the sharded optimizer state, each over "
+                        "consecutive ranks (one per node: reduce-scatter inside the node, one all-reduce "
+                        "across nodes per iteration); with --use-torch-fsdp2, the replicas of HSDP's 2-D mesh")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="train with torch FSDP2 (ZeRO-3) instead of megatron's DDP; with "
+                        "--num-distributed-optimizer-instances N > 1 it is HSDP: shards inside groups of "
+                        "world/N consecutive ranks (a node), replicated across the N groups")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +321,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     _validate_parallel_layout(args, world_size)
+    _validate_data_parallel(args, world_size)
     _validate_batch(args, world_size)
     if (args.save_interval is not None) and not args.save:
         raise ArgumentError("--save-interval needs --save DIR")
@@ -361,6 +383,53 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                 "layers of a pipeline stage into at least two virtual stages")
     elif per_virtual is not None:
         raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
+
+
+def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
+    """Megatron-LM's rules for its data-parallel flags, plus what FSDP2 and weight passing allow."""
+    instances = args.num_distributed_optimizer_instances
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        if args.use_torch_fsdp2 or instances != 1:
+            raise ArgumentError(
+                f"--use-torch-fsdp2 / --num-distributed-optimizer-instances do not apply to --pipeline-schedule "
+                f"{args.pipeline_schedule} (it already spreads weights, gradients and optimizer state over all ranks)")
+        if args.use_distributed_optimizer or args.overlap_grad_reduce or args.overlap_param_gather:
+            notice(f"--pipeline-schedule {args.pipeline_schedule}: every rank already owns 1/P of the optimizer "
+                   "state and transfers overlap compute; --use-distributed-optimizer / --overlap-grad-reduce / "
+                   "--overlap-param-gather change nothing")
+        return
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+    dp = world_size // args.pipeline_model_parallel_size
+    if args.use_torch_fsdp2:
+        if args.pipeline_schedule != "1f1b" or args.pipeline_model_parallel_size != 1:
+            raise ArgumentError("--use-torch-fsdp2 shards over all ranks: leave --pipeline-schedule at 1f1b and "
+                                "--pipeline-model-parallel-size at 1")
+        if args.use_distributed_optimizer or args.overlap_grad_reduce or args.overlap_param_gather:
+            raise ArgumentError("--use-torch-fsdp2 replaces megatron's DDP: it always shards the optimizer and "
+                                "overlaps its gathers and reductions; drop --use-distributed-optimizer / "
+                                "--overlap-grad-reduce / --overlap-param-gather")
+        if args.fp16:
+            raise ArgumentError("--use-torch-fsdp2 trains in fp32 or --bf16 (fp16 needs a loss scaler FSDP2 "
+                                "does not have)")
+        if args.recompute_granularity is not None:
+            raise ArgumentError("--use-torch-fsdp2 does not support --recompute-granularity yet")
+    elif instances != 1 and not args.use_distributed_optimizer:
+        raise ArgumentError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
+                            "(or --use-torch-fsdp2 for HSDP)")
+    if dp % instances:
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances} must divide the data-parallel "
+                            f"size {dp}")
+    if (args.save or args.load) and (args.use_torch_fsdp2 or args.use_distributed_optimizer):
+        flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-distributed-optimizer"
+        raise ArgumentError(f"--save / --load with {flag} are not supported yet (the common checkpoint format "
+                            "needs the sharded optimizer state gathered); checkpoint without it")
+
+
+def notice(message: str) -> None:
+    """A one-line notice about a flag that has no effect, printed once by the first rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"notice: {message}", flush=True)
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:

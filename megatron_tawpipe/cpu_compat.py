@@ -147,9 +147,9 @@ def _megatron_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_saf
     torch.set_rng_state(new_state)
 
 
-@contextlib.contextmanager
 def _null_stream_context(*args, **kwargs):
-    yield
+    # Reusable: megatron enters one stream context more than once.
+    return contextlib.nullcontext()
 
 
 class _FakeStream:
@@ -187,6 +187,10 @@ def _patch_table() -> List[Tuple[str, str, Any]]:
         ("torch.cuda", "set_rng_state", _set_rng_state),
         ("torch.cuda", "empty_cache", _noop),
         ("torch.cuda", "current_stream", _FakeStream),
+        ("torch.cuda", "default_stream", _FakeStream),
+        # megatron's partial data parallelism (--num-distributed-optimizer-instances > 1) runs its
+        # reductions on a side stream; on the CPU they run in order on the host instead.
+        ("torch.cuda", "Stream", _FakeStream),
         ("torch.cuda", "stream", _null_stream_context),
         ("torch.cuda", "memory_allocated", _memory_zero),
         ("torch.cuda", "max_memory_allocated", _memory_zero),

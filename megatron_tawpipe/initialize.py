@@ -101,6 +101,8 @@ def initialize_model_parallel(args) -> None:
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+            num_distributed_optimizer_instances=(
+                1 if getattr(args, "use_torch_fsdp2", False) else args.num_distributed_optimizer_instances),
         )
     set_seeds(args.seed)
 

@@ -1,7 +1,6 @@
 """The command-line entry of a training run: validate, train, turn known failures into one line.
 
-Shared by ``pretrain_llama.py`` and the FSDP baseline (``tools/fsdp_baseline.py``): flags are
-checked before any process group exists (exit 2), and training-time failures (a dead peer, a
+Flags are checked before any process group exists (exit 2), and training-time failures (a dead peer, a
 NaN, a bad checkpoint) end with one ``PROG: error: ...`` line and exit 1.
 """
 

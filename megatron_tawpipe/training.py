@@ -36,6 +36,10 @@ def build_trainer(args):
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
         return WeightPassingTrainer(args)
+    if getattr(args, "use_torch_fsdp2", False):
+        from megatron_tawpipe.baselines.fsdp import FsdpTrainer
+
+        return FsdpTrainer(args)
     from megatron_tawpipe.baselines.native import NativeTrainer
 
     return NativeTrainer(args)

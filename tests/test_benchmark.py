@@ -1,4 +1,4 @@
-"""The benchmark tool's local path and the FSDP baseline it compares against."""
+"""The benchmark tool's local path and the strategies' command lines."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from distributed_harness import run_ranks
-from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+from training_helpers import assert_close_rel, train_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,29 +20,11 @@ BENCH_MODEL = [
 ]
 
 
-def fsdp_rank(rank, argv):
-    from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.baselines.fsdp import pretrain_fsdp
-    from megatron_tawpipe.initialize import destroy
-
-    args = validate_args(parse_args(argv))
-    try:
-        return [record.to_json() for record in pretrain_fsdp(args)]
-    finally:
-        destroy()
-
-
-def _script_rank(rank, script, argv):
-    if os.path.basename(script) == "fsdp_baseline.py":
-        return fsdp_rank(rank, argv)
-    return train_rank(rank, argv)
-
-
 def fork_launcher(config, script_args, log_path):
     """Runs what torchrun would run, on ranks forked from this process (no interpreter start-up per run)."""
     with open(log_path, "w") as log:
         log.write(" ".join(script_args) + "\n")
-    run_ranks(_script_rank, config.ranks, script_args[0], list(script_args[1:]))
+    run_ranks(train_rank, config.ranks, list(script_args[1:]))
     return 0
 
 
@@ -90,36 +72,31 @@ def test_benchmark_two_schedules_two_repetitions(tmp_path):
 
 
 def test_schedule_commands_are_valid_pretrain_flags():
-    """Every schedule's command line passes the project's own argument checks for 4 ranks."""
+    """Every strategy's command line passes the project's own argument checks for 2 nodes x 2 ranks,
+    with the data-parallel flags its users would pass."""
     from megatron_tawpipe.arguments import parse_args, validate_args
     from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkConfig, schedule_command
-    from megatron_tawpipe.baselines.fsdp import check_fsdp_args
 
     model = [a if a != "4" else "16" for a in BENCH_MODEL]  # global batch 16
     model[model.index("--num-layers") + 1] = "8"
-    config = BenchmarkConfig(ranks=4, model_args=model)
+    config = BenchmarkConfig(ranks=4, model_args=model, groups=2)
+    parsed = {}
     for schedule in SCHEDULES:
         cmd = schedule_command(schedule, config, "/tmp/m.jsonl")
+        assert cmd[0].endswith("pretrain_llama.py")
         args = validate_args(parse_args(cmd[1:]), world_size=4)
         assert args.global_batch_size == 16 and args.metrics_file == "/tmp/m.jsonl"
-        if schedule == "fsdp":
-            check_fsdp_args(args)
-            assert cmd[0].endswith("fsdp_baseline.py")
-        else:
-            assert args.pipeline_schedule == schedule
-
-
-def test_fsdp_baseline_matches_native_1f1b():
-    """FSDP2 over 2 ranks trains exactly like native megatron 1f1b on one rank (pp 1)."""
-    argv = tiny_args()
-    (reference,) = run_ranks(train_rank, 1, argv)
-    per_rank = run_ranks(fsdp_rank, 2, argv)
-    assert len(reference) == 3
-    for records in per_rank:
-        assert_close_rel(losses(records), losses(reference), 1e-5)
-        assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], 1e-5, "grad norm")
-        assert all(r["schedule"] == "fsdp" for r in records)
-    assert losses(reference)[0] != losses(reference)[-1]
+        parsed[schedule] = args
+    for schedule in ("tawpipe", "weipipe", "1f1b", "interleaved"):
+        assert parsed[schedule].pipeline_schedule == schedule
+    assert parsed["pp-nodes"].pipeline_model_parallel_size == 2 and parsed["pp-nodes"].data_parallel_size == 2
+    for schedule in ("pp-nodes", "distopt-node", "distopt"):
+        args = parsed[schedule]
+        assert args.use_distributed_optimizer and args.overlap_grad_reduce and args.overlap_param_gather
+    assert parsed["distopt-node"].num_distributed_optimizer_instances == 2
+    assert parsed["distopt"].num_distributed_optimizer_instances == 1
+    assert parsed["fsdp"].use_torch_fsdp2 and parsed["fsdp"].num_distributed_optimizer_instances == 1
+    assert parsed["hsdp"].use_torch_fsdp2 and parsed["hsdp"].num_distributed_optimizer_instances == 2
 
 
 def test_cli_with_torchrun(tmp_path):

@@ -55,17 +55,6 @@ def test_bad_times_file_is_a_flag_error(tmp_path):
         validate_args(parse_args(tiny_args("--emulated-compute-times", str(path))), world_size=1)
 
 
-def _fsdp_rank(rank, argv):
-    from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.baselines.fsdp import pretrain_fsdp
-    from megatron_tawpipe.initialize import destroy
-
-    try:
-        return [r.to_json() for r in pretrain_fsdp(validate_args(parse_args(argv)))]
-    finally:
-        destroy()
-
-
 # 8 layers, global batch 8 on 4 ranks: 2 micro-batches per rank (weight passing, FSDP) or 8 per pipeline (1f1b).
 def _compute_per_rank(schedule):
     t = TIMES
@@ -73,19 +62,22 @@ def _compute_per_rank(schedule):
     head = t["head_forward"] + t["head_backward"]
     if schedule in ("tawpipe", "weipipe"):  # every rank runs its 2 micro-batches through all 8 layers, recomputing
         return 2 * (8 * (layer + t["layer_recompute"]) + head)
-    if schedule == "fsdp":
+    if schedule in ("fsdp", "hsdp", "distopt-node"):
         return 2 * (8 * layer + head)
     return 8 * 2 * layer  # 1f1b, middle stage: 8 micro-batches through its 2 layers
 
 
-@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe", "1f1b", "fsdp"])
+@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe", "1f1b", "fsdp", "hsdp", "distopt-node"])
 def test_every_schedule_runs_emulated(schedule, times_file):
     extra = {"tawpipe": ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"],
              "weipipe": ["--pipeline-schedule", "weipipe", "--tawpipe-num-groups", "2"],
              "1f1b": ["--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "4"],
-             "fsdp": []}[schedule]
+             "fsdp": ["--use-torch-fsdp2"],
+             "hsdp": ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"],
+             "distopt-node": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                              "--num-distributed-optimizer-instances", "2"]}[schedule]
     argv = tiny_args(*extra, "--emulated-compute-times", times_file, train_iters=2)
-    records = run_ranks(_fsdp_rank if schedule == "fsdp" else train_rank, 4, argv)
+    records = run_ranks(train_rank, 4, argv)
     last = records[-1]
     assert len(last) == 2
     for record in last:

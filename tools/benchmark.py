@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Run pipeline schedules side by side on the same model, global batch and data; print a table.
+"""Run training strategies side by side on the same model, global batch and data; print a table.
 
 Local (ranks on this machine):
 
-    python tools/benchmark.py --ranks 4 --schedules tawpipe weipipe 1f1b interleaved fsdp --repetitions 3 \\
+    python tools/benchmark.py --ranks 4 --schedules tawpipe 1f1b distopt-node fsdp hsdp --repetitions 3 \\
         --train-iters 4 --warmup-iters 1 --json runs/bench.json --chart runs/bench.png -- \\
         --num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 1024 --micro-batch-size 1 \\
         --global-batch-size 16 --mock-data --vocab-size 8000
@@ -11,6 +11,10 @@ Local (ranks on this machine):
 On an emulated cluster (root; one network namespace per node, links shaped to --rate):
 
     python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate 100mbit ... -- MODEL FLAGS
+
+Strategies (each configured as its users would; "nodes" is --nodes, locally --groups):
+
+{strategies}
 
 Flags after ``--`` go to every run (pretrain_llama.py's model, data and batch flags). Repetitions
 alternate (A B C A B C ...); the first --warmup-iters iterations of each run are dropped.
@@ -23,9 +27,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.bench.benchmark import (SCHEDULES, BenchmarkConfig, BenchmarkError,  # noqa: E402
-                                        compare_with_simulation, format_comparison, format_table,
-                                        run_benchmark, write_chart)
+from megatron_tawpipe.bench.benchmark import (DEFAULT_SCHEDULES, SCHEDULES, STRATEGIES,  # noqa: E402
+                                              BenchmarkConfig, BenchmarkError, compare_with_simulation,
+                                              format_comparison, format_table, run_benchmark, write_chart)
+
+__doc__ = __doc__.format(strategies="\n".join(f"  {name:<13}{what}" for name, what in STRATEGIES.items()))
 
 DEFAULT_MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
                  "--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "16",
@@ -39,8 +45,10 @@ def main(argv=None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, model_args = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    p = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES), choices=SCHEDULES,
+                   help="strategies to run (default: %(default)s)")
     p.add_argument("--ranks", type=int, default=None, help="local ranks (default 4; nodes x ranks-per-node on a cluster)")
     p.add_argument("--repetitions", type=int, default=2)
     p.add_argument("--train-iters", type=int, default=4)

@@ -1,13 +1,20 @@
-"""FSDP / ZeRO-3 baseline on the same megatron-core Llama model.
+"""FSDP (ZeRO-3) and HSDP on the same megatron-core Llama model: ``--use-torch-fsdp2``.
 
 The model is the one every schedule trains (``build_llama_model`` with
 ``llama_config``, deterministic per-parameter initialisation), wrapped with
 torch FSDP2: ``fully_shard`` on every decoder layer, then on the root (the
-embedding, final norm and output layer). Each rank holds 1/P of every
-parameter, gradient and AdamW state; a layer's weights are all-gathered just
-before its forward and again before its backward, its gradients are
-reduce-scattered after its backward (every micro-batch: ZeRO-3). Each layer
-prefetches the next one's all-gather (the previous one's in backward).
+embedding, final norm and output layer). A layer's weights are all-gathered
+just before its forward and again before its backward, its gradients are
+reduce-scattered after its backward, every micro-batch; each layer prefetches
+the next one's all-gather (the previous one's in backward).
+
+* FSDP: one mesh dimension over all ranks; each rank holds 1/P of every
+  parameter, gradient and AdamW state.
+* HSDP (``--num-distributed-optimizer-instances N`` > 1): a 2-D mesh
+  (N replicas, world/N ranks per replica; a replica is consecutive ranks,
+  i.e. a node under torchrun). Gathers and reduce-scatters stay inside the
+  replica; the shard's gradient is all-reduced across replicas once per
+  iteration, on the last micro-batch (``set_requires_all_reduce``).
 
 Numerics follow megatron's native path so that a run is comparable with
 ``--pipeline-schedule 1f1b`` on the same seed and batch:
@@ -16,22 +23,24 @@ Numerics follow megatron's native path so that a run is comparable with
   micro-batches; FSDP averages over data-parallel ranks (megatron's DDP does
   the same with a sum and a 1/dp scale);
 - AdamW (megatron's CPU choice, ``decoupled_weight_decay``) with megatron's
-  parameter groups: no weight decay on biases and 1-D parameters;
+  parameter groups: no weight decay on biases and 1-D parameters; the fused
+  kernel on CUDA, foreach on the CPU;
 - gradient clipping on the global L2 norm with megatron's ``clip / (norm + 1e-6)``;
+- ``--bf16``: FSDP2's mixed-precision policy, bf16 weights in forward and
+  backward, fp32 sharded master weights, gradients reduced and accumulated in
+  fp32 (megatron's ``grad_reduce_in_fp32``); the initial weights are rounded
+  to bf16 first, as megatron's fp32 masters are copies of bf16 weights;
 - megatron's ``OptimizerParamScheduler`` and the project's metrics file.
 
-fp32 only (``--bf16`` / ``--fp16`` are refused: mixed precision would need
-FSDP's MixedPrecisionPolicy, which rounds differently from megatron's
-Float16Module + fp32 master weights).
+Run it with ``pretrain_llama.py``'s flags::
 
-Run it like ``pretrain_llama.py`` (same flags; the pipeline flags must be
-left at their defaults)::
-
-    torchrun --nproc-per-node 4 tools/fsdp_baseline.py --num-layers 8 ... --metrics-file m.jsonl
+    torchrun --nnodes 2 --nproc-per-node 8 pretrain_llama.py ... --bf16 \
+        --use-torch-fsdp2 --num-distributed-optimizer-instances 2      # HSDP, one replica per node
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Dict, Iterator, List, Tuple
@@ -42,22 +51,31 @@ import torch.distributed as dist
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
 from megatron_tawpipe.model import build_llama_model, llama_config
+from megatron_tawpipe.runtime.trainer import squared_l2_norm
 
 
-class FsdpSetupError(ValueError):
-    """The flags do not describe an FSDP baseline run."""
+def build_mesh(replicas: int):
+    """FSDP's 1-D mesh over all ranks, or HSDP's (replicas, ranks per replica) mesh.
+
+    ``init_device_mesh`` lays ranks out row-major, so a replica is a block of consecutive ranks:
+    a node under torchrun.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    world = dist.get_world_size()
+    if replicas == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
 
 
-def check_fsdp_args(args) -> None:
-    if args.pipeline_schedule != "1f1b" or args.pipeline_model_parallel_size != 1:
-        raise FsdpSetupError("the FSDP baseline shards over all ranks: leave --pipeline-schedule at 1f1b and "
-                             "--pipeline-model-parallel-size at 1")
-    if args.bf16 or args.fp16:
-        raise FsdpSetupError("the FSDP baseline runs in fp32 only (no --bf16 / --fp16)")
-    if args.recompute_granularity is not None:
-        raise FsdpSetupError("the FSDP baseline does not support --recompute-granularity")
-    if args.load or args.save:
-        raise FsdpSetupError("the FSDP baseline does not read or write checkpoints (--load / --save)")
+def mixed_precision_policy(args) -> dict:
+    """``fully_shard`` keyword for ``--bf16``: bf16 compute, fp32 reductions and accumulation."""
+    if not args.bf16:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def _device() -> torch.device:
@@ -92,22 +110,28 @@ class FsdpTrainer:
     """One FSDP2-sharded model with ``train_step`` / ``eval_step`` like the other trainers."""
 
     def __init__(self, args, reshard_after_forward: bool = True):
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        check_fsdp_args(args)
         self.args = args
-        self.config = llama_config(args, 1, None)
-        model = build_llama_model(args, self.config)
+        self.replicas = args.num_distributed_optimizer_instances
+        # fp32 parameters (FSDP's sharded masters); --bf16 is FSDP's mixed-precision policy below.
+        fp32_args = copy.copy(args)
+        fp32_args.bf16 = False
+        self.config = llama_config(fp32_args, 1, None)
+        model = build_llama_model(fp32_args, self.config)
+        if args.bf16:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.to(torch.bfloat16))
         times = emulated_compute.maybe_load(args)
         if times is not None:
             emulated_compute.emulate_gpt_model(model, times, recompute=False)
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        self.mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        self.mesh = build_mesh(self.replicas)
+        policy = mixed_precision_policy(args)
         layers = list(model.decoder.layers)
         for layer in layers:
-            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **policy)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **policy)
         # Explicit prefetch: start the next layer's all-gather while this one computes. FSDP's implicit
         # prefetch relies on CUDA streams; on CPU/gloo only explicit prefetch overlaps anything.
         for i, layer in enumerate(layers):
@@ -116,9 +140,10 @@ class FsdpTrainer:
             if i > 0:
                 layer.set_modules_to_backward_prefetch([layers[i - 1]])
         self.model = model
+        kernel = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
             megatron_param_groups(model, args), lr=args.lr, weight_decay=args.weight_decay,
-            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, foreach=False)
+            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
         # Time in forward/backward calls (FSDP's all-gathers and reduce-scatters run inside them).
         self.last_forward_backward_s = 0.0
 
@@ -143,7 +168,9 @@ class FsdpTrainer:
         totals = torch.zeros(2, dtype=torch.float64, device=_device())
         n = self.args.num_microbatches
         start = time.perf_counter()
-        for _ in range(n):
+        for i in range(n):
+            if self.replicas > 1:  # HSDP: across replicas once per iteration, with the last backward
+                self.model.set_requires_all_reduce(i == n - 1)
             loss_sum, tokens = self._micro_batch_loss(data_iterators[0])
             (loss_sum / torch.clamp(tokens, min=1) / n).backward()
             totals += torch.stack([loss_sum.detach(), tokens]).to(totals)
@@ -157,15 +184,21 @@ class FsdpTrainer:
         fraction = mean_over_ranks(self.last_forward_backward_s / max(time.perf_counter() - start, 1e-9))
         return {"loss_sum": float(totals[0]), "num_tokens": float(totals[1]), "grad_norm": grad_norm,
                 "skipped": False, "loss_scale": None,
-                "extra": {"schedule": "fsdp", "forward_backward_fraction": fraction}}
+                "extra": {"schedule": self.schedule_name, "forward_backward_fraction": fraction}}
+
+    @property
+    def schedule_name(self) -> str:
+        return "hsdp" if self.replicas > 1 else "fsdp"
 
     def _clip_gradients(self) -> float:
-        """Global L2 norm of all (sharded) gradients; scale them by megatron's clip coefficient."""
+        """Global L2 norm of all (sharded) gradients; scale them by megatron's clip coefficient.
+
+        The shards of one replica make up every gradient once: the squares are summed over the
+        shard dimension of the mesh only (HSDP's replicas hold equal copies).
+        """
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64, device=_device())
-        for g in grads:
-            sq += _local(g).double().pow(2).sum()
-        dist.all_reduce(sq)
+        sq = squared_l2_norm([_local(g) for g in grads], _device())
+        dist.all_reduce(sq, group=self.shard_group)
         norm = float(sq.sqrt())
         clip = self.args.clip_grad
         if clip and clip > 0:
@@ -185,23 +218,12 @@ class FsdpTrainer:
         dist.all_reduce(totals)
         return float(totals[0]), float(totals[1])
 
+    @property
+    def shard_group(self):
+        return self.mesh["shard"].get_group() if self.replicas > 1 else self.mesh.get_group()
+
     def param_groups(self):
         return self.optimizer.param_groups
 
     def close(self) -> None:
         pass
-
-
-def pretrain_fsdp(args) -> list:
-    """``pretrain_llama.py``'s training loop around an ``FsdpTrainer``; returns the records."""
-    from megatron_tawpipe.training import pretrain
-
-    check_fsdp_args(args)
-    return pretrain(args, trainer_factory=FsdpTrainer)
-
-
-def main(argv=None) -> int:
-    """Command-line entry: the same flags, checks and error handling as ``pretrain_llama.py``."""
-    from megatron_tawpipe.launch import run_training
-
-    return run_training(argv, prog="fsdp_baseline.py", check=check_fsdp_args, trainer_factory=FsdpTrainer)

@@ -104,8 +104,24 @@ def optimizer_config(args) -> OptimizerConfig:
         params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32),
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
+
+
+def ddp_config(args) -> DistributedDataParallelConfig:
+    """megatron's DDP as Megatron-LM configures it from the same flags.
+
+    Gradients accumulate and are reduced in fp32 (Megatron-LM's default for bf16 and the only
+    choice in fp32); with ``--overlap-grad-reduce`` megatron's DDP picks its default buckets
+    (40M parameters, at least 1M per data-parallel rank) and reduces each while backward goes on.
+    """
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
 
 
 class NativeTrainer:
@@ -124,13 +140,14 @@ class NativeTrainer:
             self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
         else:
             self.config.no_sync_func = self.model[0].no_sync
+        if args.overlap_grad_reduce:  # Megatron-LM's --align-grad-reduce (its default)
+            sync = [chunk.start_grad_sync for chunk in self.model]
+            self.config.grad_sync_func = sync if len(sync) > 1 else sync[0]
         self.forward_backward = megatron_forward_backward_func(args.pipeline_model_parallel_size, vpp)
         report_pipeline_waits()
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
-            check_for_nan_in_grad=self.args.check_for_nan_in_loss_and_grad and not self.args.fp16)
+        config = ddp_config(self.args)
         times = emulated_compute.maybe_load(self.args)
         chunks = []
         for vp_stage in range(vpp or 1):
@@ -148,7 +165,7 @@ class NativeTrainer:
                 from megatron.core.transformer.module import Float16Module
 
                 model = Float16Module(self.config, model)
-            chunks.append(DistributedDataParallel(self.config, ddp_config, model))
+            chunks.append(DistributedDataParallel(self.config, config, model))
         return chunks
 
     @property

@@ -1,7 +1,8 @@
 """Side-by-side benchmark of the pipeline schedules on one model, batch and data.
 
-Each schedule runs as its own torchrun (``pretrain_llama.py``, or
-``tools/fsdp_baseline.py`` for the FSDP baseline) with ``--metrics-file``;
+Each strategy runs as its own torchrun of ``pretrain_llama.py`` with
+``--metrics-file``, configured as its users would configure it (see
+:data:`STRATEGIES`);
 repetitions alternate (A B C A B C ...) so that slow drift of the machine
 affects every schedule alike. Warm-up iterations are dropped; the remaining
 iterations of a run give its median tokens/s per rank, ms/iteration, bytes
@@ -29,9 +30,24 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
-FSDP_SCRIPT = os.path.join(ROOT, "tools", "fsdp_baseline.py")
 
-SCHEDULES = ("tawpipe", "weipipe", "1f1b", "interleaved", "fsdp")
+# What each strategy is, with the flags its best users would pass (nodes = the cluster's nodes).
+STRATEGIES = {
+    "tawpipe": "TawPipe: weight passing, one group per node",
+    "weipipe": "WeiPipe: weight passing in one ring",
+    "1f1b": "megatron 1F1B, one pipeline over all ranks",
+    "interleaved": "megatron interleaved 1F1B over all ranks, 2 virtual stages",
+    "pp-nodes": "megatron 1F1B with one stage per node, data parallel inside (distributed optimizer, "
+                "overlapped gradient reduce and parameter gather)",
+    "distopt-node": "megatron data parallel, distributed optimizer with one instance per node "
+                    "(overlapped gradient reduce and parameter gather)",
+    "distopt": "megatron data parallel, distributed optimizer over all ranks (overlapped)",
+    "fsdp": "torch FSDP2 (ZeRO-3) over all ranks",
+    "hsdp": "torch FSDP2 HSDP: sharded inside a node, replicated across nodes, one all-reduce per iteration",
+}
+SCHEDULES = tuple(STRATEGIES)
+DEFAULT_SCHEDULES = ("tawpipe", "weipipe", "1f1b", "pp-nodes", "distopt-node", "fsdp", "hsdp")
+DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 class BenchmarkError(RuntimeError):
@@ -40,7 +56,7 @@ class BenchmarkError(RuntimeError):
 
 @dataclass
 class BenchmarkConfig:
-    schedules: Sequence[str] = ("tawpipe", "weipipe", "1f1b", "interleaved", "fsdp")
+    schedules: Sequence[str] = DEFAULT_SCHEDULES
     ranks: int = 4
     repetitions: int = 2
     train_iters: int = 4
@@ -100,8 +116,20 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         per_virtual = per_stage // 2 if per_stage % 2 == 0 else 1
         return [PRETRAIN, "--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", str(p),
                 "--num-layers-per-virtual-pipeline-stage", str(per_virtual)] + common
+    nodes = config.num_groups()
+    if schedule == "pp-nodes":
+        if nodes < 2:
+            raise BenchmarkError("pp-nodes needs at least 2 nodes (groups)")
+        return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(nodes)] + (
+            DISTRIBUTED_OPTIMIZER + common)
+    if schedule == "distopt-node":
+        return [PRETRAIN] + DISTRIBUTED_OPTIMIZER + ["--num-distributed-optimizer-instances", str(nodes)] + common
+    if schedule == "distopt":
+        return [PRETRAIN] + DISTRIBUTED_OPTIMIZER + common
     if schedule == "fsdp":
-        return [FSDP_SCRIPT] + common
+        return [PRETRAIN, "--use-torch-fsdp2"] + common
+    if schedule == "hsdp":
+        return [PRETRAIN, "--use-torch-fsdp2", "--num-distributed-optimizer-instances", str(nodes)] + common
     raise BenchmarkError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
 
 
