@@ -11,7 +11,14 @@ Example (24 ranks in 3 nodes, 10 GbE between nodes):
 ``--num-microbatches`` is per rank: weight-passing schedules and FSDP give every
 rank that many micro-batches; activation-passing schedules (gpipe, 1f1b,
 interleaved) run one pipeline over all ranks with ranks x that many
-micro-batches, i.e. the same global batch.
+micro-batches, i.e. the same global batch; pp-nodes runs one pipeline stage per
+node with ranks-per-node pipelines side by side.
+
+Advisor (which strategy, which knobs, which command):
+
+    python tools/simulate.py --advise --model 7b --seq-length 32768 --global-batch-size 128 \
+        --ranks 32 --ranks-per-node 8 --intra-bw 450GB/s --inter-bw 25Gbit/s \
+        --peak-tflops 989 --efficiency 0.4 --gpu-memory 80GB [--json]
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_tawpipe.plan import SCHEDULES
-from megatron_tawpipe.plan.cli import ALL, add_model_args, cost_model, run_one
+from megatron_tawpipe.plan.cli import (ALL, ANALYTIC, add_advisor_args, add_model_args,
+                                       advisor_inputs, cost_model, run_one)
 
 def format_table(rows) -> str:
     head = ("schedule", "iter s", "tok/s/rank", "bubble", "inter GB", "intra GB", "w bufs",
@@ -54,11 +62,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--no-validate", action="store_true", help="skip validating the plans")
     add_model_args(p)
+    add_advisor_args(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    if args.ranks_per_node:
+        args.groups = args.ranks // args.ranks_per_node
+    if args.advise:
+        return advise_main(args, argv)
     names = list(ALL) if args.schedule == "all" else [x.strip() for x in args.schedule.split(",")]
     for n in names:
-        if n != "fsdp" and n not in SCHEDULES:
-            p.error(f"unknown schedule {n!r}; known: {', '.join(list(SCHEDULES) + ['fsdp'])}")
+        if n not in ANALYTIC and n not in SCHEDULES:
+            p.error(f"unknown schedule {n!r}; known: {', '.join(list(SCHEDULES) + list(ANALYTIC))}")
     cost = cost_model(args)
     rows = []
     for n in names:
@@ -74,6 +88,22 @@ def main(argv=None) -> int:
               f"{args.num_microbatches} micro-batches per rank; intra {args.intra_bw}, "
               f"inter {args.inter_bw}; {args.peak_tflops:g} TFLOP/s x {args.efficiency:g}")
         print(format_table(rows))
+    return 0
+
+
+def advise_main(args, argv) -> int:
+    from megatron_tawpipe.plan.advisor import advise
+    from megatron_tawpipe.plan.advisor_report import format_report
+
+    model, cluster, gbs = advisor_inputs(args, argv)
+    summary = advise(model, cluster, gbs, prune=args.prune, trainable_only=args.trainable_only)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(format_report(summary, rows=args.top))
+    if summary["best"] is None:
+        print("error: " + summary["error"], file=sys.stderr)
+        return 2
     return 0
 
 

@@ -10,11 +10,13 @@ from .costmodel import CostModel, parse_rate, parse_time
 from .fsdp import simulate_fsdp
 from .planners import build_plan
 from .simulate import simulate
+from .strategies import STRATEGIES, plan_memory, run_strategy
 from .validate import validate_plan
 
 ACTIVATION = ("gpipe", "1f1b", "interleaved")
+ANALYTIC = ("fsdp",) + tuple(STRATEGIES)      # not plan schedules
 ALL = ("tawpipe", "tawpipe-paper", "tawpipe-nooverlap", "tawpipe-flat", "weipipe",
-       "weipipe-naive", "gpipe", "1f1b", "interleaved", "fsdp")
+       "weipipe-naive", "gpipe", "1f1b", "interleaved", "fsdp") + tuple(STRATEGIES)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -107,10 +109,81 @@ def make_plan(name: str, args, validate: bool = True):
 
 
 def run_one(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
+    """(plan or None, SimResult); the result's ``options["memory_breakdown"]`` is
+    the per-GPU memory by term (:mod:`plan.memory`)."""
+    if name in STRATEGIES:
+        return None, run_strategy(name, cost, args.ranks, args.groups, args.num_layers,
+                                  args.num_microbatches)
     if name == "fsdp":
-        return None, simulate_fsdp(cost, args.ranks, args.groups, args.num_layers,
-                                   args.num_microbatches)
-    plan = make_plan(name, args, validate)
-    return plan, simulate(plan, cost, record=record)
+        result = simulate_fsdp(cost, args.ranks, args.groups, args.num_layers,
+                               args.num_microbatches)
+        plan = None
+    else:
+        plan = make_plan(name, args, validate)
+        result = simulate(plan, cost, record=record)
+    result.options["memory_breakdown"] = plan_memory(result, cost, plan).as_dict()
+    return plan, result
 
 
+
+
+# ----------------------------------------------------------------- the advisor
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "num_query_groups", "vocab_size")
+
+
+def add_advisor_args(p: argparse.ArgumentParser) -> None:
+    from .advisor import PRESETS
+
+    a = p.add_argument_group("advisor (--advise)")
+    a.add_argument("--advise", action="store_true", help="rank every strategy and its knobs for this "
+                   "cluster, model and global batch; print the best command")
+    a.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (sets --groups)")
+    a.add_argument("--gpu-memory", default="80GB", help="memory per GPU (80GB = 80e9 bytes, 80GiB)")
+    a.add_argument("--memory-reserve", default="5GB", help="kept free for the CUDA context, NCCL "
+                   "buffers and fragmentation, which the memory model does not count")
+    a.add_argument("--model", choices=sorted(PRESETS), default=None, help="Llama-shaped preset "
+                   "(Llama-2 7B/13B/70B, Code Llama 34B); explicit model flags override it")
+    a.add_argument("--global-batch-size", type=int, default=None, help="sequences per iteration "
+                   "(default: micro-batch size x num-microbatches x ranks)")
+    a.add_argument("--prune", choices=("strategy", "top2"), default="strategy",
+                   help="which simulations to skip (see megatron_tawpipe/plan/advisor.py)")
+    a.add_argument("--trainable-only", action="store_true", help="leave out what only the "
+                   "simulator models (HFSDP, TawPipe cache settings the runtime does not offer)")
+    a.add_argument("--top", type=int, default=15, help="rows of the ranking to print")
+
+
+def _given(argv, name: str) -> bool:
+    flag = "--" + name.replace("_", "-")
+    return any(x == flag or x.startswith(flag + "=") for x in argv)
+
+
+def advisor_inputs(args, argv):
+    """(ModelSpec, Cluster, global batch) from the parsed flags."""
+    from .advisor import PRESETS, Cluster, ModelSpec
+    from .memory import parse_size
+
+    values = {}
+    preset = PRESETS[args.model] if args.model else {}
+    for name in MODEL_FLAGS:
+        given = getattr(args, name)
+        values[name] = given if (_given(argv, name) or name not in preset) else preset[name]
+    H = values["hidden_size"]
+    if values["ffn_hidden_size"] is None:
+        values["ffn_hidden_size"] = 64 * ((int(8 * H / 3) + 63) // 64)
+    if values["num_attention_heads"] is None:
+        values["num_attention_heads"] = max(1, H // 128)
+    if values["num_query_groups"] is None:
+        values["num_query_groups"] = values["num_attention_heads"]
+    model = ModelSpec(seq_length=args.seq_length, **values)
+    groups = args.ranks // args.ranks_per_node if args.ranks_per_node else args.groups
+    if args.ranks % groups:
+        raise ValueError(f"--ranks {args.ranks} is not a multiple of the node size")
+    cluster = Cluster(ranks=args.ranks, nodes=groups, intra_bw=parse_rate(args.intra_bw),
+                      inter_bw=parse_rate(args.inter_bw), peak_tflops=args.peak_tflops,
+                      efficiency=args.efficiency, gpu_memory=parse_size(args.gpu_memory),
+                      memory_reserve=parse_size(args.memory_reserve),
+                      intra_latency=parse_time(args.intra_latency),
+                      inter_latency=parse_time(args.inter_latency))
+    gbs = args.global_batch_size or args.micro_batch_size * args.num_microbatches * args.ranks
+    return model, cluster, gbs

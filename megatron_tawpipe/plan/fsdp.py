@@ -21,7 +21,10 @@ INF = float("inf")
 
 
 def simulate_fsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: int,
-                  num_microbatches: int, unit_layers: int = None) -> SimResult:
+                  num_microbatches: int, unit_layers: int = None,
+                  grad_bytes: int = None) -> SimResult:
+    """``grad_bytes``: bytes per gradient element in the reduce-scatter (default
+    the compute dtype; 4 with FSDP2's ``reduce_dtype=float32``)."""
     P, D, N = num_ranks, num_groups, num_microbatches
     unit_layers = unit_layers or max(1, num_layers // P)
     if num_layers % unit_layers:
@@ -33,16 +36,17 @@ def simulate_fsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
     coll = (P - 1) * link.latency + (0.0 if link.bandwidth == INF else moved / link.bandwidth)
     if P == 1:
         coll = 0.0
+    g_ratio = (grad_bytes or cost.dtype_bytes) / cost.dtype_bytes
     t_f = cost.layer_forward * unit_layers
     t_b = (cost.layer_backward + cost.layer_recompute) * unit_layers
-    per_mb = units * (max(t_f, coll) + max(t_b, 2 * coll)) + \
+    per_mb = units * (max(t_f, coll) + max(t_b, (1 + g_ratio) * coll)) + \
         cost.head_forward + cost.head_backward
     # Exposed: the first gather of an iteration, the last reduce-scatter, and
     # the optimizer on the local 1/P of everything.
     params = (num_layers * cost.params_per_layer + cost.replicated_params) / P
-    iteration = N * per_mb + 2 * coll + params * cost.optimizer_time_per_param
+    iteration = N * per_mb + (1 + g_ratio) * coll + params * cost.optimizer_time_per_param
     compute = N * (units * (t_f + t_b) + cost.head_forward + cost.head_backward)
-    collectives = N * units * 3
+    collectives = N * units * (2 + g_ratio)      # two gathers, one reduce-scatter
     crossing = D if D > 1 else 0
     link_bytes = {"inter": collectives * crossing * moved,
                   "intra": collectives * (P - crossing) * moved}
@@ -58,6 +62,6 @@ def simulate_fsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
         link_bytes=link_bytes, replicated_allreduce_bytes=0.0,
         # two gathered units (current + prefetched) and one unsharded gradient
         weight_buffers=2, grad_buffers=1, weight_buffer_bytes=2 * unit_bytes,
-        grad_buffer_bytes=unit_bytes, activation_bytes=units * per_stash + working,
+        grad_buffer_bytes=unit_bytes * g_ratio, activation_bytes=units * per_stash + working,
         state_bytes=state, compute_time=[compute] * P, finish_time=[iteration] * P,
         options={"unit_layers": unit_layers, "analytic": True})

@@ -1,0 +1,403 @@
+"""Which strategy to run on a cluster: enumerate every strategy with its knobs,
+keep what divides the global batch and fits in GPU memory, rank the rest by
+predicted tokens/s per GPU, and print the command line of the best
+(``tools/simulate.py --advise``).
+
+Strategies: the weight-passing ``tawpipe`` (micro-batches per visit 1/2/4,
+cache on/off) and ``weipipe``; megatron pipelines (``pp-nodes``: one stage per
+node; ``1f1b`` / ``interleaved`` with larger pipelines, every stage inside one
+node, data parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
+``distopt-node``, ``distopt`` and ``hfsdp`` (simulator only).  Every strategy
+is tried with micro-batch sizes 1/2/4 and recompute on/off.
+
+Plan-based strategies cost a plan simulation each (more than 4 visits' worth
+of micro-batches per rank, or 4 x pipeline size per pipeline, are simulated as
+2x and 4x and extended linearly: :func:`plan.strategies.simulate_extended`); a
+configuration is not
+simulated when its ceiling (tokens/s with free communication and the ideal
+bubble, or what its inter-node bytes allow at full link speed, whichever is
+lower) cannot beat what it would need to beat: its strategy's best so
+far (``prune="strategy"``: every strategy's best is exact) or also the
+runner-up across strategies (``prune="top2"``: winner, runner-up and margin
+exact; what the scale study uses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .costmodel import CostModel, params_per_layer
+from .advisor_report import check_command, command, summarize
+from .memory import MemoryBreakdown, weight_passing_breakdown
+from .planners import build_plan
+from .simulate import link_bytes
+from .fsdp import simulate_fsdp
+from .strategies import (pipeline_memory, plan_memory_fields, simulate_distopt, simulate_extended,
+                         simulate_hfsdp, simulate_hsdp, simulate_pipeline)
+from .memory import generic_breakdown
+
+#: Llama-shaped presets: Llama-2 7B/13B/70B, Code Llama 34B.
+PRESETS = {
+    "7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
+               num_query_groups=32, vocab_size=32000),
+    "13b": dict(num_layers=40, hidden_size=5120, ffn_hidden_size=13824, num_attention_heads=40,
+                num_query_groups=40, vocab_size=32000),
+    "34b": dict(num_layers=48, hidden_size=8192, ffn_hidden_size=22016, num_attention_heads=64,
+                num_query_groups=8, vocab_size=32000),
+    "70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                num_query_groups=8, vocab_size=32000),
+}
+
+ORDER = ("distopt-node", "distopt", "hsdp", "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved",
+         "tawpipe", "weipipe")
+PLAN_BASED = ("pp-nodes", "1f1b", "interleaved", "tawpipe", "weipipe")
+MICRO_BATCHES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    seq_length: int
+
+    @property
+    def params(self) -> float:
+        ppl = params_per_layer(self.hidden_size, self.ffn_hidden_size, self.num_attention_heads,
+                               self.num_query_groups)
+        return self.num_layers * ppl + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+
+    def flags(self) -> List[str]:
+        out = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
+               "--ffn-hidden-size", self.ffn_hidden_size, "--num-attention-heads",
+               self.num_attention_heads]
+        if self.num_query_groups != self.num_attention_heads:
+            out += ["--group-query-attention", "--num-query-groups", self.num_query_groups]
+        out += ["--vocab-size", self.vocab_size, "--untie-embeddings-and-output-weights",
+                "--seq-length", self.seq_length]
+        return [str(x) for x in out]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    ranks: int
+    nodes: int
+    intra_bw: float
+    inter_bw: float
+    peak_tflops: float = 989.0
+    efficiency: float = 0.4
+    gpu_memory: float = 80e9
+    memory_reserve: float = 5e9
+    intra_latency: float = 5e-6
+    inter_latency: float = 20e-6
+
+    @property
+    def per_node(self) -> int:
+        return self.ranks // self.nodes
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu_memory - self.memory_reserve
+
+
+@dataclass
+class Config:
+    strategy: str
+    micro_batch_size: int
+    recompute: bool
+    knobs: Dict = field(default_factory=dict)
+    bound: float = 0.0                       # compute-bound tokens/s per GPU
+    # filled by evaluation
+    status: str = "pending"                  # ok, no-fit, pruned
+    tokens_per_sec_per_gpu: float = 0.0
+    iteration_time: float = 0.0
+    bubble: float = 0.0
+    inter_bytes_per_node: float = 0.0
+    memory: Optional[MemoryBreakdown] = None
+    trainable: bool = True
+    note: str = ""
+    argv: List[str] = field(default_factory=list)
+    command: str = ""
+
+    def label(self) -> str:
+        parts = [f"b={self.micro_batch_size}"]
+        k = self.knobs
+        if "pipeline_size" in k:
+            parts.append(f"pp={k['pipeline_size']}")
+        if k.get("virtual_stages", 1) > 1:
+            parts.append(f"vp={k['virtual_stages']}")
+        if "chunk" in k:
+            parts.append(f"c={k['chunk']}")
+        if "cache" in k:
+            parts.append("cache" if k["cache"] else "no-cache")
+        parts.append("recompute" if self.recompute else "no-recompute")
+        return " ".join(parts)
+
+    def row(self) -> dict:
+        return {"strategy": self.strategy, "knobs": dict(self.knobs, micro_batch_size=self.micro_batch_size,
+                                                         recompute=self.recompute),
+                "label": self.label(), "status": self.status,
+                "tokens_per_sec_per_gpu": self.tokens_per_sec_per_gpu,
+                "iteration_time_s": self.iteration_time, "bubble_ratio": self.bubble,
+                "inter_bytes_per_node": self.inter_bytes_per_node,
+                "memory_bytes": self.memory.total if self.memory else None,
+                "memory_breakdown": self.memory.as_dict() if self.memory else None,
+                "compute_bound_tokens_per_sec_per_gpu": self.bound, "trainable": self.trainable,
+                "note": self.note, "command": self.command}
+
+
+# ------------------------------------------------------------------ enumerate
+def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
+                      runtime_knobs_only: bool = False):
+    """(configs, not_applicable): every strategy x knobs whose shapes divide, and
+    one line per strategy/knob that cannot run at all, saying why.
+    ``runtime_knobs_only``: TawPipe's cache only as the runtime sets it."""
+    P, D, d, L = cluster.ranks, cluster.nodes, cluster.per_node, model.num_layers
+    out, na = [], []
+    for b in MICRO_BATCHES:
+        if global_batch % b:
+            continue
+        mbs = global_batch // b
+        for r in (True, False):
+            def add(strategy, **knobs):
+                out.append(Config(strategy, b, r, knobs))
+            dp_ok = mbs % P == 0
+            if dp_ok:
+                for s in ("distopt", "fsdp"):
+                    add(s)
+                if D > 1:
+                    for s in ("distopt-node", "hsdp", "hfsdp"):
+                        add(s)
+                if L % P == 0:
+                    N = mbs // P
+                    add("weipipe")
+                    # TawPipe: b micro-batches per visit cost what a b times larger
+                    # micro-batch costs, with less memory: micro-batch size 1 only.
+                    for c in (1, 2, 4) if b == 1 else ():
+                        if N % c == 0:
+                            for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
+                                add("tawpipe", chunk=c, cache=cache)
+            p = D
+            while p <= P:
+                if P % p == 0 and L % p == 0 and mbs % (P // p) == 0:
+                    m = mbs // (P // p)
+                    if p > 1:
+                        add("pp-nodes" if p == D else "1f1b", pipeline_size=p)
+                    for v in (2, 4):
+                        if p > 1 and L % (p * v) == 0 and m % p == 0:
+                            add("interleaved", pipeline_size=p, virtual_stages=v)
+                p *= 2
+    if global_batch % P:
+        na.append(f"data-parallel strategies: global batch {global_batch} is not a multiple of {P} ranks")
+    if L % P:
+        na.append(f"tawpipe, weipipe: --num-layers {L} is not divisible by {P} ranks (one shard per rank)")
+    if D == 1:
+        na.append("hsdp, distopt-node, hfsdp, pp-nodes: one node (D = 1)")
+    elif L % D:
+        na.append(f"pp-nodes: --num-layers {L} is not divisible by {D} nodes")
+    return out, na
+
+
+# ------------------------------------------------------------------- evaluate
+class Advisor:
+    def __init__(self, model: ModelSpec, cluster: Cluster, global_batch: int,
+                 plan_cache: Optional[Dict] = None, grad_bytes: int = 4):
+        self.model, self.cluster, self.G = model, cluster, global_batch
+        self.plan_cache = {} if plan_cache is None else plan_cache
+        self.costs: Dict = {}
+        self.grad_bytes = grad_bytes
+
+    def cost(self, b: int, recompute: bool) -> CostModel:
+        key = (b, recompute)
+        if key not in self.costs:
+            m, c = self.model, self.cluster
+            self.costs[key] = CostModel.from_flops(
+                hidden_size=m.hidden_size, seq_length=m.seq_length, micro_batch_size=b,
+                ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size,
+                num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                peak_tflops=c.peak_tflops, efficiency=c.efficiency, recompute=recompute,
+                intra_bw=c.intra_bw, intra_latency=c.intra_latency, inter_bw=c.inter_bw,
+                inter_latency=c.inter_latency)
+        return self.costs[key]
+
+    def bound(self, cfg: Config) -> float:
+        """Tokens/s per GPU with free communication: compute only, times the
+        pipeline bubble of equal stages where the schedule has one (1F1B
+        ``m/(m+p-1)``, interleaved ``Vm/(Vm+p-1)``, WeiPipe ``NP/(NP+P-1)``)."""
+        c = self.cost(cfg.micro_batch_size, cfg.recompute)
+        L, P = self.model.num_layers, self.cluster.ranks
+        t = L * (c.layer_forward + c.layer_backward + c.layer_recompute) + c.head_forward + c.head_backward
+        mbs = self.G // cfg.micro_batch_size
+        k = cfg.knobs
+        if "pipeline_size" in k:
+            p, v = k["pipeline_size"], k.get("virtual_stages", 1)
+            m = mbs // (P // p)
+            t *= (v * m + p - 1) / (v * m)
+        elif cfg.strategy == "weipipe":
+            t *= (mbs + P - 1) / mbs
+        return c.tokens_per_microbatch / t
+
+    def comm_bound(self, cfg: Config) -> float:
+        """Tokens/s per GPU that the node links allow: an iteration takes at least
+        the bytes a node sends over its link (on average) / inter bandwidth.
+        Pipelines: every boundary between nodes carries each micro-batch's
+        activation once per virtual stage (and its gradient back); weight
+        passing: the plan's inter-node bytes (exact, linear in N)."""
+        cl, k = self.cluster, cfg.knobs
+        if cl.nodes == 1:
+            return float("inf")
+        cost = self.cost(cfg.micro_batch_size, cfg.recompute)
+        mbs = self.G // cfg.micro_batch_size
+        if "pipeline_size" in k:
+            node_bytes = k.get("virtual_stages", 1) * mbs * cost.activation_bytes
+        else:
+            N, c = mbs // cl.ranks, k.get("chunk", 1)
+            n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
+            opts = _wp_options(cfg)
+            b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), 1.0)["inter"] for n in (n1, n2))
+            units = b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2
+            plan = self._plan(cfg.strategy, n2, **opts)
+            node_bytes = units * cost.shard_bytes(plan) / cl.nodes
+        t = node_bytes / cl.inter_bw
+        return self.G * self.model.seq_length / (cl.ranks * t) if t > 0 else float("inf")
+
+    def _plan(self, name, N, **opts):
+        P, D, L = self.cluster.ranks, self.cluster.nodes, self.model.num_layers
+        key = (name, P, D, L, N, tuple(sorted(opts.items())))
+        if key not in self.plan_cache:
+            self.plan_cache[key] = build_plan(name, num_ranks=P, num_groups=D, num_layers=L,
+                                              num_microbatches=N, **opts)
+        return self.plan_cache[key]
+
+    def memory_only(self, cfg: Config) -> MemoryBreakdown:
+        """Memory of a plan-based config without simulating it.  Weight passing:
+        a plan with 2c micro-batches per rank has the buffers and the stored
+        boundaries of the full one (peak = c visits' worth)."""
+        cost = self.cost(cfg.micro_batch_size, cfg.recompute)
+        cl = self.cluster
+        if cfg.strategy in ("tawpipe", "weipipe"):
+            N = self.G // cfg.micro_batch_size // cl.ranks
+            c = cfg.knobs.get("chunk", 1)
+            probe = self._plan(cfg.strategy, min(N, 2 * c), **_wp_options(cfg))
+            return weight_passing_breakdown(plan_memory_fields(probe, cost), cost, probe, c)
+        pp = cfg.knobs["pipeline_size"]
+        m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
+        return pipeline_memory(cost, cl.ranks, cl.nodes, self.model.num_layers,
+                               self.G // cfg.micro_batch_size, pp, cfg.knobs.get("virtual_stages", 1),
+                               self.plan_cache, min(m, 4 * pp))
+
+    def evaluate(self, cfg: Config) -> Config:
+        cl, model = self.cluster, self.model
+        P, D, L = cl.ranks, cl.nodes, model.num_layers
+        b = cfg.micro_batch_size
+        cost = self.cost(b, cfg.recompute)
+        N = self.G // b // P
+        s = cfg.strategy
+        if s in ("tawpipe", "weipipe"):
+            opts, c = _wp_options(cfg), cfg.knobs.get("chunk", 1)
+            res = simulate_extended(lambda n: self._plan(s, n, **opts), cost, N, 2 * c, 4 * c)
+            plan = self._plan(s, min(N, 2 * c), **opts)
+            mem = weight_passing_breakdown(res, cost, plan, c)
+            if s == "tawpipe" and cfg.knobs["cache"] != (D <= 4):
+                cfg.trainable = False
+                cfg.note = (f"cache {'on' if cfg.knobs['cache'] else 'off'} with {D} groups: the runtime "
+                            f"keeps fetched shards only for <= 4 groups and has no flag for it (simulator only)")
+            res_inter = res.link_bytes["inter"] / D
+        elif s in ("pp-nodes", "1f1b", "interleaved"):
+            res = simulate_pipeline(cost, P, D, L, self.G // b, cfg.knobs["pipeline_size"],
+                                    cfg.knobs.get("virtual_stages", 1), self.grad_bytes,
+                                    self.plan_cache, name=s, exact=False)
+            mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
+            res_inter = res.options["inter_bytes_per_node"]
+        else:
+            if s == "fsdp":
+                # one unit per layer, as the FSDP2 baseline wraps every decoder layer
+                res = simulate_fsdp(cost, P, D, L, N, unit_layers=1, grad_bytes=self.grad_bytes)
+                mem = generic_breakdown(res, cost)
+                res_inter = res.link_bytes["inter"] / D if D > 1 else 0.0
+            else:
+                fn = {"hsdp": lambda: simulate_hsdp(cost, P, D, L, N, self.grad_bytes),
+                      "distopt-node": lambda: simulate_distopt(cost, P, D, L, N, D, self.grad_bytes),
+                      "distopt": lambda: simulate_distopt(cost, P, D, L, N, 1, self.grad_bytes),
+                      "hfsdp": lambda: simulate_hfsdp(cost, P, D, L, N, self.grad_bytes)}[s]
+                res = fn()
+                mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
+                res_inter = res.options["inter_bytes_per_node"]
+                if s == "hfsdp":
+                    cfg.trainable = False
+                    cfg.note = res.options["note"]
+        cfg.tokens_per_sec_per_gpu = res.tokens_per_sec_per_rank
+        cfg.iteration_time = res.iteration_time
+        cfg.bubble = res.bubble_ratio
+        cfg.inter_bytes_per_node = res_inter
+        cfg.memory = mem
+        cfg.status = "ok" if mem.total <= cl.usable_memory else "no-fit"
+        cfg.argv, cfg.command = command(cfg, model, cl, self.G)
+        if cfg.trainable and cfg.strategy != "hfsdp":
+            problem = check_command(cfg.argv, P)
+            if problem:
+                cfg.trainable = False
+                cfg.note = "pretrain_llama.py refuses it: " + problem
+        return cfg
+
+    def run(self, prune: str = "strategy", trainable_only: bool = False,
+            runtime_knobs_only: bool = False):
+        """Evaluate every configuration (pruned as described in the module doc);
+        returns (configs, not_applicable).  Analytic strategies first (cheap),
+        then plan-based ones by decreasing ceiling."""
+        configs, na = enumerate_configs(self.model, self.cluster, self.G,
+                                        runtime_knobs_only or trainable_only)
+        for c in configs:
+            c.bound = self.bound(c)
+        rank = {s: i for i, s in enumerate(ORDER)}
+        configs.sort(key=lambda c: (c.strategy in PLAN_BASED,
+                                    -c.bound if c.strategy in PLAN_BASED else rank[c.strategy]))
+        best: Dict[str, float] = {}
+        for cfg in configs:
+            if trainable_only and cfg.strategy == "hfsdp":
+                cfg.status = "skipped"
+                continue
+            if cfg.strategy in PLAN_BASED:
+                vals = sorted(best.values(), reverse=True)
+                need = best.get(cfg.strategy, 0.0)
+                if prune == "top2" and len(vals) >= 2:
+                    need = max(need, vals[1])
+                if cfg.bound <= need:
+                    cfg.status = "pruned"
+                    continue
+                cfg.bound = min(cfg.bound, self.comm_bound(cfg))
+                if cfg.bound <= need:
+                    cfg.status = "pruned"
+                    continue
+                probe = self.memory_only(cfg)        # no simulation for what does not fit
+                if probe.total > self.cluster.usable_memory:
+                    cfg.memory, cfg.status = probe, "no-fit"
+                    cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
+                    continue
+            self.evaluate(cfg)
+            if trainable_only and not cfg.trainable:
+                cfg.status = "skipped"
+                continue
+            if cfg.status == "ok":
+                best[cfg.strategy] = max(best.get(cfg.strategy, 0.0), cfg.tokens_per_sec_per_gpu)
+        return configs, na
+
+
+def _wp_options(cfg: Config) -> dict:
+    if cfg.strategy == "tawpipe":
+        return {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
+    return {}
+
+
+def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",
+           plan_cache: Optional[Dict] = None, trainable_only: bool = False,
+           runtime_knobs_only: bool = False) -> dict:
+    """Run the advisor; returns the summary dict (``--json`` prints it)."""
+    adv = Advisor(model, cluster, global_batch, plan_cache)
+    configs, na = adv.run(prune=prune, trainable_only=trainable_only,
+                          runtime_knobs_only=runtime_knobs_only)
+    return summarize(model, cluster, global_batch, configs, na, prune)

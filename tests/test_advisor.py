@@ -1,0 +1,310 @@
+"""Strategy models (HSDP, distributed optimizer, HFSDP, pipeline across nodes),
+the memory breakdown and the advisor (tools/simulate.py --advise)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_tawpipe.plan import CostModel, Link, build_plan, simulate
+from megatron_tawpipe.plan.advisor import PRESETS, Advisor, Cluster, ModelSpec, advise, enumerate_configs
+from megatron_tawpipe.plan.memory import TERMS, parse_size, weight_passing_breakdown
+from megatron_tawpipe.plan.strategies import (pipeline_memory, plan_memory_fields, run_strategy,
+                                              simulate_distopt, simulate_extended, simulate_hfsdp,
+                                              simulate_hsdp, simulate_pipeline, total_params)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+P, D, L, N = 8, 2, 8, 4
+d = P // D
+
+
+def small_cost(**kw):
+    args = dict(hidden_size=256, seq_length=512, ffn_hidden_size=688, num_attention_heads=4,
+                num_query_groups=2, vocab_size=1000, peak_tflops=100, efficiency=0.5,
+                intra_bw="100GB/s", inter_bw="1GB/s")
+    args.update(kw)
+    return CostModel.from_flops(**args)
+
+
+# ------------------------------------------------------------ traffic (DESIGN §10)
+def test_inter_node_bytes_match_the_closed_forms():
+    c = small_cost()
+    psi = total_params(c, L)
+    w, g = 2, 4
+    hsdp = simulate_hsdp(c, P, D, L, N)
+    assert hsdp.options["inter_bytes_per_node"] == pytest.approx(2 * g * psi * (D - 1) / D)
+    node = simulate_distopt(c, P, D, L, N, instances=D)
+    assert node.options["inter_bytes_per_node"] == pytest.approx(2 * g * psi * (D - 1) / D)
+    flat = simulate_distopt(c, P, D, L, N, instances=1)
+    assert flat.options["inter_bytes_per_node"] == pytest.approx((P - 1) / P * (g + w) * psi)
+    hf = simulate_hfsdp(c, P, D, L, N)
+    assert hf.options["inter_bytes_per_node"] == pytest.approx((w + g) * psi * (D - 1) / D)
+    for r in (hsdp, node, flat, hf):          # cluster totals, once per iteration
+        assert r.link_bytes["inter"] == pytest.approx(D * r.options["inter_bytes_per_node"])
+    # independent of the number of micro-batches (HSDP's per-micro-batch traffic stays in the node)
+    assert simulate_hsdp(c, P, D, L, 2 * N).link_bytes["inter"] == pytest.approx(hsdp.link_bytes["inter"])
+    assert simulate_hsdp(c, P, D, L, 2 * N).link_bytes["intra"] == pytest.approx(2 * hsdp.link_bytes["intra"])
+
+
+def test_pipeline_across_nodes_moves_only_boundary_activations():
+    c = small_cost()
+    total_mb = N * P
+    r = simulate_pipeline(c, P, D, L, total_mb, pipeline_size=D)
+    # each micro-batch crosses the D-1 node boundaries forward (activation) and back (its gradient)
+    assert r.link_bytes["inter"] == pytest.approx(2 * (D - 1) * total_mb * c.activation_bytes)
+    assert r.options["data_parallel"] == d and r.options["microbatches_per_pipeline"] == total_mb // d
+    assert run_strategy("pp-nodes", c, P, D, L, N).iteration_time == pytest.approx(r.iteration_time)
+
+
+@pytest.mark.parametrize("m", [2, 4, 9])
+def test_pipeline_bubble_with_free_links(m):
+    free = CostModel(layer_forward=1.0, layer_backward=2.0)
+    r = simulate_pipeline(free, P, D, L, m * d, pipeline_size=D)
+    assert r.bubble_ratio == pytest.approx((D - 1) / (m + D - 1))
+
+
+def test_hsdp_exposes_what_the_last_backward_cannot_hide():
+    fast = small_cost(inter_bw="1TB/s")
+    assert simulate_hsdp(fast, P, D, L, N).options["exposed_comm_s"] == 0.0
+    slow = small_cost(inter_bw="1MB/s")
+    r = simulate_hsdp(slow, P, D, L, N)
+    psi = total_params(slow, L)
+    t_ar = 2 * (D - 1) / D * 4 * psi / 1e6
+    assert r.options["exposed_comm_s"] == pytest.approx(t_ar, rel=0.05)
+    assert r.bubble_ratio > 0.5
+
+
+# ------------------------------------------------------------------ memory
+def _check_sums(mem):
+    assert mem["total"] == pytest.approx(sum(mem[t] for t in TERMS))
+    assert all(mem[t] >= 0 for t in TERMS)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_memory_breakdowns_add_up(recompute):
+    c = small_cost(recompute=recompute)
+    psi = total_params(c, L)
+    for name in ("hsdp", "distopt-node", "distopt", "hfsdp", "pp-nodes"):
+        r = run_strategy(name, c, P, D, L, N)
+        mem = r.options["memory_breakdown"]
+        _check_sums(mem)
+        # the simulator's memory fields are the breakdown without the logits
+        assert r.memory_bytes == pytest.approx(mem["total"] - mem["logits"])
+    opt = lambda name: run_strategy(name, c, P, D, L, N).options["memory_breakdown"]  # noqa: E731
+    assert opt("hsdp")["optimizer"] == pytest.approx(12 * psi / d)
+    assert opt("hsdp")["grads"] == pytest.approx(4 * psi / d)
+    assert opt("distopt")["optimizer"] == pytest.approx(12 * psi / P)
+    assert opt("distopt-node")["optimizer"] == pytest.approx(12 * psi / d)
+    assert opt("distopt")["grads"] == pytest.approx(4 * psi) and opt("distopt")["weights"] == 2 * psi
+    hf = opt("hfsdp")       # Opt/(d D) + (Grad + Weight)/d
+    assert (hf["optimizer"], hf["grads"], hf["weights"]) == pytest.approx((12 * psi / P, 4 * psi / d, 2 * psi / d))
+    # activations: without recompute every layer keeps 34 B per token and hidden unit
+    act = opt("distopt")["activations"]
+    tokens = c.tokens_per_microbatch
+    if recompute:
+        assert act == pytest.approx(L * tokens * 256 * 2 + 34 * tokens * 256)
+    else:
+        assert act == pytest.approx(L * 34 * tokens * 256)
+    assert opt("distopt")["logits"] == pytest.approx(6 * tokens * 1000)
+
+
+@pytest.mark.parametrize("schedule,opts", [("tawpipe", {}), ("tawpipe", {"chunk": 2}),
+                                           ("tawpipe", {"cache": False}), ("weipipe", {})])
+def test_weight_passing_breakdown_is_the_simulators_memory(schedule, opts):
+    c = small_cost()
+    plan = build_plan(schedule, num_ranks=P, num_groups=D, num_layers=L, num_microbatches=N, **opts)
+    r = simulate(plan, c, record=False)
+    mem = weight_passing_breakdown(r, c, plan, opts.get("chunk", 1)).as_dict()
+    _check_sums(mem)
+    assert mem["total"] - mem["logits"] == pytest.approx(r.memory_bytes)
+    # the same fields without a simulation, from a plan with fewer micro-batches
+    probe = build_plan(schedule, num_ranks=P, num_groups=D, num_layers=L,
+                       num_microbatches=2 * opts.get("chunk", 1), **opts)
+    fields = plan_memory_fields(probe, c)
+    for name in ("weight_buffer_bytes", "grad_buffer_bytes", "activation_bytes", "state_bytes"):
+        assert getattr(fields, name) == pytest.approx(getattr(r, name)), name
+
+
+def test_pipeline_memory_first_stage_holds_p_microbatches():
+    c = small_cost()
+    mem = pipeline_memory(c, P, D, L, 16, pipeline_size=D)
+    # 1F1B: stage 0 keeps D micro-batches' inputs of its L/D layers (recompute)
+    assert D * (L // D) * c.activation_bytes < mem.activations <= \
+        D * (L // D) * c.activation_bytes + c.layer_activation_bytes + 1
+
+
+def test_parse_size():
+    assert parse_size("80GB") == 80e9 and parse_size("80GiB") == 80 * 2 ** 30
+    with pytest.raises(ValueError):
+        parse_size("80 parsecs")
+
+
+# ------------------------------------------------------------ extension
+@pytest.mark.parametrize("bw", ["1GB/s", "100GB/s"])
+def test_extended_simulation_matches_the_full_one(bw):
+    c = small_cost(inter_bw=bw, seq_length=2048)
+    build = lambda n: build_plan("tawpipe", num_ranks=P, num_groups=D, num_layers=L,  # noqa: E731
+                                 num_microbatches=n)
+    full = simulate(build(12), c, record=False)
+    ext = simulate_extended(build, c, 12, 2, 4)
+    assert ext.iteration_time == pytest.approx(full.iteration_time, rel=1e-9)
+    assert ext.link_bytes == pytest.approx(full.link_bytes)
+    assert ext.bubble_ratio == pytest.approx(full.bubble_ratio, abs=1e-9)
+    exact = simulate_pipeline(c, P, D, L, 64, pipeline_size=4)
+    approx = simulate_pipeline(c, P, D, L, 64, pipeline_size=4, exact=False)
+    assert approx.options["extended_from"] == (8, 16)
+    assert approx.iteration_time == pytest.approx(exact.iteration_time, rel=1e-9)
+
+
+# ---------------------------------------------------------------- advisor
+TINY = ModelSpec(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8,
+                 num_query_groups=4, vocab_size=1000, seq_length=2048)
+
+
+def tiny_cluster(**kw):
+    args = dict(ranks=8, nodes=2, intra_bw=100e9, inter_bw=1.25e9, peak_tflops=100, efficiency=0.5,
+                gpu_memory=80e9, memory_reserve=0)
+    args.update(kw)
+    return Cluster(**args)
+
+
+def test_enumeration_respects_divisibility():
+    configs, na = enumerate_configs(TINY, tiny_cluster(), 16)
+    for c in configs:
+        mbs = 16 // c.micro_batch_size
+        if "pipeline_size" in c.knobs:
+            p = c.knobs["pipeline_size"]
+            assert p % 2 == 0 and 8 % p == 0 and mbs % (8 // p) == 0
+        else:
+            assert mbs % 8 == 0
+        if c.strategy == "tawpipe":
+            assert (mbs // 8) % c.knobs["chunk"] == 0
+    assert {c.strategy for c in configs} >= {"tawpipe", "weipipe", "hsdp", "distopt", "distopt-node",
+                                              "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved"}
+    _, na = enumerate_configs(ModelSpec(**{**vars(TINY), "num_layers": 6}), tiny_cluster(), 12)
+    assert any("not divisible by 8 ranks" in x for x in na)
+
+
+def test_advisor_ranks_and_prunes_consistently():
+    s = advise(TINY, tiny_cluster(), 16)
+    ranked = s["ranked"]
+    assert ranked and s["best"] == ranked[0]
+    tps = [r["tokens_per_sec_per_gpu"] for r in ranked]
+    assert all(a >= b - 0.1 for a, b in zip(tps, tps[1:]))
+    for r in ranked:
+        assert r["memory_bytes"] <= s["cluster"]["usable_memory_bytes"]
+        assert r["tokens_per_sec_per_gpu"] <= r["compute_bound_tokens_per_sec_per_gpu"] * (1 + 1e-9)
+    # pruning only skips what cannot change the answer
+    top2 = advise(TINY, tiny_cluster(), 16, prune="top2")
+    assert top2["best"]["tokens_per_sec_per_gpu"] == pytest.approx(s["best"]["tokens_per_sec_per_gpu"])
+
+
+def test_advisor_refuses_what_does_not_fit_and_names_the_limit():
+    model = ModelSpec(seq_length=8192, **PRESETS["70b"])
+    s = advise(model, tiny_cluster(ranks=16, nodes=2, gpu_memory=40e9, memory_reserve=0), 16)
+    assert s["best"] is None and s["ranked"] == []
+    assert "nothing fits in 40.00 GB" in s["error"] and "dominated by" in s["error"]
+    assert s["rejected"] and all("needs" in r["reason"] and "largest term" in r["reason"]
+                                 for r in s["rejected"])
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("strategy", ["tawpipe", "1f1b", "pp-nodes", "weipipe", "hsdp", "distopt",
+                                      "distopt-node", "fsdp", "interleaved"])
+def test_commands_parse_with_the_projects_arguments(strategy, recompute):
+    from megatron_tawpipe.arguments import parse_args, validate_args
+
+    cl = tiny_cluster()
+    adv = Advisor(TINY, cl, 16)
+    configs, _ = enumerate_configs(TINY, cl, 16)
+    cfg = next(c for c in configs if c.strategy == strategy and c.recompute == recompute)
+    adv.evaluate(cfg)
+    assert cfg.command.startswith("torchrun --nnodes 2 --nproc-per-node 4 pretrain_llama.py ")
+    args = parse_args(cfg.argv + ["--train-iters", "10"])          # every flag exists
+    assert args.global_batch_size == 16 and args.micro_batch_size == cfg.micro_batch_size
+    if cfg.trainable:
+        validate_args(args, world_size=cl.ranks)
+    else:   # the advisor says why the project refuses it (FSDP2 without recompute support)
+        assert strategy in ("fsdp", "hsdp") and recompute and "refuses" in cfg.note
+    if strategy in ("tawpipe", "1f1b", "pp-nodes", "weipipe", "interleaved", "distopt", "distopt-node"):
+        assert cfg.trainable
+
+
+def test_hfsdp_is_marked_simulator_only():
+    cl = tiny_cluster()
+    configs, _ = enumerate_configs(TINY, cl, 16)
+    cfg = Advisor(TINY, cl, 16).evaluate(next(c for c in configs if c.strategy == "hfsdp"))
+    assert not cfg.trainable and "Megatron-LM" in cfg.command and "--use-megatron-fsdp" in cfg.argv
+
+
+def run_simulate(*argv):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "simulate.py"), *argv],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return out
+
+
+ADVISE = ["--advise", "--ranks", "8", "--ranks-per-node", "4", "--num-layers", "8", "--hidden-size",
+          "512", "--ffn-hidden-size", "1408", "--num-attention-heads", "8", "--num-query-groups", "4",
+          "--vocab-size", "1000", "--seq-length", "2048", "--global-batch-size", "16",
+          "--inter-bw", "10Gbit/s", "--intra-bw", "100GB/s", "--peak-tflops", "100"]
+
+
+def test_advise_json_and_table():
+    out = run_simulate(*ADVISE, "--json")
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    for key in ("cluster", "model", "global_batch_sequences", "ranked", "rejected", "not_applicable",
+                "best", "evaluated", "pruned"):
+        assert key in s, key
+    best = s["best"]
+    for key in ("strategy", "knobs", "tokens_per_sec_per_gpu", "memory_breakdown", "command",
+                "iteration_time_s", "bubble_ratio", "inter_bytes_per_node"):
+        assert key in best, key
+    assert s["model"]["num_layers"] == 8 and s["cluster"]["nodes"] == 2
+    text = run_simulate(*ADVISE, "--prune", "top2")
+    assert text.returncode == 0, text.stderr
+    assert "memory per GPU, #1" in text.stdout and "best:" in text.stdout and "torchrun" in text.stdout
+
+
+def test_advise_error_when_nothing_fits():
+    out = run_simulate(*ADVISE, "--gpu-memory", "0.1GB", "--memory-reserve", "0")
+    assert out.returncode == 2
+    assert "nothing fits in 0.10 GB" in out.stderr and "dominated by" in out.stderr
+
+
+def test_model_preset_and_overrides():
+    from megatron_tawpipe.plan.cli import advisor_inputs
+
+    class A:
+        pass
+    args = A()
+    for k, v in dict(model="70b", num_layers=16, hidden_size=4096, ffn_hidden_size=None,
+                     num_attention_heads=None, num_query_groups=None, vocab_size=32000,
+                     seq_length=4096, ranks=16, ranks_per_node=8, groups=2, intra_bw="450GB/s",
+                     inter_bw="25Gbit/s", intra_latency="5us", inter_latency="20us", peak_tflops=989,
+                     efficiency=0.4, gpu_memory="80GB", memory_reserve="5GB", global_batch_size=64,
+                     micro_batch_size=1, num_microbatches=1).items():
+        setattr(args, k, v)
+    model, cluster, gbs = advisor_inputs(args, ["--model", "70b"])
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_query_groups) == \
+        (80, 8192, 28672, 8)
+    assert 68e9 < model.params < 70e9
+    model, _, _ = advisor_inputs(args, ["--model", "70b", "--num-layers", "16"])
+    assert model.num_layers == 16 and model.hidden_size == 8192
+    assert cluster.nodes == 2 and gbs == 64
+
+
+def test_simulate_lists_the_new_strategies():
+    out = run_simulate("--schedule", "tawpipe,hsdp,distopt-node,distopt,hfsdp,pp-nodes,fsdp", "--json",
+                       "--ranks", "8", "--groups", "2", "--num-layers", "8", "--hidden-size", "512",
+                       "--seq-length", "2048", "--num-microbatches", "2")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["schedule"] for r in rows] == ["tawpipe", "hsdp", "distopt-node", "distopt", "hfsdp",
+                                             "pp-nodes", "fsdp"]
+    for r in rows:
+        mem = r["options"]["memory_breakdown"]
+        assert mem["total"] == pytest.approx(sum(mem[t] for t in TERMS))
+        assert r["tokens_per_sec_per_rank"] > 0
