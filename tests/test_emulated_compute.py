@@ -93,6 +93,43 @@ def test_every_schedule_runs_emulated(schedule, times_file):
             assert record["intra_group_bytes"] == record["planned_intra_group_bytes"]
 
 
+def _collectives_rank(rank, argv):
+    """Train, recording every gradient collective (kind, elements, group) FSDP2 issues."""
+    import torch.distributed as dist
+
+    seen = []
+    originals = {"all_reduce": dist.all_reduce, "reduce_scatter_tensor": dist.reduce_scatter_tensor}
+
+    def recording(kind):
+        def call(tensor, *args, group=None, **kwargs):
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else "world"
+            seen.append((kind, tensor.numel(), ranks))
+            return originals[kind](tensor, *args, group=group, **kwargs)
+        return call
+
+    try:
+        for kind in originals:
+            setattr(dist, kind, recording(kind))
+        train_rank(rank, argv)
+    finally:
+        for kind, fn in originals.items():
+            setattr(dist, kind, fn)
+    # Not the loss and norm scalars, nor the one-rank tensor-parallel group of the real loss.
+    return [entry for entry in seen if entry[1] > 2 and (entry[2] == "world" or len(entry[2]) > 1)]
+
+
+def test_emulated_hsdp_moves_what_real_compute_moves(times_file):
+    """Emulated layers hand their gradients to the parameters FSDP2 gathered: the same
+    reduce-scatters inside a replica and all-reduces across replicas as a real run."""
+    hsdp = ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"]
+    real = run_ranks(_collectives_rank, 4, tiny_args(*hsdp, train_iters=2))
+    emulated = run_ranks(_collectives_rank, 4, tiny_args(*hsdp, "--emulated-compute-times", times_file, train_iters=2))
+    for rank in range(4):
+        assert sorted(emulated[rank]) == sorted(real[rank])
+    across = [entry for entry in real[0] if entry[0] == "all_reduce" and entry[2] == (0, 2)]
+    assert len(across) == 2 * 9  # 2 iterations x (8 layers + the root), once per iteration each
+
+
 def test_calibration_from_cost_model_and_measured(tmp_path):
     from megatron_tawpipe.bench.calibrate import main
     from megatron_tawpipe.plan.costmodel import CostModel

@@ -175,11 +175,11 @@ def emulate_gpt_model(gpt, times: ComputeTimes, recompute: bool) -> None:
 
 
 def _sleeping_layer_forward(layer, times: ComputeTimes, recompute: bool):
-    params = list(layer.parameters())
-
     def forward(hidden_states, *args, **kwargs):
+        # The layer's parameters as registered now: FSDP2 swaps in the gathered (unsharded)
+        # parameters for the forward, and only gradients on those are reduced.
         return sleeping_block(hidden_states, hidden_states.shape, times.layer_forward,
-                              times.backward_s(1, False, recompute), params)
+                              times.backward_s(1, False, recompute), list(layer.parameters()))
 
     return forward
 
