@@ -18,8 +18,9 @@ simulated when its ceiling (tokens/s with free communication and the ideal
 bubble, or what its inter-node bytes allow at full link speed, whichever is
 lower) cannot beat what it would need to beat: its strategy's best so
 far (``prune="strategy"``: every strategy's best is exact) or also the
-runner-up across strategies (``prune="top2"``: winner, runner-up and margin
-exact; what the scale study uses).
+runner-up across strategies and the best configuration this project can run
+(``prune="top2"``: winner, runner-up, margin and best runnable exact; what the
+scale study uses).
 """
 
 from __future__ import annotations
@@ -357,6 +358,7 @@ class Advisor:
         configs.sort(key=lambda c: (c.strategy in PLAN_BASED,
                                     -c.bound if c.strategy in PLAN_BASED else rank[c.strategy]))
         best: Dict[str, float] = {}
+        best_runnable = 0.0
         for cfg in configs:
             if trainable_only and cfg.strategy == "hfsdp":
                 cfg.status = "skipped"
@@ -365,7 +367,10 @@ class Advisor:
                 vals = sorted(best.values(), reverse=True)
                 need = best.get(cfg.strategy, 0.0)
                 if prune == "top2" and len(vals) >= 2:
-                    need = max(need, vals[1])
+                    # plan-based configurations are runnable unless a knob says
+                    # otherwise: the best runnable one stays exact too
+                    sim_only = cfg.strategy == "tawpipe" and cfg.knobs["cache"] != (self.cluster.nodes <= 4)
+                    need = max(need, vals[1] if sim_only else min(vals[1], best_runnable))
                 if cfg.bound <= need:
                     cfg.status = "pruned"
                     continue
@@ -384,6 +389,8 @@ class Advisor:
                 continue
             if cfg.status == "ok":
                 best[cfg.strategy] = max(best.get(cfg.strategy, 0.0), cfg.tokens_per_sec_per_gpu)
+                if cfg.trainable:
+                    best_runnable = max(best_runnable, cfg.tokens_per_sec_per_gpu)
         return configs, na
 
 

@@ -178,8 +178,6 @@ def format_report(summary: dict, top_memory: int = 3, rows: int = 15) -> str:
             best_here = next((r for r in ranked if r["trainable"]), None)
             if best_here:
                 lines += ["best trainable with this project:", "  " + best_here["command"]]
-    else:
-        lines += ["", "error: " + summary["error"]]
     return "\n".join(lines)
 
 

@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Which strategy the advisor picks across models, cluster sizes, link speeds
+and context lengths (a prediction of the cost model, not a measurement).
+
+Sweep: Llama-shaped 7B, 13B, 34B, 70B (``--model`` presets of tools/simulate.py);
+16, 32, 64 GPUs in nodes of 8 with 80 GB each (75 GB usable: 5 GB kept for the
+CUDA context, NCCL and fragmentation); 10, 25, 100, 400 Gbit/s between nodes,
+NVLink 450 GB/s inside; S = 8192, 32768, 131072; H100-like 989 TFLOP/s bf16 at
+40% efficiency.  Global batch: 4M tokens (2^22: 512, 128, 32 sequences), raised
+to one sequence per GPU where that is more (S = 131072 on 64 GPUs: 64).
+
+For every cell the advisor ranks all strategies (``prune="top2"``: winner,
+runner-up, margin and the best configuration pretrain_llama.py can run are exact;
+other strategies' figures are lower bounds of their best; TawPipe's cache as the
+runtime sets it) and the study records the winner, the runner-up (best of
+another strategy), the margin, and the best runnable strategy (HFSDP is
+simulator only; this project's FSDP2 has no recompute yet).
+
+    python tools/scale_study.py                      # examples/results/scale_study.{json,png}
+    python tools/scale_study.py --models 7b --gpus 16 --seq 8192 --out /tmp/s.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+try:
+    import megatron_tawpipe  # noqa: F401
+except ImportError:  # running from a source checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_tawpipe.plan.advisor import PRESETS, Cluster, ModelSpec, advise  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLOURS = {"tawpipe": "#d62728", "hsdp": "#1f77b4", "hfsdp": "#9467bd", "distopt-node": "#2ca02c",
+           "distopt": "#98df8a", "fsdp": "#aec7e8", "pp-nodes": "#ff7f0e", "1f1b": "#ffbb78",
+           "interleaved": "#8c564b", "weipipe": "#e377c2", "none": "#dddddd"}
+
+
+def cell(model_name, gpus, gbit, seq, plan_cache, per_node=8, peak=989.0, eff=0.4):
+    model = ModelSpec(seq_length=seq, **PRESETS[model_name])
+    cluster = Cluster(ranks=gpus, nodes=gpus // per_node, intra_bw=450e9, inter_bw=gbit * 1e9 / 8,
+                      peak_tflops=peak, efficiency=eff, gpu_memory=80e9, memory_reserve=5e9)
+    gbs = max(2 ** 22 // seq, gpus)
+    s = advise(model, cluster, gbs, prune="top2", plan_cache=plan_cache, runtime_knobs_only=True)
+    ranked = s["ranked"]
+    out = {"model": model_name, "gpus": gpus, "inter_gbit": gbit, "seq_length": seq,
+           "global_batch": gbs, "winner": None, "runner_up": None, "margin": None,
+           "best_trainable": None, "tawpipe": None, "error": s.get("error")}
+    if not ranked:
+        return out
+    best_of = {}
+    for r in ranked:
+        best_of.setdefault(r["strategy"], r)
+    keep = ("strategy", "label", "tokens_per_sec_per_gpu", "memory_bytes", "bubble_ratio",
+            "inter_bytes_per_node", "trainable")
+    slim = lambda r: {k: r[k] for k in keep} if r else None  # noqa: E731
+    order = sorted(best_of.values(), key=lambda r: -r["tokens_per_sec_per_gpu"])
+    out["winner"] = slim(order[0])
+    out["runner_up"] = slim(order[1]) if len(order) > 1 else None
+    if out["runner_up"]:
+        out["margin"] = order[0]["tokens_per_sec_per_gpu"] / order[1]["tokens_per_sec_per_gpu"] - 1
+    out["best_trainable"] = slim(next((r for r in order if r["trainable"]), None))
+    out["tawpipe"] = slim(best_of.get("tawpipe"))
+    out["strategies"] = {k: v["tokens_per_sec_per_gpu"] for k, v in best_of.items()}
+    top = order[0]["tokens_per_sec_per_gpu"]
+    out["within_1pct"] = [r["strategy"] for r in order if r["tokens_per_sec_per_gpu"] >= 0.99 * top]
+    return out
+
+
+def plot(rows, path, models, gpus, gbits, seqs) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(models), len(seqs), figsize=(4.2 * len(seqs), 2.5 * len(models)),
+                             squeeze=False)
+    index = {(r["model"], r["gpus"], r["inter_gbit"], r["seq_length"]): r for r in rows}
+    used = set()
+    for i, m in enumerate(models):
+        for j, s in enumerate(seqs):
+            ax = axes[i][j]
+            for y, g in enumerate(gpus):
+                for x, bw in enumerate(gbits):
+                    r = index.get((m, g, bw, s))
+                    win = r["winner"]["strategy"] if r and r["winner"] else "none"
+                    used.add(win)
+                    ax.add_patch(plt.Rectangle((x, y), 1, 1, color=COLOURS.get(win, "#777777"), ec="white"))
+                    if r and r["winner"]:
+                        short = lambda n: n.replace("distopt-node", "dopt-n").replace("interleaved", "intl")  # noqa: E731
+                        text = short(win) + ("" if r["winner"]["trainable"] else "*")
+                        if r["margin"] is not None and r["margin"] < 0.01:
+                            text += f"\n= {r['runner_up']['strategy']}"
+                        elif r["margin"] is not None:
+                            text += f"\n+{100 * r['margin']:.0f}%"
+                        if r["winner"]["strategy"] == "tawpipe" or (r["tawpipe"] is None):
+                            pass
+                        elif r["tawpipe"]:
+                            t = r["tawpipe"]["tokens_per_sec_per_gpu"] / r["winner"]["tokens_per_sec_per_gpu"] - 1
+                            text += f"\nT {100 * t:.0f}%"
+                        bt = r["best_trainable"]
+                        if not r["winner"]["trainable"] and bt:
+                            t = bt["tokens_per_sec_per_gpu"] / r["winner"]["tokens_per_sec_per_gpu"] - 1
+                            text += f"\nhere: {short(bt['strategy'])} {100 * t:.0f}%"
+                    else:
+                        text = "no fit"
+                    ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=6.5)
+            ax.set_xlim(0, len(gbits))
+            ax.set_ylim(0, len(gpus))
+            ax.set_xticks([k + 0.5 for k in range(len(gbits))])
+            ax.set_xticklabels([f"{b}G" for b in gbits], fontsize=7)
+            ax.set_yticks([k + 0.5 for k in range(len(gpus))])
+            ax.set_yticklabels([f"{g} GPU" for g in gpus], fontsize=7)
+            ax.set_title(f"{m.upper()}, S={s // 1024}k", fontsize=9)
+    handles = [Patch(color=COLOURS[k], label=k) for k in COLOURS if k in used]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle("Advisor's pick per cell (x: Gbit/s between 8-GPU nodes). Text: winner (* not runnable with "
+                 "pretrain_llama.py), margin over the runner-up strategy or '= runner-up' within 1%,\n"
+                 "T: TawPipe vs the winner where TawPipe applies, here: best runnable with pretrain_llama.py vs "
+                 "the winner", fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.savefig(path, dpi=130)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--models", default="7b,13b,34b,70b")
+    p.add_argument("--gpus", default="16,32,64")
+    p.add_argument("--gbits", default="10,25,100,400", help="Gbit/s between nodes")
+    p.add_argument("--seq", default="8192,32768,131072")
+    p.add_argument("--efficiency", type=float, default=0.4)
+    p.add_argument("--out", default=os.path.join(ROOT, "examples", "results", "scale_study.json"))
+    p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
+    p.add_argument("--replot", action="store_true", help="only redraw the chart from --out")
+    args = p.parse_args(argv)
+    models = args.models.split(",")
+    gpus = [int(x) for x in args.gpus.split(",")]
+    gbits = [float(x) if "." in x else int(x) for x in args.gbits.split(",")]
+    seqs = [int(x) for x in args.seq.split(",")]
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    if args.replot:
+        with open(args.out) as f:
+            plot(json.load(f)["cells"], png, models, gpus, gbits, seqs)
+        print(f"wrote {png}")
+        return 0
+    rows, t0 = [], time.time()
+    for m in models:
+        for g in gpus:
+            cache = {}     # plans depend on ranks, layers and micro-batches, not on links or S
+            for s in seqs:
+                for bw in gbits:
+                    r = cell(m, g, bw, s, cache, eff=args.efficiency)
+                    rows.append(r)
+                    w = r["winner"]
+                    print(f"{m:>4} {g:>3} GPUs {bw:>4} Gbit/s S={s:>6}: "
+                          + (f"{w['strategy']} {w['label']} {w['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"
+                             + (f", +{100 * r['margin']:.1f}% over {r['runner_up']['strategy']}"
+                                if r["margin"] is not None else "") if w else f"nothing fits: {r['error']}")
+                          + f"  [{time.time() - t0:.0f} s]", flush=True)
+    meta = {"description": "advisor's pick per cell (cost-model prediction)",
+            "command": "python tools/scale_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "gpus_per_node": 8, "gpu_memory_GB": 80, "memory_reserve_GB": 5, "intra_GB_per_s": 450,
+            "peak_tflops": 989, "efficiency": args.efficiency,
+            "global_batch": "max(2^22 tokens / S, one sequence per GPU) sequences"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "cells": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib, or megatron_tawpipe[plot])")
+        return 0
+    plot(rows, png, models, gpus, gbits, seqs)
+    print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
