@@ -86,7 +86,7 @@ class MemoryBreakdown:
 
     def lines(self) -> list:
         """One line per term, with its arithmetic."""
-        out = [f"  {t:<13}{gb(getattr(self, t)):>11}   {self.notes.get(t, '')}" for t in TERMS]
+        out = [f"  {t:<13}{gb(getattr(self, t)):>11}   {self.notes.get(t, '')}".rstrip() for t in TERMS]
         out.append(f"  {'total':<13}{gb(self.total):>11}")
         return out
 
