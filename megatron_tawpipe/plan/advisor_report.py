@@ -26,6 +26,8 @@ def check_command(argv, world_size: int) -> str:
         validate_args(fill_defaults(args), world_size=world_size)
     except ArgumentError as exc:
         return str(exc)
+    except ImportError:                 # e.g. no torch here: the check needs the runtime
+        return ""
     return ""
 
 
