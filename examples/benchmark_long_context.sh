@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The README's results: TawPipe, WeiPipe, native Megatron 1F1B / interleaved and FSDP on an
+# The README's results: TawPipe and WeiPipe against what practitioners would run instead (each
+# configured as its users would: see tools/benchmark.py --help): native Megatron 1F1B / interleaved
+# over all ranks, 1F1B with one stage per node and the distributed optimizer inside, the distributed
+# optimizer with one instance per node and over all ranks, FSDP2 and HSDP, on an
 # emulated cluster of 2 nodes x 2 ranks (root: network namespaces, htb-shaped node links),
 # long context (G*S/(12H) = 2*3072/(12*256) = 2), emulated compute calibrated so that one
 # shard's weights (2 layers, fp32, 6.4 MB) take about as long on the node link as one
@@ -14,6 +17,7 @@ RATE=${RATE:-1gbit}          # per node link; 1gbit = 125 MB/s: 6.4 MB in 51 ms
 INTER_BW=${INTER_BW:-125MB/s} # the same rate, for the simulator
 INTRA_BW=${INTRA_BW:-0.6GB/s} # gloo over a namespace's loopback on this kind of machine (measured)
 VISIT=${VISIT:-4}            # tawpipe micro-batches per shard visit
+BUCKET=${BUCKET:-1000000}    # megatron DDP buckets of ~1 decoder layer (0.8M parameters): overlap on this small model
 PEAK=${PEAK:-0.4}            # emulated device: TFLOP/s at efficiency 1 -> 24.4 ms per layer forward
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 MODEL=(--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --max-position-embeddings 3072
@@ -22,11 +26,13 @@ MODEL=(--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 307
 mkdir -p "$OUT"
 python tools/calibrate.py --output "$OUT/times.json" --from-cost-model --peak-tflops "$PEAK" --efficiency 1 \
     --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --vocab-size 2048 --num-layers 8
-python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" \
+STRATEGIES=${STRATEGIES:-tawpipe weipipe 1f1b interleaved pp-nodes distopt-node distopt fsdp hsdp}
+python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" --schedules $STRATEGIES \
     --train-iters "$ITERS" --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" \
+    --ddp-bucket-size "$BUCKET" \
     --emulated-compute-times "$OUT/times.json" --outdir "$OUT/runs" --json "$OUT/results.json" \
     --chart "$OUT/results.png" -- "${MODEL[@]}"
-python tools/simulate.py --schedule tawpipe,weipipe,1f1b,interleaved,fsdp --ranks 4 --groups 2 --num-layers 8 \
+python tools/simulate.py --schedule "$(echo $STRATEGIES | tr ' ' ,)" --ranks 4 --groups 2 --num-layers 8 \
     --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --num-microbatches 4 \
     --vocab-size 2048 --dtype-bytes 4 --no-recompute --chunk "$VISIT" --virtual-stages 2 \
     --measured-times "$OUT/times.json" --intra-bw "$INTRA_BW" --inter-bw "$INTER_BW" \

@@ -195,6 +195,9 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="distributed optimizer: all-gather updated weights during the next forward "
                         "(needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    g.add_argument("--ddp-bucket-size", type=_positive_int, default=None,
+                   help="parameters per gradient-reduction bucket with --overlap-grad-reduce (default: megatron's, "
+                        "max(40M, 1M x data-parallel size); smaller buckets start reducing earlier in backward)")
     g.add_argument("--num-distributed-optimizer-instances", type=_positive_int, default=1,
                    help="partial data parallelism: that many replicas of the sharded optimizer state, each over "
                         "consecutive ranks (one per node: reduce-scatter inside the node, one all-reduce "
@@ -412,18 +415,15 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
         if args.fp16:
             raise ArgumentError("--use-torch-fsdp2 trains in fp32 or --bf16 (fp16 needs a loss scaler FSDP2 "
                                 "does not have)")
-        if args.recompute_granularity is not None:
-            raise ArgumentError("--use-torch-fsdp2 does not support --recompute-granularity yet")
-    elif instances != 1 and not args.use_distributed_optimizer:
+    if args.ddp_bucket_size is not None and (args.use_torch_fsdp2 or not args.overlap_grad_reduce):
+        notice("--ddp-bucket-size changes nothing without --overlap-grad-reduce (megatron's DDP reduces all "
+               "gradients at once then) or with --use-torch-fsdp2 (it reduces per layer)")
+    if instances != 1 and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         raise ArgumentError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
                             "(or --use-torch-fsdp2 for HSDP)")
     if dp % instances:
         raise ArgumentError(f"--num-distributed-optimizer-instances {instances} must divide the data-parallel "
                             f"size {dp}")
-    if (args.save or args.load) and (args.use_torch_fsdp2 or args.use_distributed_optimizer):
-        flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-distributed-optimizer"
-        raise ArgumentError(f"--save / --load with {flag} are not supported yet (the common checkpoint format "
-                            "needs the sharded optimizer state gathered); checkpoint without it")
 
 
 def notice(message: str) -> None:

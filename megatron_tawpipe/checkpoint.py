@@ -127,14 +127,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _collect_local_state(trainer, tied: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+def _entries(trainer):
+    """``(name, fp32 master, optimizer state)`` this rank writes.
+
+    A trainer that shards parameters or optimizer state over ranks gathers them in
+    ``gathered_masters()``: every rank calls it (collectives), the writing rank gets the whole
+    tensors. Otherwise the writing ranks read their own masters.
+    """
+    gather = getattr(trainer, "gathered_masters", None)
+    gathered = gather() if gather is not None else None
+    if gathered is not None:
+        return gathered if trainer.writes_checkpoint() else []
+    if not trainer.writes_checkpoint():
+        return []
+    return ((name, master, trainer.optimizer_state_for(master))
+            for name, _param, master in trainer.named_master_parameters())
+
+
+def _collect_local_state(entries, trainer, tied: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
     params: Dict[str, torch.Tensor] = {}
     optim: Dict[str, dict] = {}
-    for name, _param, master in trainer.named_master_parameters():
+    for name, master, state in entries:
         if _tied_alias(name, tied) is not None or trainer.skip_in_checkpoint(name):
             continue
         params[name] = master.detach().float().cpu().clone()
-        state = trainer.optimizer_state_for(master)
         optim[name] = {
             key: (value.detach().cpu().clone() if torch.is_tensor(value) else torch.tensor(value))
             for key, value in state.items()
@@ -155,8 +171,9 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
 
     tied = not args.untie_embeddings_and_output_weights
     index_part: Dict[str, Tuple[list, str]] = {}
+    entries = _entries(trainer)
     if trainer.writes_checkpoint():
-        params, optim = _collect_local_state(trainer, tied)
+        params, optim = _collect_local_state(entries, trainer, tied)
         filename = f"params_rank{rank:05d}.pt"
         _atomic_torch_save({"params": params, "optimizer": optim}, os.path.join(tmp_dir, filename))
         index_part = {name: (list(t.shape), filename) for name, t in params.items()}

@@ -27,9 +27,11 @@ def reference():
 @pytest.mark.parametrize("world,extra,schedule", [
     (2, ["--use-torch-fsdp2"], "fsdp"),
     (4, ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"], "hsdp"),
+    (4, ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2", "--recompute-granularity", "full",
+         "--recompute-method", "uniform", "--recompute-num-layers", "1"], "hsdp"),
     (4, DISTRIBUTED_OPTIMIZER + ["--num-distributed-optimizer-instances", "2"], None),
     (4, ["--pipeline-model-parallel-size", "2"] + DISTRIBUTED_OPTIMIZER, None),
-], ids=["fsdp", "hsdp-2x2", "distopt-one-instance-per-node", "pp-nodes-x-dp-distopt"])
+], ids=["fsdp", "hsdp-2x2", "hsdp-2x2-recompute", "distopt-one-instance-per-node", "pp-nodes-x-dp-distopt"])
 def test_baseline_matches_single_process(reference, world, extra, schedule):
     per_rank = run_ranks(train_rank, world, tiny_args(*extra))
     for records in per_rank:
@@ -63,7 +65,6 @@ def test_bf16_fsdp_and_hsdp_follow_megatron_bf16():
     (["--use-torch-fsdp2", "--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
     (["--use-torch-fsdp2", "--fp16"], "fp16"),
     (["--pipeline-schedule", "tawpipe", "--use-torch-fsdp2"], "do not apply to --pipeline-schedule tawpipe"),
-    (["--use-distributed-optimizer", "--save", "/tmp/ckpt"], "--save / --load with --use-distributed-optimizer"),
 ])
 def test_data_parallel_flag_errors_name_the_flag(extra, message):
     from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args

@@ -156,3 +156,26 @@ def test_a_rank_opens_only_the_files_holding_its_parameters(tmp_path, monkeypatc
     state["exp_avg"].add_(100.0)
     saved = real_load(os.path.join(directory, "params_rank00002.pt"), weights_only=True)
     assert saved["optimizer"]["decoder.layers.2.w"]["exp_avg"].tolist() == [-4.0] * 3
+
+
+DISTRIBUTED_OPTIMIZER_PER_NODE = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                                  "--num-distributed-optimizer-instances", "2"]
+HSDP = ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"]
+
+
+def test_sharded_optimizers_resume_across_strategies(tmp_path, uninterrupted):
+    """Saved by the distributed optimizer (one instance per 2-rank "node"), resumed under HSDP;
+    saved there, resumed on one process: the optimizer state is gathered whole and re-sliced."""
+    first, second = str(tmp_path / "distopt"), str(tmp_path / "hsdp")
+    run_ranks(train_rank, 4, tiny_args(*DISTRIBUTED_OPTIMIZER_PER_NODE, "--save", first, "--exit-interval", "2",
+                                       train_iters=ITERS))
+    saved = torch.load(os.path.join(first, "iter_0000002", "params_rank00000.pt"), weights_only=True)
+    assert len(saved["params"]) > 10 and all(set(s) >= {"exp_avg", "exp_avg_sq", "step"}
+                                              for s in saved["optimizer"].values())
+    resumed = run_ranks(train_rank, 4, tiny_args(*HSDP, "--load", first, "--save", second, "--exit-interval", "4",
+                                                 train_iters=ITERS))[-1]
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert_close_rel(losses(resumed), losses(uninterrupted[2:4]), 1e-5)
+    (last,) = run_ranks(train_rank, 1, tiny_args("--load", second, train_iters=ITERS))
+    assert [r["iteration"] for r in last] == [5, 6]
+    assert_close_rel(losses(last), losses(uninterrupted[4:]), 1e-5)

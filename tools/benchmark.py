@@ -65,6 +65,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-recompute", action="store_true",
                    help="weight-passing schedules keep activations (--tawpipe-no-recompute), like the native "
                         "schedules and FSDP do by default: the same compute per micro-batch for all")
+    p.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="--ddp-bucket-size for the megatron DDP strategies (pp-nodes, distopt-node, distopt): "
+                        "on a small model megatron's default (40M parameters) is one bucket, reduced only after "
+                        "the whole backward")
     p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=1,
                    help="passed to the tawpipe runs (see pretrain_llama.py --help)")
     p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
                              model_args=model_args if model_args is not None else DEFAULT_MODEL,
                              outdir=args.outdir, cluster=cluster, timeout_s=args.timeout,
                              recompute=not args.no_recompute, emulated_compute_times=args.emulated_compute_times,
-                             tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit)
+                             tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
+                             ddp_bucket_size=args.ddp_bucket_size)
     if args.warmup_iters >= args.train_iters:
         print("benchmark.py: error: --warmup-iters must be smaller than --train-iters", file=sys.stderr)
         return 2

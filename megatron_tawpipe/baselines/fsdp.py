@@ -30,7 +30,11 @@ Numerics follow megatron's native path so that a run is comparable with
   backward, fp32 sharded master weights, gradients reduced and accumulated in
   fp32 (megatron's ``grad_reduce_in_fp32``); the initial weights are rounded
   to bf16 first, as megatron's fp32 masters are copies of bf16 weights;
-- megatron's ``OptimizerParamScheduler`` and the project's metrics file.
+- ``--recompute-granularity full``: megatron's own activation recompute inside the
+  model; FSDP2 gathers a layer's weights again for its recomputed forward;
+- megatron's ``OptimizerParamScheduler``, the project's metrics file and its
+  checkpoint format (whole tensors, gathered on save and sliced on load:
+  :mod:`.sharded_state`), so a run resumes under any other strategy.
 
 Run it with ``pretrain_llama.py``'s flags::
 
@@ -50,7 +54,8 @@ import torch.distributed as dist
 
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
-from megatron_tawpipe.model import build_llama_model, llama_config
+from megatron_tawpipe.baselines.sharded_state import fsdp_target, gather_fsdp
+from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
 from megatron_tawpipe.runtime.trainer import squared_l2_norm
 
 
@@ -125,7 +130,7 @@ class FsdpTrainer:
                     param.copy_(param.to(torch.bfloat16))
         times = emulated_compute.maybe_load(args)
         if times is not None:
-            emulated_compute.emulate_gpt_model(model, times, recompute=False)
+            emulated_compute.emulate_gpt_model(model, times, recompute=args.recompute_granularity == "full")
         self.mesh = build_mesh(self.replicas)
         policy = mixed_precision_policy(args)
         layers = list(model.decoder.layers)
@@ -217,6 +222,42 @@ class FsdpTrainer:
             totals += torch.stack([loss_sum, tokens]).to(totals)
         dist.all_reduce(totals)
         return float(totals[0]), float(totals[1])
+
+    # ---- checkpoint support (the common format; see baselines.sharded_state) -----------------
+
+    def _named_parameters(self):
+        return list(global_parameter_names(self.model))
+
+    def named_master_parameters(self):
+        """``(global name, target, target)``: each target copies this rank's shard of a whole tensor."""
+        for name, param in self._named_parameters():
+            target = fsdp_target(param, self.optimizer)
+            yield name, target, target
+
+    def gathered_masters(self):
+        """Whole parameters and AdamW state (every rank calls this; the first rank keeps them)."""
+        return gather_fsdp(self._named_parameters(), self.optimizer, keep=self.writes_checkpoint())
+
+    def optimizer_state_for(self, master):
+        return {}
+
+    def set_optimizer_state(self, master, state) -> None:
+        master.store_state(state)
+
+    def writes_checkpoint(self) -> bool:
+        return dist.get_rank() == 0
+
+    def skip_in_checkpoint(self, name: str) -> bool:
+        return False
+
+    def grad_scaler_state(self):
+        return None
+
+    def load_grad_scaler_state(self, state) -> None:
+        pass
+
+    def after_parameters_loaded(self) -> None:
+        pass
 
     @property
     def shard_group(self):

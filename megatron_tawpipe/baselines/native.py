@@ -21,6 +21,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_tawpipe import progress
+from megatron_tawpipe.baselines.sharded_state import (SliceTarget, distributed_optimizer_target,
+                                                      gather_distributed_optimizer)
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
@@ -112,8 +114,8 @@ def ddp_config(args) -> DistributedDataParallelConfig:
     """megatron's DDP as Megatron-LM configures it from the same flags.
 
     Gradients accumulate and are reduced in fp32 (Megatron-LM's default for bf16 and the only
-    choice in fp32); with ``--overlap-grad-reduce`` megatron's DDP picks its default buckets
-    (40M parameters, at least 1M per data-parallel rank) and reduces each while backward goes on.
+    choice in fp32); with ``--overlap-grad-reduce`` each bucket (``--ddp-bucket-size``, default
+    megatron's 40M parameters, at least 1M per data-parallel rank) is reduced while backward goes on.
     """
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -121,6 +123,7 @@ def ddp_config(args) -> DistributedDataParallelConfig:
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        bucket_size=args.ddp_bucket_size,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
 
 
@@ -236,16 +239,36 @@ class NativeTrainer:
     # ---- checkpoint support: schedule-independent per-parameter state --------------------
 
     def named_master_parameters(self) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(global name, model param, fp32 master param)`` for every parameter on this rank."""
+        """``(global name, model param, fp32 master param)`` for every parameter on this rank.
+
+        With the distributed optimizer the master is a :class:`SliceTarget` for this rank's range.
+        """
+        sharded = self.args.use_distributed_optimizer
         for chunk in self.model:
             for name, param in global_parameter_names(chunk):
-                yield name, param, getattr(param, "main_param", param)
+                if sharded:
+                    yield name, param, distributed_optimizer_target(self._chained_single(), param)
+                else:
+                    yield name, param, getattr(param, "main_param", param)
+
+    def gathered_masters(self):
+        """Distributed optimizer: whole masters and Adam state, gathered over the optimizer's data-parallel
+        group (every rank calls this); None when masters are whole on every rank already."""
+        if not self.args.use_distributed_optimizer:
+            return None
+        group = parallel_state.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=self.args.num_distributed_optimizer_instances > 1)
+        named = [pair for chunk in self.model for pair in global_parameter_names(chunk)]
+        return gather_distributed_optimizer(self._chained_single(), named, group, keep=self.writes_checkpoint())
 
     def optimizer_state_for(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self._torch_optimizer().state.get(master, {})
 
-    def set_optimizer_state(self, master: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
-        self._torch_optimizer().state[master] = state
+    def set_optimizer_state(self, master, state: Dict[str, torch.Tensor]) -> None:
+        if isinstance(master, SliceTarget):
+            master.store_state(state)
+        else:
+            self._torch_optimizer().state[master] = state
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         optimizer = self.optimizer

@@ -50,6 +50,11 @@ DEFAULT_SCHEDULES = ("tawpipe", "weipipe", "1f1b", "pp-nodes", "distopt-node", "
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
+def _distributed_optimizer(config: "BenchmarkConfig") -> List[str]:
+    bucket = [] if config.ddp_bucket_size is None else ["--ddp-bucket-size", str(config.ddp_bucket_size)]
+    return DISTRIBUTED_OPTIMIZER + bucket
+
+
 class BenchmarkError(RuntimeError):
     pass
 
@@ -70,6 +75,7 @@ class BenchmarkConfig:
     recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
     tawpipe_microbatches_per_visit: int = 1
+    ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
     python: str = sys.executable
     env: Dict[str, str] = field(default_factory=dict)
 
@@ -121,11 +127,11 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         if nodes < 2:
             raise BenchmarkError("pp-nodes needs at least 2 nodes (groups)")
         return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(nodes)] + (
-            DISTRIBUTED_OPTIMIZER + common)
+            _distributed_optimizer(config) + common)
     if schedule == "distopt-node":
-        return [PRETRAIN] + DISTRIBUTED_OPTIMIZER + ["--num-distributed-optimizer-instances", str(nodes)] + common
+        return [PRETRAIN] + _distributed_optimizer(config) + ["--num-distributed-optimizer-instances", str(nodes)] + common
     if schedule == "distopt":
-        return [PRETRAIN] + DISTRIBUTED_OPTIMIZER + common
+        return [PRETRAIN] + _distributed_optimizer(config) + common
     if schedule == "fsdp":
         return [PRETRAIN, "--use-torch-fsdp2"] + common
     if schedule == "hsdp":
