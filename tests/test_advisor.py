@@ -224,12 +224,12 @@ def test_commands_parse_with_the_projects_arguments(strategy, recompute):
     assert cfg.command.startswith("torchrun --nnodes 2 --nproc-per-node 4 pretrain_llama.py ")
     args = parse_args(cfg.argv + ["--train-iters", "10"])          # every flag exists
     assert args.global_batch_size == 16 and args.micro_batch_size == cfg.micro_batch_size
-    if cfg.trainable:
-        validate_args(args, world_size=cl.ranks)
-    else:   # the advisor says why the project refuses it (FSDP2 without recompute support)
-        assert strategy in ("fsdp", "hsdp") and recompute and "refuses" in cfg.note
-    if strategy in ("tawpipe", "1f1b", "pp-nodes", "weipipe", "interleaved", "distopt", "distopt-node"):
-        assert cfg.trainable
+    # every strategy but HFSDP runs here, FSDP2 and HSDP with full recompute included
+    assert cfg.trainable, cfg.note
+    validate_args(args, world_size=cl.ranks)
+    if recompute:
+        assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == \
+            ("full", "uniform", 1) or strategy in ("tawpipe", "weipipe")
 
 
 def test_hfsdp_is_marked_simulator_only():

@@ -14,7 +14,8 @@ runner-up, margin and the best configuration pretrain_llama.py can run are exact
 other strategies' figures are lower bounds of their best; TawPipe's cache as the
 runtime sets it) and the study records the winner, the runner-up (best of
 another strategy), the margin, and the best runnable strategy (HFSDP is
-simulator only; this project's FSDP2 has no recompute yet).
+simulator only; every other strategy, FSDP2 and HSDP with full recompute
+included, runs with pretrain_llama.py).
 
     python tools/scale_study.py                      # examples/results/scale_study.{json,png}
     python tools/scale_study.py --models 7b --gpus 16 --seq 8192 --out /tmp/s.json
