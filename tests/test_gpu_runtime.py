@@ -61,7 +61,8 @@ def _clip_on_two_ranks(rank):
         replicated = [torch.full((2, 2), 0.5), torch.ones(3)]  # the same on every rank: counted once
         model = SimpleNamespace(shard_grads=lambda: shard, replicated_grads=lambda: replicated)
         trainer = SimpleNamespace(model=model, device=torch.device("cpu"), args=SimpleNamespace(clip_grad=1.0))
-        norm = WeightPassingTrainer._clip_gradients(trainer)
+        norm = WeightPassingTrainer._global_norm(trainer)
+        WeightPassingTrainer._clip_gradients(trainer, norm)
         clipped = torch.cat([g.reshape(-1) for g in shard + replicated])
         local = float(clipped.pow(2).sum())
         return norm, float(shard[0][0]), local

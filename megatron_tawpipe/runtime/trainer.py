@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -169,9 +170,14 @@ class WeightPassingTrainer:
         grads = self.model.shard_grads() + self.model.replicated_grads()
         if self.scaling.unscale_and_check(grads):
             return None, True
-        if self.args.check_for_nan_in_loss_and_grad and not self.args.fp16:
+        grad_norm = self._global_norm()
+        if not math.isfinite(grad_norm) and self.args.check_for_nan_in_loss_and_grad and not self.args.fp16:
+            # The norm's all-reduce is the check (a NaN/Inf anywhere makes it non-finite on every
+            # rank); only then does every rank look for the shards to name.
             self._check_finite()
-        grad_norm = self._clip_gradients()
+            raise NonFiniteGradientError(f"the global gradient norm is {grad_norm} (finite gradients whose "
+                                         "squares overflow)")
+        self._clip_gradients(grad_norm)
         self._adamw.step()
         self.model.copy_replicated_masters_to_model()
         return grad_norm, False
@@ -236,17 +242,19 @@ class WeightPassingTrainer:
                 total[link] += value
         return total
 
-    def _clip_gradients(self) -> float:
-        """Megatron's global-norm clipping over owned shards (summed over ranks) and replicated parts."""
+    def _global_norm(self) -> float:
+        """L2 norm of all gradients: owned shards (summed over ranks) and the replicated parts."""
         squared = squared_l2_norm(self.model.shard_grads(), self.device)
         dist.all_reduce(squared)
         squared += squared_l2_norm(self.model.replicated_grads(), self.device)  # the same on every rank
-        norm = float(squared.sqrt())
+        return float(squared.sqrt())
+
+    def _clip_gradients(self, norm: float) -> None:
+        """Megatron's global-norm clipping: scale every gradient by clip / (norm + 1e-6) when below 1."""
         if self.args.clip_grad > 0:
             coeff = self.args.clip_grad / (norm + 1.0e-6)
             if coeff < 1.0:
                 torch._foreach_mul_(self.model.shard_grads() + self.model.replicated_grads(), coeff)
-        return norm
 
     # ---- checkpoint support ---------------------------------------------------------
 
