@@ -11,6 +11,7 @@ from distributed_harness import run_ranks
 from training_helpers import assert_close_rel, losses, tiny_args, train_rank
 
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+EVALUATE = ["--eval-interval", "1", "--eval-iters", "2", "--split", "90,10,0"]  # after every step
 
 
 def grad_norms(records):
@@ -19,9 +20,13 @@ def grad_norms(records):
 
 @pytest.fixture(scope="module")
 def reference():
-    (records,) = run_ranks(train_rank, 1, tiny_args())
+    (records,) = run_ranks(train_rank, 1, tiny_args(*EVALUATE))
     assert len(records) == 3 and losses(records)[0] != losses(records)[-1]  # it trains
     return records
+
+
+def validation_losses(records):
+    return [r["validation_lm_loss"] for r in records]
 
 
 @pytest.mark.parametrize("world,extra,schedule", [
@@ -33,10 +38,12 @@ def reference():
     (4, ["--pipeline-model-parallel-size", "2"] + DISTRIBUTED_OPTIMIZER, None),
 ], ids=["fsdp", "hsdp-2x2", "hsdp-2x2-recompute", "distopt-one-instance-per-node", "pp-nodes-x-dp-distopt"])
 def test_baseline_matches_single_process(reference, world, extra, schedule):
-    per_rank = run_ranks(train_rank, world, tiny_args(*extra))
+    per_rank = run_ranks(train_rank, world, tiny_args(*EVALUATE, *extra))
     for records in per_rank:
         assert_close_rel(losses(records), losses(reference), 1e-5)
         assert_close_rel(grad_norms(records), grad_norms(reference), 1e-5, "grad norm")
+        # Evaluation between steps (forward only; megatron's parameter gather is lazy) sees the updated weights.
+        assert_close_rel(validation_losses(records), validation_losses(reference), 1e-5, "validation loss")
         if schedule is not None:
             assert all(r["schedule"] == schedule for r in records)
 
