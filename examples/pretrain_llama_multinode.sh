@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node with plain torchrun: run this on every node with the same MASTER_ADDR and its own NODE_RANK.
 #   MASTER_ADDR=node0 NODE_RANK=0 NNODES=2 GPUS_PER_NODE=8 SCHEDULE=tawpipe bash examples/pretrain_llama_multinode.sh
+# SCHEDULE: tawpipe, weipipe, 1f1b, interleaved, or hsdp, fsdp, distopt-node, pp-nodes
 # On CPU nodes set BACKEND=gloo (and GLOO_SOCKET_IFNAME to the inter-node interface).
 # Weight-passing schedules take one group per node by default (--tawpipe-num-groups = NNODES).
 set -euo pipefail
@@ -33,17 +34,25 @@ if [ -n "$DATA_PATH" ]; then
 else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE")
 fi
+# SCHEDULE is a pipeline schedule or one of the hierarchical strategies practitioners use on such
+# clusters (see README "Results: every strategy"): hsdp, fsdp, distopt-node, pp-nodes.
+DISTOPT=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
+PIPELINE_SCHEDULE=1f1b
 case "$SCHEDULE" in
-    weipipe) PP_ARGS=(--pipeline-model-parallel-size 1) ;;
-    tawpipe) PP_ARGS=(--pipeline-model-parallel-size 1 --tawpipe-num-groups "$NNODES") ;;
-    *) PP_ARGS=(--pipeline-model-parallel-size "$PP") ;;
+    weipipe) PIPELINE_SCHEDULE=weipipe; PP_ARGS=(--pipeline-model-parallel-size 1) ;;
+    tawpipe) PIPELINE_SCHEDULE=tawpipe; PP_ARGS=(--pipeline-model-parallel-size 1 --tawpipe-num-groups "$NNODES") ;;
+    hsdp) PP_ARGS=(--use-torch-fsdp2 --num-distributed-optimizer-instances "$NNODES") ;;
+    fsdp) PP_ARGS=(--use-torch-fsdp2) ;;
+    distopt-node) PP_ARGS=("${DISTOPT[@]}" --num-distributed-optimizer-instances "$NNODES") ;;
+    pp-nodes) PP_ARGS=(--pipeline-model-parallel-size "$NNODES" "${DISTOPT[@]}") ;;
+    *) PIPELINE_SCHEDULE=$SCHEDULE; PP_ARGS=(--pipeline-model-parallel-size "$PP") ;;
 esac
 PRECISION=(--bf16)
 [ "$BACKEND" = gloo ] && PRECISION=()
 
 torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_llama.py \
-    --pipeline-schedule "$SCHEDULE" "${PP_ARGS[@]}" --distributed-backend "$BACKEND" \
+    --pipeline-schedule "$PIPELINE_SCHEDULE" "${PP_ARGS[@]}" --distributed-backend "$BACKEND" \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --untie-embeddings-and-output-weights \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
