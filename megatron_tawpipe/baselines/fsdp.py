@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from typing import Dict, Iterator, List, Tuple
 
 import torch
@@ -137,6 +138,9 @@ class FsdpTrainer:
         for layer in layers:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **policy)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **policy)
+        # megatron's GPTModel returns its per-token losses as a view; FSDP2 warns that an in-place op on
+        # it would skip a hook. The loss is only read out of place here (_micro_batch_loss).
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         # Explicit prefetch: start the next layer's all-gather while this one computes. FSDP's implicit
         # prefetch relies on CUDA streams; on CPU/gloo only explicit prefetch overlaps anything.
         for i, layer in enumerate(layers):
