@@ -101,7 +101,7 @@ def _current_lr(scheduler: OptimizerParamScheduler) -> float:
 
 
 def pretrain(args, trainer_factory=None) -> List[IterationRecord]:
-    """Train; ``trainer_factory(args)`` replaces the schedule's trainer (e.g. the FSDP baseline)."""
+    """Train; ``trainer_factory(args)`` replaces the schedule's trainer (tests use it to substitute their own)."""
     with cpu_compat.explain_cuda_errors():
         return _pretrain(args, trainer_factory or build_trainer)
 

@@ -1,7 +1,7 @@
 """Emulated compute: real tensors on the real links, compute replaced by calibrated sleeps.
 
 ``--emulated-compute-times FILE`` turns any schedule (tawpipe, weipipe, native
-1f1b/interleaved, the FSDP baseline) into a measurement of schedule and
+1f1b/interleaved, FSDP and HSDP, megatron's distributed optimizer) into a measurement of schedule and
 overlap quality alone: every tensor that the schedule communicates keeps its
 real size and crosses the real (possibly shaped) links, while each forward,
 backward and recompute of a decoder layer, and of the output layer, becomes a
