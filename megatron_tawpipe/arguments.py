@@ -403,7 +403,7 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
         return
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
-    dp = world_size // args.pipeline_model_parallel_size
+    dp = data_parallel_size(args, world_size)
     if args.use_torch_fsdp2:
         if args.pipeline_schedule != "1f1b" or args.pipeline_model_parallel_size != 1:
             raise ArgumentError("--use-torch-fsdp2 shards over all ranks: leave --pipeline-schedule at 1f1b and "

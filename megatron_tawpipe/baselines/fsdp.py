@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
+from megatron_tawpipe.baselines.native import current_device
 from megatron_tawpipe.baselines.sharded_state import fsdp_target, gather_fsdp
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
 from megatron_tawpipe.runtime.trainer import squared_l2_norm
@@ -82,10 +83,6 @@ def mixed_precision_policy(args) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -166,7 +163,7 @@ class FsdpTrainer:
     def _micro_batch_loss(self, data_iterator: Iterator) -> Tuple[torch.Tensor, torch.Tensor]:
         from megatron_tawpipe.data import get_batch
 
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, _device())
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, current_device())
         losses = self.model(tokens, position_ids, attention_mask, labels=labels)
         mask = loss_mask.float().view(-1)
         return torch.sum(losses.float().view(-1) * mask), mask.sum()
@@ -174,7 +171,7 @@ class FsdpTrainer:
     def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
         self.set_train(True)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = torch.zeros(2, dtype=torch.float64, device=_device())
+        totals = torch.zeros(2, dtype=torch.float64, device=current_device())
         n = self.args.num_microbatches
         start = time.perf_counter()
         for i in range(n):
@@ -206,7 +203,7 @@ class FsdpTrainer:
         shard dimension of the mesh only (HSDP's replicas hold equal copies).
         """
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = squared_l2_norm([_local(g) for g in grads], _device())
+        sq = squared_l2_norm([_local(g) for g in grads], current_device())
         dist.all_reduce(sq, group=self.shard_group)
         norm = float(sq.sqrt())
         clip = self.args.clip_grad
@@ -220,7 +217,7 @@ class FsdpTrainer:
     @torch.no_grad()
     def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
         self.set_train(False)
-        totals = torch.zeros(2, dtype=torch.float64, device=_device())
+        totals = torch.zeros(2, dtype=torch.float64, device=current_device())
         for _ in range(self.args.num_microbatches):
             loss_sum, tokens = self._micro_batch_loss(data_iterators[0])
             totals += torch.stack([loss_sum, tokens]).to(totals)
@@ -241,9 +238,6 @@ class FsdpTrainer:
     def gathered_masters(self):
         """Whole parameters and AdamW state (every rank calls this; the first rank keeps them)."""
         return gather_fsdp(self._named_parameters(), self.optimizer, keep=self.writes_checkpoint())
-
-    def optimizer_state_for(self, master):
-        return {}
 
     def set_optimizer_state(self, master, state) -> None:
         master.store_state(state)

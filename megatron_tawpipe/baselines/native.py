@@ -271,10 +271,7 @@ class NativeTrainer:
             self._torch_optimizer().state[master] = state
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
-        optimizer = self.optimizer
-        if hasattr(optimizer, "chained_optimizers"):
-            (optimizer,) = optimizer.chained_optimizers
-        return optimizer.optimizer
+        return self._chained_single().optimizer
 
     def writes_checkpoint(self) -> bool:
         """One data-parallel replica writes the parameters it holds."""

@@ -30,16 +30,17 @@ Entry = Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]
 class SliceTarget:
     """Stands in for a whole fp32 master during loading; copies this rank's slice into place.
 
-    ``shape`` and ``device`` are the whole parameter's; ``copy_(whole)`` writes the slice, and the
-    optimizer state given to ``store_state`` is sliced the same way.
+    ``shape`` and ``device`` are the whole parameter's; ``copy_(whole)`` writes the slice, and
+    ``store_state(state)`` installs the slices of whole optimizer-state tensors.
     """
 
     def __init__(self, shape: torch.Size, device: torch.device, take: Callable[[torch.Tensor], torch.Tensor],
-                 put: Callable[[torch.Tensor], None]):
+                 put: Callable[[torch.Tensor], None], store_state: Callable[[Dict[str, torch.Tensor]], None]):
         self.shape = shape
         self.device = device
-        self.take = take      # whole tensor -> this rank's slice (a view or copy)
-        self.put = put        # writes this rank's slice of the master
+        self.take = take                # whole tensor -> this rank's slice (a view or copy)
+        self.put = put                  # writes this rank's slice of the master
+        self.store_state = store_state  # whole optimizer state -> this rank's slices, installed
 
     def copy_(self, whole: torch.Tensor) -> "SliceTarget":
         self.put(self.take(whole))
@@ -60,29 +61,39 @@ def _local_range(optimizer, param):
     return entry["param"].start, entry["param"].end
 
 
+_DISTRIBUTED_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
 def gather_distributed_optimizer(optimizer, named_params: List[Tuple[str, torch.nn.Parameter]],
                                  group, keep: bool) -> List[Entry]:
-    """Whole masters and Adam state of ``named_params``, summed over ``group``; returned if ``keep``."""
-    entries: List[Entry] = []
-    for name, param in named_params:
+    """Whole masters and Adam state of ``named_params``, summed over ``group``; returned if ``keep``.
+
+    One all-reduce per parameter (master and both moments stacked), and one for the step counts
+    of all parameters (a MAX: every owner of a piece holds the same count).
+    """
+    device = named_params[0][1].device if named_params else torch.device("cpu")
+    wholes, steps = [], torch.zeros(len(named_params), dtype=torch.float64, device=device)
+    for i, (_name, param) in enumerate(named_params):
         owned = _local_range(optimizer, param)
         state = optimizer._get_main_param_and_optimizer_states(param) if owned else {}
-        pieces = {}
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        whole = torch.zeros(len(_DISTRIBUTED_KEYS), param.numel(), dtype=torch.float32, device=param.device)
+        for row, key in enumerate(_DISTRIBUTED_KEYS):
             if owned and key in state:
-                whole[owned[0]:owned[1]] = state[key].detach().view(-1).float()
-            dist.all_reduce(whole, group=group)
-            pieces[key] = whole.view(param.shape)
-        step = torch.zeros(1, dtype=torch.float64, device=param.device)
+                whole[row, owned[0]:owned[1]] = state[key].detach().view(-1).float()
+        dist.all_reduce(whole, group=group)
         if owned and "step" in state:
-            step += float(state["step"])
-        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
-        if keep:
-            optim = {"exp_avg": pieces["exp_avg"].cpu(), "exp_avg_sq": pieces["exp_avg_sq"].cpu()}
-            if step.item() > 0:
-                optim["step"] = torch.tensor(step.item(), dtype=torch.float32)
-            entries.append((name, pieces["param"].cpu(), optim))
+            steps[i] = float(state["step"])
+        wholes.append(whole.cpu() if keep else None)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
+    if not keep:
+        return []
+    entries: List[Entry] = []
+    for (name, param), whole, step in zip(named_params, wholes, steps.tolist()):
+        master, exp_avg, exp_avg_sq = (row.view(param.shape) for row in whole)
+        optim = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        if step > 0:
+            optim["step"] = torch.tensor(step, dtype=torch.float32)
+        entries.append((name, master, optim))
     return entries
 
 
@@ -98,9 +109,8 @@ def distributed_optimizer_target(optimizer, param: torch.nn.Parameter) -> SliceT
         if owned:
             optimizer._get_main_param_and_optimizer_states(param)["param"].copy_(piece)
 
-    target = SliceTarget(param.shape, param.device, take, put)
-    target.store_state = lambda state: _store_distributed_state(optimizer, param, owned, take, state)
-    return target
+    return SliceTarget(param.shape, param.device, take, put,
+                       lambda state: _store_distributed_state(optimizer, param, owned, take, state))
 
 
 def _store_distributed_state(optimizer, param, owned, take, state: Dict[str, torch.Tensor]) -> None:
@@ -152,6 +162,4 @@ def fsdp_target(param: torch.nn.Parameter, optimizer: torch.optim.Optimizer) -> 
                                      shape=param.shape, stride=param.stride()) if value.dim() else value.clone())
             for key, value in state.items()}
 
-    target = SliceTarget(param.shape, local.device, take, put)
-    target.store_state = store_state
-    return target
+    return SliceTarget(param.shape, local.device, take, put, store_state)
