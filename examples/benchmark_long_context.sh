@@ -4,7 +4,7 @@
 # over all ranks, 1F1B with one stage per node and the distributed optimizer inside, the distributed
 # optimizer with one instance per node and over all ranks, FSDP2 and HSDP, on an
 # emulated cluster of 2 nodes x 2 ranks (root: network namespaces, htb-shaped node links),
-# long context (G*S/(12H) = 2*3072/(12*256) = 2), emulated compute calibrated so that one
+# long context (G*S/(12H) = 1*3072/(12*256) = 1 (G = micro-batch size 1)), emulated compute calibrated so that one
 # shard's weights (2 layers, fp32, 6.4 MB) take about as long on the node link as one
 # shard's forward (2 x 24.4 ms). Then the simulator's prediction of the same configuration.
 #   sudo bash examples/benchmark_long_context.sh        (REPS=3 ITERS=4 RATE=1gbit VISIT=4)

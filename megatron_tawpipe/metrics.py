@@ -119,8 +119,8 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def max_over_ranks(value: float) -> float:
-    """The largest ``value`` over all ranks, on every rank (one all-reduce)."""
+def max_over_ranks(value):
+    """The largest ``value`` over all ranks, on every rank (one all-reduce); a list: each entry's."""
     import torch.distributed as dist
 
     return _all_reduce_scalar(value, dist.ReduceOp.MAX)
@@ -138,9 +138,10 @@ def _all_reduce_scalar(value: float, op) -> float:
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
-    return float(t)
+    return t.tolist() if isinstance(value, (list, tuple)) else float(t[0])
 
 
 def _fmt_float(value: Optional[float], spec: str) -> str:

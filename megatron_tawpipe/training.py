@@ -145,6 +145,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
 def _train(args, trainer_factory) -> List[IterationRecord]:
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
+    before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
     trainer = trainer_factory(args)
     scheduler = build_scheduler(args, trainer.optimizer)
 
@@ -178,7 +179,10 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
             extra = dict(step.get("extra", {}))
-            extra["peak_memory_bytes_max_rank"] = int(max_over_ranks(peak_memory_bytes()))
+            peak = peak_memory_bytes()
+            peak_max, growth_max = max_over_ranks([peak, peak - before_model])
+            extra["peak_memory_bytes_max_rank"] = int(peak_max)
+            extra["memory_since_model_bytes_max_rank"] = int(growth_max)
             if getattr(args, "emulated_compute_times", None):  # busy = slept compute time, the same measure for every schedule
                 extra["compute"] = "emulated"
                 extra["compute_busy_fraction"] = mean_over_ranks(emulated_compute.slept_seconds() / elapsed)

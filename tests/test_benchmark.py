@@ -130,3 +130,36 @@ def test_comparison_with_the_simulator():
     assert ratio["deviation"] == pytest.approx(1.5 / 1.6 - 1)
     text = format_comparison(comparison)
     assert "tawpipe/1f1b" in text and "-6%" in text
+
+
+def test_simulator_matrix_report():
+    from megatron_tawpipe.bench.matrix import MATRIX, compare, format_config, format_summary, simulate_command, summarize
+
+    c = MATRIX[0]
+    measured = {"summary": [
+        {"schedule": "tawpipe", "tokens_per_sec_per_rank": 1000.0, "compute_busy_fraction": 0.9,
+         "node_tx_bytes_per_iteration": 5e7, "memory_since_model_bytes_max_rank": 2e8},
+        {"schedule": "distopt", "tokens_per_sec_per_rank": 1100.0, "compute_busy_fraction": 0.95,
+         "node_tx_bytes_per_iteration": 8e7, "memory_since_model_bytes_max_rank": 3e8},
+        {"schedule": "fsdp", "tokens_per_sec_per_rank": 500.0}]}
+    simulated = [
+        {"schedule": "tawpipe", "tokens_per_sec_per_rank": 1200.0, "bubble_ratio": 0.05, "inter_group_bytes": 5e7,
+         "options": {"memory_breakdown": {"weights": 1e6, "grads": 2e6, "optimizer": 3e6, "comm_buffers": 4e6,
+                                          "activations": 9e9}}},
+        {"schedule": "distopt", "tokens_per_sec_per_rank": 1000.0, "bubble_ratio": 0.0, "inter_group_bytes": 8e7},
+        {"schedule": "fsdp", "tokens_per_sec_per_rank": 480.0, "bubble_ratio": 0.5, "inter_group_bytes": 1e8}]
+    entry = compare(c, measured, simulated)
+    rows = {r["schedule"]: r for r in entry["rows"]}
+    assert rows["tawpipe"]["measured_over_predicted"] == pytest.approx(1000 / 1200)
+    # tawpipe/distopt: measured 1000/1100, predicted 1200/1000.
+    assert rows["distopt"]["ratio_deviation"] == pytest.approx((1000 / 1100) / (1200 / 1000) - 1)
+    assert rows["tawpipe"]["memory_resident_predicted"] == pytest.approx(1e7)  # activations left out
+    assert entry["winner_measured"] == "distopt" and entry["winner_predicted"] == "tawpipe"
+    assert entry["predicted_winner_measured_gap"] == pytest.approx(1 - 1000 / 1100)
+    summary = summarize([entry])
+    assert summary["ratios"] == 2 and summary["winners_right"] == 0
+    assert {o["schedule"] for o in summary["outside"]} == {"distopt", "fsdp"}  # -24% and -20%
+    text = format_config(entry) + format_summary(summary)
+    assert "winner measured: distopt, predicted: tawpipe" in text
+    cmd = simulate_command(c, "times.json")
+    assert cmd[cmd.index("--backend") + 1] == "gloo" and cmd[cmd.index("--inter-bw") + 1] == "125000000B/s"

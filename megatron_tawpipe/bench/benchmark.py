@@ -168,6 +168,8 @@ def summarize_run(records: List[dict], warmup: int) -> dict:
         "intra_group_bytes": med("intra_group_bytes"),
         "peak_memory_bytes_max_rank": max(p for p in peak if p is not None) if any(p is not None for p in peak) else None,
         "compute_busy_fraction": busy,
+        "memory_since_model_bytes_max_rank": max((r.get("memory_since_model_bytes_max_rank") or 0) for r in measured)
+        if any(r.get("memory_since_model_bytes_max_rank") is not None for r in measured) else None,
         "lm_loss": [r.get("lm_loss") for r in records],
     }
 
@@ -305,6 +307,7 @@ def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
             "peak_memory_bytes_max_rank": max(r["peak_memory_bytes_max_rank"] for r in mine
                                               if r["peak_memory_bytes_max_rank"] is not None),
             "compute_busy_fraction": med("compute_busy_fraction"),
+            "memory_since_model_bytes_max_rank": med("memory_since_model_bytes_max_rank"),
         })
     return rows
 

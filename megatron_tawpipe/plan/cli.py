@@ -5,8 +5,9 @@ construction."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
-from .costmodel import CostModel, parse_rate, parse_time
+from .costmodel import BACKENDS, CostModel, parse_rate, parse_time
 from .fsdp import simulate_fsdp
 from .planners import build_plan
 from .simulate import simulate
@@ -31,6 +32,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-latency", default="20us")
     g.add_argument("--peak-tflops", type=float, default=312.0)
     g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached")
+    g.add_argument("--backend", choices=sorted(BACKENDS), default="nccl", help="library collectives: "
+                   + "; ".join(f"{k}: {v}" for k, v in BACKENDS.items()))
     g.add_argument("--measured-times", metavar="JSON", help="per-layer forward/backward/"
                    "recompute times measured on a GPU (overrides the FLOP model)")
     m = p.add_argument_group("model and batch")
@@ -71,6 +74,7 @@ def cost_model(args) -> CostModel:
         intra_bw=parse_rate(args.intra_bw), intra_latency=parse_time(args.intra_latency),
         inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
         dtype_bytes=args.dtype_bytes)
+    cost = replace(cost, backend=args.backend)
     if args.measured_times:
         cost = cost.with_measured(args.measured_times)
     return cost

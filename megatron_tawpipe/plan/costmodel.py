@@ -82,6 +82,18 @@ MEASURED_INFO_KEYS = ("comment", "device", "source", "attention", "dtype", "hidd
                       "micro_batch_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
 
+#: --backend of the simulator: what the analytic strategies assume of the library collectives.
+BACKENDS = {
+    "nccl": "GPUs: FSDP2's gathers and reductions and megatron's bucket reductions run on side CUDA "
+            "streams and overlap compute as the strategy models say",
+    "gloo": "the CPU (the emulated cluster): FSDP2 issues every all-gather, reduce-scatter and HSDP "
+            "all-reduce as a blocking call (its overlap lives in CUDA streams), and its gloo "
+            "reduce-scatter moves an all-reduce's bytes; megatron with more than one distributed-"
+            "optimizer instance reduces each bucket synchronously; one instance's reductions are "
+            "asynchronous gloo work and still overlap",
+}
+
+
 @dataclass(frozen=True)
 class CostModel:
     layer_forward: float                  # s per layer per micro-batch
@@ -101,6 +113,9 @@ class CostModel:
     copy_bandwidth: float = float("inf")  # bytes/s of local copies (load, accumulate)
     optimizer_time_per_param: float = 0.0
     recompute: bool = True
+    # How library collectives (FSDP2's, megatron's data-parallel reductions) behave: "nccl" runs them
+    # on side CUDA streams, overlapping compute; "gloo" (the CPU) has no streams (see BACKENDS).
+    backend: str = "nccl"
 
     # ------------------------------------------------------------ builders
     @classmethod

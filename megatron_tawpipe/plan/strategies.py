@@ -86,13 +86,30 @@ def _result(name, P, cost, N, iteration, compute, link_bytes, mem: MemoryBreakdo
 
 
 def _sharded_units(cost, d, unit_layers, grad_bytes):
-    """Per-micro-batch time of FSDP units sharded over the d ranks of a node."""
+    """FSDP units sharded over the d ranks of a node: (unit parameters, one
+    unit's all-gather, its gradient reduce-scatter, one micro-batch's time per
+    unit, what an iteration adds at its ends).  NCCL: the gathers and
+    reductions overlap the neighbouring units' compute, the first gather and
+    the last reduction are exposed.  gloo: FSDP2 blocks on every collective
+    and its reduce-scatter costs an all-reduce."""
     unit_params = cost.params_per_layer * unit_layers
     ag = _ring(cost.intra, unit_params * cost.dtype_bytes, d)
-    rs = _ring(cost.intra, unit_params * grad_bytes, d)
+    rs = _ring(cost.intra, unit_params * grad_bytes, d, factor=_rs_factor(cost))
     t_f = cost.layer_forward * unit_layers
     t_b = (cost.layer_backward + cost.layer_recompute) * unit_layers
-    return unit_params, ag, rs, max(t_f, ag) + max(t_b, ag + rs)
+    if _blocking(cost):
+        return unit_params, ag, rs, t_f + ag + t_b + ag + rs, 0.0
+    return unit_params, ag, rs, max(t_f, ag) + max(t_b, ag + rs), ag + rs
+
+
+def _blocking(cost) -> bool:
+    """Whether FSDP2's and megatron's partial-DP collectives block compute (CostModel.backend)."""
+    return cost.backend == "gloo"
+
+
+def _rs_factor(cost) -> float:
+    """A reduce-scatter's time in ring reduce-scatters: gloo's costs an all-reduce."""
+    return 2.0 if cost.backend == "gloo" else 1.0
 
 
 def _fsdp_memory(cost, num_layers, psi, unit_params, d, grad_bytes, weights_div, opt_div):
@@ -122,15 +139,15 @@ def simulate_hsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
     P, D, N, L = num_ranks, num_groups, num_microbatches, num_layers
     d = P // D
     units = L // unit_layers
-    unit_params, ag, rs, per_unit = _sharded_units(cost, d, unit_layers, grad_bytes)
+    unit_params, ag, rs, per_unit, edges = _sharded_units(cost, d, unit_layers, grad_bytes)
     psi = total_params(cost, L)
     fwd, bwd = _per_mb(cost, L)
     per_mb = units * per_unit + cost.head_forward + cost.head_backward
     node_bytes = 2 * grad_bytes * psi * (D - 1) / D
     t_ar = _ring(cost.inter, grad_bytes * psi, D, factor=2.0)
-    exposed = max(0.0, t_ar - bwd * (units - 1) / units)
-    iteration = N * per_mb + ag + rs + exposed + psi / d * cost.optimizer_time_per_param
-    intra = N * units * P * (d - 1) / d * unit_params * (2 * cost.dtype_bytes + grad_bytes)
+    exposed = t_ar if _blocking(cost) else max(0.0, t_ar - bwd * (units - 1) / units)
+    iteration = N * per_mb + edges + exposed + psi / d * cost.optimizer_time_per_param
+    intra = N * units * P * (d - 1) / d * unit_params * (2 * cost.dtype_bytes + _rs_factor(cost) * grad_bytes)
     mem = _fsdp_memory(cost, L, psi, unit_params, d, grad_bytes, None, d)
     return _result("hsdp", P, cost, N, iteration, N * (fwd + bwd),
                    {"inter": D * node_bytes, "intra": intra}, mem,
@@ -170,7 +187,10 @@ def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layer
         intra = P * (d - 1) / d * (grad_bytes + w) * psi
         name = "distopt-node"
     hide = (L - 1) / L
-    exposed = max(0.0, t_rs - bwd * hide) + max(0.0, t_ag - fwd * hide)
+    # More than one instance reduces each bucket synchronously, relying on a side CUDA stream for
+    # overlap: on gloo the reductions add to the iteration (the parameter gathers stay asynchronous).
+    hide_rs = 0.0 if instances > 1 and _blocking(cost) else hide
+    exposed = max(0.0, t_rs - bwd * hide_rs) + max(0.0, t_ag - fwd * hide)
     iteration = N * (fwd + bwd) + exposed + psi / shards * cost.optimizer_time_per_param
     mem = replicated_state(psi, shards, w, False, False, shards)
     mem.notes["comm_buffers"] = "none extra: buckets are views of the grad and param buffers"
@@ -194,7 +214,7 @@ def simulate_hfsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers:
     d = P // D
     w = cost.dtype_bytes
     units = L // unit_layers
-    unit_params, ag, rs, per_unit = _sharded_units(cost, d, unit_layers, grad_bytes)
+    unit_params, ag, rs, per_unit, edges = _sharded_units(cost, d, unit_layers, grad_bytes)
     psi = total_params(cost, L)
     fwd, bwd = _per_mb(cost, L)
     per_mb = units * per_unit + cost.head_forward + cost.head_backward
@@ -202,7 +222,7 @@ def simulate_hfsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers:
     hide = (units - 1) / units
     exposed = max(0.0, t_rs - bwd * hide) + max(0.0, t_ag - fwd * hide)
     node_bytes = (w + grad_bytes) * psi * (D - 1) / D
-    iteration = N * per_mb + ag + rs + exposed + psi / P * cost.optimizer_time_per_param
+    iteration = N * per_mb + edges + exposed + psi / P * cost.optimizer_time_per_param
     intra = N * units * P * (d - 1) / d * unit_params * (2 * w + grad_bytes)
     mem = _fsdp_memory(cost, L, psi, unit_params, d, grad_bytes, d, P)
     return _result("hfsdp", P, cost, N, iteration, N * (fwd + bwd),
