@@ -83,6 +83,10 @@ def initialize_distributed(args) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = args.distributed_backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise DistributedSetupError("--distributed-backend nccl needs CUDA GPUs and this machine has none "
+                                    "(torch.cuda.is_available() is False): use --distributed-backend gloo, "
+                                    "the default without a GPU")
     dist.init_process_group(
         backend=backend,
         rank=rank,

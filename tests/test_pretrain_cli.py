@@ -38,6 +38,8 @@ def test_metrics_file_losses_agree_between_pp1_and_pp2(tmp_path):
     for record in first:
         assert {"iteration", "lm_loss", "grad_norm", "tokens_per_sec_per_rank", "elapsed_ms"} <= set(record)
         assert record["tokens_per_sec_per_rank"] > 0 and record["elapsed_ms"] > 0
+        # The resident set grows by at least the model's fp32 weights, gradients and Adam moments.
+        assert 0 < record["memory_since_model_bytes_max_rank"] <= record["peak_memory_bytes_max_rank"]
     assert_close_rel([r["lm_loss"] for r in second], [r["lm_loss"] for r in first], 1e-5)
     log_lines = [line for line in proc.stdout.splitlines() if "iteration" in line and "lm loss" in line]
     assert len(log_lines) == 4
@@ -104,3 +106,14 @@ def test_missing_data_files_are_named(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothere" in err[0] and "--data-path" in err[0], err
     assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_nccl_without_a_gpu_is_one_line(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_llama.py"), "--distributed-backend", "nccl"]
+                          + tiny_args(train_iters=3), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert "--distributed-backend nccl needs CUDA GPUs" in lines[-1] and "Traceback" not in proc.stderr
