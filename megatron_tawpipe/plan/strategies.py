@@ -25,6 +25,14 @@ Overlap assumptions (stated once, used by every model here):
   compute (prefetch), as in :mod:`plan.fsdp`;
 * collectives are rings: ``(n-1)/n * bytes / bandwidth + (n-1) * latency``;
   a ring over ranks in several nodes runs at the node link's bandwidth.
+
+These are NCCL's overlaps on GPUs (``CostModel.backend == "nccl"``).  With
+``backend="gloo"`` (``tools/simulate.py --backend gloo``, what the emulated
+cluster's CPU runs do) the libraries' overlap is gone where it lives in CUDA
+streams: FSDP2 blocks on each gather and reduction (HSDP's all-reduce
+included) and its gloo reduce-scatter costs an all-reduce; megatron with more
+than one distributed-optimizer instance reduces every bucket synchronously.
+One instance's bucket reductions are asynchronous gloo work and still overlap.
 """
 
 from __future__ import annotations
