@@ -103,10 +103,14 @@ def emulate(seconds: float) -> None:
 class _SleepingCompute(torch.autograd.Function):
     """A stand-in for a block of layers: sleeps in forward and backward.
 
-    Output: ``out_shape`` (a new tensor; ``x`` itself when the shapes match,
-    copied). Gradients: ``x`` gets the incoming gradient when the shapes match
-    (zeros otherwise), every parameter gets zeros of its own size, so that
-    gradient traffic (DDP, FSDP reduce-scatter) keeps its real size.
+    Output: a new tensor of ``out_shape``, allocated but not written when the
+    shapes match (a layer's hidden state: what it holds does not matter, its
+    size does), zeros otherwise (the per-token losses). Gradients: ``x`` gets
+    the incoming gradient when the shapes match (zeros otherwise), every
+    parameter gets zeros of its own size, so that gradient traffic (DDP, FSDP
+    reduce-scatter) keeps its real size. What the CPU does besides sleeping is
+    therefore one parameter-sized gradient per layer and micro-batch, which the
+    library then accumulates; the weight-passing emulation below does the same.
     """
 
     @staticmethod
@@ -116,7 +120,7 @@ class _SleepingCompute(torch.autograd.Function):
         ctx.x_meta = (x.shape, x.dtype, x.device)
         ctx.param_meta = [(p.shape, p.dtype, p.device) for p in params]
         emulate(forward_s)
-        return x.clone() if ctx.same_shape else x.new_zeros(out_shape)
+        return x.new_empty(out_shape) if ctx.same_shape else x.new_zeros(out_shape)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -159,7 +163,7 @@ def emulate_gpt_model(gpt, times: ComputeTimes, recompute: bool) -> None:
         if gpt.pre_process:
             embedding = [p for p in gpt.embedding.parameters()]
             source = embedding[0]
-            hidden = sleeping_block(source.new_zeros(hidden_shape), hidden_shape, 0.0, 0.0, embedding)
+            hidden = sleeping_block(source.new_empty(hidden_shape), hidden_shape, 0.0, 0.0, embedding)
         else:
             hidden = gpt.decoder.input_tensor
         for layer in gpt.decoder.layers:
@@ -191,7 +195,11 @@ def emulate_weight_pipe_model(model, times: ComputeTimes) -> None:
 
     The executor still moves every weight and gradient buffer of real size; the
     data pipeline and ``forward_step_func`` still run, and the last shard
-    reports a zero loss over the micro-batch's real token count.
+    reports a zero loss over the micro-batch's real token count. Each backward
+    does the CPU work the native emulation leaves to autograd and megatron's
+    gradient hooks: a zero gradient of the shard's size (and of the embedding
+    on shard 0, of the head on the last shard) accumulated into the gradient
+    buffer, so that no strategy is spared the other's memory traffic.
     """
     from megatron_tawpipe.runtime.weight_pipe_model import _normalised_loss
 
@@ -211,6 +219,11 @@ def emulate_weight_pipe_model(model, times: ComputeTimes) -> None:
 
     def backward(mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         emulate(times.backward_s(layers, shard == last, model.recompute))
+        grad_buffer.add_(torch.zeros_like(grad_buffer))
+        parts = (["embedding"] if shard == 0 else []) + (["head"] if shard == last else [])
+        for part in parts:
+            for grad in model.replicated_grads(part):
+                grad.add_(torch.zeros_like(grad))
         if shard == 0:
             model._batches.pop(mb, None)
             model._loss_funcs.pop(mb, None)
