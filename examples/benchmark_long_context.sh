@@ -19,6 +19,7 @@ INTRA_BW=${INTRA_BW:-0.6GB/s} # gloo over a namespace's loopback on this kind of
 VISIT=${VISIT:-4}            # tawpipe micro-batches per shard visit
 BUCKET=${BUCKET:-1000000}    # megatron DDP buckets of ~1 decoder layer (0.8M parameters): overlap on this small model
 PEAK=${PEAK:-0.4}            # emulated device: TFLOP/s at efficiency 1 -> 24.4 ms per layer forward
+BACKEND=${BACKEND:-gloo}     # the simulator as the CPU runs the libraries (nccl: what GPUs would do)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 MODEL=(--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --max-position-embeddings 3072
        --micro-batch-size 1 --global-batch-size 16 --mock-data --tokenizer-type NullTokenizer --vocab-size 2047
@@ -35,6 +36,6 @@ python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetiti
 python tools/simulate.py --schedule "$(echo $STRATEGIES | tr ' ' ,)" --ranks 4 --groups 2 --num-layers 8 \
     --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --num-microbatches 4 \
     --vocab-size 2048 --dtype-bytes 4 --no-recompute --chunk "$VISIT" --virtual-stages 2 \
-    --measured-times "$OUT/times.json" --intra-bw "$INTRA_BW" --inter-bw "$INTER_BW" \
+    --measured-times "$OUT/times.json" --intra-bw "$INTRA_BW" --inter-bw "$INTER_BW" --backend "$BACKEND" \
     --json > "$OUT/simulated.json"
 python tools/benchmark.py --compare-simulated "$OUT/simulated.json" --results "$OUT/results.json"
