@@ -133,7 +133,8 @@ def test_comparison_with_the_simulator():
 
 
 def test_simulator_matrix_report():
-    from megatron_tawpipe.bench.matrix import MATRIX, compare, format_config, format_summary, simulate_command, summarize
+    from megatron_tawpipe.bench.matrix import (MATRIX, compare, format_config, format_markdown, format_summary,
+                                               simulate_command, summarize)
 
     c = MATRIX[0]
     measured = {"summary": [
@@ -161,5 +162,7 @@ def test_simulator_matrix_report():
     assert {o["schedule"] for o in summary["outside"]} == {"distopt", "fsdp"}  # -24% and -20%
     text = format_config(entry) + format_summary(summary)
     assert "winner measured: distopt, predicted: tawpipe" in text
+    row = format_markdown([entry], summary).splitlines()[-1]
+    assert row.startswith(f"| `{c.name}` | 0.33 |") and "distopt -24%, fsdp -20%" in row
     cmd = simulate_command(c, "times.json")
     assert cmd[cmd.index("--backend") + 1] == "gloo" and cmd[cmd.index("--inter-bw") + 1] == "125000000B/s"

@@ -17,7 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.bench.matrix import MATRIX, compare, format_config, format_summary, measure, simulate, summarize  # noqa: E402
+from megatron_tawpipe.bench.matrix import (MATRIX, compare, format_config, format_markdown, format_summary,  # noqa: E402
+                                           measure, simulate, summarize)
 
 
 def main(argv=None) -> int:
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
                    help="the simulator's collectives: as gloo runs them on CPU (the emulated runs), or NCCL on GPUs")
     p.add_argument("--json", default=None, help="report: write the comparison here")
     p.add_argument("--text", default=None, help="report: write the printed tables here too")
+    p.add_argument("--markdown", default=None, help="report: write one table row per configuration here")
     args = p.parse_args(argv)
     names = [c.name for c in MATRIX]
     wanted = names if args.configs is None else [x.strip() for x in args.configs.split(",")]
@@ -75,6 +77,9 @@ def main(argv=None) -> int:
         if args.text:
             with open(args.text, "w", encoding="utf-8") as f:
                 f.write("\n\n".join(text) + "\n")
+        if args.markdown:
+            with open(args.markdown, "w", encoding="utf-8") as f:
+                f.write(format_markdown(entries, summary) + "\n")
     return 0
 
 

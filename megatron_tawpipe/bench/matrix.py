@@ -227,3 +227,25 @@ def format_summary(summary: Dict[str, object]) -> str:
     for o in summary["outside"]:
         lines.append(f"  outside: {o['config']} tawpipe/{o['schedule']} {100 * o['deviation']:+.0f}%")
     return "\n".join(lines)
+
+
+def format_markdown(entries: Sequence[dict], summary: Dict[str, object]) -> str:
+    """One row per configuration (the README's table)."""
+    out = ["| configuration | G·S/12H | link | layers/shard | per visit | measured best (tok/s/rank) | "
+           "predicted best | measured/predicted, min-max over strategies | ratios to TawPipe outside 10% |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        c = e["config"]
+        rows = {r["schedule"]: r for r in e["rows"]}
+        best = rows[e["winner_measured"]]
+        mp = [r["measured_over_predicted"] for r in e["rows"]]
+        outside = [f"{r['schedule']} {100 * r['ratio_deviation']:+.0f}%" for r in e["rows"]
+                   if r["schedule"] != "tawpipe" and abs(r.get("ratio_deviation", 0.0)) > summary["tolerance"]]
+        gap = e["predicted_winner_measured_gap"] or 0.0
+        pred = e["winner_predicted"] + ("" if e["winner_predicted"] == e["winner_measured"]
+                                        else f" (measured {100 * gap:.1f}% behind)")
+        out.append(f"| `{c['name']}` | {e['boundary_over_layer']:.2f} | {c['rate']} | {e['layers_per_shard']} | "
+                   f"{c['visit']} | {e['winner_measured']} {best['measured']:.0f} | {pred} | "
+                   f"{min(mp):.2f}-{max(mp):.2f} (tawpipe {rows['tawpipe']['measured_over_predicted']:.2f}) | "
+                   f"{', '.join(outside) or '-'} |")
+    return "\n".join(out)
