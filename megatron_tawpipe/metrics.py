@@ -6,6 +6,8 @@ is what comparison runs and tools read; the log line is for people.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
 import os
@@ -117,6 +119,43 @@ def peak_memory_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = None
+
+
+def held_memory_bytes() -> Optional[int]:
+    """Bytes this process holds now: ``torch.cuda.memory_allocated`` on a GPU; on a CPU, what glibc's
+    allocator has handed out and not taken back (``mallinfo2``: heap blocks plus mmapped blocks, where
+    tensors live), which unlike the resident set drops when tensors are freed. None where glibc's
+    ``mallinfo2`` is missing."""
+    import torch
+
+    global _MALLINFO2
+    if torch.cuda.is_available():
+        return int(torch.cuda.memory_allocated())
+    if _MALLINFO2 is None:
+        _MALLINFO2 = _mallinfo2() or False
+    if not _MALLINFO2:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def max_over_ranks(value):

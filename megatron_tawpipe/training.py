@@ -22,7 +22,8 @@ from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
 from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
-from megatron_tawpipe.metrics import IterationRecord, MetricsWriter, max_over_ranks, mean_over_ranks, peak_memory_bytes
+from megatron_tawpipe.metrics import (IterationRecord, MetricsWriter, held_memory_bytes, max_over_ranks, mean_over_ranks,
+                                      peak_memory_bytes)
 from megatron_tawpipe.runtime.executor import PeerFailure, first_line
 from megatron_tawpipe.runtime.precision import NonFiniteGradientError
 
@@ -146,6 +147,7 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
     before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
+    held_before_model = held_memory_bytes()
     trainer = trainer_factory(args)
     scheduler = build_scheduler(args, trainer.optimizer)
 
@@ -179,10 +181,13 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
             extra = dict(step.get("extra", {}))
-            peak = peak_memory_bytes()
-            peak_max, growth_max = max_over_ranks([peak, peak - before_model])
+            peak, held = peak_memory_bytes(), held_memory_bytes()
+            held = -1 if held is None or held_before_model is None else held - held_before_model
+            peak_max, growth_max, held_max = max_over_ranks([peak, peak - before_model, held])
             extra["peak_memory_bytes_max_rank"] = int(peak_max)
             extra["memory_since_model_bytes_max_rank"] = int(growth_max)
+            if held_max >= 0:  # what the model, optimizer and buffers hold between iterations
+                extra["memory_held_since_model_bytes_max_rank"] = int(held_max)
             if getattr(args, "emulated_compute_times", None):  # busy = slept compute time, the same measure for every schedule
                 extra["compute"] = "emulated"
                 extra["compute_busy_fraction"] = mean_over_ranks(emulated_compute.slept_seconds() / elapsed)

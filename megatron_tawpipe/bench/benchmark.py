@@ -149,6 +149,11 @@ def _median(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
+def _max_of(records: List[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return max(values) if values else None
+
+
 def summarize_run(records: List[dict], warmup: int) -> dict:
     """Median over the measured (post warm-up) iterations of one run."""
     measured = records[warmup:] if len(records) > warmup else records[-1:]
@@ -168,8 +173,8 @@ def summarize_run(records: List[dict], warmup: int) -> dict:
         "intra_group_bytes": med("intra_group_bytes"),
         "peak_memory_bytes_max_rank": max(p for p in peak if p is not None) if any(p is not None for p in peak) else None,
         "compute_busy_fraction": busy,
-        "memory_since_model_bytes_max_rank": max((r.get("memory_since_model_bytes_max_rank") or 0) for r in measured)
-        if any(r.get("memory_since_model_bytes_max_rank") is not None for r in measured) else None,
+        "memory_since_model_bytes_max_rank": _max_of(measured, "memory_since_model_bytes_max_rank"),
+        "memory_held_since_model_bytes_max_rank": _max_of(measured, "memory_held_since_model_bytes_max_rank"),
         "lm_loss": [r.get("lm_loss") for r in records],
     }
 
@@ -308,6 +313,7 @@ def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
                                               if r["peak_memory_bytes_max_rank"] is not None),
             "compute_busy_fraction": med("compute_busy_fraction"),
             "memory_since_model_bytes_max_rank": med("memory_since_model_bytes_max_rank"),
+            "memory_held_since_model_bytes_max_rank": med("memory_held_since_model_bytes_max_rank"),
         })
     return rows
 

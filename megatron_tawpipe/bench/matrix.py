@@ -17,8 +17,12 @@ Stages, each resumable (a configuration whose files exist is not rerun):
    (rerun after changing the model: the measurements stay);
 3. ``report``: per configuration, measured / predicted tokens/s for every
    strategy, every strategy's ratio to TawPipe against the prediction, the
-   winner measured and predicted, and memory (the model's resident terms
-   against the growth of the peak resident set once the model is built).
+   winner measured and predicted, and memory: the model's resident terms
+   (weights, gradients, optimizer state, communication buffers; emulated
+   layers keep no activations) against what the process holds between
+   iterations beyond what it held before the model was built (glibc's
+   ``mallinfo2``, "held"), and against the growth of its peak resident set
+   ("RSS+", which also keeps transient buffers the allocator did not return).
 """
 
 from __future__ import annotations
@@ -162,6 +166,7 @@ def compare(c: MatrixConfig, measured: dict, simulated: list) -> dict:
             "node_bytes_measured": m.get("node_tx_bytes_per_iteration"),
             "node_bytes_predicted": p.get("inter_group_bytes"),
             "memory_growth_measured": m.get("memory_since_model_bytes_max_rank"),
+            "memory_held_measured": m.get("memory_held_since_model_bytes_max_rank"),
             "memory_resident_predicted": _resident_terms(p),
         })
     ref = next((r for r in rows if r["schedule"] == "tawpipe"), None)
@@ -187,7 +192,7 @@ def format_config(entry: dict) -> str:
            f"({entry['layers_per_shard']}/shard), node links {c['rate']}, {c['visit']} per visit, "
            f"device {c['peak_tflops']:g} TFLOP/s",
            f"  {'strategy':<13}{'measured':>9}{'predicted':>10}{'m/p':>6}{'tawpipe/x m':>12}{'p':>6}{'dev':>6}"
-           f"{'busy m':>8}{'p':>5}{'MB/it m':>9}{'p':>7}{'mem MB m':>10}{'p':>7}"]
+           f"{'busy m':>8}{'p':>5}{'MB/it m':>9}{'p':>7}{'RSS+ MB':>9}{'held MB':>9}{'p':>7}"]
     for r in entry["rows"]:
         mb = lambda v: "-" if v is None else f"{v / 1e6:.1f}"  # noqa: E731
         busy = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
@@ -196,7 +201,8 @@ def format_config(entry: dict) -> str:
                    f"{r.get('ratio_predicted', 0):>6.2f}{100 * r.get('ratio_deviation', 0):>+5.0f}%"
                    f"{busy(r['busy_measured']):>8}{busy(r['busy_predicted']):>5}"
                    f"{mb(r['node_bytes_measured']):>9}{mb(r['node_bytes_predicted']):>7}"
-                   f"{mb(r['memory_growth_measured']):>10}{mb(r['memory_resident_predicted']):>7}")
+                   f"{mb(r['memory_growth_measured']):>9}{mb(r.get('memory_held_measured')):>9}"
+                   f"{mb(r['memory_resident_predicted']):>7}")
     gap = entry["predicted_winner_measured_gap"]
     out.append(f"  winner measured: {entry['winner_measured']}, predicted: {entry['winner_predicted']}"
                + ("" if gap is None or gap == 0 else f" (measured {100 * gap:.1f}% behind the best)"))
