@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None, help="comma-separated names (default: all of MATRIX)")
     p.add_argument("--repetitions", type=int, default=2)
     p.add_argument("--train-iters", type=int, default=4)
+    p.add_argument("--burst", default=None, help="measure: htb burst of the node links (default: "
+                   "tools/emulated_cluster.py's)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                    help="the simulator's collectives: as gloo runs them on CPU (the emulated runs), or NCCL on GPUs")
     p.add_argument("--json", default=None, help="report: write the comparison here")
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
         results = os.path.join(outdir, "results.json")
         if args.stage in ("measure", "all") and not os.path.exists(results):
             print(f"== {c.name}", flush=True)
-            measure(c, outdir, args.repetitions, args.train_iters, progress=lambda line: print(line, flush=True))
+            measure(c, outdir, args.repetitions, args.train_iters, progress=lambda line: print(line, flush=True),
+                    burst=args.burst)
         if args.stage in ("simulate", "all"):
             simulate(c, outdir, args.backend)
         if args.stage in ("report", "all"):

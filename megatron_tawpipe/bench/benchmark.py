@@ -71,6 +71,7 @@ class BenchmarkConfig:
     num_layers: int = 8
     outdir: str = "runs/benchmark"
     cluster: Optional[tuple] = None  # (nodes, ranks_per_node, rate) for the emulated cluster
+    burst: Optional[str] = None  # htb burst of the emulated node links (default: emulated_cluster's)
     timeout_s: Optional[float] = None
     recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
@@ -274,7 +275,8 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
         from megatron_tawpipe.bench.emulated_cluster import EmulatedCluster
 
         nodes, per_node, rate = config.cluster
-        with EmulatedCluster(nodes, per_node, rate) as cluster:
+        kwargs = {} if config.burst is None else {"burst": config.burst}
+        with EmulatedCluster(nodes, per_node, rate, **kwargs) as cluster:
             progress(cluster.describe())
             body(_ClusterLauncher(cluster))
     return {

@@ -108,16 +108,17 @@ def calibrate(c: MatrixConfig, path: str) -> None:
 
 
 def measure(c: MatrixConfig, outdir: str, repetitions: int, train_iters: int,
-            progress=print) -> dict:
+            progress=print, burst: Optional[str] = None) -> dict:
     times = os.path.join(outdir, "times.json")
     calibrate(c, times)
     config = BenchmarkConfig(schedules=c.schedules(), ranks=RANKS, repetitions=repetitions,
                              train_iters=train_iters, warmup_iters=1, model_args=model_flags(c),
                              outdir=os.path.join(outdir, "runs"), cluster=(NODES, RANKS // NODES, c.rate),
                              recompute=False, emulated_compute_times=times,
-                             tawpipe_microbatches_per_visit=c.visit, ddp_bucket_size=1_000_000)
+                             tawpipe_microbatches_per_visit=c.visit, ddp_bucket_size=1_000_000, burst=burst)
     result = run_benchmark(config, progress=progress)
     result["matrix_config"] = asdict(c)
+    result["burst"] = burst
     with open(os.path.join(outdir, "results.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     return result
