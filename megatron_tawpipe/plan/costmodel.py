@@ -117,6 +117,16 @@ class CostModel:
     # on side CUDA streams, overlapping compute; "gloo" (the CPU) has no streams (see BACKENDS).
     backend: str = "nccl"
 
+    @property
+    def library_collectives_block(self) -> bool:
+        """Whether FSDP2's collectives and megatron's partial-DP reductions block compute (gloo)."""
+        return self.backend == "gloo"
+
+    @property
+    def reduce_scatter_factor(self) -> float:
+        """A library reduce-scatter's cost in ring reduce-scatters: gloo's moves an all-reduce's bytes."""
+        return 2.0 if self.backend == "gloo" else 1.0
+
     # ------------------------------------------------------------ builders
     @classmethod
     def from_flops(cls, *, hidden_size: int, seq_length: int, micro_batch_size: int = 1,

@@ -41,19 +41,18 @@ def simulate_fsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
     t_b = (cost.layer_backward + cost.layer_recompute) * unit_layers
     params = (num_layers * cost.params_per_layer + cost.replicated_params) / P
     heads = cost.head_forward + cost.head_backward
-    if cost.backend == "gloo":
-        # FSDP2 on gloo blocks on every gather and reduce-scatter, and the reduce-scatter costs an
-        # all-reduce (twice a ring reduce-scatter's bytes): nothing overlaps.
-        g_ratio *= 2
-        per_mb = units * (t_f + t_b + (2 + g_ratio) * coll) + heads
+    rs_ratio = g_ratio * cost.reduce_scatter_factor   # a reduce-scatter in units of one gather
+    if cost.library_collectives_block:
+        # FSDP2 on gloo blocks on every gather and reduce-scatter: nothing overlaps.
+        per_mb = units * (t_f + t_b + (2 + rs_ratio) * coll) + heads
         iteration = N * per_mb + params * cost.optimizer_time_per_param
     else:
-        per_mb = units * (max(t_f, coll) + max(t_b, (1 + g_ratio) * coll)) + heads
+        per_mb = units * (max(t_f, coll) + max(t_b, (1 + rs_ratio) * coll)) + heads
         # Exposed: the first gather of an iteration, the last reduce-scatter, and
         # the optimizer on the local 1/P of everything.
-        iteration = N * per_mb + (1 + g_ratio) * coll + params * cost.optimizer_time_per_param
+        iteration = N * per_mb + (1 + rs_ratio) * coll + params * cost.optimizer_time_per_param
     compute = N * (units * (t_f + t_b) + heads)
-    collectives = N * units * (2 + g_ratio)      # two gathers, one reduce-scatter
+    collectives = N * units * (2 + rs_ratio)      # two gathers, one reduce-scatter
     crossing = D if D > 1 else 0
     link_bytes = {"inter": collectives * crossing * moved,
                   "intra": collectives * (P - crossing) * moved}
@@ -69,6 +68,6 @@ def simulate_fsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
         link_bytes=link_bytes, replicated_allreduce_bytes=0.0,
         # two gathered units (current + prefetched) and one unsharded gradient
         weight_buffers=2, grad_buffers=1, weight_buffer_bytes=2 * unit_bytes,
-        grad_buffer_bytes=unit_bytes * (grad_bytes or cost.dtype_bytes) / cost.dtype_bytes, activation_bytes=units * per_stash + working,
+        grad_buffer_bytes=unit_bytes * g_ratio, activation_bytes=units * per_stash + working,
         state_bytes=state, compute_time=[compute] * P, finish_time=[iteration] * P,
         options={"unit_layers": unit_layers, "analytic": True, "backend": cost.backend})

@@ -102,22 +102,12 @@ def _sharded_units(cost, d, unit_layers, grad_bytes):
     and its reduce-scatter costs an all-reduce."""
     unit_params = cost.params_per_layer * unit_layers
     ag = _ring(cost.intra, unit_params * cost.dtype_bytes, d)
-    rs = _ring(cost.intra, unit_params * grad_bytes, d, factor=_rs_factor(cost))
+    rs = _ring(cost.intra, unit_params * grad_bytes, d, factor=cost.reduce_scatter_factor)
     t_f = cost.layer_forward * unit_layers
     t_b = (cost.layer_backward + cost.layer_recompute) * unit_layers
-    if _blocking(cost):
+    if cost.library_collectives_block:
         return unit_params, ag, rs, t_f + ag + t_b + ag + rs, 0.0
     return unit_params, ag, rs, max(t_f, ag) + max(t_b, ag + rs), ag + rs
-
-
-def _blocking(cost) -> bool:
-    """Whether FSDP2's and megatron's partial-DP collectives block compute (CostModel.backend)."""
-    return cost.backend == "gloo"
-
-
-def _rs_factor(cost) -> float:
-    """A reduce-scatter's time in ring reduce-scatters: gloo's costs an all-reduce."""
-    return 2.0 if cost.backend == "gloo" else 1.0
 
 
 def _fsdp_memory(cost, num_layers, psi, unit_params, d, grad_bytes, weights_div, opt_div):
@@ -153,9 +143,9 @@ def simulate_hsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
     per_mb = units * per_unit + cost.head_forward + cost.head_backward
     node_bytes = 2 * grad_bytes * psi * (D - 1) / D
     t_ar = _ring(cost.inter, grad_bytes * psi, D, factor=2.0)
-    exposed = t_ar if _blocking(cost) else max(0.0, t_ar - bwd * (units - 1) / units)
+    exposed = t_ar if cost.library_collectives_block else max(0.0, t_ar - bwd * (units - 1) / units)
     iteration = N * per_mb + edges + exposed + psi / d * cost.optimizer_time_per_param
-    intra = N * units * P * (d - 1) / d * unit_params * (2 * cost.dtype_bytes + _rs_factor(cost) * grad_bytes)
+    intra = N * units * P * (d - 1) / d * unit_params * (2 * cost.dtype_bytes + cost.reduce_scatter_factor * grad_bytes)
     mem = _fsdp_memory(cost, L, psi, unit_params, d, grad_bytes, None, d)
     return _result("hsdp", P, cost, N, iteration, N * (fwd + bwd),
                    {"inter": D * node_bytes, "intra": intra}, mem,
@@ -197,7 +187,7 @@ def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layer
     hide = (L - 1) / L
     # More than one instance reduces each bucket synchronously, relying on a side CUDA stream for
     # overlap: on gloo the reductions add to the iteration (the parameter gathers stay asynchronous).
-    hide_rs = 0.0 if instances > 1 and _blocking(cost) else hide
+    hide_rs = 0.0 if instances > 1 and cost.library_collectives_block else hide
     exposed = max(0.0, t_rs - bwd * hide_rs) + max(0.0, t_ag - fwd * hide)
     iteration = N * (fwd + bwd) + exposed + psi / shards * cost.optimizer_time_per_param
     mem = replicated_state(psi, shards, w, False, False, shards)
@@ -231,7 +221,7 @@ def simulate_hfsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers:
     exposed = max(0.0, t_rs - bwd * hide) + max(0.0, t_ag - fwd * hide)
     node_bytes = (w + grad_bytes) * psi * (D - 1) / D
     iteration = N * per_mb + edges + exposed + psi / P * cost.optimizer_time_per_param
-    intra = N * units * P * (d - 1) / d * unit_params * (2 * w + grad_bytes)
+    intra = N * units * P * (d - 1) / d * unit_params * (2 * w + cost.reduce_scatter_factor * grad_bytes)
     mem = _fsdp_memory(cost, L, psi, unit_params, d, grad_bytes, d, P)
     return _result("hfsdp", P, cost, N, iteration, N * (fwd + bwd),
                    {"inter": D * node_bytes, "intra": intra}, mem,
