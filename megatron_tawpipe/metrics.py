@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import math
 import os
@@ -127,7 +128,9 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
+@functools.lru_cache(maxsize=None)
 def _mallinfo2():
+    """glibc's ``mallinfo2`` (looked up once), or None where it is missing."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         fn = libc.mallinfo2
@@ -137,9 +140,6 @@ def _mallinfo2():
     return fn
 
 
-_MALLINFO2 = None
-
-
 def held_memory_bytes() -> Optional[int]:
     """Bytes this process holds now: ``torch.cuda.memory_allocated`` on a GPU; on a CPU, what glibc's
     allocator has handed out and not taken back (``mallinfo2``: heap blocks plus mmapped blocks, where
@@ -147,14 +147,12 @@ def held_memory_bytes() -> Optional[int]:
     ``mallinfo2`` is missing."""
     import torch
 
-    global _MALLINFO2
     if torch.cuda.is_available():
         return int(torch.cuda.memory_allocated())
-    if _MALLINFO2 is None:
-        _MALLINFO2 = _mallinfo2() or False
-    if not _MALLINFO2:
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
         return None
-    info = _MALLINFO2()
+    info = mallinfo2()
     return int(info.uordblks + info.hblkhd)
 
 

@@ -111,17 +111,15 @@ def test_gloo_backend_blocks_fsdp_and_partial_dp_but_not_one_instance():
 
 
 def test_simulate_backend_flag():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "simulate.py"), "--schedule", "fsdp,hsdp",
-                          "--ranks", "4", "--groups", "2", "--num-layers", "4", "--hidden-size", "256",
-                          "--seq-length", "1024", "--num-microbatches", "2", "--vocab-size", "1000",
-                          "--inter-bw", "100MB/s", "--json", "--backend", "gloo"],
-                         capture_output=True, text=True, check=True).stdout
-    gloo = {r["schedule"]: r["iteration_time_s"] for r in json.loads(out)}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "simulate.py"), "--schedule", "fsdp,hsdp",
-                          "--ranks", "4", "--groups", "2", "--num-layers", "4", "--hidden-size", "256",
-                          "--seq-length", "1024", "--num-microbatches", "2", "--vocab-size", "1000",
-                          "--inter-bw", "100MB/s", "--json"], capture_output=True, text=True, check=True).stdout
-    nccl = {r["schedule"]: r["iteration_time_s"] for r in json.loads(out)}
+    def iteration_times(*extra):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "simulate.py"), "--schedule", "fsdp,hsdp",
+                              "--ranks", "4", "--groups", "2", "--num-layers", "4", "--hidden-size", "256",
+                              "--seq-length", "1024", "--num-microbatches", "2", "--vocab-size", "1000",
+                              "--inter-bw", "100MB/s", "--json", *extra],
+                             capture_output=True, text=True, check=True).stdout
+        return {r["schedule"]: r["iteration_time_s"] for r in json.loads(out)}
+
+    gloo, nccl = iteration_times("--backend", "gloo"), iteration_times()
     assert gloo["fsdp"] > nccl["fsdp"] and gloo["hsdp"] > nccl["hsdp"]
 
 

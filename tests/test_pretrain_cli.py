@@ -38,7 +38,7 @@ def test_metrics_file_losses_agree_between_pp1_and_pp2(tmp_path):
     for record in first:
         assert {"iteration", "lm_loss", "grad_norm", "tokens_per_sec_per_rank", "elapsed_ms"} <= set(record)
         assert record["tokens_per_sec_per_rank"] > 0 and record["elapsed_ms"] > 0
-        # The resident set grows by at least the model's fp32 weights, gradients and Adam moments.
+        # Building the model and its optimizer state grows the peak resident set, within the peak.
         assert 0 < record["memory_since_model_bytes_max_rank"] <= record["peak_memory_bytes_max_rank"]
     assert_close_rel([r["lm_loss"] for r in second], [r["lm_loss"] for r in first], 1e-5)
     log_lines = [line for line in proc.stdout.splitlines() if "iteration" in line and "lm loss" in line]

@@ -98,6 +98,15 @@ def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
     return None
 
 
+def interleaved_layers_per_virtual_stage(layers: int, ranks: int) -> int:
+    """The benchmark's interleaved 1F1B: two virtual stages per rank where the layers split evenly,
+    else one layer per virtual stage."""
+    per_stage = layers // ranks
+    if per_stage < 2:
+        raise BenchmarkError(f"interleaved needs at least 2 layers per stage ({layers} layers on {ranks} ranks)")
+    return per_stage // 2 if per_stage % 2 == 0 else 1
+
+
 def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) -> List[str]:
     """Script and arguments of one run (what follows ``torchrun ... ``)."""
     p = config.ranks
@@ -117,12 +126,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
     if schedule == "1f1b":
         return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(p)] + common
     if schedule == "interleaved":
-        per_stage = layers // p
-        if per_stage < 2:
-            raise BenchmarkError(f"interleaved needs at least 2 layers per stage ({layers} layers on {p} ranks)")
-        per_virtual = per_stage // 2 if per_stage % 2 == 0 else 1
         return [PRETRAIN, "--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", str(p),
-                "--num-layers-per-virtual-pipeline-stage", str(per_virtual)] + common
+                "--num-layers-per-virtual-pipeline-stage", str(interleaved_layers_per_virtual_stage(layers, p))] + common
     nodes = config.num_groups()
     if schedule == "pp-nodes":
         if nodes < 2:

@@ -34,7 +34,9 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkConfig, run_benchmark
+from megatron_tawpipe.bench.benchmark import (SCHEDULES, BenchmarkConfig, interleaved_layers_per_virtual_stage,
+                                              run_benchmark)
+from megatron_tawpipe.plan.costmodel import parse_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, HEADS, VOCAB, RANKS, NODES, GLOBAL_BATCH = 256, 4, 2047, 4, 2, 16
@@ -62,19 +64,17 @@ class MatrixConfig:
 
     def rate_bytes_per_s(self) -> str:
         """The rate for ``tools/simulate.py`` (tc's mbit/gbit are 10^6/10^9 bit/s)."""
-        unit = {"mbit": 1e6, "gbit": 1e9}
-        for suffix, scale in unit.items():
-            if self.rate.endswith(suffix):
-                return f"{float(self.rate[:-len(suffix)]) * scale / 8:.0f}B/s"
-        raise ValueError(f"rate {self.rate!r}: use <n>mbit or <n>gbit")
+        return f"{parse_rate(self.rate + '/s'):.0f}B/s"
 
     def virtual_stages(self) -> int:
-        """Interleaved's chunks per rank as the benchmark configures them."""
-        per_stage = self.num_layers // RANKS
-        return per_stage // (per_stage // 2 if per_stage % 2 == 0 else 1)
+        """Interleaved's chunks per rank as the benchmark configures them (1 where it does not run)."""
+        if "interleaved" not in self.schedules():
+            return 1
+        return self.layers_per_shard // interleaved_layers_per_virtual_stage(self.num_layers, RANKS)
 
     def schedules(self) -> List[str]:
-        return [s for s in SCHEDULES if s != "interleaved" or self.num_layers // RANKS >= 2]
+        """Every strategy, less interleaved 1F1B where the benchmark cannot configure it."""
+        return [s for s in SCHEDULES if s != "interleaved" or self.layers_per_shard >= 2]
 
 
 MATRIX = (
