@@ -37,10 +37,12 @@ fi
 mkdir -p "$OUT_DIR"
 torchrun --nproc-per-node "$GPUS" pretrain_llama.py \
     --pipeline-schedule "$SCHEDULE" "${PP_ARGS[@]}" \
+    --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
+    --hidden-dropout 0.0 --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --untie-embeddings-and-output-weights \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
-    --lr "$LR" --min-lr "$(python -c "print($LR/10)")" --lr-warmup-iters "${WARMUP_ITERS:-100}" --lr-decay-style cosine \
+    --lr "$LR" --min-lr "$(python -c "print($LR/10)")" --lr-warmup-iters "${WARMUP_ITERS:-100}" --lr-decay-style cosine --adam-beta2 0.95 \
     --weight-decay 0.1 --clip-grad 1.0 --bf16 \
     "${DATA_ARGS[@]}" --split 969,30,1 \
     --log-interval 10 --eval-interval 500 --eval-iters 10 \

@@ -53,10 +53,12 @@ PRECISION=(--bf16)
 torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_llama.py \
     --pipeline-schedule "$PIPELINE_SCHEDULE" "${PP_ARGS[@]}" --distributed-backend "$BACKEND" \
+    --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
+    --hidden-dropout 0.0 --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --untie-embeddings-and-output-weights \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
-    --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters "${WARMUP_ITERS:-100}" --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
+    --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters "${WARMUP_ITERS:-100}" --lr-decay-style cosine --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 \
     "${PRECISION[@]}" "${DATA_ARGS[@]}" --split 969,30,1 \
     --log-interval 10 --eval-interval 500 --eval-iters 10 \
     --save "$OUT_DIR/checkpoints" --load "$OUT_DIR/checkpoints" --save-interval 500 \

@@ -12,6 +12,7 @@ PP=${PP:-2}            # pipeline size for the native schedules (1f1b, interleav
 NUM_GROUPS=${NUM_GROUPS:-2}    # emulated nodes for tawpipe/weipipe
 NUM_LAYERS=${NUM_LAYERS:-4}
 HIDDEN=${HIDDEN:-128}
+FFN=${FFN:-$(( (8 * HIDDEN / 3 + 63) / 64 * 64 ))}   # Llama's 8/3 x hidden, rounded up to 64
 HEADS=${HEADS:-4}
 SEQ=${SEQ:-128}
 MICRO_BATCH=${MICRO_BATCH:-4}
@@ -31,11 +32,13 @@ case "$SCHEDULE" in
 esac
 python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_llama.py \
     --pipeline-schedule "$SCHEDULE" "${PARALLEL[@]}" \
-    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" \
+    --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
+    --hidden-dropout 0.0 --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader \
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" \
     --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine \
-    --weight-decay 0.01 --clip-grad 1.0 --untie-embeddings-and-output-weights \
+    --adam-beta2 0.95 --num-workers 0 --weight-decay 0.01 --clip-grad 1.0 --untie-embeddings-and-output-weights \
     --data-path "$DATA_DIR/corpus_text_document" --split 98,2,0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA_DIR/tokenizer.model" \
     --log-interval 10 --eval-interval 50 --eval-iters 2 \

@@ -14,6 +14,8 @@ import argparse
 import os
 from typing import List, Optional
 
+from megatron_tawpipe.compat.megatron_lm import add_compat_args, compat_notices, compat_refusal, explain_unknown
+
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
 WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
 
@@ -55,54 +57,152 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_checkpoint_and_logging_args(parser)
+    add_compat_args(parser)
     return parser
 
 
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "mrope", "relative", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
+# Megatron-LM's --attention-backend values, then this project's: te (Transformer Engine, its own
+# choice of kernel) and sdpa (torch's scaled_dot_product_attention under megatron-core's local layer).
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "te", "sdpa")
+
+
+def _normalization(text: str) -> str:
+    """LayerNorm / RMSNorm; Megatron-DeepSpeed's lower-case spellings are taken too."""
+    for name in NORMALIZATIONS:
+        if text == name or text == name.lower():
+            return name
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(NORMALIZATIONS)}, got {text}")
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model")
+    """The model, with Megatron-LM's flags and defaults (a GPT: LayerNorm, GELU, biases, learned
+    positions, dropout 0.1). Llama is --normalization RMSNorm --swiglu --disable-bias-linear
+    --position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 (LLAMA_FLAGS)."""
+    g = parser.add_argument_group("model (Megatron-LM's flags and defaults)")
     g.add_argument("--num-layers", type=_positive_int, default=4)
     g.add_argument("--hidden-size", type=_positive_int, default=128)
     g.add_argument("--num-attention-heads", type=_positive_int, default=4)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=_positive_int, default=None)
+    g.add_argument("--num-key-value-heads", type=_positive_int, default=None,
+                   help="Megatron-DeepSpeed's spelling of --group-query-attention --num-query-groups N")
+    g.add_argument("--kv-channels", type=_positive_int, default=None, help="default: hidden / heads")
     g.add_argument("--ffn-hidden-size", type=_positive_int, default=None,
-                   help="default: Llama's 8/3 * hidden rounded up to a multiple of 64")
+                   help="default: 4 x hidden; with --swiglu int(8 x hidden / 3 / 64) x 64, as Megatron-LM")
     g.add_argument("--seq-length", type=_positive_int, default=128)
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
                    help="default: --seq-length")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--normalization", type=_normalization, default="LayerNorm",
+                   metavar="{LayerNorm,RMSNorm}")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights (weight + 1); needs Transformer Engine or Apex")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama) instead of GELU")
+    g.add_argument("--squared-relu", action="store_true", help="squared-ReLU MLP instead of GELU")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True,
+                   help="no biases in the linear layers (Llama)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the query/key/value projection only (on anyway without --disable-bias-linear)")
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES)
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false", default=True,
+                   help="Megatron-LM's older flag; only valid with rope, where it changes nothing")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 rotary frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q.K^T by 1/layer number (implies --attention-softmax-in-fp32)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer (Llama); default ties it to the word embeddings")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "te", "sdpa", "local"],
-                   help="auto: Transformer Engine when installed with a GPU, else torch SDPA")
+    g.add_argument("--transformer-impl", default=None, choices=TRANSFORMER_IMPLS,
+                   help="default: transformer_engine where it is installed with a GPU, else local")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: Transformer Engine's choice with TE, else torch SDPA; local: megatron-core's "
+                        "unfused attention; flash/fused/unfused: Transformer Engine's kernels")
     g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128)
 
 
+# The Llama architecture in Megatron-LM's flags: what examples, tools and tests pass.
+LLAMA_FLAGS = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+               "--position-embedding-type", "rope", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+               "--attention-softmax-in-fp32", "--no-create-attention-mask-in-dataloader")
+# What this project's measuring tools pass besides: Llama, no validation pass (they measure
+# training), data loaded in the training process (no worker processes competing for the cores).
+TOOL_FLAGS = LLAMA_FLAGS + ("--eval-iters", "0", "--num-workers", "0")
+
+
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("training")
+    g = parser.add_argument_group("training (Megatron-LM's flags and defaults)")
     g.add_argument("--micro-batch-size", type=_positive_int, default=2)
     g.add_argument("--global-batch-size", type=_positive_int, default=None,
                    help="default: micro-batch size x data-parallel size")
     g.add_argument("--train-iters", type=_positive_int, default=None)
-    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--train-samples", type=_positive_int, default=None,
+                   help="instead of --train-iters: train on this many samples (floor(samples / global batch) "
+                        "iterations); LR warmup and decay are then given in samples")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (required, as in Megatron-LM)")
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
+    g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay span (instead of --lr-warmup-iters/-samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup")
     g.add_argument("--lr-decay-iters", type=_positive_int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=_positive_int, default=None, help="default: --train-samples")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    g.add_argument("--lr-wsd-decay-iters", type=_positive_int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=_positive_int, default=None)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, take the schedule from these flags, not from the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, take the schedule from the checkpoint")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the word embeddings and the output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="their minimum learning rate (default --min-lr)")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip; 0 disables")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap",
+                                                           "adaptive_muon"],
+                   help="adam (AdamW, decoupled weight decay, as Megatron-LM's adam); the others are refused")
     g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale; default dynamic")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="native schedules: accumulate and reduce gradients in fp32 (on by default with --bf16)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="native schedules with --bf16: reduce gradients in bf16")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="average the loss over the tokens of the whole global batch")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused cross entropy (with CUDA)")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_true", default=True,
                    help="stop with the iteration and shard where a NaN/Inf loss or gradient appears (default); "
@@ -110,8 +210,29 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=_positive_int, default=1)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's shorthand for --recompute-granularity selective")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="with --recompute-granularity full; default uniform")
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=None,
+                   help="with --recompute-granularity full; default 1")
+    g.add_argument("--exit-duration-in-mins", type=_positive_float, default=None,
+                   help="stop (saving a checkpoint with --save) once the run has lasted this long")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (or --exit-signal), save a checkpoint with --save after the current iteration "
+                        "and exit (Slurm preemption)")
+    g.add_argument("--exit-signal", default="SIGTERM",
+                   help="the signal --exit-signal-handler waits for, by name (SIGTERM, SIGUSR1, ...)")
+    # Fusions Megatron-LM turns on by default and these flags turn off; with CUDA they decide, on a
+    # CPU every fused kernel is off anyway.
+    for flag, dest in (("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+                       ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
+                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+                       ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
+                       ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+                       ("--no-rope-fusion", "apply_rope_fusion"),
+                       ("--no-persist-layer-norm", "persist_layer_norm")):
+        g.add_argument(flag, dest=dest, action="store_false", default=True)
 
 
 # Megatron-LM's fp8 / fp4 flags (Transformer Engine recipes), recognised so that they are refused
@@ -162,6 +283,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help=f"one of {', '.join(PIPELINE_SCHEDULES)}")
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--context-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl with CUDA, gloo otherwise")
@@ -208,6 +331,12 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "world/N consecutive ranks (a node), replicated across the N groups")
 
 
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "BertWordPieceLowerCase",
+                   "BertWordPieceCase", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
+SUPPORTED_TOKENIZERS = ("SentencePieceTokenizer", "NullTokenizer")
+
+
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -215,17 +344,26 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", default="NullTokenizer", choices=["SentencePieceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, metavar="TOKENIZER_TYPE",
+                   help=f"required: {' or '.join(SUPPORTED_TOKENIZERS)} (Megatron-LM's other types are refused)")
     g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
     g.add_argument("--vocab-size", type=_positive_int, default=None, help="for NullTokenizer")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
-                   action="store_true", default=False,
-                   help="materialise the S x S causal mask per sample (default: attention applies it implicitly)")
+                   action="store_true", default=True,
+                   help="materialise the S x S causal mask per sample (Megatron-LM's default; "
+                        "--no-create-attention-mask-in-dataloader lets attention apply it implicitly)")
     g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
                    action="store_false")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false", default=True)
+    g.add_argument("--num-workers", type=_non_negative_int, default=2, help="data-loader worker processes per rank")
+    g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"],
+                   help="single (default): every sample once, in the dataset's shuffled order")
 
 
 def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -233,12 +371,20 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, help="checkpoint directory to write")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--no-save-optim", action="store_true", help="checkpoints without optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="checkpoints without random-number states")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only, restart iteration count")
-    g.add_argument("--log-interval", type=_positive_int, default=1)
-    g.add_argument("--eval-interval", type=_positive_int, default=1000)
-    g.add_argument("--eval-iters", type=_non_negative_int, default=10)
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="stop if --load holds no checkpoint instead of starting from scratch")
+    g.add_argument("--log-interval", type=_positive_int, default=100)
+    g.add_argument("--log-throughput", action="store_true",
+                   help="accepted: the log line always has tokens/s and TFLOP/s per rank")
+    g.add_argument("--eval-interval", type=_positive_int, default=None,
+                   help="validate every this many iterations (default: only after training)")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per validation; 0 or less: no validation")
     g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
     g.add_argument("--exit-interval", type=_positive_int, default=None, help="stop after this iteration")
 
@@ -253,25 +399,53 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    """Parse ``argv``; a Megatron-LM flag this project does not implement is an ArgumentError naming it."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        raise ArgumentError(explain_unknown(unknown))
     fill_defaults(args)
     return args
 
 
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Megatron-LM's derived defaults (those that need no world size)."""
+    if args.num_key_value_heads is not None:       # Megatron-DeepSpeed's spelling
+        args.group_query_attention = True
+        args.num_query_groups = args.num_key_value_heads
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+    if args.add_bias_linear:                        # Megatron-LM: linear biases include the QKV bias
+        args.add_qkv_bias = True
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = _llama_ffn_size(args.hidden_size)
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads == 0:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.num_query_groups is None or not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+    if args.eval_iters < 0:
+        args.eval_iters = 0
     return args
 
 
-def _llama_ffn_size(hidden: int) -> int:
+def llama_ffn_hidden_size(hidden: int) -> int:
+    """Llama's FFN size: 8/3 x hidden rounded up to a multiple of 64 (what this project's tools use)."""
     return 64 * ((int(8 * hidden / 3) + 63) // 64)
+
+
+def default_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
+    """Megatron-LM's: 4 x hidden, or with SwiGLU two thirds of that rounded down to a multiple of 64."""
+    return int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
 
 
 def world_size_from_env() -> int:
@@ -294,9 +468,12 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not part of this "
             "version yet; use --pipeline-schedule 1f1b or interleaved")
+    refusal = compat_refusal(args)
+    if refusal:
+        raise ArgumentError(refusal)
     _validate_precision(args)
-    if args.train_iters is None:
-        raise ArgumentError("--train-iters is required")
+    _validate_model(args)
+    _validate_required(args)
     if args.emulated_compute_times:
         from megatron_tawpipe.bench.emulated_compute import load_compute_times
 
@@ -304,43 +481,175 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             load_compute_times(args.emulated_compute_times)
         except ValueError as exc:
             raise ArgumentError(str(exc)) from None
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ArgumentError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
-            f"{args.lr_decay_iters} (default: --train-iters)")
-    if args.min_lr > args.lr:
-        raise ArgumentError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
-    if args.tensor_model_parallel_size != 1:
-        raise ArgumentError("--tensor-model-parallel-size must be 1 (tensor parallelism is not supported yet)")
-    if args.hidden_size % args.num_attention_heads:
-        raise ArgumentError(
-            f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads {args.num_attention_heads}")
+    _validate_parallel_layout(args, world_size)
+    _validate_data_parallel(args, world_size)
+    _validate_batch(args, world_size)
+    _validate_schedule_units(args)
+    _validate_logging_and_checkpoints(args)
+    for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
+    for message in compat_notices(args):
+        notice(message)
+    return args
+
+
+def _validate_required(args: argparse.Namespace) -> None:
+    """Flags Megatron-LM has no default for, and choices it has that this project does not implement."""
+    if args.lr is None:
+        raise ArgumentError("--lr is required (Megatron-LM has no default learning rate)")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
+    if args.optimizer != "adam":
+        raise ArgumentError(f"--optimizer {args.optimizer} is not supported; adam (AdamW, Megatron-LM's default) is")
+    if args.tokenizer_type is None:
+        raise ArgumentError("--tokenizer-type is required (Megatron-LM has no default): NullTokenizer --vocab-size N "
+                            "with --mock-data, or SentencePieceTokenizer --tokenizer-model FILE")
+    if args.tokenizer_type not in SUPPORTED_TOKENIZERS:
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} is not supported yet; use "
+                            f"{' or '.join(SUPPORTED_TOKENIZERS)}")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        notice(f"--tiktoken-pattern {args.tiktoken_pattern}: applies to TikTokenizer only; no effect with "
+               f"{args.tokenizer_type}")
+    if args.dataloader_type in ("cyclic", "external"):
+        raise ArgumentError(f"--dataloader-type {args.dataloader_type} is not supported yet; single (the default: "
+                            "every sample once, in the dataset's shuffled order) is")
+
+
+def _validate_model(args: argparse.Namespace) -> None:
+    """The architecture flags, as Megatron-LM builds them (see model.py)."""
+    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+                            f"{args.num_attention_heads} (or give --kv-channels)")
     if args.num_attention_heads % args.num_query_groups:
         raise ArgumentError(
             f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups {args.num_query_groups}")
     if args.seq_length > args.max_position_embeddings:
         raise ArgumentError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
-    _validate_parallel_layout(args, world_size)
-    _validate_data_parallel(args, world_size)
-    _validate_batch(args, world_size)
-    if (args.save_interval is not None) and not args.save:
-        raise ArgumentError("--save-interval needs --save DIR")
-    for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
-        if not 0.0 <= value < 1.0:
-            raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
-    return args
+    if args.swiglu and args.squared_relu:
+        raise ArgumentError("--swiglu and --squared-relu are mutually exclusive")
+    kind = args.position_embedding_type
+    if kind in ("yarn", "mrope", "relative"):
+        raise ArgumentError(f"--position-embedding-type {kind} is not supported yet; use learned_absolute, rope "
+                            "or none")
+    if not args.add_position_embedding and kind != "rope":
+        raise ArgumentError(f"--no-position-embedding is only valid with --position-embedding-type rope (got {kind}); "
+                            "use --position-embedding-type none for no position embedding")
+    if (args.use_rope_scaling or args.rotary_seq_len_interpolation_factor) and kind != "rope":
+        raise ArgumentError("--use-rope-scaling / --rotary-seq-len-interpolation-factor need "
+                            "--position-embedding-type rope")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ArgumentError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    from megatron_tawpipe.model import check_model_support
+
+    try:
+        check_model_support(args)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+
+
+def _validate_schedule_units(args: argparse.Namespace) -> None:
+    """--train-iters or --train-samples, and the LR schedule in the same unit (Megatron-LM's rules).
+
+    Sets ``args.train_iters`` in both modes and ``args.lr_warmup_steps``, ``lr_decay_steps``,
+    ``wsd_decay_steps`` and ``wd_incr_steps`` in samples, the unit of megatron-core's scheduler.
+    """
+    gbs = args.global_batch_size
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ArgumentError("give exactly one of --train-iters and --train-samples")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
+        raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+    if args.train_iters is not None:
+        if args.lr_decay_samples is not None or args.lr_warmup_samples or args.lr_wsd_decay_samples:
+            raise ArgumentError("--lr-decay-samples / --lr-warmup-samples / --lr-wsd-decay-samples go with "
+                                "--train-samples; with --train-iters use --lr-decay-iters / --lr-warmup-iters")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+        decay = (args.lr_decay_iters or args.train_iters) * gbs
+        warmup = args.lr_warmup_iters * gbs
+        wsd = (args.lr_wsd_decay_iters or 0) * gbs
+        args.train_samples_total = args.train_iters * gbs
+    else:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters or args.lr_wsd_decay_iters:
+            raise ArgumentError("--lr-decay-iters / --lr-warmup-iters / --lr-wsd-decay-iters go with --train-iters; "
+                                "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
+            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive")
+        args.train_iters = args.train_samples // gbs
+        if args.train_iters == 0:
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch ({gbs})")
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples
+        wsd = args.lr_wsd_decay_samples or 0
+        args.train_samples_total = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    if args.lr_decay_iters is None and args.train_iters is not None and args.train_samples is None:
+        args.lr_decay_iters = args.train_iters
+    if warmup >= decay:
+        if args.train_samples is None:
+            given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
+                     else f"--lr-warmup-iters {args.lr_warmup_iters}")
+            span = f"--lr-decay-iters {decay // gbs} (default: --train-iters)"
+        else:
+            given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
+                     else f"--lr-warmup-samples {args.lr_warmup_samples}")
+            span = f"--lr-decay-samples {decay} (default: --train-samples)"
+        raise ArgumentError(f"{given} must be smaller than {span}")
+    if args.lr_decay_style == "WSD" and not wsd:
+        wsd = decay
+    args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps = int(warmup), int(decay), int(wsd)
+    args.wd_incr_steps = args.train_samples_total
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            raise ArgumentError("--start-weight-decay / --end-weight-decay need --weight-decay-incr-style "
+                                "linear or cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
+                            "and --end-weight-decay")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+                            "mutually exclusive")
+
+
+def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and not args.save:
+        notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
+    if args.exit_on_missing_checkpoint and not args.load:
+        raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
+    import signal
+
+    if args.exit_signal_handler and not isinstance(getattr(signal, str(args.exit_signal), None), signal.Signals):
+        raise ArgumentError(f"--exit-signal {args.exit_signal} is not a signal name (SIGTERM, SIGUSR1, SIGINT, ...)")
+    if args.calculate_per_token_loss and args.eod_mask_loss:
+        raise ArgumentError("--calculate-per-token-loss with --eod-mask-loss is not supported yet (micro-batches "
+                            "with different numbers of loss tokens)")
+    if args.calculate_per_token_loss:
+        notice("--calculate-per-token-loss: every micro-batch has the same number of loss tokens without "
+               "--eod-mask-loss, so the mean over the global batch's tokens is the mean over micro-batches")
 
 
 def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
+    if args.tensor_model_parallel_size != 1:
+        raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: tensor parallelism is "
+                            "not supported yet; leave it at 1")
+    if args.context_parallel_size != 1:
+        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: context parallelism needs "
+                            "Transformer Engine on GPUs and is not supported yet; leave it at 1")
+    if args.sequence_parallel:
+        notice("--sequence-parallel: no effect with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")
+        args.sequence_parallel = False
     pp = args.pipeline_model_parallel_size
     if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
         if pp != 1:
-            raise ArgumentError(
-                f"--pipeline-schedule {args.pipeline_schedule} uses every rank as a data-parallel rank; "
-                f"--pipeline-model-parallel-size must be 1, got {pp}")
+            notice(f"--pipeline-schedule {args.pipeline_schedule}: the {pp} ranks of each "
+                   "--pipeline-model-parallel-size pipeline join the weight pipeline, which runs over all "
+                   f"{world_size} ranks (every rank is a data-parallel rank and owns 1/{world_size} of the layers)")
+            args.pipeline_model_parallel_size = pp = 1
         if args.num_layers % world_size:
             raise ArgumentError(
                 f"--num-layers {args.num_layers} must be divisible by the number of ranks {world_size} "

@@ -174,10 +174,13 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     entries = _entries(trainer)
     if trainer.writes_checkpoint():
         params, optim = _collect_local_state(entries, trainer, tied)
+        if args.no_save_optim:
+            optim = {}
         filename = f"params_rank{rank:05d}.pt"
         _atomic_torch_save({"params": params, "optimizer": optim}, os.path.join(tmp_dir, filename))
         index_part = {name: (list(t.shape), filename) for name, t in params.items()}
-    _atomic_torch_save(_rng_state(), os.path.join(tmp_dir, f"rng_rank{rank:05d}.pt"))
+    if not args.no_save_rng:
+        _atomic_torch_save(_rng_state(), os.path.join(tmp_dir, f"rng_rank{rank:05d}.pt"))
 
     parts = [None] * world
     if dist.is_initialized():
@@ -193,8 +196,12 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
             "format_version": FORMAT_VERSION,
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "grad_scaler": trainer.grad_scaler_state(),
+            # --no-save-optim leaves out what the optimizer needs to continue: its state, the LR
+            # schedule and the loss scaler (as Megatron-LM does).
+            "optimizer_saved": not args.no_save_optim,
+            "scheduler": scheduler.state_dict() if scheduler is not None and not args.no_save_optim else None,
+            "scheduler_units": "samples",
+            "grad_scaler": None if args.no_save_optim else trainer.grad_scaler_state(),
             "index": {name: [shape, file] for name, (shape, file) in sorted(index.items())},
             "pipeline_schedule": args.pipeline_schedule,
             "world_size": world,
@@ -213,11 +220,29 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     return final_dir
 
 
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "padded_vocab_size", "untie_embeddings_and_output_weights")
+# Architecture choices that change the numbers, and what checkpoints written before they were
+# recorded were trained with (the model was always a Llama then).
+ARCHITECTURE_KEYS = {"normalization": "RMSNorm", "swiglu": True, "squared_relu": False, "add_bias_linear": False,
+                     "add_qkv_bias": False, "position_embedding_type": "rope", "kv_channels": None,
+                     "rotary_base": 10000, "rotary_percent": 1.0, "use_rope_scaling": False,
+                     "rope_scaling_factor": 8.0, "apply_layernorm_1p": False, "qk_layernorm": False}
+
+
 def model_signature(args) -> dict:
-    """Model-shape arguments that a checkpoint must agree with to be loaded."""
-    keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-            "padded_vocab_size", "untie_embeddings_and_output_weights")
+    """Model arguments that a checkpoint must agree with to be loaded."""
+    keys = SHAPE_KEYS + tuple(ARCHITECTURE_KEYS)
     return {key: getattr(args, key) for key in keys}
+
+
+def _saved_signature(saved: dict) -> dict:
+    """A checkpoint's model signature, completed with what older checkpoints implied."""
+    completed = dict(saved)
+    for key, legacy in ARCHITECTURE_KEYS.items():
+        if key not in completed:
+            completed[key] = saved["hidden_size"] // saved["num_attention_heads"] if key == "kv_channels" else legacy
+    return completed
 
 
 def latest_iteration(root: str) -> Optional[int]:
@@ -287,6 +312,9 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     tied = not args.untie_embeddings_and_output_weights
     by_file = _targets_by_file(trainer, common["index"], tied, directory)
     restore_optimizer = not (args.no_load_optim or args.finetune)
+    if restore_optimizer and not common.get("optimizer_saved", True):
+        raise CheckpointError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
+                              "from; pass --no-load-optim (or --finetune) to start the optimizer afresh")
     with torch.no_grad():
         for filename in sorted(by_file):
             _load_parameters_from(os.path.join(directory, filename), by_file[filename], trainer, restore_optimizer)
@@ -294,14 +322,30 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
         return 0, 0
     trainer.after_parameters_loaded()
     if scheduler is not None and common["scheduler"] is not None and not args.no_load_optim:
-        scheduler.load_state_dict(common["scheduler"])
-    if not args.no_load_optim:
+        _load_scheduler(scheduler, common, directory)
+    if not args.no_load_optim and common["grad_scaler"] is not None:
         trainer.load_grad_scaler_state(common["grad_scaler"])
     rng_file = os.path.join(directory, f"rng_rank{_rank():05d}.pt")
     same_layout = common["world_size"] == _world() and common["pipeline_schedule"] == args.pipeline_schedule
     if same_layout and not args.no_load_rng and os.path.isfile(rng_file):
         _set_rng_state(_load(rng_file))
     return common["iteration"], common["consumed_samples"]
+
+
+def _load_scheduler(scheduler, common: dict, directory: str) -> None:
+    """megatron-core's LR schedule counts samples (as Megatron-LM's); checkpoints written before
+    this counted iterations, which are converted with the checkpoint's global batch."""
+    state = dict(common["scheduler"])
+    if common.get("scheduler_units") != "samples" and common["iteration"]:
+        batch = common["consumed_samples"] // common["iteration"]
+        for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
+            if key in state:
+                state[key] = state[key] * batch
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as exc:
+        raise CheckpointError(f"{directory}: {exc} (--override-opt_param-scheduler takes this run's flags, "
+                              "--use-checkpoint-opt_param-scheduler the checkpoint's)") from None
 
 
 def _restore_optimizer_state(trainer, master: torch.Tensor, saved: dict) -> None:
@@ -316,10 +360,14 @@ def _restore_optimizer_state(trainer, master: torch.Tensor, saved: dict) -> None
 def _check_signature(common: dict, args, directory: str) -> None:
     if common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory}: unknown checkpoint format {common.get('format_version')!r}")
-    saved = common["model"]
+    saved = _saved_signature(common["model"])
     current = model_signature(args)
     for key, value in current.items():
         if saved.get(key) != value:
-            flag = "--" + key.replace("_", "-")
+            flag = _SIGNATURE_FLAGS.get(key, "--" + key.replace("_", "-"))
             raise CheckpointError(
                 f"{directory}: checkpoint has {key}={saved.get(key)}, this run {flag} gives {value}")
+
+
+_SIGNATURE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "padded_vocab_size": "--vocab-size / tokenizer",
+                    "use_rope_scaling": "--use-rope-scaling"}

@@ -272,7 +272,8 @@ def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Tuple[List[s
 
 def parse_split(split: str) -> List[float]:
     """'969,30,1' -> normalized [train, valid, test] fractions (missing entries are 0)."""
-    text = str(split).strip()
+    # Megatron-LM reads the numbers and ignores the rest, so a script's quoted "'99,1,0'" works.
+    text = str(split).strip().strip("'\"")
     parts = [p.strip() for p in re.split(r"[,/]", text)] if text else []
     try:
         values = [float(p) for p in parts]

@@ -18,16 +18,20 @@ from dataclasses import dataclass, field
 from typing import IO, Optional
 
 
-def llama_flops_per_iteration(args, recompute: bool = False) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3 x forward).
+def model_flops_per_iteration(args, recompute: bool = False) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward), Megatron-LM's count.
 
-    Dense matmuls per token per layer: QKV, attention scores and context
-    (causal: half of S), output projection, and the three SwiGLU matrices;
-    plus the output layer. Recomputation is not counted (model FLOPs, as in MFU).
+    Dense matmuls per token per layer: the query, key and value projections (q = kv_channels x
+    heads outputs for the query, kv_channels x groups each for key and value), attention scores
+    and context (causal: half of S each), the output projection, and the MLP's two matrices
+    (three with SwiGLU); plus the output layer. Recomputation is not counted (model FLOPs, as in MFU).
     """
     h, f, s = args.hidden_size, args.ffn_hidden_size, args.seq_length
-    kv = h * args.num_query_groups // args.num_attention_heads
-    per_token_layer = 2 * h * (h + 2 * kv) + 2 * 2 * s * h * 0.5 + 2 * h * h + 3 * 2 * h * f
+    d = getattr(args, "kv_channels", None) or h // args.num_attention_heads
+    q = d * args.num_attention_heads
+    kv = d * args.num_query_groups
+    mlp_matrices = 3 if getattr(args, "swiglu", True) else 2
+    per_token_layer = 2 * h * (q + 2 * kv) + 2 * 2 * s * q * 0.5 + 2 * q * h + mlp_matrices * 2 * h * f
     per_token = args.num_layers * per_token_layer + 2 * h * args.padded_vocab_size
     tokens = args.global_batch_size * s
     return 3.0 * per_token * tokens
@@ -73,7 +77,7 @@ class MetricsWriter:
         self.args = args
         self.world_size = world_size
         self.is_writer = is_writer
-        self.flops_per_iteration = llama_flops_per_iteration(args)
+        self.flops_per_iteration = model_flops_per_iteration(args)
         self._file: Optional[IO[str]] = None
         if is_writer and args.metrics_file:
             directory = os.path.dirname(os.path.abspath(args.metrics_file))

@@ -1,10 +1,14 @@
-"""Llama-style GPT model on megatron-core: config, layer spec, builder, initialisation.
+"""The GPT model on megatron-core, built from Megatron-LM's flags: config, layer spec, builder, initialisation.
 
-The model is megatron-core's ``GPTModel`` with Llama's choices: RMSNorm,
-SwiGLU (``gated_linear_unit`` + silu), rotary position embeddings, no linear
-biases, tied or untied embeddings. Layer spec: Transformer Engine's when TE is
-importable, otherwise megatron-core's local spec with our SDPA core attention
-(the local attention materialises the S x S score matrix).
+The model is megatron-core's ``GPTModel`` as Megatron-LM builds it from the same
+flags: LayerNorm or RMSNorm (zero-centred with ``--apply-layernorm-1p``), a GELU,
+SwiGLU or squared-ReLU MLP, linear biases unless ``--disable-bias-linear``,
+learned absolute, rotary or no position embeddings, grouped-query attention,
+tied or untied embeddings, dropout. With Megatron-LM's defaults that is GPT;
+Llama is ``LLAMA_FLAGS`` in :mod:`megatron_tawpipe.arguments`. Layer spec:
+Transformer Engine's when TE is importable with a GPU (or ``--transformer-impl
+transformer_engine``), otherwise megatron-core's local spec with our SDPA core
+attention (megatron's local attention materialises the S x S score matrix).
 
 Initial weights are a pure function of ``(seed, global parameter name)``:
 every parameter draws from its own generator. A model therefore starts from
@@ -25,6 +29,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -32,7 +37,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tawpipe.attention import SDPAttention
 
-ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
+ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local", "flash", "fused", "unfused")
+TE_ATTENTION_BACKENDS = ("flash", "fused", "unfused")
 
 
 def transformer_engine_available() -> bool:
@@ -91,8 +97,10 @@ def available_fusion_kernels() -> FusionKernels:
     return FusionKernels.probe()
 
 
-def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bool) -> Dict[str, bool]:
-    """TransformerConfig fusion flags: each on only with CUDA and its kernel importable.
+def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bool,
+                    args=None) -> Dict[str, bool]:
+    """TransformerConfig fusion flags: each on only with CUDA, its kernel importable, and not
+    turned off by Megatron-LM's ``--no-*-fusion`` flag in ``args``.
 
     ``gradient_accumulation_fusion`` also needs every weight to carry an fp32 ``main_grad``
     that the wgrad GEMM accumulates into (megatron's backward reads ``weight.main_grad``
@@ -100,18 +108,38 @@ def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bo
     ``main_grad_buffers=True``); the weight-passing shard template does not: its gradients
     come out of autograd into ``param.grad`` and are added into the plan's gradient buffers
     (see :meth:`runtime.shard_model.ShardTemplate.layer_grads_into`), so it stays off there.
-    Bias-dropout-add fusion stays off: without linear biases and with Llama's zero dropout it
-    would only fuse the residual add, and its compiled dropout is a second random-number path
-    that the recompute-replays-dropout tests (on CPU) could not check.
+    The bias-activation fusion is megatron's jit-fused SwiGLU, or its bias-GELU, which needs
+    linear biases; squared ReLU has none. Bias-dropout-add fusion stays off: its compiled
+    dropout is a second random-number path that the recompute-replays-dropout tests (on CPU)
+    could not check.
     """
     if not on_cuda:
         kernels = FusionKernels()
+    wants = (lambda flag: bool(getattr(args, flag, True))) if args is not None else (lambda flag: True)
+    swiglu = getattr(args, "swiglu", True) if args is not None else True
+    if swiglu:
+        activation = kernels.swiglu and wants("bias_swiglu_fusion")
+    elif getattr(args, "squared_relu", False):
+        activation = False
+    else:
+        activation = kernels.swiglu and wants("bias_gelu_fusion") and getattr(args, "add_bias_linear", False)
+    position = getattr(args, "position_embedding_type", "rope") if args is not None else "rope"
     return {
-        "bias_activation_fusion": kernels.swiglu,   # with gated_linear_unit + silu: fused SwiGLU
-        "apply_rope_fusion": kernels.rope,
-        "masked_softmax_fusion": kernels.masked_softmax,  # used by --attention-backend local
-        "gradient_accumulation_fusion": kernels.wgrad_accumulation and main_grad_buffers,
+        "bias_activation_fusion": activation,
+        "apply_rope_fusion": kernels.rope and position == "rope" and wants("apply_rope_fusion"),
+        "masked_softmax_fusion": kernels.masked_softmax and wants("masked_softmax_fusion"),
+        "gradient_accumulation_fusion": (kernels.wgrad_accumulation and main_grad_buffers
+                                         and wants("gradient_accumulation_fusion")),
     }
+
+
+def _mlp_activation(args):
+    """(activation, gated) of the MLP: SwiGLU, squared ReLU or (Megatron-LM's default) GELU."""
+    if getattr(args, "swiglu", False):
+        return F.silu, True
+    if getattr(args, "squared_relu", False):
+        return squared_relu, False
+    return F.gelu, False
 
 
 def params_dtype(args) -> torch.dtype:
@@ -132,20 +160,24 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
     """
     on_gpu = torch.cuda.is_available()
     dtype = params_dtype(args)
-    fusions = fusion_settings(on_gpu, available_fusion_kernels() if on_gpu else FusionKernels(), main_grad_buffers)
+    fusions = fusion_settings(on_gpu, available_fusion_kernels() if on_gpu else FusionKernels(), main_grad_buffers,
+                              args)
+    activation, gated = _mlp_activation(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
-        kv_channels=args.hidden_size // args.num_attention_heads,
-        normalization="RMSNorm",
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
+        qk_layernorm=args.qk_layernorm,
+        gated_linear_unit=gated,
+        activation_func=activation,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -166,8 +198,11 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
         # Fused kernels: with CUDA, where importable (fusion_settings); all off on CPU.
         **fusions,
         bias_dropout_fusion=False,
-        persist_layer_norm=False,  # LayerNorm only; the model uses RMSNorm
-        attention_softmax_in_fp32=True,
+        persist_layer_norm=False,  # Apex's persistent LayerNorm kernel is not used
+        cross_entropy_loss_fusion=bool(args.cross_entropy_loss_fusion and on_gpu),
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        **_te_attention_backend(args),
         deallocate_pipeline_outputs=on_gpu,
         variable_seq_lengths=False,
         # With pp = 2, interleaving needs overlapped, unbatched p2p (a megatron restriction).
@@ -176,24 +211,64 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
     )
 
 
-def resolve_attention_backend(requested: str) -> str:
+def _te_attention_backend(args) -> Dict[str, object]:
+    """Megatron-LM's --attention-backend flash/fused/unfused: Transformer Engine's kernel choice."""
+    if args.attention_backend not in TE_ATTENTION_BACKENDS:
+        return {}
+    from megatron.core.transformer.enums import AttnBackend
+
+    return {"attention_backend": AttnBackend[args.attention_backend]}
+
+
+def resolve_attention_backend(requested: str, args=None) -> str:
+    """te, sdpa or local (megatron-core's unfused attention); flash/fused/unfused are TE's kernels."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    impl = getattr(args, "transformer_impl", None)
+    if impl == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized is for inference; train with transformer_engine "
+                         "or local")
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError("--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU; "
+                         "on this machine use --transformer-impl local")
+    use_te = impl == "transformer_engine" or (impl is None and transformer_engine_available())
+    if requested in TE_ATTENTION_BACKENDS or requested == "te":
+        if not transformer_engine_available():
+            raise ValueError(f"--attention-backend {requested} needs Transformer Engine and a CUDA GPU; "
+                             "use auto or local")
+        if impl == "local":
+            raise ValueError(f"--attention-backend {requested} is Transformer Engine's: it needs --transformer-impl "
+                             "transformer_engine, not local")
+        return "te"
     if requested == "auto":
-        return "te" if transformer_engine_available() else "sdpa"
-    if requested == "te" and not transformer_engine_available():
-        raise ValueError("--attention-backend te needs Transformer Engine and a CUDA GPU")
+        if use_te:
+            return "te"
+        # megatron's query-key layer scaling lives in its own softmax: keep its attention then.
+        return "local" if getattr(args, "apply_query_key_layer_scaling", False) else "sdpa"
+    if requested == "sdpa" and getattr(args, "apply_query_key_layer_scaling", False):
+        raise ValueError("--apply-query-key-layer-scaling needs --attention-backend local or auto (not sdpa)")
     return requested
 
 
-def llama_layer_spec(attention_backend: str = "auto") -> ModuleSpec:
-    """The decoder-layer spec: TE's fused layer, or megatron's local layer with SDPA or local attention."""
-    backend = resolve_attention_backend(attention_backend)
+def check_model_support(args) -> None:
+    """Raise ValueError for an architecture this machine cannot build (before any process group)."""
+    backend = resolve_attention_backend(args.attention_backend, args)
+    if args.apply_layernorm_1p and backend != "te" and not _importable("apex"):
+        raise ValueError("--apply-layernorm-1p needs Transformer Engine (GPU) or Apex: megatron-core's torch "
+                         "norm has no zero-centred weights")
+
+
+def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
+    """The decoder-layer spec the flags describe: TE's fused layer, or megatron's local layer with
+    SDPA or megatron's own attention."""
+    backend = resolve_attention_backend(attention_backend, args)
+    normalization = getattr(args, "normalization", "RMSNorm")
+    qk_layernorm = bool(getattr(args, "qk_layernorm", False))
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
@@ -201,18 +276,21 @@ def llama_layer_spec(attention_backend: str = "auto") -> ModuleSpec:
 
 def construct_llama_model(args, config: TransformerConfig, pre_process: bool = True,
                           post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
-    """The megatron-core GPTModel with Llama's choices, not yet initialised, on the host."""
+    """The megatron-core GPTModel the flags describe, not yet initialised, on the host."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=llama_layer_spec(args.attention_backend),
+        transformer_layer_spec=llama_layer_spec(args.attention_backend, args),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
 
@@ -282,7 +360,9 @@ def parameter_seed(seed: int, name: str) -> int:
 def init_parameter(param: torch.Tensor, name: str, seed: int, config: TransformerConfig) -> None:
     std = init_std_for(name, config)
     if std is None:
-        param.fill_(0.0 if name.endswith("bias") else 1.0)
+        # Norm weights start at 1, or at 0 when stored zero-centred (--apply-layernorm-1p).
+        one = 0.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 1.0
+        param.fill_(0.0 if name.endswith("bias") else one)
         return
     generator = torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name))
     values = torch.empty(param.shape, dtype=torch.float32, device=param.device)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_tawpipe import cpu_compat, progress
+from megatron_tawpipe import cpu_compat, exits, progress
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
@@ -47,21 +47,24 @@ def build_trainer(args):
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
-    """Megatron's LR / weight-decay schedule, stepped once per iteration."""
+    """Megatron's LR / weight-decay schedule in samples (as Megatron-LM counts it), stepped by the
+    global batch after every applied optimizer step; the spans come from validate_args."""
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
-        wd_incr_style="constant",
-        wsd_decay_steps=args.lr_decay_iters if args.lr_decay_style == "WSD" else None,
-        lr_wsd_decay_style="linear" if args.lr_decay_style == "WSD" else None,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.wd_incr_steps,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=args.wsd_decay_steps if args.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
     )
 
 
@@ -71,15 +74,16 @@ def data_parallel_rank_and_size(args):
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
-def _data_iterators(dataset, args, count: int, consumed_samples: int):
+def _data_iterators(dataset, args, count: int, consumed_samples: int, num_workers: int = 0):
     dp_rank, dp_size = data_parallel_rank_and_size(args)
-    return [build_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples)
+    return [build_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples,
+                                num_workers=num_workers)
             for _ in range(count)]
 
 
 def evaluate(trainer, dataset, args) -> Optional[float]:
     """Mean validation loss over ``--eval-iters`` global batches, always from the start of the split."""
-    if dataset is None or args.eval_iters == 0:
+    if dataset is None or args.eval_iters <= 0:
         return None
     iterators = _data_iterators(dataset, args, trainer.num_data_iterators, 0)
     loss_sum = tokens = 0.0
@@ -144,6 +148,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 
 def _train(args, trainer_factory) -> List[IterationRecord]:
+    started = time.time()
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
     before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
@@ -153,14 +158,16 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
 
     iteration, consumed_samples = 0, 0
     if args.load:
-        iteration, consumed_samples = load_checkpoint(args.load, trainer, scheduler, args)
-        if _is_writer() and iteration:
-            print(f" loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+        iteration, consumed_samples = _resume(args, trainer, scheduler)
 
     writer = MetricsWriter(args, dist.get_world_size(), _is_writer())
-    train_iterators = _data_iterators(train_ds, args, trainer.num_data_iterators, consumed_samples)
+    # One loader per model chunk: worker processes are for the single-chunk case (Megatron-LM's --num-workers).
+    workers = args.num_workers if trainer.num_data_iterators == 1 else 0
+    train_iterators = _data_iterators(train_ds, args, trainer.num_data_iterators, consumed_samples, workers)
     records: List[IterationRecord] = []
     last_saved = iteration if args.load else None
+    stop = exits.ExitConditions(args, started)
+    reason = None
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
@@ -175,7 +182,7 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             iteration += 1
             consumed_samples += args.global_batch_size
             if not step["skipped"]:
-                scheduler.step(increment=1)
+                scheduler.step(increment=args.global_batch_size)
             loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
             if not math.isfinite(loss) and not args.fp16 and args.check_for_nan_in_loss_and_grad:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
@@ -191,22 +198,47 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             if getattr(args, "emulated_compute_times", None):  # busy = slept compute time, the same measure for every schedule
                 extra["compute"] = "emulated"
                 extra["compute_busy_fraction"] = mean_over_ranks(emulated_compute.slept_seconds() / elapsed)
-            if args.eval_interval and iteration % args.eval_interval == 0:
-                extra["validation_lm_loss"] = _report_validation(trainer, valid_ds, args, iteration)
+            reason = stop.reason(iteration)
+            # Validation every --eval-interval iterations and, as Megatron-LM does, once after the last
+            # iteration (not after an early exit).
+            if (args.eval_interval and iteration % args.eval_interval == 0) or (
+                    iteration == args.train_iters and not reason):
+                validation = _report_validation(trainer, valid_ds, args, iteration)
+                if validation is not None:
+                    extra["validation_lm_loss"] = validation
             records.append(writer.record(
                 iteration, consumed_samples, elapsed, loss, step["grad_norm"], _current_lr(scheduler),
                 skipped=step["skipped"], loss_scale=step["loss_scale"], extra=extra))
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
                 last_saved = iteration
-            if args.exit_interval and iteration % args.exit_interval == 0:
+            if reason:
                 break
         if args.save and last_saved != iteration:
             save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+        if reason and _is_writer():
+            print(f" exiting after iteration {iteration}: {reason}", flush=True)
     finally:
+        stop.close()
         writer.close()
         trainer.close()
     return records
+
+
+def _resume(args, trainer, scheduler):
+    """Load the latest checkpoint under --load; an empty directory is reported (or refused)."""
+    from megatron_tawpipe.checkpoint import CheckpointError, latest_iteration
+
+    if latest_iteration(args.load) is None:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {args.load} holds no checkpoint (--exit-on-missing-checkpoint)")
+        if _is_writer():
+            print(f" no checkpoint found in --load {args.load}: training from scratch", flush=True)
+        return 0, 0
+    iteration, consumed_samples = load_checkpoint(args.load, trainer, scheduler, args)
+    if _is_writer() and iteration:
+        print(f" loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+    return iteration, consumed_samples
 
 
 def _report_validation(trainer, dataset, args, iteration: int) -> Optional[float]:

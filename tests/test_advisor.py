@@ -269,7 +269,7 @@ def test_commands_parse_with_the_projects_arguments(strategy, recompute):
     cfg = next(c for c in configs if c.strategy == strategy and c.recompute == recompute)
     adv.evaluate(cfg)
     assert cfg.command.startswith("torchrun --nnodes 2 --nproc-per-node 4 pretrain_llama.py ")
-    args = parse_args(cfg.argv + ["--train-iters", "10"])          # every flag exists
+    args = parse_args(cfg.argv + ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer"])
     assert args.global_batch_size == 16 and args.micro_batch_size == cfg.micro_batch_size
     # every strategy but HFSDP runs here, FSDP2 and HSDP with full recompute included
     assert cfg.trainable, cfg.note

@@ -22,7 +22,8 @@ def _compare(rank, heads, groups, with_mask, seq):
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(3)
-    argv = ["--train-iters", "1", "--hidden-size", str(16 * heads), "--num-attention-heads", str(heads)]
+    argv = ["--train-iters", "1", "--hidden-size", str(16 * heads), "--num-attention-heads", str(heads),
+            "--attention-dropout", "0.0"]
     if groups != heads:
         argv += ["--group-query-attention", "--num-query-groups", str(groups)]
     config = llama_config(parse_args(argv))

@@ -8,12 +8,13 @@ import sys
 import pytest
 
 from distributed_harness import run_ranks
+from megatron_tawpipe.arguments import TOOL_FLAGS
 from training_helpers import assert_close_rel, train_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BENCH_MODEL = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+BENCH_MODEL = list(TOOL_FLAGS) + [
+    "--lr", "3e-4", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
     "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "128",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1", "--global-batch-size", "4",
     "--log-interval", "1000", "--eval-interval", "1000", "--seed", "3",

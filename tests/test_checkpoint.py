@@ -129,7 +129,8 @@ def test_a_rank_opens_only_the_files_holding_its_parameters(tmp_path, monkeypatc
 
     args = SimpleNamespace(num_layers=4, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
                            num_query_groups=2, padded_vocab_size=128, untie_embeddings_and_output_weights=True,
-                           no_load_optim=False, finetune=False, no_load_rng=False, pipeline_schedule="tawpipe")
+                           no_load_optim=False, finetune=False, no_load_rng=False, pipeline_schedule="tawpipe",
+                           **dict(checkpoint.ARCHITECTURE_KEYS, kv_channels=4))
     root = str(tmp_path)
     directory = _write_sharded_checkpoint(root, args, {
         "params_rank00000.pt": ["embedding.word_embeddings.weight", "decoder.layers.0.w"],

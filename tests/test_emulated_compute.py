@@ -131,11 +131,13 @@ def test_emulated_hsdp_moves_what_real_compute_moves(times_file):
 
 
 def test_calibration_from_cost_model_and_measured(tmp_path):
+    from megatron_tawpipe.arguments import LLAMA_FLAGS
     from megatron_tawpipe.bench.calibrate import main
     from megatron_tawpipe.plan.costmodel import CostModel
 
-    shape = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
-             "--vocab-size", "256", "--num-layers", "2"]
+    shape = list(LLAMA_FLAGS) + [
+        "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "1", "--vocab-size", "256", "--num-layers", "2"]
     out = tmp_path / "model.json"
     assert main(["--output", str(out), "--from-cost-model", "--peak-tflops", "0.5", "--efficiency", "0.5"] + shape) == 0
     written = json.loads(out.read_text())

@@ -142,11 +142,11 @@ def test_kernel_probe_finds_none_of_the_cuda_kernels_here():
 
 def test_config_with_cuda_faked_turns_importable_fusions_on(monkeypatch):
     from megatron_tawpipe import model
-    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.arguments import LLAMA_FLAGS, parse_args
 
     kernels = model.FusionKernels(swiglu=True, masked_softmax=True, wgrad_accumulation=True)
     monkeypatch.setattr(model, "available_fusion_kernels", lambda: kernels)
-    args = parse_args(["--train-iters", "1", "--bf16"])
+    args = parse_args(list(LLAMA_FLAGS) + ["--train-iters", "1", "--bf16"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     template = model.llama_config(args)
     native = model.llama_config(args, 2, None, main_grad_buffers=True)

@@ -75,12 +75,23 @@ BAD_FLAGS = [
     (["--lr-warmup-iters", "3"], 1, "--lr-warmup-iters 3 must be smaller than --lr-decay-iters 3"),
     (["--pipeline-schedule", "tawpipe"], 3, "--num-layers 8 must be divisible by the number of ranks 3"),
     (["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3"], 4, "--tawpipe-num-groups 3 must divide"),
-    (["--pipeline-schedule", "weipipe", "--pipeline-model-parallel-size", "2"], 4,
-     "--pipeline-model-parallel-size must be 1"),
     (["--pipeline-schedule", "tawpipe", "--global-batch-size", "6"], 4, "--global-batch-size 6 must be divisible"),
     (["--pipeline-schedule", "weipipe", "--tawpipe-microbatches-per-visit", "2"], 4,
      "--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only"),
     (["--tawpipe-microbatches-per-visit", "2"], 1, "need --pipeline-schedule tawpipe or weipipe"),
+    # Megatron-LM's flags that are not implemented: one line each, never "unrecognized arguments".
+    (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp: Megatron-FSDP is not supported"),
+    (["--moe-router-topk", "2"], 1, "--moe-router-topk: mixture-of-experts models are not supported"),
+    (["--log-straggler"], 1, "--log-straggler is a Megatron-LM flag this project does not implement"),
+    (["--position-embedding-type", "yarn"], 1, "--position-embedding-type yarn is not supported yet"),
+    (["--train-samples", "64"], 1, "give exactly one of --train-iters and --train-samples"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--tokenizer-type GPT2BPETokenizer is not supported yet"),
+    (["--context-parallel-size", "2"], 2, "context parallelism needs Transformer Engine"),
+    (["--transformer-impl", "transformer_engine"], 1, "needs Transformer Engine and a CUDA GPU"),
+    (["--apply-layernorm-1p"], 1, "--apply-layernorm-1p needs Transformer Engine (GPU) or Apex"),
+    (["--squared-relu"], 1, "--swiglu and --squared-relu are mutually exclusive"),
+    (["--optimizer", "sgd"], 1, "--optimizer sgd is not supported"),
+    (["--lr-warmup-fraction", "0.1"], 1, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive"),
 ]
 
 

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-TINY_MODEL = [
+from megatron_tawpipe.arguments import LLAMA_FLAGS
+
+TINY_SHAPE = [
     "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
     "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "200",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--untie-embeddings-and-output-weights",
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
-    "--clip-grad", "1.0", "--seed", "7", "--eval-interval", "1000", "--log-interval", "1000",
+    "--clip-grad", "1.0", "--seed", "7", "--eval-interval", "1000", "--eval-iters", "0", "--log-interval", "1000",
+    "--adam-beta2", "0.95", "--num-workers", "0",
 ]
+TINY_MODEL = list(LLAMA_FLAGS) + TINY_SHAPE
+# Megatron-LM's default architecture (GPT: LayerNorm, GELU, linear biases, learned absolute
+# positions), without dropout so that runs can be compared exactly.
+GPT_FLAGS = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--no-create-attention-mask-in-dataloader"]
 
 
-def tiny_args(*extra: str, train_iters: int = 3, global_batch: int = 8, micro_batch: int = 1) -> List[str]:
-    return TINY_MODEL + ["--train-iters", str(train_iters), "--global-batch-size", str(global_batch),
+def tiny_args(*extra: str, train_iters: int = 3, global_batch: int = 8, micro_batch: int = 1,
+              architecture=LLAMA_FLAGS) -> List[str]:
+    return list(architecture) + TINY_SHAPE + ["--train-iters", str(train_iters), "--global-batch-size", str(global_batch),
                          "--micro-batch-size", str(micro_batch)] + list(extra)
 
 

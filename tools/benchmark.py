@@ -27,13 +27,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_tawpipe.arguments import TOOL_FLAGS  # noqa: E402
 from megatron_tawpipe.bench.benchmark import (DEFAULT_SCHEDULES, SCHEDULES, STRATEGIES,  # noqa: E402
                                               BenchmarkConfig, BenchmarkError, compare_with_simulation,
                                               format_comparison, format_table, run_benchmark, write_chart)
 
 __doc__ = __doc__.format(strategies="\n".join(f"  {name:<13}{what}" for name, what in STRATEGIES.items()))
 
-DEFAULT_MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
+DEFAULT_MODEL = list(TOOL_FLAGS) + ["--num-layers", "8", "--hidden-size", "128", "--ffn-hidden-size", "384", "--num-attention-heads", "4",
                  "--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "16",
                  "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000",
                  "--lr", "1e-4", "--log-interval", "1000", "--eval-interval", "1000"]

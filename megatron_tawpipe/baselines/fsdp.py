@@ -58,6 +58,7 @@ from megatron_tawpipe.metrics import mean_over_ranks
 from megatron_tawpipe.baselines.native import current_device
 from megatron_tawpipe.baselines.sharded_state import fsdp_target, gather_fsdp
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
+from megatron_tawpipe.param_groups import megatron_param_groups
 from megatron_tawpipe.runtime.trainer import squared_l2_norm
 
 
@@ -87,26 +88,6 @@ def mixed_precision_policy(args) -> dict:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def megatron_param_groups(model: torch.nn.Module, args) -> List[dict]:
-    """megatron's default groups: weight decay on matrices, none on biases and 1-D parameters.
-
-    The keys (``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr``) are those
-    megatron's ``OptimizerParamScheduler`` reads.
-    """
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if (name.endswith(".bias") or len(param.shape) == 1) else decay).append(param)
-    groups = []
-    for params, wd_mult in ((decay, 1.0), (no_decay, 0.0)):
-        if params:
-            groups.append({"params": params, "wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False,
-                           "max_lr": args.lr, "min_lr": args.min_lr, "default_config": True,
-                           "is_expert_parallel": False})
-    return groups
 
 
 class FsdpTrainer:
@@ -148,7 +129,8 @@ class FsdpTrainer:
         self.model = model
         kernel = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
-            megatron_param_groups(model, args), lr=args.lr, weight_decay=args.weight_decay,
+            megatron_param_groups(((n, p) for n, p in model.named_parameters() if p.requires_grad), args),
+            lr=args.lr, weight_decay=args.weight_decay,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
         # Time in forward/backward calls (FSDP's all-gathers and reduce-scatters run inside them).
         self.last_forward_backward_s = 0.0

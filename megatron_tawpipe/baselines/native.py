@@ -107,7 +107,20 @@ def optimizer_config(args) -> OptimizerConfig:
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+        hysteresis=args.hysteresis,
+        loss_scale_window=args.loss_scale_window,
+        min_loss_scale=args.min_loss_scale,
     )
+
+
+def grad_reduce_in_fp32(args) -> bool:
+    """Megatron-LM's rule: fp32 gradient buffers with --accumulate-allreduce-grads-in-fp32, which
+    --bf16 turns on unless --grad-reduce-in-bf16 (fp32 training has fp32 gradients anyway)."""
+    if args.bf16 and not args.grad_reduce_in_bf16:
+        return True
+    return bool(args.accumulate_allreduce_grads_in_fp32) or not (args.bf16 or args.fp16)
 
 
 def ddp_config(args) -> DistributedDataParallelConfig:
@@ -118,7 +131,7 @@ def ddp_config(args) -> DistributedDataParallelConfig:
     megatron's 40M parameters, at least 1M per data-parallel rank) is reduced while backward goes on.
     """
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=grad_reduce_in_fp32(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,

@@ -216,6 +216,9 @@ def main(argv=None) -> int:
         parser.error("--vocab-size is required (the output layer's size)")
     if tool.from_cost_model and not tool.peak_tflops:
         parser.error("--from-cost-model needs --peak-tflops")
+    if tool.from_cost_model and not args.swiglu:
+        parser.error("--from-cost-model counts a Llama layer (SwiGLU MLP): pass --swiglu (with the other Llama "
+                     "flags), or measure this model without --from-cost-model")
     if tool.repeats < 1 or tool.warmup < 0 or tool.scale <= 0:
         parser.error("--repeats must be >= 1, --warmup >= 0, --scale > 0")
     args.padded_vocab_size = pad_vocab_size(args.vocab_size)

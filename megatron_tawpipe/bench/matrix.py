@@ -34,6 +34,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
+from megatron_tawpipe.arguments import TOOL_FLAGS, llama_ffn_hidden_size
 from megatron_tawpipe.bench.benchmark import (SCHEDULES, BenchmarkConfig, interleaved_layers_per_virtual_stage,
                                               run_benchmark)
 from megatron_tawpipe.plan.costmodel import parse_rate
@@ -89,7 +90,8 @@ MATRIX = (
 
 
 def model_flags(c: MatrixConfig) -> List[str]:
-    return ["--num-layers", str(c.num_layers), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+    return list(TOOL_FLAGS) + ["--num-layers", str(c.num_layers), "--hidden-size", str(HIDDEN),
+            "--ffn-hidden-size", str(llama_ffn_hidden_size(HIDDEN)), "--num-attention-heads", str(HEADS),
             "--seq-length", str(c.seq_length), "--max-position-embeddings", str(c.seq_length),
             "--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH), "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--lr", "1e-4",

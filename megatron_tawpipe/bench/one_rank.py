@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
+from megatron_tawpipe.arguments import TOOL_FLAGS, llama_ffn_hidden_size
+
 _RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
              "MASTER_ADDR": "127.0.0.1"}
 
@@ -41,7 +43,7 @@ class LlamaRun:
 
     def argv(self, *schedule_flags: str) -> List[str]:
         """pretrain_llama.py's flags for this model, then ``schedule_flags``."""
-        flags = [
+        flags = list(TOOL_FLAGS) + [
             "--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
             "--num-attention-heads", str(self.num_attention_heads),
             "--seq-length", str(self.seq_length), "--max-position-embeddings", str(self.seq_length),
@@ -53,8 +55,7 @@ class LlamaRun:
             "--clip-grad", "1.0", "--seed", str(self.seed),
             "--eval-interval", "1000000", "--log-interval", "1000000",
         ]
-        if self.ffn_hidden_size:
-            flags += ["--ffn-hidden-size", str(self.ffn_hidden_size)]
+        flags += ["--ffn-hidden-size", str(self.ffn_hidden_size or llama_ffn_hidden_size(self.hidden_size))]
         if self.num_query_groups and self.num_query_groups != self.num_attention_heads:
             flags += ["--group-query-attention", "--num-query-groups", str(self.num_query_groups)]
         if self.dtype == "bf16":

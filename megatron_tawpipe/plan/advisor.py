@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megatron_tawpipe.arguments import LLAMA_FLAGS
+
 from .costmodel import CostModel, params_per_layer
 from .advisor_report import check_command, command, summarize
 from .memory import MemoryBreakdown, weight_passing_breakdown
@@ -80,7 +82,7 @@ class ModelSpec:
             out += ["--group-query-attention", "--num-query-groups", self.num_query_groups]
         out += ["--vocab-size", self.vocab_size, "--untie-embeddings-and-output-weights",
                 "--seq-length", self.seq_length]
-        return [str(x) for x in out]
+        return list(LLAMA_FLAGS) + [str(x) for x in out]
 
 
 @dataclass(frozen=True)

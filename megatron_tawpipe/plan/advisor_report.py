@@ -19,7 +19,8 @@ def check_command(argv, world_size: int) -> str:
     except ImportError:                 # the plan package alone, without the trainer
         return ""
     args, unknown = build_parser().parse_known_args(
-        list(argv) + ["--train-iters", "1", "--distributed-backend", "nccl"])
+        list(argv) + ["--train-iters", "1", "--distributed-backend", "nccl", "--lr", "1e-4",
+                      "--tokenizer-type", "NullTokenizer"])
     if unknown:
         return "unknown flags " + " ".join(x for x in unknown if x.startswith("--"))
     try:
@@ -38,7 +39,8 @@ def command(cfg, model, cluster, global_batch: int):
     argv = model.flags() + ["--micro-batch-size", str(cfg.micro_batch_size),
                             "--global-batch-size", str(global_batch), "--bf16"]
     native_rc = RECOMPUTE if cfg.recompute else []
-    comment = "add data and training flags (--train-iters, --data-path or --mock-data, --lr, ...)"
+    comment = ("add data and training flags (--train-iters, --data-path or --mock-data, --tokenizer-type, "
+               "--lr, ...)")
     script = "pretrain_llama.py"
     if s == "tawpipe":
         argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D),

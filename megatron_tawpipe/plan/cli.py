@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from megatron_tawpipe.arguments import llama_ffn_hidden_size
+
 from .costmodel import BACKENDS, CostModel, parse_rate, parse_time
 from .fsdp import simulate_fsdp
 from .planners import build_plan
@@ -174,7 +176,7 @@ def advisor_inputs(args, argv):
         values[name] = given if (_given(argv, name) or name not in preset) else preset[name]
     H = values["hidden_size"]
     if values["ffn_hidden_size"] is None:
-        values["ffn_hidden_size"] = 64 * ((int(8 * H / 3) + 63) // 64)
+        values["ffn_hidden_size"] = llama_ffn_hidden_size(H)
     if values["num_attention_heads"] is None:
         values["num_attention_heads"] = max(1, H // 128)
     if values["num_query_groups"] is None:

@@ -55,8 +55,9 @@ class GradScaling:
 
         if args.loss_scale:
             return cls(ConstantGradScaler(args.loss_scale), device)
-        return cls(DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=1.0, growth_factor=2.0,
-                                     backoff_factor=0.5, growth_interval=1000, hysteresis=2), device)
+        return cls(DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
+                                     growth_factor=2.0, backoff_factor=0.5,
+                                     growth_interval=int(args.loss_scale_window), hysteresis=args.hysteresis), device)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)

@@ -33,7 +33,7 @@ class ParamSlot:
 
 
 class ShardTemplate:
-    """A Llama GPTModel with ``layers_per_shard`` decoder layers, rebindable to any shard."""
+    """The GPTModel the flags describe with ``layers_per_shard`` decoder layers, rebindable to any shard."""
 
     def __init__(self, args, num_shards: int, device: torch.device):
         self.args = args
@@ -52,6 +52,10 @@ class ShardTemplate:
         template_config.num_layers = self.layers_per_shard
         self.config = template_config
         self.model = construct_llama_model(args, template_config).to(device)
+        if template_config.params_dtype != torch.float32:
+            # As megatron's Float16Module does for the native schedules: torch's own modules (norms,
+            # learned position embeddings) are created in fp32 and must compute in bf16/fp16 too.
+            self.model.to(template_config.params_dtype)
         self.device = device
         self.layers = self.model.decoder.layers
         self.slots = self._layout()
@@ -145,10 +149,13 @@ class ShardTemplate:
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embedding(input_ids=tokens, position_ids=position_ids)
 
-    def rotary(self, seq_len: int) -> torch.Tensor:
+    def rotary(self, seq_len: int) -> Optional[torch.Tensor]:
+        """Rotary embeddings for ``seq_len`` positions; None for learned absolute or no positions."""
+        if self.model.position_embedding_type != "rope":
+            return None
         return self.model.rotary_pos_emb(seq_len)
 
-    def run_layers(self, hidden: torch.Tensor, rotary: torch.Tensor,
+    def run_layers(self, hidden: torch.Tensor, rotary: Optional[torch.Tensor],
                    attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         for layer in self.layers:
             hidden, _ = layer(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)

@@ -26,16 +26,12 @@ import torch.distributed as dist
 
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
+from megatron_tawpipe.param_groups import megatron_param_groups
 from megatron_tawpipe.baselines.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
 from megatron_tawpipe.runtime.precision import GradScaling, NonFiniteGradientError, find_non_finite
 from megatron_tawpipe.runtime.schedules import get_forward_backward_func
 from megatron_tawpipe.runtime.weight_pipe_model import WeightPipeModel
-
-
-def _no_weight_decay(name: str, shape) -> bool:
-    # Megatron's rule: no weight decay on biases and on 1-D parameters (norm weights).
-    return name.endswith(".bias") or len(shape) == 1
 
 
 def adamw_kernel_options(params: Sequence[torch.Tensor]) -> Dict[str, bool]:
@@ -115,18 +111,16 @@ class WeightPassingTrainer:
 
     def _build_optimizer(self) -> None:
         """AdamW over the owned shards' fp32 master views and the replicated fp32 masters."""
-        decay, no_decay = [], []
         self._named_masters = []
         for name, master, grad in self.model.named_masters():
             if master.grad is None:
                 master.grad = grad
             self._named_masters.append((name, master))
-            (no_decay if _no_weight_decay(name, master.shape) else decay).append(master)
         a = self.args
         self._adamw = torch.optim.AdamW(
-            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+            megatron_param_groups(self._named_masters, a),
             lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, weight_decay=a.weight_decay,
-            **adamw_kernel_options(decay + no_decay))
+            **adamw_kernel_options([master for _, master in self._named_masters]))
         self.optimizer = _ParamGroupsView(self._adamw)
 
     # ---- iteration ----------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Fitting Megatron-LM users' habits: its flags that this project answers without implementing."""

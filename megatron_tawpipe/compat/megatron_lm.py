@@ -1,0 +1,195 @@
+"""Megatron-LM's flags that this project accepts without acting on them, or refuses with a reason.
+
+A Megatron-LM launch script must run here with only ``--pipeline-schedule`` changed, or stop
+at once with one line that says which flag is the problem and what it needs. The flags that
+this project implements, with Megatron-LM's meaning and default, are defined in
+:mod:`megatron_tawpipe.arguments`. This module holds the rest:
+
+* :data:`NO_EFFECT` — accepted; when given, one notice says why nothing changes here
+  (a GPU profiler hook, a flag Megatron-LM itself ignores, a DeepSpeed switch);
+* :data:`REFUSED` — refused before any process group exists, in one line that says what
+  the flag needs or what to use instead (Megatron-FSDP, mixture of experts, ...);
+* every other flag of Megatron-LM's own parser (``megatron_lm_flags.txt``): refused in one
+  line as a Megatron-LM flag this project does not implement, never argparse's bare
+  "unrecognized arguments".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+from typing import Callable, Dict, List, Optional, Sequence
+
+_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_flags.txt")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompatFlag:
+    """A Megatron-LM flag parsed only to be answered: ``kwargs`` go to ``add_argument``."""
+
+    flag: str
+    kwargs: dict
+    reason: str
+    # Refused (or noticed) only for the values this returns True for; default: any value given.
+    applies: Optional[Callable[[object], bool]] = None
+
+    @property
+    def dest(self) -> str:
+        return self.kwargs.get("dest") or self.flag[2:].replace("-", "_")
+
+    def given(self, value) -> bool:
+        if value is None or value is False:
+            return False
+        return True if self.applies is None else bool(self.applies(value))
+
+
+SWITCH = {"action": "store_true"}
+VALUE = {"default": None}
+INT = {"type": int, "default": None}
+
+_PROFILER = "no profiler hooks here: run under nsys, or --timeline-file for the weight-passing schedules"
+_TENSORBOARD = "no effect: TensorBoard logging is not implemented (--metrics-file has every iteration)"
+_DEEPSPEED = ("DeepSpeed is not used: training runs on megatron-core, with batch sizes and precision from "
+              "the flags (no DeepSpeed config file is read)")
+
+NO_EFFECT: Sequence[CompatFlag] = (
+    CompatFlag("--use-mcore-models", dict(SWITCH, dest="deprecated_use_mcore_models"),
+               "megatron-core models are the only kind (Megatron-LM ignores this flag too)"),
+    CompatFlag("--use-flash-attn", SWITCH,
+               "Megatron-LM no longer reads it; the attention kernel follows --attention-backend"),
+    CompatFlag("--no-async-tensor-model-parallel-allreduce", SWITCH,
+               "Megatron-LM removed it; it never changed results"),
+    CompatFlag("--use-contiguous-parameters-in-local-ddp", SWITCH,
+               "megatron-core's DDP always keeps parameters and gradients in contiguous buffers"),
+    CompatFlag("--manual-gc", SWITCH, "Python's garbage collector stays automatic"),
+    CompatFlag("--manual-gc-interval", INT, "Python's garbage collector stays automatic"),
+    CompatFlag("--empty-unused-memory-level", dict(type=int, default=0, choices=(0, 1, 2)),
+               "the CUDA caching allocator is not flushed between steps", applies=lambda v: v != 0),
+    CompatFlag("--profile", SWITCH, _PROFILER),
+    CompatFlag("--use-pytorch-profiler", SWITCH, _PROFILER),
+    CompatFlag("--profile-step-start", INT, _PROFILER),
+    CompatFlag("--profile-step-end", INT, _PROFILER),
+    CompatFlag("--profile-ranks", dict(nargs="+", type=int, default=None), _PROFILER),
+    CompatFlag("--timing-log-level", dict(type=int, default=0, choices=(0, 1, 2)),
+               "no per-phase timers: the log line has the iteration time, --timeline-file the weight-passing "
+               "schedules' phases", applies=lambda v: v != 0),
+    CompatFlag("--log-timers-to-tensorboard", SWITCH, _TENSORBOARD),
+    CompatFlag("--log-memory-to-tensorboard", SWITCH, _TENSORBOARD),
+    CompatFlag("--log-validation-ppl-to-tensorboard", SWITCH, _TENSORBOARD),
+    CompatFlag("--log-world-size-to-tensorboard", SWITCH, _TENSORBOARD),
+    CompatFlag("--tensorboard-log-interval", INT, _TENSORBOARD),
+    CompatFlag("--tensorboard-queue-size", INT, _TENSORBOARD),
+    CompatFlag("--log-params-norm", SWITCH, "the parameter norm is not computed (the gradient norm is logged)"),
+    CompatFlag("--log-num-zeros-in-grad", SWITCH, "zeros in the gradient are not counted"),
+    CompatFlag("--ckpt-fully-parallel-save", SWITCH,
+               "deprecated in Megatron-LM; checkpoints are written by every rank in parallel anyway"),
+    CompatFlag("--async-save", SWITCH, "checkpoints are written synchronously (and atomically)"),
+    CompatFlag("--dist-ckpt-strictness", VALUE, "it applies to --ckpt-format torch_dist, which is not supported yet"),
+    CompatFlag("--auto-detect-ckpt-format", SWITCH, "there is one checkpoint format here"),
+    CompatFlag("--deterministic-mode", SWITCH,
+               "CPU kernels are deterministic; on GPUs non-deterministic kernels are not forbidden"),
+    CompatFlag("--data-impl", VALUE, "Megatron-LM removed it: .bin/.idx data are memory-mapped "
+               "(--no-mmap-bin-files reads them instead)"),
+    CompatFlag("--no-query-key-layer-scaling", SWITCH,
+               "query-key layer scaling is off unless --apply-query-key-layer-scaling, as in Megatron-LM"),
+    CompatFlag("--zero-stage", {"type": float, "default": None},
+               "DeepSpeed's ZeRO is not used; for sharded optimizer state use --use-distributed-optimizer "
+               "(stages 1-2), --use-torch-fsdp2 or --pipeline-schedule tawpipe (stage 3): the arithmetic is "
+               "the same"),
+    CompatFlag("--deepspeed", SWITCH, _DEEPSPEED),
+    CompatFlag("--deepspeed_config", VALUE, _DEEPSPEED),
+    CompatFlag("--deepspeed-activation-checkpointing", SWITCH,
+               "DeepSpeed is not used; --recompute-granularity full recomputes activations"),
+)
+
+_FSDP = ("Megatron-FSDP is not supported; --use-torch-fsdp2 (HSDP with --num-distributed-optimizer-instances) "
+         "or --pipeline-schedule tawpipe shard weights, gradients and optimizer state")
+_NOT_YET = "not supported yet"
+
+REFUSED: Sequence[CompatFlag] = (
+    CompatFlag("--use-legacy-models", SWITCH,
+               "legacy models are gone from Megatron-LM; this project trains megatron-core's GPTModel"),
+    CompatFlag("--use-megatron-fsdp", SWITCH, _FSDP),
+    CompatFlag("--data-parallel-sharding-strategy", VALUE, _FSDP),
+    CompatFlag("--fsdp-double-buffer", SWITCH, _FSDP),
+    CompatFlag("--keep-fp8-transpose-cache", SWITCH, _FSDP),
+    CompatFlag("--keep-fp8-weight-transpose-cache-te", SWITCH,
+               "fp8 training is not supported yet; train in fp32, --bf16 or --fp16"),
+    CompatFlag("--num-experts", INT, "mixture-of-experts models are not supported (dense decoder layers only)",
+               applies=lambda v: v != 0),
+    CompatFlag("--rampup-batch-size", dict(nargs=3, default=None),
+               f"{_NOT_YET} (Megatron-LM now ignores it as well); the global batch is constant"),
+    CompatFlag("--step-batch-size-schedule", VALUE, f"{_NOT_YET}; the global batch is constant"),
+    CompatFlag("--tensorboard-dir", VALUE,
+               f"{_NOT_YET}; --metrics-file FILE writes loss, learning rate, gradient norm, loss scale and "
+               "throughput of every iteration as JSON lines"),
+    CompatFlag("--wandb-project", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
+    CompatFlag("--wandb-exp-name", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
+    CompatFlag("--wandb-save-dir", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
+    CompatFlag("--ckpt-format", VALUE,
+               f"Megatron-LM's checkpoint formats are {_NOT_YET}; checkpoints are written in this project's "
+               "format (leave --ckpt-format out)"),
+    CompatFlag("--use-checkpoint-args", SWITCH,
+               f"{_NOT_YET}; give the model flags the checkpoint was trained with (they are checked against it)"),
+    CompatFlag("--tp-comm-overlap", SWITCH, "needs tensor parallelism with Transformer Engine's userbuffers on GPUs"),
+)
+
+COMPAT_FLAGS: Sequence[CompatFlag] = tuple(NO_EFFECT) + tuple(REFUSED)
+
+
+def add_compat_args(parser: argparse.ArgumentParser) -> None:
+    """Register the NO_EFFECT and REFUSED flags (hidden from --help)."""
+    for entry in COMPAT_FLAGS:
+        parser.add_argument(entry.flag, help=argparse.SUPPRESS, **entry.kwargs)
+
+
+def _shown(entry: CompatFlag, value) -> str:
+    if value is True:
+        return entry.flag
+    if isinstance(value, (list, tuple)):
+        return f"{entry.flag} {' '.join(str(v) for v in value)}"
+    return f"{entry.flag} {value}"
+
+
+def compat_refusal(args: argparse.Namespace) -> Optional[str]:
+    """The one-line reason for the first REFUSED flag given, or None."""
+    for entry in REFUSED:
+        value = getattr(args, entry.dest, None)
+        if entry.given(value):
+            return f"{_shown(entry, value)}: {entry.reason}"
+    return None
+
+
+def compat_notices(args: argparse.Namespace) -> List[str]:
+    """One notice per NO_EFFECT flag given."""
+    return [f"{_shown(entry, getattr(args, entry.dest))}: {entry.reason}" for entry in NO_EFFECT
+            if entry.given(getattr(args, entry.dest, None))]
+
+
+@functools.lru_cache(maxsize=1)
+def megatron_lm_flags() -> Dict[str, str]:
+    """Every flag of Megatron-LM's (and Megatron-DeepSpeed's) parser -> where it comes from."""
+    flags: Dict[str, str] = {}
+    with open(_TABLE, encoding="utf-8") as table:
+        for line in table:
+            if line.startswith("#") or not line.strip():
+                continue
+            fields = line.split()
+            flags[fields[0]] = fields[2] if len(fields) > 2 else "megatron-lm"
+    return flags
+
+
+def explain_unknown(unknown: Sequence[str]) -> str:
+    """The one-line error for command-line words the parser did not take."""
+    known = megatron_lm_flags()
+    for word in unknown:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--moe-"):
+            return f"{flag}: mixture-of-experts models are not supported (dense decoder layers only)"
+        if flag in known:
+            origin = "Megatron-DeepSpeed" if known[flag] == "megatron-deepspeed" else "Megatron-LM"
+            return (f"{flag} is a {origin} flag this project does not implement (README, 'Coming from "
+                    "Megatron-LM', lists what carries over)")
+    return f"unrecognized arguments: {' '.join(unknown)}"
