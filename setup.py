@@ -26,6 +26,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=7", "matplotlib"],
+        "tensorboard": ["tensorboard"],
+        "test": ["pytest>=7", "matplotlib", "tensorboard"],
     },
 )

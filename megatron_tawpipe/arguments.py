@@ -386,6 +386,13 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per validation; 0 or less: no validation")
     g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write Megatron-LM's TensorBoard scalars here (needs the tensorboard package)")
+    g.add_argument("--tensorboard-log-interval", type=_positive_int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=_positive_int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="iteration-time (and throughput with --log-throughput) every --log-interval")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--exit-interval", type=_positive_int, default=None, help="stop after this iteration")
 
     g = parser.add_argument_group("benchmarking")
@@ -617,6 +624,12 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
 
 
 def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
+    if args.tensorboard_dir:
+        from megatron_tawpipe.tensorboard_log import tensorboard_available
+
+        if not tensorboard_available():
+            raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package "
+                                "(pip install tensorboard)")
     if args.save_interval is not None and not args.save:
         notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
     if args.exit_on_missing_checkpoint and not args.load:

@@ -341,11 +341,16 @@ def _load_scheduler(scheduler, common: dict, directory: str) -> None:
         for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
             if key in state:
                 state[key] = state[key] * batch
+    if state.get("wd_incr_style") == "constant" == scheduler.wd_incr_style:
+        # A constant weight decay does not depend on its span (the run's length): a longer or shorter
+        # --train-iters on resume is not a schedule change (Megatron-LM refuses it all the same).
+        state["wd_incr_steps"] = scheduler.wd_incr_steps
     try:
         scheduler.load_state_dict(state)
     except AssertionError as exc:
-        raise CheckpointError(f"{directory}: {exc} (--override-opt_param-scheduler takes this run's flags, "
-                              "--use-checkpoint-opt_param-scheduler the checkpoint's)") from None
+        raise CheckpointError(f"{directory}: the LR schedule (counted in samples) differs from this run's flags: "
+                              f"{exc}; --override-opt_param-scheduler takes this run's, "
+                              "--use-checkpoint-opt_param-scheduler the checkpoint's") from None
 
 
 def _restore_optimizer_state(trainer, master: torch.Tensor, saved: dict) -> None:

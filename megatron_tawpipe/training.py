@@ -26,6 +26,7 @@ from megatron_tawpipe.metrics import (IterationRecord, MetricsWriter, held_memor
                                       peak_memory_bytes)
 from megatron_tawpipe.runtime.executor import PeerFailure, first_line
 from megatron_tawpipe.runtime.precision import NonFiniteGradientError
+from megatron_tawpipe.tensorboard_log import TensorboardLog
 
 
 class TrainingError(RuntimeError):
@@ -161,6 +162,7 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
         iteration, consumed_samples = _resume(args, trainer, scheduler)
 
     writer = MetricsWriter(args, dist.get_world_size(), _is_writer())
+    board = TensorboardLog(args, _is_writer())
     # One loader per model chunk: worker processes are for the single-chunk case (Megatron-LM's --num-workers).
     workers = args.num_workers if trainer.num_data_iterators == 1 else 0
     train_iterators = _data_iterators(train_ds, args, trainer.num_data_iterators, consumed_samples, workers)
@@ -209,6 +211,8 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             records.append(writer.record(
                 iteration, consumed_samples, elapsed, loss, step["grad_norm"], _current_lr(scheduler),
                 skipped=step["skipped"], loss_scale=step["loss_scale"], extra=extra))
+            board.iteration(records[-1], args.global_batch_size)
+            board.validation(extra.get("validation_lm_loss"), iteration, consumed_samples)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
                 last_saved = iteration
@@ -220,6 +224,7 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             print(f" exiting after iteration {iteration}: {reason}", flush=True)
     finally:
         stop.close()
+        board.close()
         writer.close()
         trainer.close()
     return records

@@ -20,8 +20,8 @@ from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, tra
 #   GPU-only: --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather,
 #             --attention-backend fused (Transformer Engine's kernels), --apply-layernorm-1p (zero-centred
 #             norm weights: Transformer Engine or Apex);
-#   not supported yet (each refused in one line, see test_unimplemented_script_flags_are_refused):
-#             --ckpt-format torch_dist, --tensorboard-dir.
+#   not supported yet (refused in one line, see test_unimplemented_script_flags_are_refused):
+#             --ckpt-format torch_dist.
 def llama3_8b_script(tmp):
     return [
         # MODEL_ARGS
@@ -51,13 +51,14 @@ def llama3_8b_script(tmp):
         "--log-interval", "1", "--eval-iters", "2", "--eval-interval", "2", "--save-interval", "1000",
         "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
         "--distributed-timeout-minutes", "60", "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"),
+        "--tensorboard-dir", str(tmp / "tensorboard"),
     ]
 
 
 # examples/gpt3/train_gpt3_175b_distributed.sh, scaled down (4 layers, hidden 64, 64 tokens, tensor
 # parallel 8 -> 1 and pipeline 16 -> 2 for 4 CPU ranks, 4 iterations). Taken out:
 #   data: --data-path/--vocab-file/--merge-file (GPT-2 BPE files) -> --mock-data with NullTokenizer;
-#   not supported yet: --step-batch-size-schedule (batch-size ramp), --tensorboard-dir.
+#   not supported yet: --step-batch-size-schedule (batch-size ramp).
 def gpt3_175b_script(tmp):
     return [
         # GPT_MODEL_ARGS
@@ -75,6 +76,7 @@ def gpt3_175b_script(tmp):
         # EVAL_AND_LOGGING_ARGS
         "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000",
         "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"), "--eval-iters", "2",
+        "--tensorboard-dir", str(tmp / "tensorboard"),
     ]
 
 
@@ -104,7 +106,6 @@ def test_published_scripts_run_under_every_schedule(script, tmp_path):
 
 UNIMPLEMENTED = [
     (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: Megatron-LM's checkpoint formats are not supported yet"),
-    (["--tensorboard-dir", "tb"], "--tensorboard-dir tb: not supported yet"),
     (["--step-batch-size-schedule", "0:16 2.4B:320"], "--step-batch-size-schedule 0:16 2.4B:320: not supported yet"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported yet"),
     (["--attention-backend", "fused"], "--attention-backend fused needs Transformer Engine and a CUDA GPU"),
@@ -314,3 +315,95 @@ def test_checkpoint_records_the_architecture(tmp_path):
     run_ranks(train_rank, 1, tiny_args("--save", save, train_iters=2))
     (error,) = run_ranks(_load_error, 1, tiny_args("--load", save, train_iters=3, architecture=GPT_FLAGS))
     assert error and "checkpoint has normalization=RMSNorm, this run --normalization gives LayerNorm" in error
+
+
+# ---- exits: Slurm preemption and time limits ------------------------------------------------
+
+def _signalled_rank(rank, argv, signal_rank, at_iteration):
+    """Train; rank ``signal_rank`` receives SIGTERM during iteration ``at_iteration``."""
+    import os
+    import signal
+
+    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.initialize import destroy
+    from megatron_tawpipe.training import build_trainer, pretrain
+
+    def factory(args):
+        trainer = build_trainer(args)
+        step, calls = trainer.train_step, []
+
+        def train_step(iterators):
+            calls.append(1)
+            if rank == signal_rank and len(calls) == at_iteration:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step(iterators)
+
+        trainer.train_step = train_step
+        return trainer
+
+    args = validate_args(parse_args(argv))
+    try:
+        return [record.to_json() for record in pretrain(args, trainer_factory=factory)]
+    finally:
+        destroy()
+
+
+def test_sigterm_saves_and_every_rank_stops_after_the_same_iteration(tmp_path):
+    save = tmp_path / "ckpt"
+    argv = tiny_args("--pipeline-schedule", "tawpipe", "--exit-signal-handler", "--save", str(save),
+                     "--lr-decay-iters", "20", train_iters=20, global_batch=4)
+    per_rank = run_ranks(_signalled_rank, 2, argv, 1, 3)
+    assert [len(records) for records in per_rank] == [3, 3]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # The checkpoint resumes: the run goes on from iteration 4 (the same LR schedule, as Megatron-LM
+    # requires unless --override-opt_param-scheduler).
+    resumed = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", "--load", str(save),
+                                                 "--lr-decay-iters", "20", train_iters=5, global_batch=4))
+    assert [r["iteration"] for r in resumed[0]] == [4, 5]
+
+
+def test_exit_duration_stops_and_saves(tmp_path):
+    save = tmp_path / "ckpt"
+    (records,) = run_ranks(train_rank, 1, tiny_args("--exit-duration-in-mins", "0.00001", "--save", str(save),
+                                                    train_iters=20))
+    assert len(records) == 1
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_no_save_optim_checkpoint_needs_no_load_optim(tmp_path):
+    save = str(tmp_path / "ckpt")
+    run_ranks(train_rank, 1, tiny_args("--save", save, "--no-save-optim", "--no-save-rng", train_iters=2))
+    (error,) = run_ranks(_load_error, 1, tiny_args("--load", save, train_iters=3))
+    assert error and "saved with --no-save-optim" in error and "--no-load-optim" in error
+    (records,) = run_ranks(train_rank, 1, tiny_args("--load", save, "--no-load-optim", "--no-load-rng", train_iters=3))
+    assert [r["iteration"] for r in records] == [3]
+
+
+def test_empty_load_directory_is_reported_or_refused(tmp_path, capfd):
+    empty = str(tmp_path / "empty")
+    (error,) = run_ranks(_load_error, 1, tiny_args("--load", empty, "--exit-on-missing-checkpoint", train_iters=2))
+    assert error and "holds no checkpoint" in error
+    (records,) = run_ranks(train_rank, 1, tiny_args("--load", empty, train_iters=2))
+    assert len(records) == 2
+    assert "no checkpoint found in --load" in capfd.readouterr().out
+
+
+def test_tensorboard_scalars_have_megatron_lms_names(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    directory = tmp_path / "tb"
+    (records,) = run_ranks(train_rank, 1, tiny_args("--tensorboard-dir", str(directory), "--log-interval", "1",
+                                                    "--log-timers-to-tensorboard", "--log-throughput",
+                                                    "--eval-iters", "1", "--eval-interval", "2",
+                                                    "--log-validation-ppl-to-tensorboard", train_iters=4))
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("learning-rate", "batch-size", "lm loss", "grad-norm", "lm loss validation",
+                 "lm loss validation ppl"):
+        assert name in tags and f"{name} vs samples" in tags, (name, sorted(tags))
+    assert {"iteration-time", "throughput"} <= tags
+    assert [e.value for e in events.Scalars("lm loss")] == pytest.approx(losses(records))
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32]
+    assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4]
+    assert [e.value for e in events.Scalars("learning-rate")] == pytest.approx([r["learning_rate"] for r in records])

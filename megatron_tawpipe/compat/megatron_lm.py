@@ -50,7 +50,8 @@ VALUE = {"default": None}
 INT = {"type": int, "default": None}
 
 _PROFILER = "no profiler hooks here: run under nsys, or --timeline-file for the weight-passing schedules"
-_TENSORBOARD = "no effect: TensorBoard logging is not implemented (--metrics-file has every iteration)"
+_TENSORBOARD = ("not written to TensorBoard (--metrics-file has the memory fields); the loss, learning rate, "
+                "gradient norm, loss scale, timings and validation are")
 _DEEPSPEED = ("DeepSpeed is not used: training runs on megatron-core, with batch sizes and precision from "
               "the flags (no DeepSpeed config file is read)")
 
@@ -75,12 +76,8 @@ NO_EFFECT: Sequence[CompatFlag] = (
     CompatFlag("--timing-log-level", dict(type=int, default=0, choices=(0, 1, 2)),
                "no per-phase timers: the log line has the iteration time, --timeline-file the weight-passing "
                "schedules' phases", applies=lambda v: v != 0),
-    CompatFlag("--log-timers-to-tensorboard", SWITCH, _TENSORBOARD),
     CompatFlag("--log-memory-to-tensorboard", SWITCH, _TENSORBOARD),
-    CompatFlag("--log-validation-ppl-to-tensorboard", SWITCH, _TENSORBOARD),
     CompatFlag("--log-world-size-to-tensorboard", SWITCH, _TENSORBOARD),
-    CompatFlag("--tensorboard-log-interval", INT, _TENSORBOARD),
-    CompatFlag("--tensorboard-queue-size", INT, _TENSORBOARD),
     CompatFlag("--log-params-norm", SWITCH, "the parameter norm is not computed (the gradient norm is logged)"),
     CompatFlag("--log-num-zeros-in-grad", SWITCH, "zeros in the gradient are not counted"),
     CompatFlag("--ckpt-fully-parallel-save", SWITCH,
@@ -122,9 +119,6 @@ REFUSED: Sequence[CompatFlag] = (
     CompatFlag("--rampup-batch-size", dict(nargs=3, default=None),
                f"{_NOT_YET} (Megatron-LM now ignores it as well); the global batch is constant"),
     CompatFlag("--step-batch-size-schedule", VALUE, f"{_NOT_YET}; the global batch is constant"),
-    CompatFlag("--tensorboard-dir", VALUE,
-               f"{_NOT_YET}; --metrics-file FILE writes loss, learning rate, gradient norm, loss scale and "
-               "throughput of every iteration as JSON lines"),
     CompatFlag("--wandb-project", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--wandb-exp-name", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--wandb-save-dir", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
