@@ -35,7 +35,9 @@ else
 fi
 
 mkdir -p "$OUT_DIR"
-torchrun --nproc-per-node "$GPUS" pretrain_llama.py \
+MAX_RESTARTS=${MAX_RESTARTS:-3}      # relaunches after a failure, each resuming from the latest checkpoint
+source examples/restarts.sh
+run_with_restarts torchrun --nproc-per-node "$GPUS" pretrain_llama.py \
     --pipeline-schedule "$SCHEDULE" "${PP_ARGS[@]}" \
     --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
     --hidden-dropout 0.0 --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader \

@@ -4,6 +4,7 @@
 # SCHEDULE: tawpipe, weipipe, 1f1b, interleaved, or hsdp, fsdp, distopt-node, pp-nodes
 # On CPU nodes set BACKEND=gloo (and GLOO_SOCKET_IFNAME to the inter-node interface).
 # Weight-passing schedules take one group per node by default (--tawpipe-num-groups = NNODES).
+# A failed run is relaunched up to MAX_RESTARTS (default 3) times from the latest checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +29,11 @@ DATA_PATH=${DATA_PATH:-}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
 VOCAB_SIZE=${VOCAB_SIZE:-32000}
 OUT_DIR=${OUT_DIR:-runs/llama_multinode}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+EVAL_INTERVAL=${EVAL_INTERVAL:-500}
+EVAL_ITERS=${EVAL_ITERS:-10}
+SAVE_INTERVAL=${SAVE_INTERVAL:-500}
+MAX_RESTARTS=${MAX_RESTARTS:-3}      # relaunches after a failure, each resuming from the latest checkpoint
 
 if [ -n "$DATA_PATH" ]; then
     DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
@@ -50,7 +56,8 @@ esac
 PRECISION=(--bf16)
 [ "$BACKEND" = gloo ] && PRECISION=()
 
-torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+source examples/restarts.sh
+run_with_restarts torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_llama.py \
     --pipeline-schedule "$PIPELINE_SCHEDULE" "${PP_ARGS[@]}" --distributed-backend "$BACKEND" \
     --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
@@ -60,6 +67,6 @@ torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
     --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters "${WARMUP_ITERS:-100}" --lr-decay-style cosine --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 \
     "${PRECISION[@]}" "${DATA_ARGS[@]}" --split 969,30,1 \
-    --log-interval 10 --eval-interval 500 --eval-iters 10 \
-    --save "$OUT_DIR/checkpoints" --load "$OUT_DIR/checkpoints" --save-interval 500 \
+    --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" \
+    --save "$OUT_DIR/checkpoints" --load "$OUT_DIR/checkpoints" --save-interval "$SAVE_INTERVAL" \
     --metrics-file "$OUT_DIR/metrics.jsonl" "$@"

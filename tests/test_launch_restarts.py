@@ -1,0 +1,77 @@
+"""The launch scripts relaunch a failed job from its latest checkpoint (examples/restarts.sh)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+from distributed_harness import free_port
+from training_helpers import assert_close_rel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
+
+
+def _env(out_dir, restarts):
+    env = dict(os.environ, NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               GPUS_PER_NODE="4", BACKEND="gloo", SCHEDULE="tawpipe", NUM_LAYERS="4", HIDDEN="128", FFN="384",
+               HEADS="4", SEQ="256", GLOBAL_BATCH="16", TRAIN_ITERS="12", WARMUP_ITERS="2", VOCAB_SIZE="512",
+               OUT_DIR=str(out_dir), LOG_INTERVAL="1", EVAL_INTERVAL="1000", EVAL_ITERS="0", SAVE_INTERVAL="3",
+               MAX_RESTARTS=str(restarts), RESTART_DELAY_S="1", OMP_NUM_THREADS="1")
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
+    return env
+
+
+def _iterations(metrics):
+    """The last record of every iteration (a resumed run repeats those after its checkpoint)."""
+    last = {}
+    if os.path.exists(metrics):
+        for line in open(metrics, encoding="utf-8"):
+            record = json.loads(line)
+            last[record["iteration"]] = record
+    return last
+
+
+def _worker_pid(local_rank):
+    """The pid of the training process of ``local_rank`` (a torchrun worker)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"pretrain_llama.py") for arg in cmdline) and \
+                f"LOCAL_RANK={local_rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b" ".join(environ):
+            return int(pid)
+    return None
+
+
+def test_a_killed_rank_costs_no_manual_step(tmp_path):
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run(["bash", SCRIPT], env=_env(reference_dir, 0), cwd=ROOT, check=True, timeout=600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen(["bash", SCRIPT], env=_env(run_dir, 1), cwd=ROOT, stdout=log, stderr=log)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    checkpoint = run_dir / "checkpoints" / "iter_0000003"
+    killed = None
+    deadline = time.time() + 300
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        done = _iterations(metrics)
+        if checkpoint.exists() and max(done, default=0) >= 4:
+            pid = _worker_pid(2)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                killed = max(done)
+        time.sleep(0.02)
+    assert killed is not None and killed < 12, "the run ended before a rank could be killed"
+    assert proc.wait(timeout=600) == 0, open(tmp_path / "killed.log").read()[-3000:]
+    text = open(tmp_path / "killed.log").read()
+    assert "restart 1 of 1 from the latest checkpoint" in text
+    ours, reference = _iterations(metrics), _iterations(os.path.join(reference_dir, "metrics.jsonl"))
+    assert sorted(ours) == list(range(1, 13))
+    assert_close_rel([ours[i]["lm_loss"] for i in range(1, 13)], [reference[i]["lm_loss"] for i in range(1, 13)],
+                     1e-5)
