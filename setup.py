@@ -11,6 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tawpipe", "megatron_tawpipe.*"]),
     py_modules=["pretrain_llama"],
+    package_data={"megatron_tawpipe.compat": ["megatron_lm_flags.txt"]},
     # torch is not pinned here on purpose: install the build you want first
     # (the CPU build with `pip install torch==2.13.0` on CPU machines, a CUDA
     # build on GPU clusters); any torch >= 2.6 satisfies this requirement.
