@@ -8,7 +8,6 @@ They run under tawpipe, weipipe and native 1F1B with only ``--pipeline-schedule`
 import math
 
 import pytest
-import torch
 
 from distributed_harness import run_ranks
 from test_weight_passing_equivalence import _load_params
