@@ -12,6 +12,7 @@ import argparse
 from typing import List, Optional
 
 from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown
+from megatron_tawpipe.data import SUPPORTED_TOKENIZERS
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
 WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
@@ -315,7 +316,6 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "BertWordPieceLowerCase",
                    "BertWordPieceCase", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
-SUPPORTED_TOKENIZERS = ("SentencePieceTokenizer", "NullTokenizer")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
