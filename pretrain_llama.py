@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Pre-train a Llama-style model with megatron-core.
+"""Pre-train a GPT / Llama model with megatron-core, from Megatron-LM's command line.
 
-    torchrun --nproc-per-node 4 pretrain_llama.py --pipeline-schedule 1f1b \\
-        --pipeline-model-parallel-size 4 --num-layers 8 --hidden-size 256 ... \\
-        --train-iters 100 --mock-data --vocab-size 32000
+    torchrun --nproc-per-node 4 pretrain_llama.py --pipeline-schedule tawpipe \\
+        --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \\
+        --num-layers 8 --hidden-size 256 ... --train-iters 100 --lr 3e-4 \\
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
 
-Flags follow Megatron-LM's names (``python pretrain_llama.py --help``).
+Flags are Megatron-LM's, with its meanings and defaults (``python pretrain_llama.py --help``;
+without architecture flags the model is Megatron-LM's GPT).
 ``--pipeline-schedule`` picks megatron's native ``1f1b`` / ``interleaved`` or
 the weight-passing ``weipipe`` / ``tawpipe``. Bad flags are reported in one
 line before any process group is created.

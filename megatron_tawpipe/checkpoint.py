@@ -45,6 +45,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not fit the model."""
 
 
+class CheckpointSetupError(CheckpointError):
+    """The flags do not fit the checkpoint (retrying the same command cannot help: exit status 2)."""
+
+
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
@@ -144,13 +148,16 @@ def _entries(trainer):
             for name, _param, master in trainer.named_master_parameters())
 
 
-def _collect_local_state(entries, trainer, tied: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+def _collect_local_state(entries, trainer, tied: bool,
+                         with_optimizer: bool = True) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
     params: Dict[str, torch.Tensor] = {}
     optim: Dict[str, dict] = {}
     for name, master, state in entries:
         if _tied_alias(name, tied) is not None or trainer.skip_in_checkpoint(name):
             continue
         params[name] = master.detach().float().cpu().clone()
+        if not with_optimizer:
+            continue
         optim[name] = {
             key: (value.detach().cpu().clone() if torch.is_tensor(value) else torch.tensor(value))
             for key, value in state.items()
@@ -173,9 +180,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     index_part: Dict[str, Tuple[list, str]] = {}
     entries = _entries(trainer)
     if trainer.writes_checkpoint():
-        params, optim = _collect_local_state(entries, trainer, tied)
-        if args.no_save_optim:
-            optim = {}
+        params, optim = _collect_local_state(entries, trainer, tied, with_optimizer=not args.no_save_optim)
         filename = f"params_rank{rank:05d}.pt"
         _atomic_torch_save({"params": params, "optimizer": optim}, os.path.join(tmp_dir, filename))
         index_part = {name: (list(t.shape), filename) for name, t in params.items()}
@@ -313,7 +318,7 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     by_file = _targets_by_file(trainer, common["index"], tied, directory)
     restore_optimizer = not (args.no_load_optim or args.finetune)
     if restore_optimizer and not common.get("optimizer_saved", True):
-        raise CheckpointError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
+        raise CheckpointSetupError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
                               "from; pass --no-load-optim (or --finetune) to start the optimizer afresh")
     with torch.no_grad():
         for filename in sorted(by_file):
@@ -348,7 +353,7 @@ def _load_scheduler(scheduler, common: dict, directory: str) -> None:
     try:
         scheduler.load_state_dict(state)
     except AssertionError as exc:
-        raise CheckpointError(f"{directory}: the LR schedule (counted in samples) differs from this run's flags: "
+        raise CheckpointSetupError(f"{directory}: the LR schedule (counted in samples) differs from this run's flags: "
                               f"{exc}; --override-opt_param-scheduler takes this run's, "
                               "--use-checkpoint-opt_param-scheduler the checkpoint's") from None
 
@@ -370,7 +375,7 @@ def _check_signature(common: dict, args, directory: str) -> None:
     for key, value in current.items():
         if saved.get(key) != value:
             flag = _SIGNATURE_FLAGS.get(key, "--" + key.replace("_", "-"))
-            raise CheckpointError(
+            raise CheckpointSetupError(
                 f"{directory}: checkpoint has {key}={saved.get(key)}, this run {flag} gives {value}")
 
 

@@ -19,6 +19,7 @@ are not present fall back to Megatron-LM's defaults.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -585,13 +586,15 @@ class MicroBatchSampler:
 
 def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
                         consumed_samples: int, *, num_workers: int = 0, cyclic: bool = False,
-                        pin_memory: bool = False) -> Optional[Iterator[Dict[str, "object"]]]:
+                        pin_memory: bool = False,
+                        ignore_signal: Optional[int] = None) -> Optional[Iterator[Dict[str, "object"]]]:
     """Iterator over this data-parallel rank's micro-batches (dicts of batched CPU tensors).
 
     Deterministic and resumable: the batches after ``consumed_samples`` (global samples,
     i.e. iterations * global batch size) are those an uninterrupted run would see.
     Finite (until the dataset is used up) unless ``cyclic``.  Returns None for a None
-    dataset (ranks that build no data).
+    dataset (ranks that build no data).  Worker processes ignore ``ignore_signal`` (the signal
+    ``--exit-signal-handler`` leaves to the training process).
     """
     if dataset is None:
         return None
@@ -605,8 +608,16 @@ def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: i
         num_workers=int(num_workers),
         pin_memory=bool(pin_memory),
         persistent_workers=int(num_workers) > 0,
+        worker_init_fn=(functools.partial(_ignore_signal_in_worker, ignore_signal)
+                        if ignore_signal is not None and int(num_workers) > 0 else None),
     )
     return iter(loader)
+
+
+def _ignore_signal_in_worker(signum: int, _worker_id: int) -> None:
+    import signal
+
+    signal.signal(signum, signal.SIG_IGN)
 
 
 def get_batch(data_iterator, device):

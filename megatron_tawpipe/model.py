@@ -24,6 +24,7 @@ import functools
 import hashlib
 import importlib
 import math
+import os
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -253,9 +254,14 @@ def resolve_attention_backend(requested: str, args=None) -> str:
 def check_model_support(args) -> None:
     """Raise ValueError for an architecture this machine cannot build (before any process group)."""
     backend = resolve_attention_backend(args.attention_backend, args)
-    if args.apply_layernorm_1p and backend != "te" and not _importable("apex"):
-        raise ValueError("--apply-layernorm-1p needs Transformer Engine (GPU) or Apex: megatron-core's torch "
-                         "norm has no zero-centred weights")
+    apex_layernorm = args.normalization == "LayerNorm" and torch.cuda.is_available() and _importable("apex")
+    if args.apply_layernorm_1p and backend != "te" and not apex_layernorm:
+        raise ValueError("--apply-layernorm-1p needs Transformer Engine (GPU), or Apex on a GPU with --normalization "
+                         "LayerNorm: megatron-core's torch norm has no zero-centred weights")
+    if (args.apply_query_key_layer_scaling and backend == "te"
+            and os.environ.get("NVTE_APPLY_QK_LAYER_SCALING") != "1"):
+        raise ValueError("--apply-query-key-layer-scaling with Transformer Engine's attention needs "
+                         "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (or --attention-backend local)")
 
 
 def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:

@@ -9,6 +9,7 @@ returns the per-iteration records so that tests can call it in-process.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from typing import List, Optional
 
@@ -77,8 +78,10 @@ def data_parallel_rank_and_size(args):
 
 def _data_iterators(dataset, args, count: int, consumed_samples: int, num_workers: int = 0):
     dp_rank, dp_size = data_parallel_rank_and_size(args)
+    # Slurm signals every process of the job: data-loader workers must leave --exit-signal to the rank.
+    ignore = getattr(signal, args.exit_signal) if getattr(args, "exit_signal_handler", False) else None
     return [build_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples,
-                                num_workers=num_workers)
+                                num_workers=num_workers, ignore_signal=ignore)
             for _ in range(count)]
 
 
@@ -149,7 +152,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 
 def _train(args, trainer_factory) -> List[IterationRecord]:
-    started = time.time()
+    started = getattr(args, "program_start_time", None) or time.time()
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
     before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
@@ -232,11 +235,11 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
 
 def _resume(args, trainer, scheduler):
     """Load the latest checkpoint under --load; an empty directory is reported (or refused)."""
-    from megatron_tawpipe.checkpoint import CheckpointError, latest_iteration
+    from megatron_tawpipe.checkpoint import CheckpointSetupError, latest_iteration
 
     if latest_iteration(args.load) is None:
         if args.exit_on_missing_checkpoint:
-            raise CheckpointError(f"--load {args.load} holds no checkpoint (--exit-on-missing-checkpoint)")
+            raise CheckpointSetupError(f"--load {args.load} holds no checkpoint (--exit-on-missing-checkpoint)")
         if _is_writer():
             print(f" no checkpoint found in --load {args.load}: training from scratch", flush=True)
         return 0, 0

@@ -108,6 +108,12 @@ UNIMPLEMENTED = [
     (["--step-batch-size-schedule", "0:16 2.4B:320"], "--step-batch-size-schedule 0:16 2.4B:320: not supported yet"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported yet"),
     (["--attention-backend", "fused"], "--attention-backend fused needs Transformer Engine and a CUDA GPU"),
+    # Values megatron-core's LR scheduler would only assert on, later:
+    (["--lr-warmup-init", "1e-3"], "--lr-warmup-init 0.001 must not exceed --lr 0.00015"),
+    (["--min-lr", "-0.1"], "--min-lr must be >= 0, got -0.1"),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.1", "--end-weight-decay", "0.01"],
+     "--start-weight-decay 0.1 must be >= 0 and at most --end-weight-decay 0.01"),
+    (["--exit-signal-handler", "--exit-signal", "SIGKILL"], "--exit-signal SIGKILL: give a signal that can be caught"),
 ]
 
 
@@ -150,6 +156,8 @@ def test_defaults_are_megatron_lms():
     assert (args.ffn_hidden_size, args.kv_channels) == (4 * 96, 24)
     swiglu = parse_args(["--train-iters", "1", "--hidden-size", "96", "--num-attention-heads", "4", "--swiglu"])
     assert swiglu.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 == 256
+    gqa = parse_args(["--train-iters", "1", "--num-attention-heads", "4", "--group-query-attention"])
+    assert gqa.num_query_groups == 1                   # Megatron-LM's default count of key/value groups
     deepspeed = parse_args(["--train-iters", "1", "--normalization", "rmsnorm", "--num-key-value-heads", "2",
                             "--use-rotary-position-embeddings"])
     assert (deepspeed.normalization, deepspeed.num_query_groups, deepspeed.position_embedding_type) == (

@@ -88,7 +88,7 @@ BAD_FLAGS = [
     (["--tokenizer-type", "GPT2BPETokenizer"], 1, "--tokenizer-type GPT2BPETokenizer is not supported yet"),
     (["--context-parallel-size", "2"], 2, "context parallelism needs Transformer Engine"),
     (["--transformer-impl", "transformer_engine"], 1, "needs Transformer Engine and a CUDA GPU"),
-    (["--apply-layernorm-1p"], 1, "--apply-layernorm-1p needs Transformer Engine (GPU) or Apex"),
+    (["--apply-layernorm-1p"], 1, "--apply-layernorm-1p needs Transformer Engine (GPU), or Apex on a GPU"),
     (["--squared-relu"], 1, "--swiglu and --squared-relu are mutually exclusive"),
     (["--optimizer", "sgd"], 1, "--optimizer sgd is not supported"),
     (["--lr-warmup-fraction", "0.1"], 1, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive"),

@@ -84,7 +84,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-size", type=_positive_int, default=128)
     g.add_argument("--num-attention-heads", type=_positive_int, default=4)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=_positive_int, default=None)
+    g.add_argument("--num-query-groups", type=_positive_int, default=None,
+                   help="with --group-query-attention (default 1, as Megatron-LM)")
     g.add_argument("--num-key-value-heads", type=_positive_int, default=None,
                    help="Megatron-DeepSpeed's spelling of --group-query-attention --num-query-groups N")
     g.add_argument("--kv-channels", type=_positive_int, default=None, help="default: hidden / heads")
@@ -417,8 +418,10 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.num_query_groups is None or not args.group_query_attention:
+    if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
+    elif args.num_query_groups is None:             # Megatron-LM's default: one key/value group
+        args.num_query_groups = 1
     if args.dataloader_type is None:
         args.dataloader_type = "single"
     if args.eval_iters < 0:

@@ -81,6 +81,13 @@ def _validate_required(args: argparse.Namespace) -> None:
         raise ArgumentError("--lr is required (Megatron-LM has no default learning rate)")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
+    if args.min_lr < 0:
+        raise ArgumentError(f"--min-lr must be >= 0, got {args.min_lr}")
+    if args.lr_warmup_init > args.lr:
+        raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}")
+    if args.decoupled_lr is not None and (args.decoupled_min_lr or 0.0) > args.decoupled_lr:
+        raise ArgumentError(f"--decoupled-min-lr {args.decoupled_min_lr} must not exceed --decoupled-lr "
+                            f"{args.decoupled_lr}")
     if args.optimizer != "adam":
         raise ArgumentError(f"--optimizer {args.optimizer} is not supported; adam (AdamW, Megatron-LM's default) is")
     if args.tokenizer_type is None:
@@ -179,6 +186,8 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
             span = f"--lr-decay-samples {decay} (default: --train-samples)"
         raise ArgumentError(f"{given} must be smaller than {span}")
     if args.lr_decay_style == "WSD" and not wsd:
+        notice("--lr-decay-style WSD without --lr-wsd-decay-iters / --lr-wsd-decay-samples: the anneal "
+               f"({args.lr_wsd_decay_style}) spans the whole decay (Megatron-LM requires the flag)")
         wsd = decay
     args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps = int(warmup), int(decay), int(wsd)
     args.wd_incr_steps = args.train_samples_total
@@ -190,6 +199,9 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
     elif args.start_weight_decay is None or args.end_weight_decay is None:
         raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
                             "and --end-weight-decay")
+    elif not 0.0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ArgumentError(f"--start-weight-decay {args.start_weight_decay} must be >= 0 and at most "
+                            f"--end-weight-decay {args.end_weight_decay}")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
                             "mutually exclusive")
@@ -208,8 +220,11 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
     import signal
 
-    if args.exit_signal_handler and not isinstance(getattr(signal, str(args.exit_signal), None), signal.Signals):
-        raise ArgumentError(f"--exit-signal {args.exit_signal} is not a signal name (SIGTERM, SIGUSR1, SIGINT, ...)")
+    if args.exit_signal_handler and (
+            not isinstance(getattr(signal, str(args.exit_signal), None), signal.Signals)
+            or args.exit_signal in ("SIGKILL", "SIGSTOP", "SIGCHLD")):
+        raise ArgumentError(f"--exit-signal {args.exit_signal}: give a signal that can be caught and is not "
+                            "SIGCHLD (SIGTERM, SIGUSR1, SIGUSR2, SIGINT, ...)")
     if args.calculate_per_token_loss and args.eod_mask_loss:
         raise ArgumentError("--calculate-per-token-loss with --eod-mask-loss is not supported yet (micro-batches "
                             "with different numbers of loss tokens)")

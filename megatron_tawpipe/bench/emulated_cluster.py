@@ -28,7 +28,8 @@ and is not shaped.  Only packets to other nodes' addresses leave by ``eth0``.
 Use::
 
     with EmulatedCluster(nodes=2, ranks_per_node=2, rate="100mbit") as cluster:
-        rc = cluster.run_torchrun(["pretrain_llama.py", "--train-iters", "3"])
+        rc = cluster.run_torchrun(["pretrain_llama.py", "--train-iters", "3", "--lr", "1e-4", "--mock-data",
+                                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])
         cluster.exec(1, ["python", "-c", "print('hello from node 1')"])
 
 Everything is torn down in ``__exit__`` (also after an exception, SIGINT or

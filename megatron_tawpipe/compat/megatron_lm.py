@@ -95,6 +95,8 @@ NO_EFFECT: Sequence[CompatFlag] = (
                "DeepSpeed's ZeRO is not used; for sharded optimizer state use --use-distributed-optimizer "
                "(stages 1-2), --use-torch-fsdp2 or --pipeline-schedule tawpipe (stage 3): the arithmetic is "
                "the same"),
+    CompatFlag("--rampup-batch-size", dict(nargs=3, default=None),
+               "Megatron-LM ignores it too (deprecated); the global batch is --global-batch-size throughout"),
     CompatFlag("--deepspeed", SWITCH, _DEEPSPEED),
     CompatFlag("--deepspeed_config", VALUE, _DEEPSPEED),
     CompatFlag("--deepspeed-activation-checkpointing", SWITCH,
@@ -116,8 +118,6 @@ REFUSED: Sequence[CompatFlag] = (
                "fp8 training is not supported yet; train in fp32, --bf16 or --fp16"),
     CompatFlag("--num-experts", INT, "mixture-of-experts models are not supported (dense decoder layers only)",
                applies=lambda v: v != 0),
-    CompatFlag("--rampup-batch-size", dict(nargs=3, default=None),
-               f"{_NOT_YET} (Megatron-LM now ignores it as well); the global batch is constant"),
     CompatFlag("--step-batch-size-schedule", VALUE, f"{_NOT_YET}; the global batch is constant"),
     CompatFlag("--wandb-project", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--wandb-exp-name", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
