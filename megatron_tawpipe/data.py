@@ -37,10 +37,15 @@ from megatron_tawpipe.data_checks import (check_indexed_dataset, check_token_ids
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_TOKENIZERS = ("SentencePieceTokenizer", "NullTokenizer")
+# Megatron-LM's tokenizers on a SentencePiece model: SentencePieceTokenizer through megatron-core;
+# GPTSentencePieceTokenizer and Llama2Tokenizer as Megatron-LM defines them (the model's own pieces,
+# eod = its end-of-sentence id; Llama2Tokenizer starts every document with the model's bos id).
+SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+SUPPORTED_TOKENIZERS = SENTENCEPIECE_TOKENIZERS + ("NullTokenizer",)
 DEFAULT_SPLIT = "969,30,1"
 
 __all__ = [
+    "SENTENCEPIECE_TOKENIZERS",
     "SUPPORTED_TOKENIZERS",
     "build_tokenizer",
     "pad_vocab_size",
@@ -76,7 +81,7 @@ def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_siz
     return int(math.ceil(int(vocab_size) / multiple) * multiple)
 
 
-class _SentencePieceFallbackTokenizer:
+class _SentencePieceFallbackTokenizer:  # also Megatron-LM's GPTSentencePieceTokenizer
     """SentencePiece tokenizer for megatron-core releases without ``megatron.core.tokenizers``.
 
     Same semantics as megatron-core's GPT SentencePiece tokenizer: ``eod`` is the model's
@@ -117,6 +122,19 @@ class _SentencePieceFallbackTokenizer:
     @property
     def pad(self) -> int:
         return self._sp.pad_id()
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """What megatron-core's dataset cache keys on."""
+        return OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                            ("tokenizer_path", self.path)])
+
+
+class _Llama2Tokenizer(_SentencePieceFallbackTokenizer):
+    """Megatron-LM's Llama2Tokenizer: the model's pieces, each document starting with its bos id."""
+
+    def tokenize(self, text: str) -> List[int]:
+        return [self._sp.bos_id()] + self._sp.encode_as_ids(text)
 
     @property
     def unique_identifiers(self) -> OrderedDict:
@@ -190,10 +208,14 @@ def _core_tokenizer(tokenizer_path: Optional[str], library: str, **kwargs):
 def load_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
                    vocab_size: Optional[int] = None):
     """Load a tokenizer by Megatron-LM type name (no args namespace, no vocab padding)."""
-    if tokenizer_type == "SentencePieceTokenizer":
+    if tokenizer_type in SENTENCEPIECE_TOKENIZERS:
         if not tokenizer_model:
-            raise ValueError("--tokenizer-model is required with --tokenizer-type SentencePieceTokenizer")
+            raise ValueError(f"--tokenizer-model is required with --tokenizer-type {tokenizer_type}")
         path = os.path.abspath(tokenizer_model)
+        if tokenizer_type == "GPTSentencePieceTokenizer":
+            return _SentencePieceFallbackTokenizer(path)
+        if tokenizer_type == "Llama2Tokenizer":
+            return _Llama2Tokenizer(path)
         tok = _core_tokenizer(path, "sentencepiece")
         return tok if tok is not None else _SentencePieceFallbackTokenizer(path)
     if tokenizer_type == "NullTokenizer":
@@ -312,7 +334,7 @@ def _tokenizer_vocab(args, vocab_size: Optional[int] = None) -> Optional[Tuple[i
     from the flags (SentencePiece: pieces in the model; NullTokenizer: --vocab-size ids
     plus the eod id --vocab-size).  None when neither gives a size.
     """
-    if getattr(args, "tokenizer_type", None) == "SentencePieceTokenizer":
+    if getattr(args, "tokenizer_type", None) in SENTENCEPIECE_TOKENIZERS:
         model = getattr(args, "tokenizer_model", None)
         if vocab_size is None:
             import sentencepiece
@@ -350,7 +372,7 @@ def check_data_files(args, vocab_size: Optional[int] = None) -> None:
     vocab = _tokenizer_vocab(args, vocab_size)
     if vocab is not None:
         tokenizer_type = getattr(args, "tokenizer_type", None)
-        sentencepiece = tokenizer_type == "SentencePieceTokenizer"
+        sentencepiece = tokenizer_type in SENTENCEPIECE_TOKENIZERS
         model = getattr(args, "tokenizer_model", None) if sentencepiece else None
         fingerprint = tokenizer_fingerprint(tokenizer_type, model, vocab[0])
         flag = (f"--tokenizer-model {model}" if sentencepiece else
@@ -393,10 +415,10 @@ def validate_data_args(args) -> None:
         raise ValueError(
             f"--tokenizer-type {ttype!r} is not supported; use one of {', '.join(SUPPORTED_TOKENIZERS)}"
         )
-    if ttype == "SentencePieceTokenizer":
+    if ttype in SENTENCEPIECE_TOKENIZERS:
         model = getattr(args, "tokenizer_model", None)
         if not model:
-            raise ValueError("--tokenizer-model is required with --tokenizer-type SentencePieceTokenizer")
+            raise ValueError(f"--tokenizer-model is required with --tokenizer-type {ttype}")
         if not os.path.isfile(model):
             raise ValueError(f"--tokenizer-model: file not found: {model}")
         if not os.access(model, os.R_OK):

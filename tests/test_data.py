@@ -190,6 +190,45 @@ def test_preprocess_sentencepiece_cli_workers(tmp_path, sp_model):
             assert a.read() == b.read()
 
 
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+def test_megatron_lms_sentencepiece_tokenizers_preprocess_and_train(tokenizer_type, tmp_path, sp_model):
+    """Megatron-LM's GPTSentencePieceTokenizer and Llama2Tokenizer: the model's own ids (Llama2 with its
+    bos id first), eod = its eos id; data preprocessed with one trains with it, and only with it."""
+    import sentencepiece
+
+    from distributed_harness import run_ranks
+    from training_helpers import tiny_args, train_rank
+
+    texts = _english_texts()[:200]
+    jsonl = _write_jsonl(tmp_path / "docs.jsonl", texts)
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), "--input", jsonl,
+           "--tokenizer-type", tokenizer_type, "--tokenizer-model", sp_model, "--append-eod",
+           "--output-prefix", str(tmp_path / "corpus")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    bos = [sp.bos_id()] if tokenizer_type == "Llama2Tokenizer" else []
+    expected = [t for text in texts for t in bos + sp.encode_as_ids(text) + [sp.eos_id()]]
+    raw = numpy.fromfile(str(tmp_path / "corpus_text_document.bin"), dtype=numpy.uint16)
+    assert raw.tolist() == expected
+
+    argv = tiny_args(train_iters=2)
+    i = argv.index("--mock-data")
+    argv[i:i + 1] = ["--data-path", str(tmp_path / "corpus_text_document"), "--split", "90,10,0"]
+    for flag in ("--tokenizer-type", "--vocab-size"):
+        j = argv.index(flag)
+        del argv[j:j + 2]
+    argv += ["--tokenizer-type", tokenizer_type, "--tokenizer-model", sp_model]
+    (records,) = run_ranks(train_rank, 1, argv)
+    assert len(records) == 2 and all(r["lm_loss"] > 0 for r in records)
+    other = "Llama2Tokenizer" if tokenizer_type == "GPTSentencePieceTokenizer" else "GPTSentencePieceTokenizer"
+    args = argparse.Namespace(tokenizer_type=other, tokenizer_model=sp_model, vocab_size=None,
+                              data_path=[str(tmp_path / "corpus_text_document")], mock_data=False,
+                              split="90,10,0")
+    assert "is not the tokenizer that wrote" in data_args_error(args)
+
+
 def test_preprocess_plain_text_modes(tmp_path):
     path = tmp_path / "plain.txt"
     path.write_text("1 2\n3\n\n4 5 6\n\n\n7\n")

@@ -23,6 +23,7 @@ except ImportError:  # running from a source checkout without installation
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_tawpipe.data import (  # noqa: E402
+    SENTENCEPIECE_TOKENIZERS,
     SUPPORTED_TOKENIZERS,
     iter_documents,
     write_indexed_dataset,
@@ -59,9 +60,9 @@ def main(argv=None):
     for path in args.input:
         if not os.path.isfile(path):
             parser.error(f"--input: file not found: {path}")
-    if args.tokenizer_type == "SentencePieceTokenizer":
+    if args.tokenizer_type in SENTENCEPIECE_TOKENIZERS:
         if not args.tokenizer_model:
-            parser.error("--tokenizer-model is required with --tokenizer-type SentencePieceTokenizer")
+            parser.error(f"--tokenizer-model is required with --tokenizer-type {args.tokenizer_type}")
         if not os.path.isfile(args.tokenizer_model):
             parser.error(f"--tokenizer-model: file not found: {args.tokenizer_model}")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
