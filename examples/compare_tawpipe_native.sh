@@ -9,10 +9,8 @@ OUT_DIR=${OUT_DIR:-runs/compare}
 SCHEDULE=${SCHEDULE:-tawpipe}
 ITERS=${ITERS:-5}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# Llama (RMSNorm, SwiGLU, no biases, rotary positions, no dropout) in Megatron-LM's flags:
-LLAMA=(--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope --hidden-dropout 0.0
-       --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader)
-COMMON=("${LLAMA[@]}" --num-layers 8 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
+source examples/llama_flags.sh
+COMMON=("${LLAMA_FLAGS[@]}" --num-layers 8 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
         --micro-batch-size 1 --global-batch-size 16 --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4
         --lr-warmup-iters 1 --lr-decay-style cosine --adam-beta2 0.95 --num-workers 0 --clip-grad 1.0 --seed 1234 --untie-embeddings-and-output-weights
         --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --log-interval 1 --eval-iters 0)

@@ -5,6 +5,7 @@
 # leave DATA_PATH empty for mock data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source examples/llama_flags.sh
 
 GPUS=${GPUS:-8}
 SCHEDULE=${SCHEDULE:-1f1b}
@@ -39,8 +40,7 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}      # relaunches after a failure, each resuming
 source examples/restarts.sh
 run_with_restarts torchrun --nproc-per-node "$GPUS" pretrain_llama.py \
     --pipeline-schedule "$SCHEDULE" "${PP_ARGS[@]}" \
-    --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
-    --hidden-dropout 0.0 --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader \
+    "${LLAMA_FLAGS[@]}" \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --untie-embeddings-and-output-weights \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \

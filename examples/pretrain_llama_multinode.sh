@@ -7,6 +7,7 @@
 # A failed run is relaunched up to MAX_RESTARTS (default 3) times from the latest checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source examples/llama_flags.sh
 
 NNODES=${NNODES:-2}
 NODE_RANK=${NODE_RANK:?set NODE_RANK to the index of this node}
@@ -60,8 +61,7 @@ source examples/restarts.sh
 run_with_restarts torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_llama.py \
     --pipeline-schedule "$PIPELINE_SCHEDULE" "${PP_ARGS[@]}" --distributed-backend "$BACKEND" \
-    --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
-    --hidden-dropout 0.0 --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader \
+    "${LLAMA_FLAGS[@]}" \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --untie-embeddings-and-output-weights \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \

@@ -5,6 +5,7 @@
 #   NPROC=4 TRAIN_ITERS=200 bash examples/quickstart_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source examples/llama_flags.sh
 
 NPROC=${NPROC:-4}
 SCHEDULE=${SCHEDULE:-tawpipe}
@@ -32,8 +33,7 @@ case "$SCHEDULE" in
 esac
 python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_llama.py \
     --pipeline-schedule "$SCHEDULE" "${PARALLEL[@]}" \
-    --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope \
-    --hidden-dropout 0.0 --attention-dropout 0.0 --attention-softmax-in-fp32 --no-create-attention-mask-in-dataloader \
+    "${LLAMA_FLAGS[@]}" \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" \

@@ -116,15 +116,16 @@ def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bo
     """
     if not on_cuda:
         kernels = FusionKernels()
-    wants = (lambda flag: bool(getattr(args, flag, True))) if args is not None else (lambda flag: True)
-    swiglu = getattr(args, "swiglu", True) if args is not None else True
-    if swiglu:
+
+    def wants(flag: str) -> bool:  # not turned off by a --no-*-fusion flag (no args: SwiGLU, all wanted)
+        return bool(getattr(args, flag, True))
+
+    if getattr(args, "swiglu", True):
         activation = kernels.swiglu and wants("bias_swiglu_fusion")
-    elif getattr(args, "squared_relu", False):
-        activation = False
-    else:
-        activation = kernels.swiglu and wants("bias_gelu_fusion") and getattr(args, "add_bias_linear", False)
-    position = getattr(args, "position_embedding_type", "rope") if args is not None else "rope"
+    else:  # bias-GELU; squared ReLU has no fused kernel
+        activation = (kernels.swiglu and wants("bias_gelu_fusion") and not getattr(args, "squared_relu", False)
+                      and getattr(args, "add_bias_linear", False))
+    position = getattr(args, "position_embedding_type", "rope")
     return {
         "bias_activation_fusion": activation,
         "apply_rope_fusion": kernels.rope and position == "rope" and wants("apply_rope_fusion"),

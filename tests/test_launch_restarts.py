@@ -1,4 +1,5 @@
-"""The launch scripts relaunch a failed job from its latest checkpoint (examples/restarts.sh)."""
+"""The launch scripts: they relaunch a failed job from its latest checkpoint (examples/restarts.sh) and
+pass the package's Llama flags (examples/llama_flags.sh)."""
 
 import json
 import os
@@ -75,3 +76,11 @@ def test_a_killed_rank_costs_no_manual_step(tmp_path):
     assert sorted(ours) == list(range(1, 13))
     assert_close_rel([ours[i]["lm_loss"] for i in range(1, 13)], [reference[i]["lm_loss"] for i in range(1, 13)],
                      1e-5)
+
+
+def test_the_examples_llama_flags_are_the_packages():
+    from megatron_tawpipe.arguments import LLAMA_FLAGS
+
+    out = subprocess.run(["bash", "-c", 'source examples/llama_flags.sh; printf "%s\\n" "${LLAMA_FLAGS[@]}"'],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert tuple(out.split()) == tuple(LLAMA_FLAGS)

@@ -51,7 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(parser)
     _add_training_args(parser)
-    _add_low_precision_args(parser)
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_checkpoint_and_logging_args(parser)
@@ -232,32 +231,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                        ("--no-rope-fusion", "apply_rope_fusion"),
                        ("--no-persist-layer-norm", "persist_layer_norm")):
         g.add_argument(flag, dest=dest, action="store_false", default=True)
-
-
-# Megatron-LM's fp8 / fp4 flags (Transformer Engine recipes), recognised so that they are refused
-# with a clear message rather than argparse's "unrecognized arguments": (flag, add_argument kwargs).
-LOW_PRECISION_FLAGS = (
-    ("--fp8-format", {"default": None, "metavar": "{e4m3,hybrid}"}),
-    ("--fp8-recipe", {"default": None, "metavar": "{tensorwise,delayed,mxfp8,blockwise,custom}"}),
-    ("--fp8-param-gather", {"action": "store_true"}),
-    ("--fp8-margin", {"type": int, "default": None}),
-    ("--fp8-interval", {"type": int, "default": None}),
-    ("--fp8-amax-history-len", {"type": int, "default": None}),
-    ("--fp8-amax-compute-algo", {"default": None, "metavar": "{most_recent,max}"}),
-    ("--no-fp8-wgrad", {"action": "store_true"}),
-    ("--fp8-dot-product-attention", {"action": "store_true"}),
-    ("--fp8-multi-head-attention", {"action": "store_true"}),
-    ("--first-last-layers-bf16", {"action": "store_true"}),
-    ("--fp4-format", {"default": None, "metavar": "{e2m1}"}),
-    ("--fp4-recipe", {"default": None, "metavar": "{nvfp4,custom}"}),
-    ("--fp4-param-gather", {"action": "store_true"}),
-)
-
-
-def _add_low_precision_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("fp8 / fp4 (Megatron-LM's flags; not supported yet: refused)")
-    for flag, kwargs in LOW_PRECISION_FLAGS:
-        g.add_argument(flag, help=argparse.SUPPRESS, **kwargs)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:

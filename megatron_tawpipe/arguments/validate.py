@@ -7,25 +7,9 @@ import argparse
 import os
 from typing import Optional
 
-from megatron_tawpipe.arguments.flags import (LOW_PRECISION_FLAGS, PIPELINE_SCHEDULES, SUPPORTED_TOKENIZERS,
+from megatron_tawpipe.arguments.flags import (PIPELINE_SCHEDULES, SUPPORTED_TOKENIZERS,
                                               WEIGHT_PASSING_SCHEDULES, ArgumentError)
 from megatron_tawpipe.compat.megatron_lm import compat_notices, compat_refusal
-
-def _flag_dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
-def _validate_precision(args: argparse.Namespace) -> None:
-    """fp8 / fp4 training is refused, naming the flag given and what is supported."""
-    for flag, _kwargs in LOW_PRECISION_FLAGS:
-        value = getattr(args, _flag_dest(flag), None)
-        if value is None or value is False:
-            continue
-        given = flag if value is True else f"{flag} {value}"
-        kind = "fp4" if flag.startswith("--fp4") else "fp8"
-        raise ArgumentError(
-            f"{given}: {kind} training is not supported yet; train in fp32 (default), --bf16 or --fp16")
-
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,7 +34,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     refusal = compat_refusal(args)
     if refusal:
         raise ArgumentError(refusal)
-    _validate_precision(args)
     _validate_model(args)
     _validate_required(args)
     if args.emulated_compute_times:
@@ -157,7 +140,7 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
         decay = (args.lr_decay_iters or args.train_iters) * gbs
         warmup = args.lr_warmup_iters * gbs
         wsd = (args.lr_wsd_decay_iters or 0) * gbs
-        args.train_samples_total = args.train_iters * gbs
+        total = args.train_iters * gbs
     else:
         if args.lr_decay_iters is not None or args.lr_warmup_iters or args.lr_wsd_decay_iters:
             raise ArgumentError("--lr-decay-iters / --lr-warmup-iters / --lr-wsd-decay-iters go with --train-iters; "
@@ -170,27 +153,21 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
         decay = args.lr_decay_samples or args.train_samples
         warmup = args.lr_warmup_samples
         wsd = args.lr_wsd_decay_samples or 0
-        args.train_samples_total = args.train_samples
+        total = args.train_samples
     if args.lr_warmup_fraction is not None:
         warmup = args.lr_warmup_fraction * decay
-    if args.lr_decay_iters is None and args.train_iters is not None and args.train_samples is None:
-        args.lr_decay_iters = args.train_iters
     if warmup >= decay:
-        if args.train_samples is None:
-            given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
-                     else f"--lr-warmup-iters {args.lr_warmup_iters}")
-            span = f"--lr-decay-iters {decay // gbs} (default: --train-iters)"
-        else:
-            given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
-                     else f"--lr-warmup-samples {args.lr_warmup_samples}")
-            span = f"--lr-decay-samples {decay} (default: --train-samples)"
-        raise ArgumentError(f"{given} must be smaller than {span}")
+        unit = "iters" if args.train_samples is None else "samples"
+        given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
+                 else f"--lr-warmup-{unit} {getattr(args, 'lr_warmup_' + unit)}")
+        span = decay // gbs if unit == "iters" else decay
+        raise ArgumentError(f"{given} must be smaller than --lr-decay-{unit} {span} (default: --train-{unit})")
     if args.lr_decay_style == "WSD" and not wsd:
         notice("--lr-decay-style WSD without --lr-wsd-decay-iters / --lr-wsd-decay-samples: the anneal "
                f"({args.lr_wsd_decay_style}) spans the whole decay (Megatron-LM requires the flag)")
         wsd = decay
     args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps = int(warmup), int(decay), int(wsd)
-    args.wd_incr_steps = args.train_samples_total
+    args.wd_incr_steps = total
     if args.weight_decay_incr_style == "constant":
         if args.start_weight_decay is not None or args.end_weight_decay is not None:
             raise ArgumentError("--start-weight-decay / --end-weight-decay need --weight-decay-incr-style "

@@ -8,7 +8,7 @@ this project implements, with Megatron-LM's meaning and default, are defined in
 * :data:`NO_EFFECT` — accepted; when given, one notice says why nothing changes here
   (a GPU profiler hook, a flag Megatron-LM itself ignores, a DeepSpeed switch);
 * :data:`REFUSED` — refused before any process group exists, in one line that says what
-  the flag needs or what to use instead (Megatron-FSDP, mixture of experts, ...);
+  the flag needs or what to use instead (fp8/fp4, Megatron-FSDP, mixture of experts, ...);
 * every other flag of Megatron-LM's own parser (``megatron_lm_flags.txt``): refused in one
   line as a Megatron-LM flag this project does not implement, never argparse's bare
   "unrecognized arguments".
@@ -103,19 +103,40 @@ NO_EFFECT: Sequence[CompatFlag] = (
                "DeepSpeed is not used; --recompute-granularity full recomputes activations"),
 )
 
+# Megatron-LM's fp8 / fp4 flags (Transformer Engine recipes).
+_LOW_PRECISION_FLAGS = (
+    ("--fp8-format", {"default": None, "metavar": "{e4m3,hybrid}"}),
+    ("--fp8-recipe", {"default": None, "metavar": "{tensorwise,delayed,mxfp8,blockwise,custom}"}),
+    ("--fp8-param-gather", SWITCH),
+    ("--fp8-margin", INT),
+    ("--fp8-interval", INT),
+    ("--fp8-amax-history-len", INT),
+    ("--fp8-amax-compute-algo", {"default": None, "metavar": "{most_recent,max}"}),
+    ("--no-fp8-wgrad", SWITCH),
+    ("--fp8-dot-product-attention", SWITCH),
+    ("--fp8-multi-head-attention", SWITCH),
+    ("--first-last-layers-bf16", SWITCH),
+    ("--keep-fp8-weight-transpose-cache-te", SWITCH),
+    ("--fp4-format", {"default": None, "metavar": "{e2m1}"}),
+    ("--fp4-recipe", {"default": None, "metavar": "{nvfp4,custom}"}),
+    ("--fp4-param-gather", SWITCH),
+)
+LOW_PRECISION: Sequence[CompatFlag] = tuple(
+    CompatFlag(flag, kwargs, f"{'fp4' if flag.startswith('--fp4') else 'fp8'} training is not supported yet; "
+                             "train in fp32 (default), --bf16 or --fp16")
+    for flag, kwargs in _LOW_PRECISION_FLAGS)
+
 _FSDP = ("Megatron-FSDP is not supported; --use-torch-fsdp2 (HSDP with --num-distributed-optimizer-instances) "
          "or --pipeline-schedule tawpipe shard weights, gradients and optimizer state")
 _NOT_YET = "not supported yet"
 
-REFUSED: Sequence[CompatFlag] = (
+REFUSED: Sequence[CompatFlag] = LOW_PRECISION + (
     CompatFlag("--use-legacy-models", SWITCH,
                "legacy models are gone from Megatron-LM; this project trains megatron-core's GPTModel"),
     CompatFlag("--use-megatron-fsdp", SWITCH, _FSDP),
     CompatFlag("--data-parallel-sharding-strategy", VALUE, _FSDP),
     CompatFlag("--fsdp-double-buffer", SWITCH, _FSDP),
     CompatFlag("--keep-fp8-transpose-cache", SWITCH, _FSDP),
-    CompatFlag("--keep-fp8-weight-transpose-cache-te", SWITCH,
-               "fp8 training is not supported yet; train in fp32, --bf16 or --fp16"),
     CompatFlag("--num-experts", INT, "mixture-of-experts models are not supported (dense decoder layers only)",
                applies=lambda v: v != 0),
     CompatFlag("--step-batch-size-schedule", VALUE, f"{_NOT_YET}; the global batch is constant"),
