@@ -101,6 +101,7 @@ class _OwnerOf:
 def _write_sharded_checkpoint(root, args, files):
     """``files``: {filename: [names]}; every parameter is ``[i, i, i]`` with an ``exp_avg`` of ``-i``."""
     from megatron_tawpipe import checkpoint
+    from megatron_tawpipe.checkpoint import per_parameter
 
     directory = checkpoint.iteration_dir(root, 5)
     os.makedirs(directory)
@@ -113,7 +114,7 @@ def _write_sharded_checkpoint(root, args, files):
             optim[name] = {"exp_avg": torch.full((3,), -value), "step": torch.tensor(5.0)}
             index[name] = [[3], filename]
         torch.save({"params": params, "optimizer": optim}, os.path.join(directory, filename))
-    common = {"format_version": checkpoint.FORMAT_VERSION, "iteration": 5, "consumed_samples": 40,
+    common = {"format_version": per_parameter.FORMAT_VERSION, "iteration": 5, "consumed_samples": 40,
               "scheduler": None, "grad_scaler": None, "index": index, "pipeline_schedule": "tawpipe",
               "world_size": len(files), "model": checkpoint.model_signature(args)}
     torch.save(common, os.path.join(directory, "common.pt"))

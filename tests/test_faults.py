@@ -107,16 +107,16 @@ def test_native_pipeline_does_not_hang_on_a_stalled_or_dead_rank(fault):
 
 
 def _kill_while_saving(rank, argv, kill_at_iteration):
-    from megatron_tawpipe import checkpoint
+    from megatron_tawpipe.checkpoint import per_parameter
 
-    original = checkpoint._atomic_torch_save
+    original = per_parameter.atomic_torch_save
 
     def save(obj, path):
         if f"iter_{kill_at_iteration:07d}.tmp" in path and path.endswith("common.pt"):
             os.kill(os.getpid(), signal.SIGKILL)  # rank 0, after every shard file was written
         return original(obj, path)
 
-    checkpoint._atomic_torch_save = save
+    per_parameter.atomic_torch_save = save
     return train_rank(rank, argv)
 
 

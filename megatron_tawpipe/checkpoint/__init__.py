@@ -1,0 +1,59 @@
+"""Checkpoints that any schedule can resume from.
+
+Two formats, chosen with ``--ckpt-format`` when saving and recognised by their files when loading:
+
+* ``torch_dist`` (the default, Megatron-LM's): megatron-core's ``dist_checkpointing``, tensors under
+  megatron-core's model-space keys (:mod:`.torch_dist`);
+* ``tawpipe``: this project's earlier per-parameter files (:mod:`.per_parameter`), still loadable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Tuple
+
+from megatron_tawpipe.checkpoint import per_parameter
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, TRACKER_FILE, CheckpointError, CheckpointSetupError,
+                                                iteration_dir, latest_iteration, model_signature)
+
+CKPT_FORMATS = ("torch_dist", "tawpipe")
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
+    """Collectively write a checkpoint of ``trainer`` in ``--ckpt-format`` (every rank must call it)."""
+    if (getattr(args, "ckpt_format", None) or "tawpipe") == "tawpipe":
+        return per_parameter.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
+    from megatron_tawpipe.checkpoint import torch_dist
+
+    return torch_dist.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
+
+
+def checkpoint_format(directory: str) -> str:
+    """``torch_dist`` or ``tawpipe``, from the files in a checkpoint directory."""
+    if os.path.isfile(os.path.join(directory, ".metadata")):
+        return "torch_dist"
+    if os.path.isfile(os.path.join(directory, "common.pt")):
+        return "tawpipe"
+    raise CheckpointError(f"{directory}: neither a torch_dist checkpoint (.metadata) nor this project's "
+                          "per-parameter format (common.pt)")
+
+
+def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+    """Load the latest checkpoint under ``root`` in whichever format it was written;
+    returns ``(iteration, consumed_samples)``, ``(0, 0)`` when there is none."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return 0, 0
+    directory = iteration_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{root}: the tracker names iteration {iteration}, but {directory} is missing")
+    if checkpoint_format(directory) == "tawpipe":
+        return per_parameter.load_checkpoint(root, trainer, scheduler, args)
+    from megatron_tawpipe.checkpoint import torch_dist
+
+    return torch_dist.load_checkpoint(root, trainer, scheduler, args)
+
+
+__all__ = ["ARCHITECTURE_KEYS", "CKPT_FORMATS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
+           "checkpoint_format", "iteration_dir", "latest_iteration", "load_checkpoint", "model_signature",
+           "save_checkpoint"]

@@ -1,0 +1,204 @@
+"""This project's own checkpoint format (``--ckpt-format tawpipe``): schedule-independent, atomic.
+
+A checkpoint stores every parameter under its *global* name (decoder layers
+numbered over the whole model) with its fp32 master value and optimizer state,
+so that a run saved under one schedule (no pipelining, 1F1B with any pipeline
+size, interleaved, or a weight-passing schedule) resumes under any other.
+
+Layout of ``SAVE/iter_0000100/``::
+
+    common.pt            iteration, consumed samples, LR scheduler, loss scaler,
+                         the parameter index {name: (shape, file)} and arguments
+    params_rank00003.pt  {"params": {name: tensor}, "optimizer": {name: {key: tensor}}}
+                         written by each rank that owns parameters
+    rng_rank00003.pt     that rank's RNG states
+    metadata.json        human-readable summary
+
+Writes are atomic: everything goes to ``iter_0000100.tmp/``, each file is
+fsynced, the directory is renamed into place, and ``latest_checkpointed_iteration.txt``
+is replaced last. A run killed mid-save leaves the previous checkpoint as the
+latest one.
+
+Loading opens only what a rank needs: ``common.pt`` (the index), the parameter
+files that hold its own parameters, one at a time, and its RNG file; each with
+``torch.load(mmap=True, weights_only=True)``, so only the bytes of its own
+tensors are read from disk and copied into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe.checkpoint.state import (CheckpointError, CheckpointSetupError, TRACKER_FILE, atomic_torch_save,
+                                                atomic_write_text, barrier, check_signature, fsync_dir, iteration_dir,
+                                                latest_iteration, load_scheduler, model_signature, rank,
+                                                restore_optimizer_state, rng_state, set_rng_state, tied_alias, world,
+                                                writer_entries)
+
+FORMAT_VERSION = 1
+
+
+def _collect_local_state(entries, trainer, tied: bool,
+                         with_optimizer: bool = True) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+    params: Dict[str, torch.Tensor] = {}
+    optim: Dict[str, dict] = {}
+    for name, master, state in entries:
+        if tied_alias(name, tied) is not None or trainer.skip_in_checkpoint(name):
+            continue
+        params[name] = master.detach().float().cpu().clone()
+        if not with_optimizer:
+            continue
+        optim[name] = {
+            key: (value.detach().cpu().clone() if torch.is_tensor(value) else torch.tensor(value))
+            for key, value in state.items()
+        }
+    return params, optim
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
+    """Collectively write a checkpoint of ``trainer`` (every rank must call it)."""
+    this_rank, world_size = rank(), world()
+    tmp_dir = iteration_dir(root, iteration) + ".tmp"
+    final_dir = iteration_dir(root, iteration)
+    if this_rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    barrier()
+
+    tied = not args.untie_embeddings_and_output_weights
+    index_part: Dict[str, Tuple[list, str]] = {}
+    entries = writer_entries(trainer)
+    if trainer.writes_checkpoint():
+        params, optim = _collect_local_state(entries, trainer, tied, with_optimizer=not args.no_save_optim)
+        filename = f"params_rank{this_rank:05d}.pt"
+        atomic_torch_save({"params": params, "optimizer": optim}, os.path.join(tmp_dir, filename))
+        index_part = {name: (list(t.shape), filename) for name, t in params.items()}
+    if not args.no_save_rng:
+        atomic_torch_save(rng_state(), os.path.join(tmp_dir, f"rng_rank{this_rank:05d}.pt"))
+
+    parts = [None] * world_size
+    if dist.is_initialized():
+        dist.all_gather_object(parts, index_part)
+    else:
+        parts = [index_part]
+    if this_rank == 0:
+        index: Dict[str, Tuple[list, str]] = {}
+        for part in parts:
+            for name, entry in part.items():
+                index.setdefault(name, entry)
+        common = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            # --no-save-optim leaves out what the optimizer needs to continue: its state, the LR
+            # schedule and the loss scaler (as Megatron-LM does).
+            "optimizer_saved": not args.no_save_optim,
+            "scheduler": scheduler.state_dict() if scheduler is not None and not args.no_save_optim else None,
+            "scheduler_units": "samples",
+            "grad_scaler": None if args.no_save_optim else trainer.grad_scaler_state(),
+            "index": {name: [shape, file] for name, (shape, file) in sorted(index.items())},
+            "pipeline_schedule": args.pipeline_schedule,
+            "world_size": world_size,
+            "model": model_signature(args),
+        }
+        atomic_torch_save(common, os.path.join(tmp_dir, "common.pt"))
+        summary = {k: v for k, v in common.items() if k not in ("scheduler", "grad_scaler", "index")}
+        summary["num_parameters"] = len(index)
+        atomic_write_text(os.path.join(tmp_dir, "metadata.json"), json.dumps(summary, indent=1))
+        fsync_dir(tmp_dir)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp_dir, final_dir)
+        fsync_dir(root)
+        atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
+    barrier()
+    return final_dir
+
+
+def _load(path: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    except Exception as exc:  # truncated or corrupt file
+        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+
+
+# (name in the checkpoint, model param, fp32 master) for every parameter a rank loads
+_Target = Tuple[str, torch.Tensor, torch.Tensor]
+
+
+def _targets_by_file(trainer, index: dict, tied: bool, directory: str) -> Dict[str, List[_Target]]:
+    """This rank's parameters, grouped by the checkpoint file that holds each."""
+    by_file: Dict[str, List[_Target]] = {}
+    for name, param, master in trainer.named_master_parameters():
+        source = tied_alias(name, tied) or name
+        if source not in index:
+            raise CheckpointError(f"{directory}: parameter {source} is missing from the checkpoint")
+        _shape, filename = index[source]
+        by_file.setdefault(filename, []).append((source, param, master))
+    return by_file
+
+
+def _load_parameters_from(path: str, targets: List[_Target], trainer, restore_optimizer: bool) -> None:
+    contents = _load(path)
+    directory, filename = os.path.split(path)
+    for source, param, master in targets:
+        tensor = contents["params"].get(source)
+        if tensor is None:
+            raise CheckpointError(f"{path}: parameter {source} is missing")
+        if list(tensor.shape) != list(master.shape):
+            raise CheckpointError(
+                f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {list(master.shape)}")
+        master.copy_(tensor)
+        if param is not master:
+            param.copy_(tensor)
+        if restore_optimizer:
+            restore_optimizer_state(trainer, master, contents["optimizer"].get(source, {}))
+
+
+def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+    """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``.
+
+    ``(0, 0)`` when ``root`` holds no checkpoint yet (a fresh run with ``--load`` set).
+    """
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return 0, 0
+    directory = iteration_dir(root, iteration)
+    common = _load(os.path.join(directory, "common.pt"))
+    _check_format(common, args, directory)
+    tied = not args.untie_embeddings_and_output_weights
+    by_file = _targets_by_file(trainer, common["index"], tied, directory)
+    restore_optimizer = not (args.no_load_optim or args.finetune)
+    if restore_optimizer and not common.get("optimizer_saved", True):
+        raise CheckpointSetupError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
+                              "from; pass --no-load-optim (or --finetune) to start the optimizer afresh")
+    with torch.no_grad():
+        for filename in sorted(by_file):
+            _load_parameters_from(os.path.join(directory, filename), by_file[filename], trainer, restore_optimizer)
+    if args.finetune:
+        return 0, 0
+    trainer.after_parameters_loaded()
+    if scheduler is not None and common["scheduler"] is not None and not args.no_load_optim:
+        load_scheduler(scheduler, common, directory)
+    if not args.no_load_optim and common["grad_scaler"] is not None:
+        trainer.load_grad_scaler_state(common["grad_scaler"])
+    rng_file = os.path.join(directory, f"rng_rank{rank():05d}.pt")
+    same_layout = common["world_size"] == world() and common["pipeline_schedule"] == args.pipeline_schedule
+    if same_layout and not args.no_load_rng and os.path.isfile(rng_file):
+        set_rng_state(_load(rng_file))
+    return common["iteration"], common["consumed_samples"]
+
+
+def _check_format(common: dict, args, directory: str) -> None:
+    if common.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory}: unknown checkpoint format {common.get('format_version')!r}")
+    check_signature(common["model"], args, directory)
+

@@ -1,0 +1,210 @@
+"""What every checkpoint format shares: errors, atomic files, RNG states, the model signature,
+the LR schedule and the per-parameter state a trainer hands over.
+
+A trainer exposes ``named_master_parameters()`` (global name, model parameter, fp32 master or a
+stand-in that copies its own slice), ``optimizer_state_for`` / ``set_optimizer_state``,
+``writes_checkpoint()``, ``skip_in_checkpoint(name)``, optionally ``gathered_masters()`` (whole
+tensors gathered for the writing rank), the grad scaler's state and ``after_parameters_loaded()``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the model."""
+
+
+class CheckpointSetupError(CheckpointError):
+    """The flags do not fit the checkpoint (retrying the same command cannot help: exit status 2)."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    tmp = path + ".partial"
+    torch.save(obj, tmp)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def rng_state() -> dict:
+    # Only tensors and plain Python values, so that weights_only loading works.
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state["tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def tied_alias(name: str, tied: bool) -> Optional[str]:
+    """With tied embeddings, a later pipeline stage's output layer is a replica of the embeddings."""
+    if tied and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return None
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def writer_entries(trainer):
+    """``(name, fp32 master, optimizer state)`` this rank writes.
+
+    A trainer that shards parameters or optimizer state over ranks gathers them in
+    ``gathered_masters()``: every rank calls it (collectives), the writing rank gets the whole
+    tensors. Otherwise the writing ranks read their own masters.
+    """
+    gather = getattr(trainer, "gathered_masters", None)
+    gathered = gather() if gather is not None else None
+    if gathered is not None:
+        return gathered if trainer.writes_checkpoint() else []
+    if not trainer.writes_checkpoint():
+        return []
+    return ((name, master, trainer.optimizer_state_for(master))
+            for name, _param, master in trainer.named_master_parameters())
+
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "padded_vocab_size", "untie_embeddings_and_output_weights")
+
+
+# Architecture choices that change the numbers, and what checkpoints written before they were
+# recorded were trained with (the model was always a Llama then).
+ARCHITECTURE_KEYS = {"normalization": "RMSNorm", "swiglu": True, "squared_relu": False, "add_bias_linear": False,
+                     "add_qkv_bias": False, "position_embedding_type": "rope", "kv_channels": None,
+                     "rotary_base": 10000, "rotary_percent": 1.0, "use_rope_scaling": False,
+                     "rope_scaling_factor": 8.0, "apply_layernorm_1p": False, "qk_layernorm": False}
+
+
+def model_signature(args) -> dict:
+    """Model arguments that a checkpoint must agree with to be loaded."""
+    keys = SHAPE_KEYS + tuple(ARCHITECTURE_KEYS)
+    return {key: getattr(args, key) for key in keys}
+
+
+def saved_signature(saved: dict) -> dict:
+    """A checkpoint's model signature, completed with what older checkpoints implied."""
+    completed = dict(saved)
+    for key, legacy in ARCHITECTURE_KEYS.items():
+        if key not in completed:
+            completed[key] = saved["hidden_size"] // saved["num_attention_heads"] if key == "kv_channels" else legacy
+    return completed
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    tracker = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker, encoding="utf-8").read().strip()
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}") from exc
+
+
+def load_scheduler(scheduler, common: dict, directory: str) -> None:
+    """megatron-core's LR schedule counts samples (as Megatron-LM's); checkpoints written before
+    this counted iterations, which are converted with the checkpoint's global batch."""
+    state = dict(common["scheduler"])
+    if common.get("scheduler_units") != "samples" and common["iteration"]:
+        batch = common["consumed_samples"] // common["iteration"]
+        for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
+            if key in state:
+                state[key] = state[key] * batch
+    if state.get("wd_incr_style") == "constant" == scheduler.wd_incr_style:
+        # A constant weight decay does not depend on its span (the run's length): a longer or shorter
+        # --train-iters on resume is not a schedule change (Megatron-LM refuses it all the same).
+        state["wd_incr_steps"] = scheduler.wd_incr_steps
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as exc:
+        raise CheckpointSetupError(f"{directory}: the LR schedule (counted in samples) differs from this run's flags: "
+                              f"{exc}; --override-opt_param-scheduler takes this run's, "
+                              "--use-checkpoint-opt_param-scheduler the checkpoint's") from None
+
+
+def restore_optimizer_state(trainer, master: torch.Tensor, saved: dict) -> None:
+    """Copies (never views of the memory-mapped file) beside the master; step counts stay on the host."""
+    if not saved:
+        return
+    restored = {key: value.to(master.device, copy=True) if value.dim() else value.clone()
+                for key, value in saved.items()}
+    trainer.set_optimizer_state(master, restored)
+
+
+SIGNATURE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "padded_vocab_size": "--vocab-size / tokenizer",
+                    "use_rope_scaling": "--use-rope-scaling"}
+
+
+def check_signature(saved_model: dict, args, directory: str) -> None:
+    """Refuse (exit status 2) a checkpoint whose model differs from the one the flags describe."""
+    saved = saved_signature(saved_model)
+    current = model_signature(args)
+    for key, value in current.items():
+        if saved.get(key) != value:
+            flag = SIGNATURE_FLAGS.get(key, "--" + key.replace("_", "-"))
+            raise CheckpointSetupError(
+                f"{directory}: checkpoint has {key}={saved.get(key)}, this run {flag} gives {value}")
