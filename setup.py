@@ -23,6 +23,8 @@ setup(
         # megatron-core's partial data parallelism (--num-distributed-optimizer-instances) builds its
         # hierarchical process groups with einops, an optional dependency of the megatron-core wheel.
         "einops",
+        # megatron-core's torch_dist checkpoint writer (--ckpt-format torch_dist, the default) needs it.
+        "psutil",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "apex"],

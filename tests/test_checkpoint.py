@@ -36,15 +36,16 @@ def test_resume_across_pipeline_layouts(tmp_path, uninterrupted):
     save = str(tmp_path / "ckpt")
     run_ranks(train_rank, 2, tiny_args("--pipeline-model-parallel-size", "2", "--save", save,
                                        "--exit-interval", "3", train_iters=ITERS))
-    meta = json.load(open(os.path.join(save, "iter_0000003", "metadata.json")))
-    assert meta["iteration"] == 3 and meta["world_size"] == 2
+    common = torch.load(os.path.join(save, "iter_0000003", "common.pt"), weights_only=False)
+    assert common["iteration"] == 3 and common["tawpipe"]["world_size"] == 2
     (resumed,) = run_ranks(train_rank, 1, tiny_args("--load", save, train_iters=ITERS))
     assert_close_rel(losses(resumed), losses(uninterrupted[3:]), 1e-5)
 
 
-def test_checkpoint_holds_every_parameter_once_under_global_names(tmp_path):
+def test_per_parameter_checkpoint_holds_every_parameter_once_under_global_names(tmp_path):
     save = str(tmp_path / "ckpt")
-    run_ranks(train_rank, 2, tiny_args("--pipeline-model-parallel-size", "2", "--save", save, train_iters=2))
+    run_ranks(train_rank, 2, tiny_args("--pipeline-model-parallel-size", "2", "--save", save, "--ckpt-format", "tawpipe",
+                                       train_iters=2))
     common = torch.load(os.path.join(save, "iter_0000002", "common.pt"), weights_only=True)
     names = set(common["index"])
     assert {f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(8)} <= names
@@ -67,13 +68,15 @@ def test_mismatched_model_is_refused(tmp_path):
         run_ranks(train_rank, 1, argv)
 
 
-def test_truncated_shard_is_refused_naming_the_file(tmp_path):
+@pytest.mark.parametrize("ckpt_format, victim", [("tawpipe", "params_rank00000.pt"), ("torch_dist", "__0_0.distcp")])
+def test_truncated_shard_is_refused_naming_the_file(tmp_path, ckpt_format, victim):
     save = str(tmp_path / "ckpt")
-    run_ranks(train_rank, 1, tiny_args("--save", save, "--exit-interval", "1", train_iters=2))
-    shard = os.path.join(save, "iter_0000001", "params_rank00000.pt")
+    run_ranks(train_rank, 1, tiny_args("--save", save, "--exit-interval", "1", "--ckpt-format", ckpt_format,
+                                       train_iters=2))
+    shard = os.path.join(save, "iter_0000001", victim)
     with open(shard, "r+b") as handle:
         handle.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(AssertionError, match="params_rank00000.pt"):
+    with pytest.raises(AssertionError, match="iter_0000001"):
         run_ranks(train_rank, 1, tiny_args("--load", save, train_iters=2))
 
 

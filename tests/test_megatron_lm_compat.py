@@ -18,9 +18,7 @@ from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, tra
 # 8 query heads in 2 groups, 64 tokens, vocabulary 250, 24 samples). Taken out:
 #   GPU-only: --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather,
 #             --attention-backend fused (Transformer Engine's kernels), --apply-layernorm-1p (zero-centred
-#             norm weights: Transformer Engine or Apex);
-#   not supported yet (refused in one line, see test_unimplemented_script_flags_are_refused):
-#             --ckpt-format torch_dist.
+#             norm weights: Transformer Engine or Apex).
 def llama3_8b_script(tmp):
     return [
         # MODEL_ARGS
@@ -50,7 +48,7 @@ def llama3_8b_script(tmp):
         "--log-interval", "1", "--eval-iters", "2", "--eval-interval", "2", "--save-interval", "1000",
         "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
         "--distributed-timeout-minutes", "60", "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"),
-        "--tensorboard-dir", str(tmp / "tensorboard"),
+        "--tensorboard-dir", str(tmp / "tensorboard"), "--ckpt-format", "torch_dist",
     ]
 
 
@@ -104,7 +102,7 @@ def test_published_scripts_run_under_every_schedule(script, tmp_path):
 
 
 UNIMPLEMENTED = [
-    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist: Megatron-LM's checkpoint formats are not supported yet"),
+    (["--ckpt-format", "zarr"], "--ckpt-format zarr: this project writes torch_dist"),
     (["--step-batch-size-schedule", "0:16 2.4B:320"], "--step-batch-size-schedule 0:16 2.4B:320: not supported yet"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported yet"),
     (["--attention-backend", "fused"], "--attention-backend fused needs Transformer Engine and a CUDA GPU"),

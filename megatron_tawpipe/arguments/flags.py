@@ -331,6 +331,10 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only, restart iteration count")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "tawpipe", "torch", "zarr", "torch_dcp",
+                                                                    "fsdp_dtensor"],
+                   help="torch_dist (default): Megatron-LM's format through megatron-core's dist_checkpointing; "
+                        "tawpipe: this project's earlier per-parameter files. Loading reads either")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop if --load holds no checkpoint instead of starting from scratch")
     g.add_argument("--log-interval", type=_positive_int, default=100)

@@ -193,6 +193,16 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
                                 "(pip install tensorboard)")
     if args.save_interval is not None and not args.save:
         notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
+    if args.ckpt_format not in ("torch_dist", "tawpipe"):
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: this project writes torch_dist (Megatron-LM's default, "
+                            "megatron-core's dist_checkpointing) or tawpipe (its own per-parameter files); "
+                            f"Megatron-LM's {args.ckpt_format} format is not supported")
+    if args.ckpt_format == "torch_dist" and args.save:
+        try:
+            import psutil  # noqa: F401  (megatron-core's torch_dist writer needs it)
+        except ImportError:
+            raise ArgumentError("--ckpt-format torch_dist needs the psutil package (pip install psutil), as "
+                                "megatron-core's checkpoint writer does; or --ckpt-format tawpipe") from None
     if args.exit_on_missing_checkpoint and not args.load:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
     import signal

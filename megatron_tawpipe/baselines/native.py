@@ -26,7 +26,7 @@ from megatron_tawpipe.baselines.sharded_state import (SliceTarget, distributed_o
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
-from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
+from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config, unwrap_model
 from megatron_tawpipe.runtime.executor import PeerFailure, first_line
 from megatron_tawpipe.runtime.schedules import megatron_forward_backward_func
 
@@ -263,6 +263,20 @@ class NativeTrainer:
                     yield name, param, distributed_optimizer_target(self._chained_single(), param)
                 else:
                     yield name, param, getattr(param, "main_param", param)
+
+    def megatron_sharded_state_dict(self, with_optimizer: bool) -> dict:
+        """``model`` (``model0``, ``model1``, ... with virtual stages) and ``optimizer`` as Megatron-LM
+        saves them with ``--ckpt-format torch_dist``: megatron-core's own sharded state dicts, the
+        distributed optimizer in its model-space ``fully_reshardable`` form."""
+        chunks = [unwrap_model(chunk) for chunk in self.model]
+        if len(chunks) == 1:
+            state = {"model": chunks[0].sharded_state_dict()}
+        else:
+            state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        if with_optimizer:
+            metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if self.args.use_distributed_optimizer else None
+            state["optimizer"] = self.optimizer.sharded_state_dict(state, metadata=metadata)
+        return state
 
     def gathered_masters(self):
         """Distributed optimizer: whole masters and Adam state, gathered over the optimizer's data-parallel

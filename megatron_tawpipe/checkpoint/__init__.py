@@ -21,7 +21,7 @@ CKPT_FORMATS = ("torch_dist", "tawpipe")
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
     """Collectively write a checkpoint of ``trainer`` in ``--ckpt-format`` (every rank must call it)."""
-    if (getattr(args, "ckpt_format", None) or "tawpipe") == "tawpipe":
+    if getattr(args, "ckpt_format", "torch_dist") == "tawpipe":
         return per_parameter.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
     from megatron_tawpipe.checkpoint import torch_dist
 

@@ -83,8 +83,9 @@ NO_EFFECT: Sequence[CompatFlag] = (
     CompatFlag("--ckpt-fully-parallel-save", SWITCH,
                "deprecated in Megatron-LM; checkpoints are written by every rank in parallel anyway"),
     CompatFlag("--async-save", SWITCH, "checkpoints are written synchronously (and atomically)"),
-    CompatFlag("--dist-ckpt-strictness", VALUE, "it applies to --ckpt-format torch_dist, which is not supported yet"),
-    CompatFlag("--auto-detect-ckpt-format", SWITCH, "there is one checkpoint format here"),
+    CompatFlag("--dist-ckpt-strictness", VALUE, "loading asks for exactly the tensors the model needs and names any "
+               "that is missing; other entries of a checkpoint are ignored"),
+    CompatFlag("--auto-detect-ckpt-format", SWITCH, "the format of a checkpoint is always detected when loading"),
     CompatFlag("--deterministic-mode", SWITCH,
                "CPU kernels are deterministic; on GPUs non-deterministic kernels are not forbidden"),
     CompatFlag("--data-impl", VALUE, "Megatron-LM removed it: .bin/.idx data are memory-mapped "
@@ -143,9 +144,6 @@ REFUSED: Sequence[CompatFlag] = LOW_PRECISION + (
     CompatFlag("--wandb-project", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--wandb-exp-name", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--wandb-save-dir", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
-    CompatFlag("--ckpt-format", VALUE,
-               f"Megatron-LM's checkpoint formats are {_NOT_YET}; checkpoints are written in this project's "
-               "format (leave --ckpt-format out)"),
     CompatFlag("--use-checkpoint-args", SWITCH,
                f"{_NOT_YET}; give the model flags the checkpoint was trained with (they are checked against it)"),
     CompatFlag("--tp-comm-overlap", SWITCH, "needs tensor parallelism with Transformer Engine's userbuffers on GPUs"),

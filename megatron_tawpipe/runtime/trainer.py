@@ -275,6 +275,10 @@ class WeightPassingTrainer:
     def writes_checkpoint(self) -> bool:
         return True
 
+    def checkpoint_layer_module(self):
+        """A decoder layer built from the run's layer spec (its extra state goes into torch_dist checkpoints)."""
+        return self.model.template.layers[0]
+
     def skip_in_checkpoint(self, name: str) -> bool:
         """Replicated parts are identical on every rank: rank 0 writes them."""
         return self.rank != 0 and not name.startswith("decoder.layers.")

@@ -1,0 +1,394 @@
+"""Megatron-LM's checkpoint format, ``--ckpt-format torch_dist``, for every schedule.
+
+A checkpoint is what megatron-core's ``dist_checkpointing.save`` writes, in Megatron-LM's layout::
+
+    SAVE/latest_checkpointed_iteration.txt
+    SAVE/iter_0000100/   .metadata, __R_T.distcp (tensors), common.pt (everything else), metadata.json
+
+Tensors live under megatron-core's *model-space* keys: ``embedding.word_embeddings.weight``,
+``decoder.layers.mlp.linear_fc1.weight`` (the layers stacked on a leading axis of
+``--num-layers``), ``optimizer.state.fp32_param.<key>`` (fp32 masters under --bf16/--fp16),
+``optimizer.state.exp_avg.<key>`` and ``optimizer.state.exp_avg_sq.<key>``. These keys do not
+depend on how the model is partitioned, so that:
+
+* the native schedules save exactly as Megatron-LM does: ``model.sharded_state_dict()`` and the
+  megatron optimizer's ``sharded_state_dict()`` (the distributed optimizer in its
+  ``fully_reshardable`` form, which is model-space too);
+* the weight-passing schedules and the FSDP2 baselines save each whole parameter under the same
+  keys, from the rank that owns it, with the common part (``args``, ``iteration``,
+  ``opt_param_scheduler``, the optimizer's ``param_groups`` and ``common_step``) laid out as
+  megatron-core's non-distributed optimizer lays it out;
+* every trainer loads through one reader: each rank asks ``dist_checkpointing.load`` for the whole
+  tensors of the parameters it holds (or for the slice of them it holds, through the trainer's
+  stand-in), wherever they were written from.
+
+Beside Megatron-LM's entries the common part carries this project's record (``tawpipe``: the model
+signature, schedule, world size, consumed samples, grad scaler) and each rank's RNG states as a
+sharded object. A checkpoint written by Megatron-LM itself (no record) is checked against its
+``args``. Writes are atomic as for every format here: into ``iter_XXXXXXX.tmp``, files fsynced,
+renamed, the tracker replaced last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, CheckpointError, CheckpointSetupError, TRACKER_FILE, atomic_write_text,
+                                                barrier, check_signature, fsync_dir, fsync_file, iteration_dir,
+                                                latest_iteration, load_scheduler, model_signature, rank,
+                                                restore_optimizer_state, rng_state, set_rng_state, tied_alias, world,
+                                                writer_entries)
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version for torch_dist checkpoints
+RECORD_KEY = "tawpipe"
+RNG_KEY = "tawpipe_rng_state"
+SAVE_STRATEGY = ("torch_dist", 1)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def layer_keys_map(args) -> Dict[str, str]:
+    """The decoder layer spec's renames for checkpoints (megatron-core's local layer stores its norms
+    under Transformer Engine's names, ``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``)."""
+    from megatron_tawpipe.model import llama_layer_spec
+
+    spec = llama_layer_spec(args.attention_backend, args)
+    return dict(getattr(spec.submodules, "sharded_state_dict_keys_map", None) or {})
+
+
+def model_space_key(name: str, keys_map: Dict[str, str]) -> Tuple[str, Optional[int]]:
+    """A global parameter name's megatron-core checkpoint key and decoder layer (None outside the decoder):
+    ``decoder.layers.5.mlp.linear_fc1.weight`` -> (``decoder.layers.mlp.linear_fc1.weight``, 5)."""
+    match = _LAYER.match(name)
+    if not match:
+        return name, None
+    rest = match.group(2)
+    for old, new in keys_map.items():  # the first matching prefix, as megatron-core applies them
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return "decoder.layers." + rest, int(match.group(1))
+
+
+def _sharded(key: str, tensor: torch.Tensor, layer: Optional[int], num_layers: int, replica_id: int = 0):
+    """A whole parameter (one layer's, for a stacked decoder key) as a megatron-core ShardedTensor."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if layer is None:
+        return ShardedTensor.from_rank_offsets(key, tensor, replica_id=replica_id)
+    return ShardedTensor.from_rank_offsets(key, tensor, (0, layer, num_layers), replica_id=replica_id,
+                                           prepend_axis_num=1)
+
+
+def layer_extra_states(layer_module, layer: int, num_layers: int) -> Dict[str, object]:
+    """megatron-core's extra-state objects of decoder layer ``layer`` (Transformer Engine's metadata,
+    None for megatron's own layers), read from any module built from the same layer spec."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+    local = "decoder.layers.0."
+    state = layer_module.sharded_state_dict(local, [(0, layer, num_layers)], None)
+    replace_prefix_for_sharding(state, local, "decoder.layers.")
+    return {f"{obj.key}@{layer}": replace(obj, replica_id=0)
+            for obj in nested_values(state) if isinstance(obj, ShardedObject)}
+
+
+def _rng_object(state):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(RNG_KEY, state, (world(),), (rank(),), replica_id=0)
+
+
+# ---- saving ---------------------------------------------------------------------------------
+
+def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
+    """The run's arguments as Megatron-LM stores them (``consumed_train_samples`` included)."""
+    saved = argparse.Namespace(**{key: value for key, value in vars(args).items()
+                                  if value is None or isinstance(value, (bool, int, float, str, list, tuple, dict))})
+    saved.consumed_train_samples = consumed_samples
+    saved.consumed_valid_samples = 0
+    return saved
+
+
+def _param_group_descriptions(trainer) -> List[dict]:
+    """The optimizer's groups without their parameters, the same on every rank (a rank of a
+    weight-passing schedule holds only some kinds of parameters: the union over ranks)."""
+    local = [{key: value for key, value in group.items() if key != "params"} for group in trainer.optimizer.param_groups]
+    parts = [None] * world()
+    if dist.is_initialized():
+        dist.all_gather_object(parts, local)
+    else:
+        parts = [local]
+    seen: Dict[tuple, dict] = {}
+    for part in parts:
+        for group in part:
+            ident = (group.get("wd_mult"), group.get("lr_mult"), group.get("is_expert_parallel"),
+                     group.get("is_decoupled_lr"))
+            seen.setdefault(ident, group)
+    return [seen[ident] for ident in sorted(seen, key=lambda i: (-(i[0] or 0.0), bool(i[3])))]
+
+
+def _common_step(entries) -> Optional[torch.Tensor]:
+    """The optimizer's step count, agreed by every rank (ranks that write nothing contribute 0)."""
+    step = 0.0
+    for _name, _master, state in entries:
+        if "step" in state:
+            step = max(step, float(state["step"]))
+    total = torch.tensor([step], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return torch.tensor(float(total[0]), dtype=torch.float32) if total[0] > 0 else None
+
+
+def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
+    """``model`` and ``optimizer`` entries for a trainer that hands over whole parameters.
+
+    Each parameter is written once, by the rank that holds it (``skip_in_checkpoint`` leaves out
+    the replicas); the optimizer's common part has megatron-core's non-distributed layout
+    (``Float16OptimizerWithFloat16Params`` under --bf16/--fp16, ``FP32Optimizer`` otherwise).
+    """
+    tied = not args.untie_embeddings_and_output_weights
+    low_precision = bool(args.bf16 or args.fp16)
+    model_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    entries = [entry for entry in writer_entries(trainer)
+               if tied_alias(entry[0], tied) is None and not trainer.skip_in_checkpoint(entry[0])]
+    model, masters, moments = {}, {}, {}
+    keys_map = layer_keys_map(args)
+    for name, master, state in entries:
+        key, layer = model_space_key(name, keys_map)
+        master = master.detach()
+        model[name] = _sharded(key, master.to(model_dtype).clone() if low_precision else master,
+                               layer, args.num_layers)
+        if not with_optimizer:
+            continue
+        if low_precision:
+            masters[name] = _sharded("optimizer.state.fp32_param." + key, master.float(), layer, args.num_layers)
+        moments[name] = {moment: _sharded(f"optimizer.state.{moment}.{key}", state[moment].detach(), layer,
+                                          args.num_layers)
+                         for moment in MOMENTS if moment in state}
+    layer_module = getattr(trainer, "checkpoint_layer_module", lambda: None)()
+    if layer_module is not None:
+        for layer in sorted({model_space_key(name, keys_map)[1] for name, _m, _s in entries} - {None}):
+            model.update(layer_extra_states(layer_module, layer, args.num_layers))
+    result = {"model": model}
+    if not with_optimizer:
+        return result
+    torch_state = {"state": {"common_step": _common_step(entries)}, "param_groups": _param_group_descriptions(trainer)}
+    if torch_state["state"]["common_step"] is None:
+        del torch_state["state"]["common_step"]
+    if low_precision:
+        result["optimizer"] = {"optimizer": torch_state, "grad_scaler": trainer.grad_scaler_state()}
+    else:
+        result["optimizer"] = torch_state
+    # Tensors apart from the common part (their place in the structure is not persisted).
+    result["optimizer_tensors"] = {"fp32_param": masters, "moments": moments}
+    return result
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
+    """Collectively write ``iter_XXXXXXX`` under ``root`` with megatron-core's dist_checkpointing."""
+    from megatron.core import dist_checkpointing
+
+    tmp_dir, final_dir = iteration_dir(root, iteration) + ".tmp", iteration_dir(root, iteration)
+    if rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    barrier()
+    with_optimizer = not args.no_save_optim
+    native = getattr(trainer, "megatron_sharded_state_dict", None)
+    state = native(with_optimizer) if native is not None else whole_parameter_state(trainer, args, with_optimizer)
+    state.update({
+        "args": _saved_args(args, consumed_samples),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+        RECORD_KEY: {
+            "pipeline_schedule": args.pipeline_schedule,
+            "world_size": world(),
+            "model": model_signature(args),
+            "consumed_samples": consumed_samples,
+            "optimizer_saved": with_optimizer,
+            "scheduler_units": "samples",
+            "grad_scaler": trainer.grad_scaler_state() if with_optimizer else None,
+        },
+    })
+    if with_optimizer and scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not args.no_save_rng:
+        state[RNG_KEY] = _rng_object(rng_state())
+    dist_checkpointing.save(state, tmp_dir, sharded_strategy=SAVE_STRATEGY)
+    barrier()
+    if rank() == 0:
+        for name in os.listdir(tmp_dir):
+            fsync_file(os.path.join(tmp_dir, name))
+        fsync_dir(tmp_dir)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp_dir, final_dir)
+        fsync_dir(root)
+        atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
+    barrier()
+    return final_dir
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def _saved_model_signature(common: dict, directory: str) -> dict:
+    record = common.get(RECORD_KEY)
+    if record is not None:
+        return record["model"]
+    saved_args = common.get("args")
+    if saved_args is None:
+        raise CheckpointError(f"{directory}: the checkpoint holds neither its arguments nor this project's record")
+    # Megatron-LM's own arguments carry the same names; what they lack is completed as for old checkpoints.
+    return {key: getattr(saved_args, key) for key in SHAPE_KEYS + tuple(ARCHITECTURE_KEYS) if hasattr(saved_args, key)}
+
+
+def _find(tree, key: str):
+    """The first value stored under ``key`` anywhere in a nested dict/list (None if absent)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        children = tree.values()
+    elif isinstance(tree, (list, tuple)):
+        children = tree
+    else:
+        return None
+    for child in children:
+        found = _find(child, key)
+        if found is not None:
+            return found
+    return None
+
+
+def _saved_step(optimizer_common) -> Optional[torch.Tensor]:
+    """megatron-core keeps Adam's step as ``common_step`` (non-distributed optimizers) or in each
+    parameter group (the distributed optimizer)."""
+    step = _find(optimizer_common, "common_step")
+    if step is None:
+        groups = _find(optimizer_common, "param_groups") or []
+        steps = [group["step"] for group in groups if isinstance(group, dict) and "step" in group]
+        step = steps[0] if steps else None
+    return None if step is None else torch.tensor(float(step), dtype=torch.float32)
+
+
+class _Request:
+    """The whole tensors one rank reads, each key and layer asked for once."""
+
+    def __init__(self, metadata: dict, num_layers: int):
+        self.metadata = metadata
+        self.num_layers = num_layers
+        self.items: Dict[str, object] = {}
+
+    def ask(self, key: str, layer: Optional[int]) -> Optional[str]:
+        """Ask for ``key`` (one layer of it if stacked); the request's id, or None if not in the checkpoint."""
+        meta = self.metadata.get(key)
+        if meta is None:
+            return None
+        ident = f"{key}@{layer}"
+        if ident not in self.items:
+            shape = tuple(meta.global_shape[1:] if layer is not None else meta.global_shape)
+            self.items[ident] = _sharded(key, torch.empty(shape, dtype=meta.dtype), layer, self.num_layers)
+        return ident
+
+
+def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+    """Load the latest torch_dist checkpoint under ``root`` into ``trainer``; ``(iteration, consumed_samples)``."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    directory = iteration_dir(root, iteration)
+    try:
+        common = dist_checkpointing.load_common_state_dict(directory)
+        metadata = dist_checkpointing.load_tensors_metadata(directory)
+    except Exception as exc:  # missing or truncated files
+        raise CheckpointError(f"{directory}: unreadable torch_dist checkpoint: {exc}") from exc
+    check_signature(_saved_model_signature(common, directory), args, directory)
+    record = common.get(RECORD_KEY, {})
+    restore_optimizer = not (args.no_load_optim or args.finetune)
+    if restore_optimizer and not record.get("optimizer_saved", "optimizer" in common):
+        raise CheckpointSetupError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
+                                   "from; pass --no-load-optim (or --finetune) to start the optimizer afresh")
+    request = _Request(metadata, args.num_layers)
+    tied = not args.untie_embeddings_and_output_weights
+    targets = []
+    keys_map = layer_keys_map(args)
+    for name, param, master in trainer.named_master_parameters():
+        source = tied_alias(name, tied) or name
+        key, layer = model_space_key(source, keys_map)
+        if key not in metadata:
+            raise CheckpointError(f"{directory}: parameter {source} ({key}) is missing from the checkpoint")
+        saved_shape = list(metadata[key].global_shape[1:] if layer is not None else metadata[key].global_shape)
+        if saved_shape != list(master.shape):
+            raise CheckpointError(f"{directory}: parameter {source} has shape {saved_shape}, the model {list(master.shape)}")
+        value = request.ask("optimizer.state.fp32_param." + key, layer) or request.ask(key, layer)
+        moments = {}
+        if restore_optimizer:
+            for moment in MOMENTS:
+                moments[moment] = request.ask(f"optimizer.state.{moment}.{key}", layer)
+                if moments[moment] is None:
+                    raise CheckpointSetupError(f"{directory}: no optimizer state ({moment}) for {source}; pass "
+                                               "--no-load-optim (or --finetune) to start the optimizer afresh")
+        targets.append((param, master, value, moments))
+    same_layout = (record.get("world_size") == world() and record.get("pipeline_schedule") == args.pipeline_schedule)
+    load_rng = same_layout and not args.no_load_rng and not args.finetune and RNG_KEY in metadata_objects(directory)
+    if load_rng:
+        request.items[RNG_KEY] = _rng_object(None)
+    try:
+        loaded = dist_checkpointing.load(request.items, directory, validate_access_integrity=False)
+    except (Exception, CheckpointException) as exc:  # a truncated or missing tensor file
+        raise CheckpointError(f"{directory}: reading its tensors failed: {_last_line(exc)}") from exc
+    step = _saved_step(common.get("optimizer")) if restore_optimizer else None
+    with torch.no_grad():
+        for param, master, value, moments in targets:
+            whole = loaded[value]
+            master.copy_(whole.to(device=master.device, dtype=torch.float32))
+            if param is not master:
+                param.copy_(whole.to(device=param.device, dtype=param.dtype))
+            if restore_optimizer:
+                state = {moment: loaded[ident].float() for moment, ident in moments.items()}
+                if step is not None:
+                    state["step"] = step
+                restore_optimizer_state(trainer, master, state)
+    if args.finetune:
+        return 0, 0
+    trainer.after_parameters_loaded()
+    consumed = record.get("consumed_samples", getattr(common.get("args"), "consumed_train_samples", 0))
+    saved_iteration = common.get("iteration", iteration)
+    if scheduler is not None and common.get("opt_param_scheduler") is not None and not args.no_load_optim:
+        load_scheduler(scheduler, {"scheduler": common["opt_param_scheduler"], "scheduler_units": "samples",
+                                   "iteration": saved_iteration, "consumed_samples": consumed}, directory)
+    scaler = record.get("grad_scaler") if record else _find(common.get("optimizer"), "grad_scaler")
+    if not args.no_load_optim and scaler is not None:
+        trainer.load_grad_scaler_state(scaler)
+    if load_rng:
+        set_rng_state(loaded[RNG_KEY])
+    return saved_iteration, consumed
+
+
+def _last_line(exc: BaseException) -> str:
+    """torch's CheckpointException carries each rank's traceback: its last line is the cause."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def metadata_objects(directory: str) -> set:
+    """Keys of the sharded objects (not tensors) a checkpoint holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    names = set()
+    for fqn in FileSystemReader(directory).read_metadata().state_dict_metadata:
+        names.add(fqn.split("/", 1)[0])
+    return names
