@@ -114,3 +114,13 @@ def test_megatron_core_loads_a_tawpipe_checkpoint(tmp_path, precision):
                           os.path.join(save, "iter_0000002"))
     compared, checksum = result
     assert len(compared) == 8 * 6 + 3 and checksum > 0  # 6 a layer, embedding, final norm, output layer
+
+
+def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(tmp_path, uninterrupted):
+    save = str(tmp_path / "ckpt")
+    run_ranks(train_rank, 1, tiny_args("--save", save, "--exit-interval", "3", train_iters=ITERS))
+    argv = tiny_args("--load", save, "--use-checkpoint-args", train_iters=ITERS)
+    for flag, value in (("--hidden-size", "32"), ("--num-layers", "2"), ("--ffn-hidden-size", "96")):
+        argv[argv.index(flag) + 1] = value
+    (resumed,) = run_ranks(train_rank, 1, argv)
+    assert losses(resumed) == losses(uninterrupted[3:])

@@ -335,6 +335,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                                                                     "fsdp_dtensor"],
                    help="torch_dist (default): Megatron-LM's format through megatron-core's dist_checkpointing; "
                         "tawpipe: this project's earlier per-parameter files. Loading reads either")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags (sizes, architecture, tokenizer) from the checkpoint under --load")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop if --load holds no checkpoint instead of starting from scratch")
     g.add_argument("--log-interval", type=_positive_int, default=100)

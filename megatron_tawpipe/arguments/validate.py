@@ -34,6 +34,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     refusal = compat_refusal(args)
     if refusal:
         raise ArgumentError(refusal)
+    if args.use_checkpoint_args:
+        _apply_checkpoint_args(args)
     _validate_model(args)
     _validate_required(args)
     if args.emulated_compute_times:
@@ -182,6 +184,28 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
                             "mutually exclusive")
+
+
+def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the model flags come from the checkpoint under --load (Megatron-LM's)."""
+    from megatron_tawpipe.checkpoint import CheckpointError, checkpoint_arguments
+
+    if not args.load:
+        raise ArgumentError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model flags from)")
+    try:
+        found = checkpoint_arguments(args.load)
+    except CheckpointError as exc:
+        raise ArgumentError(f"--use-checkpoint-args: {exc}") from None
+    if found is None:
+        raise ArgumentError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
+    directory, saved = found
+    changed = []
+    for key, value in saved.items():
+        if getattr(args, key, None) != value:
+            changed.append(f"--{key.replace('_', '-')} {value}")
+            setattr(args, key, value)
+    if changed:
+        notice(f"--use-checkpoint-args: from {directory}: " + ", ".join(changed))
 
 
 def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:

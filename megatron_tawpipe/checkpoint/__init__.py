@@ -10,11 +10,13 @@ Two formats, chosen with ``--ckpt-format`` when saving and recognised by their f
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Dict, Optional, Tuple
+
+import torch
 
 from megatron_tawpipe.checkpoint import per_parameter
-from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, TRACKER_FILE, CheckpointError, CheckpointSetupError,
-                                                iteration_dir, latest_iteration, model_signature)
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, CheckpointError,
+                                                CheckpointSetupError, iteration_dir, latest_iteration, model_signature)
 
 CKPT_FORMATS = ("torch_dist", "tawpipe")
 
@@ -54,6 +56,31 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     return torch_dist.load_checkpoint(root, trainer, scheduler, args)
 
 
-__all__ = ["ARCHITECTURE_KEYS", "CKPT_FORMATS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
+# What --use-checkpoint-args takes from a checkpoint (Megatron-LM's list, as far as this project has the flags).
+CHECKPOINT_ARGS = tuple(key for key in SHAPE_KEYS if key != "padded_vocab_size") + tuple(ARCHITECTURE_KEYS) + (
+    "seq_length", "max_position_embeddings", "group_query_attention", "vocab_size", "tokenizer_type",
+    "tokenizer_model", "make_vocab_size_divisible_by")
+
+
+def checkpoint_arguments(root: str) -> Optional[Tuple[str, Dict[str, object]]]:
+    """``(directory, {argument: value})`` of the model arguments the latest checkpoint under ``root``
+    was trained with; None when ``root`` holds no checkpoint."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    directory = iteration_dir(root, iteration)
+    path = os.path.join(directory, "common.pt")
+    try:
+        if checkpoint_format(directory) == "torch_dist":
+            # Megatron-LM stores its argparse namespace (a pickled object, as megatron-core reads it).
+            saved = vars(torch.load(path, map_location="cpu", weights_only=False)["args"])
+        else:
+            saved = torch.load(path, map_location="cpu", weights_only=True)["model"]
+    except (OSError, KeyError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint's arguments: {exc}") from exc
+    return directory, {key: saved[key] for key in CHECKPOINT_ARGS if key in saved}
+
+
+__all__ = ["CHECKPOINT_ARGS", "checkpoint_arguments", "ARCHITECTURE_KEYS", "CKPT_FORMATS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
            "checkpoint_format", "iteration_dir", "latest_iteration", "load_checkpoint", "model_signature",
            "save_checkpoint"]

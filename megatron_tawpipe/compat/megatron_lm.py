@@ -144,8 +144,6 @@ REFUSED: Sequence[CompatFlag] = LOW_PRECISION + (
     CompatFlag("--wandb-project", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--wandb-exp-name", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--wandb-save-dir", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
-    CompatFlag("--use-checkpoint-args", SWITCH,
-               f"{_NOT_YET}; give the model flags the checkpoint was trained with (they are checked against it)"),
     CompatFlag("--tp-comm-overlap", SWITCH, "needs tensor parallelism with Transformer Engine's userbuffers on GPUs"),
 )
 
