@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shutil
 from typing import Dict, List, Optional, Tuple
@@ -197,9 +198,22 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
     return result
 
 
+def _in_process_results_queue() -> None:
+    """megatron-core's torch_dist writer hands its results back through a queue served by a spawned
+    multiprocessing manager: a second interpreter per rank (importing the main module), kept for the
+    life of the process and orphaned when a rank is killed. A synchronous save, the only kind made
+    here, puts and gets in this process: a plain queue does."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
     """Collectively write ``iter_XXXXXXX`` under ``root`` with megatron-core's dist_checkpointing."""
     from megatron.core import dist_checkpointing
+
+    _in_process_results_queue()
 
     tmp_dir, final_dir = iteration_dir(root, iteration) + ".tmp", iteration_dir(root, iteration)
     if rank() == 0:
