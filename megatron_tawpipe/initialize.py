@@ -96,13 +96,15 @@ def initialize_distributed(args) -> None:
 
 
 def initialize_model_parallel(args) -> None:
-    """megatron-core's parallel state: TP = 1; PP as requested (1 for weight passing)."""
+    """megatron-core's parallel state: TP and PP as requested for the native schedules (1 and 1 for weight passing)."""
     from megatron.core import parallel_state
 
-    pp = 1 if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES else args.pipeline_model_parallel_size
+    weight_passing = args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES
+    pp = 1 if weight_passing else args.pipeline_model_parallel_size
+    tp = 1 if weight_passing else args.tensor_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1,
+            tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
             num_distributed_optimizer_instances=(

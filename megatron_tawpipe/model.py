@@ -154,7 +154,8 @@ def params_dtype(args) -> torch.dtype:
 
 def llama_config(args, pipeline_model_parallel_size: int = 1,
                  virtual_pipeline_model_parallel_size: Optional[int] = None,
-                 main_grad_buffers: bool = False) -> TransformerConfig:
+                 main_grad_buffers: bool = False, tensor_model_parallel_size: int = 1,
+                 sequence_parallel: bool = False) -> TransformerConfig:
     """A megatron-core TransformerConfig for a Llama-style model from parsed arguments.
 
     ``main_grad_buffers``: the model's parameters will get fp32 ``main_grad`` buffers (megatron
@@ -190,10 +191,10 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
         bf16=args.bf16,
         fp16=args.fp16,
         pipeline_dtype=dtype,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
@@ -265,6 +266,16 @@ def check_model_support(args) -> None:
                          "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (or --attention-backend local)")
 
 
+def check_sequence_parallel_support(args) -> None:
+    """Raise ValueError where megatron-core cannot run --sequence-parallel: its torch norm refuses it
+    (Transformer Engine's norms, or Apex's LayerNorm on a GPU, take it)."""
+    backend = resolve_attention_backend(args.attention_backend, args)
+    apex_layernorm = args.normalization == "LayerNorm" and torch.cuda.is_available() and _importable("apex")
+    if backend != "te" and not apex_layernorm:
+        raise ValueError("--sequence-parallel needs Transformer Engine's layers (GPU), or Apex's LayerNorm on a GPU: "
+                         "megatron-core's torch norm does not support it")
+
+
 def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
     """The decoder-layer spec the flags describe: TE's fused layer, or megatron's local layer with
     SDPA or megatron's own attention."""
@@ -308,6 +319,8 @@ def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,
     model = construct_llama_model(args, config, pre_process, post_process, vp_stage)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if config.tensor_model_parallel_size > 1:
+        mark_tensor_parallel_weights(model)
     init_llama_weights(model, args.seed, config)
     return model
 
@@ -363,8 +376,70 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give tensor-parallel weights megatron-core's ``tensor_model_parallel``/``partition_dim`` attributes.
+
+    megatron-core sets them on weights only while initialising them itself, which this project does
+    not let it do (``perform_initialization=False``); biases have them already. Column-parallel layers
+    and the vocabulary-parallel embedding split their rows (dim 0), row-parallel layers their columns.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        mode = getattr(module, "parallel_mode", None)  # Transformer Engine's layers say which they are
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or mode == "column":
+            dim = 0
+        elif isinstance(module, RowParallelLinear) or mode == "row":
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+def _tensor_parallel_size(param: torch.Tensor) -> int:
+    if not getattr(param, "tensor_model_parallel", False):
+        return 1
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def global_shape(param: torch.Tensor) -> Tuple[int, ...]:
+    """The whole parameter's shape: a tensor-parallel slice times the tensor-parallel size along its
+    ``partition_dim`` (megatron-core marks its column-, row- and vocabulary-parallel weights)."""
+    shape = list(param.shape)
+    tp = _tensor_parallel_size(param)
+    if tp > 1:
+        shape[param.partition_dim] *= tp
+    return tuple(shape)
+
+
+def tensor_parallel_slice(name: str, whole: torch.Tensor, param: torch.Tensor,
+                          config: TransformerConfig) -> torch.Tensor:
+    """This rank's slice of the whole tensor ``whole`` of parameter ``param``, as megatron-core lays it out.
+
+    Query-key-value rows are grouped by query group, so a contiguous split gives each rank its groups;
+    a SwiGLU ``linear_fc1`` stacks [gate; up], and each rank holds [gate slice; up slice].
+    """
+    tp = _tensor_parallel_size(param)
+    if tp == 1:
+        return whole
+    from megatron.core import parallel_state
+
+    rank, dim = parallel_state.get_tensor_model_parallel_rank(), param.partition_dim
+    if config.gated_linear_unit and name.rsplit(".", 1)[0].endswith("linear_fc1"):
+        gate, up = whole.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim)[rank], up.chunk(tp, dim)[rank]], dim=0)
+    return whole.chunk(tp, dim)[rank]
+
+
 @torch.no_grad()
 def init_parameter(param: torch.Tensor, name: str, seed: int, config: TransformerConfig) -> None:
+    """Norm weights 1 (0 when zero-centred), biases 0, weights N(0, std) drawn for the *whole* tensor from a
+    seed of the global name, so that every partition (pipeline stage, tensor-parallel slice) starts equal."""
     std = init_std_for(name, config)
     if std is None:
         # Norm weights start at 1, or at 0 when stored zero-centred (--apply-layernorm-1p).
@@ -372,9 +447,9 @@ def init_parameter(param: torch.Tensor, name: str, seed: int, config: Transforme
         param.fill_(0.0 if name.endswith("bias") else one)
         return
     generator = torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name))
-    values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    values = torch.empty(global_shape(param), dtype=torch.float32, device=param.device)
     values.normal_(0.0, std, generator=generator)
-    param.copy_(values)
+    param.copy_(tensor_parallel_slice(name, values, param, config))
 
 
 def init_llama_weights(model: torch.nn.Module, seed: int, config: TransformerConfig) -> None:

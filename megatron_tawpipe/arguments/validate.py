@@ -244,16 +244,42 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
                "--eod-mask-loss, so the mean over the global batch's tokens is the mean over micro-batches")
 
 
+def _validate_tensor_parallel(args: argparse.Namespace) -> None:
+    """megatron-core's tensor parallelism, for the native schedules (weight passing: its own issue)."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        if args.sequence_parallel:
+            notice("--sequence-parallel: no effect with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")
+            args.sequence_parallel = False
+        return
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} with --pipeline-schedule {args.pipeline_schedule}: "
+                            "tensor parallelism inside weight passing is not supported yet; the native schedules "
+                            "(1f1b, interleaved) take it")
+    if args.use_torch_fsdp2:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} with --use-torch-fsdp2: the FSDP2 baseline shards "
+                            "whole layers over all ranks; leave tensor parallelism at 1")
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups), ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value % tp:
+            raise ArgumentError(f"{flag} {value} must be divisible by --tensor-model-parallel-size {tp}")
+    if args.sequence_parallel:
+        from megatron_tawpipe.model import check_sequence_parallel_support
+
+        try:
+            check_sequence_parallel_support(args)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+    if args.ckpt_format == "tawpipe" and args.save:
+        raise ArgumentError(f"--ckpt-format tawpipe stores whole parameters, which a tensor-parallel rank does not "
+                            f"hold: with --tensor-model-parallel-size {tp} use --ckpt-format torch_dist (the default)")
+
+
 def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
-    if args.tensor_model_parallel_size != 1:
-        raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: tensor parallelism is "
-                            "not supported yet; leave it at 1")
     if args.context_parallel_size != 1:
         raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: context parallelism needs "
                             "Transformer Engine on GPUs and is not supported yet; leave it at 1")
-    if args.sequence_parallel:
-        notice("--sequence-parallel: no effect with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")
-        args.sequence_parallel = False
+    _validate_tensor_parallel(args)
     pp = args.pipeline_model_parallel_size
     if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
         if pp != 1:
@@ -288,9 +314,10 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
             "--tawpipe-microbatches-per-visit / --tawpipe-nccl-faithful / --timeline-file need "
             "--pipeline-schedule tawpipe or weipipe")
-    if world_size % pp:
-        raise ArgumentError(
-            f"--pipeline-model-parallel-size {pp} must divide the number of ranks {world_size}")
+    tp = args.tensor_model_parallel_size
+    if world_size % (tp * pp):
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
+                            f"the number of ranks {world_size}")
     if args.num_layers % pp:
         raise ArgumentError(
             f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
@@ -355,7 +382,7 @@ def notice(message: str) -> None:
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
         return world_size
-    return world_size // args.pipeline_model_parallel_size
+    return world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
 
 
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:

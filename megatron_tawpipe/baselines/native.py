@@ -26,7 +26,8 @@ from megatron_tawpipe.baselines.sharded_state import (SliceTarget, distributed_o
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
-from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config, unwrap_model
+from megatron_tawpipe.model import (build_llama_model, global_parameter_names, global_shape, llama_config,
+                                    tensor_parallel_slice, unwrap_model)
 from megatron_tawpipe.runtime.executor import PeerFailure, first_line
 from megatron_tawpipe.runtime.schedules import megatron_forward_backward_func
 
@@ -147,7 +148,9 @@ class NativeTrainer:
         self.args = args
         vpp = virtual_pipeline_size(args)
         # megatron's DDP gives every parameter an fp32 ``main_grad``: fused wgrad accumulation fits.
-        self.config = llama_config(args, args.pipeline_model_parallel_size, vpp, main_grad_buffers=True)
+        self.config = llama_config(args, args.pipeline_model_parallel_size, vpp, main_grad_buffers=True,
+                                   tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                   sequence_parallel=args.sequence_parallel)
         self.model = self._build_model_chunks(vpp)
         self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -277,6 +280,14 @@ class NativeTrainer:
             metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if self.args.use_distributed_optimizer else None
             state["optimizer"] = self.optimizer.sharded_state_dict(state, metadata=metadata)
         return state
+
+    def checkpoint_shape(self, name: str, param: torch.Tensor) -> Tuple[int, ...]:
+        """The whole parameter's shape in a checkpoint (a tensor-parallel rank holds a slice)."""
+        return global_shape(param)
+
+    def checkpoint_slice(self, name: str, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel slice of a whole parameter (or of its optimizer state) read from a checkpoint."""
+        return tensor_parallel_slice(name, whole, param, self.config)
 
     def gathered_masters(self):
         """Distributed optimizer: whole masters and Adam state, gathered over the optimizer's data-parallel

@@ -149,18 +149,23 @@ def _targets_by_file(trainer, index: dict, tied: bool, directory: str) -> Dict[s
 def _load_parameters_from(path: str, targets: List[_Target], trainer, restore_optimizer: bool) -> None:
     contents = _load(path)
     directory, filename = os.path.split(path)
+    # A tensor-parallel rank (native schedules) holds a slice of each whole tensor.
+    whole_shape = getattr(trainer, "checkpoint_shape", lambda _name, _param: master.shape)
+    local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     for source, param, master in targets:
         tensor = contents["params"].get(source)
         if tensor is None:
             raise CheckpointError(f"{path}: parameter {source} is missing")
-        if list(tensor.shape) != list(master.shape):
-            raise CheckpointError(
-                f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {list(master.shape)}")
-        master.copy_(tensor)
+        expected = list(whole_shape(source, param))
+        if list(tensor.shape) != expected:
+            raise CheckpointError(f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {expected}")
+        master.copy_(local(source, param, tensor))
         if param is not master:
-            param.copy_(tensor)
+            param.copy_(local(source, param, tensor))
         if restore_optimizer:
-            restore_optimizer_state(trainer, master, contents["optimizer"].get(source, {}))
+            saved = contents["optimizer"].get(source, {})
+            restore_optimizer_state(trainer, master, {key: local(source, param, value) if value.dim() else value
+                                                      for key, value in saved.items()})
 
 
 def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:

@@ -339,14 +339,18 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     tied = not args.untie_embeddings_and_output_weights
     targets = []
     keys_map = layer_keys_map(args)
+    # A tensor-parallel rank holds a slice of each whole tensor read (native schedules).
+    whole_shape = getattr(trainer, "checkpoint_shape", None)
+    local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     for name, param, master in trainer.named_master_parameters():
         source = tied_alias(name, tied) or name
         key, layer = model_space_key(source, keys_map)
         if key not in metadata:
             raise CheckpointError(f"{directory}: parameter {source} ({key}) is missing from the checkpoint")
         saved_shape = list(metadata[key].global_shape[1:] if layer is not None else metadata[key].global_shape)
-        if saved_shape != list(master.shape):
-            raise CheckpointError(f"{directory}: parameter {source} has shape {saved_shape}, the model {list(master.shape)}")
+        model_shape = list(whole_shape(name, param) if whole_shape else master.shape)
+        if saved_shape != model_shape:
+            raise CheckpointError(f"{directory}: parameter {source} has shape {saved_shape}, the model {model_shape}")
         value = request.ask("optimizer.state.fp32_param." + key, layer) or request.ask(key, layer)
         moments = {}
         if restore_optimizer:
@@ -355,7 +359,7 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
                 if moments[moment] is None:
                     raise CheckpointSetupError(f"{directory}: no optimizer state ({moment}) for {source}; pass "
                                                "--no-load-optim (or --finetune) to start the optimizer afresh")
-        targets.append((param, master, value, moments))
+        targets.append((name, param, master, value, moments))
     same_layout = (record.get("world_size") == world() and record.get("pipeline_schedule") == args.pipeline_schedule)
     load_rng = same_layout and not args.no_load_rng and not args.finetune and RNG_KEY in metadata_objects(directory)
     if load_rng:
@@ -366,13 +370,13 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
         raise CheckpointError(f"{directory}: reading its tensors failed: {_last_line(exc)}") from exc
     step = _saved_step(common.get("optimizer")) if restore_optimizer else None
     with torch.no_grad():
-        for param, master, value, moments in targets:
-            whole = loaded[value]
+        for name, param, master, value, moments in targets:
+            whole = local(name, param, loaded[value])
             master.copy_(whole.to(device=master.device, dtype=torch.float32))
             if param is not master:
                 param.copy_(whole.to(device=param.device, dtype=param.dtype))
             if restore_optimizer:
-                state = {moment: loaded[ident].float() for moment, ident in moments.items()}
+                state = {moment: local(name, param, loaded[ident]).float() for moment, ident in moments.items()}
                 if step is not None:
                     state["step"] = step
                 restore_optimizer_state(trainer, master, state)
