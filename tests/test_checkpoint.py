@@ -168,17 +168,32 @@ DISTRIBUTED_OPTIMIZER_PER_NODE = ["--use-distributed-optimizer", "--overlap-grad
 HSDP = ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"]
 
 
-def test_sharded_optimizers_resume_across_strategies(tmp_path, uninterrupted):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "tawpipe"])
+def test_sharded_optimizers_resume_across_strategies(tmp_path, uninterrupted, ckpt_format):
     """Saved by the distributed optimizer (one instance per 2-rank "node"), resumed under HSDP;
-    saved there, resumed on one process: the optimizer state is gathered whole and re-sliced."""
+    saved there, resumed on one process: the optimizer state is gathered whole (or saved in megatron-core's
+    model space) and re-sliced."""
     first, second = str(tmp_path / "distopt"), str(tmp_path / "hsdp")
-    run_ranks(train_rank, 4, tiny_args(*DISTRIBUTED_OPTIMIZER_PER_NODE, "--save", first, "--exit-interval", "2",
+    fmt = ["--ckpt-format", ckpt_format]
+    run_ranks(train_rank, 4, tiny_args(*DISTRIBUTED_OPTIMIZER_PER_NODE, *fmt, "--save", first, "--exit-interval", "2",
                                        train_iters=ITERS))
-    saved = torch.load(os.path.join(first, "iter_0000002", "params_rank00000.pt"), weights_only=True)
-    assert len(saved["params"]) > 10 and all(set(s) >= {"exp_avg", "exp_avg_sq", "step"}
-                                              for s in saved["optimizer"].values())
-    resumed = run_ranks(train_rank, 4, tiny_args(*HSDP, "--load", first, "--save", second, "--exit-interval", "4",
-                                                 train_iters=ITERS))[-1]
+    directory = os.path.join(first, "iter_0000002")
+    if ckpt_format == "tawpipe":
+        saved = torch.load(os.path.join(directory, "params_rank00000.pt"), weights_only=True)
+        assert len(saved["params"]) > 10 and all(set(s) >= {"exp_avg", "exp_avg_sq", "step"}
+                                                  for s in saved["optimizer"].values())
+    else:
+        from megatron_tawpipe.checkpoint import read_parameters
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = set(FileSystemReader(directory).read_metadata().state_dict_metadata)
+        names = [key for key in keys if not key.startswith("optimizer.") and not key.endswith("_extra_state")
+                 and "/" not in key]
+        assert len(names) > 5 and all(f"optimizer.state.{state}.{key}" in keys
+                                      for key in names for state in ("exp_avg", "exp_avg_sq", "param"))
+        assert len(read_parameters(directory)) > 10
+    resumed = run_ranks(train_rank, 4, tiny_args(*HSDP, *fmt, "--load", first, "--save", second, "--exit-interval",
+                                                 "4", train_iters=ITERS))[-1]
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert_close_rel(losses(resumed), losses(uninterrupted[2:4]), 1e-5)
     (last,) = run_ranks(train_rank, 1, tiny_args("--load", second, train_iters=ITERS))

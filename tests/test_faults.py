@@ -107,25 +107,35 @@ def test_native_pipeline_does_not_hang_on_a_stalled_or_dead_rank(fault):
 
 
 def _kill_while_saving(rank, argv, kill_at_iteration):
-    from megatron_tawpipe.checkpoint import per_parameter
+    """Rank 0 is killed after every file of that iteration's checkpoint was written, before it is
+    promoted (the per-parameter format's index, or torch_dist's fsync before the rename)."""
+    from megatron_tawpipe.checkpoint import per_parameter, torch_dist
 
-    original = per_parameter.atomic_torch_save
+    partial = f"iter_{kill_at_iteration:07d}.tmp"
+    original_save, original_fsync = per_parameter.atomic_torch_save, torch_dist.fsync_dir
 
     def save(obj, path):
-        if f"iter_{kill_at_iteration:07d}.tmp" in path and path.endswith("common.pt"):
-            os.kill(os.getpid(), signal.SIGKILL)  # rank 0, after every shard file was written
-        return original(obj, path)
+        if partial in path and path.endswith("common.pt"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_save(obj, path)
+
+    def fsync_dir(path):
+        if path.endswith(partial):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_fsync(path)
 
     per_parameter.atomic_torch_save = save
+    torch_dist.fsync_dir = fsync_dir
     return train_rank(rank, argv)
 
 
-def test_kill_during_checkpoint_save_leaves_previous_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "tawpipe"])
+def test_kill_during_checkpoint_save_leaves_previous_checkpoint_loadable(tmp_path, ckpt_format):
     save = str(tmp_path / "ckpt")
     iters = 6
     uninterrupted = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", train_iters=iters))[0]
-    argv = tiny_args("--pipeline-schedule", "tawpipe", "--save", save, "--save-interval", "2",
-                     "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=iters)
+    argv = tiny_args("--pipeline-schedule", "tawpipe", "--save", save, "--save-interval", "2", "--ckpt-format",
+                     ckpt_format, "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=iters)
     outcomes = run_ranks_outcomes(_kill_while_saving, 2, argv, 4, timeout=120)
     assert outcomes[0][0] == "gone"
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"

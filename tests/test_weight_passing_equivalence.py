@@ -15,7 +15,6 @@ hang on a GPU cluster fails here (after the timeout, naming rank and step) inste
 import os
 
 import pytest
-import torch
 
 from distributed_harness import run_ranks
 from training_helpers import assert_close_rel, losses, tiny_args, train_rank
@@ -50,15 +49,9 @@ def reference(tmp_path_factory):
 
 
 def _load_params(root, iteration):
-    directory = os.path.join(root, f"iter_{iteration:07d}")
-    index = torch.load(os.path.join(directory, "common.pt"), weights_only=True)["index"]
-    files = {}
-    params = {}
-    for name, (_, filename) in index.items():
-        if filename not in files:
-            files[filename] = torch.load(os.path.join(directory, filename), weights_only=True)["params"]
-        params[name] = files[filename][name]
-    return params
+    from megatron_tawpipe.checkpoint import read_parameters
+
+    return read_parameters(os.path.join(root, f"iter_{iteration:07d}"))
 
 
 def assert_same_parameters(root, reference_root, iteration, rtol=1e-5, rtol_by_suffix=None):

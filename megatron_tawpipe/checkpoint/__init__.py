@@ -81,6 +81,42 @@ def checkpoint_arguments(root: str) -> Optional[Tuple[str, Dict[str, object]]]:
     return directory, {key: saved[key] for key in CHECKPOINT_ARGS if key in saved}
 
 
-__all__ = ["CHECKPOINT_ARGS", "checkpoint_arguments", "ARCHITECTURE_KEYS", "CKPT_FORMATS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
+def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
+    """Every parameter of the checkpoint in ``directory``, whole, on the host, without process groups: the
+    fp32 masters where the checkpoint has them. Names are global (``decoder.layers.3.<...>``); a torch_dist
+    checkpoint names them by megatron-core's keys (a local layer's norms under Transformer Engine's names)."""
+    if checkpoint_format(directory) == "tawpipe":
+        index = torch.load(os.path.join(directory, "common.pt"), weights_only=True)["index"]
+        files: Dict[str, dict] = {}
+        params = {}
+        for name, (_shape, filename) in index.items():
+            if filename not in files:
+                files[filename] = torch.load(os.path.join(directory, filename), weights_only=True)["params"]
+            params[name] = files[filename][name]
+        return params
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(directory)
+    tensors = {key: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if isinstance(meta, TensorStorageMetadata)}
+    sources = {key: next((source for source in ("optimizer.state.fp32_param." + key, "optimizer.state.param." + key)
+                          if source in tensors), key)
+               for key in tensors if not key.startswith("optimizer.")}
+    state = {source: torch.empty(tuple(tensors[source].size), dtype=tensors[source].properties.dtype)
+             for source in sources.values()}
+    load(state, storage_reader=reader, no_dist=True)
+    params = {}
+    for key, source in sources.items():
+        value = state[source].float()
+        if key.startswith("decoder.layers."):  # stacked over the layers
+            rest = key[len("decoder.layers."):]
+            params.update({f"decoder.layers.{i}.{rest}": value[i] for i in range(value.shape[0])})
+        else:
+            params[key] = value
+    return params
+
+
+__all__ = ["CHECKPOINT_ARGS", "checkpoint_arguments", "read_parameters", "ARCHITECTURE_KEYS", "CKPT_FORMATS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
            "checkpoint_format", "iteration_dir", "latest_iteration", "load_checkpoint", "model_signature",
            "save_checkpoint"]

@@ -351,7 +351,9 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
         model_shape = list(whole_shape(name, param) if whole_shape else master.shape)
         if saved_shape != model_shape:
             raise CheckpointError(f"{directory}: parameter {source} has shape {saved_shape}, the model {model_shape}")
-        value = request.ask("optimizer.state.fp32_param." + key, layer) or request.ask(key, layer)
+        # fp32 masters: the non-distributed optimizers' fp32_param, the distributed optimizer's param.
+        value = (request.ask("optimizer.state.fp32_param." + key, layer)
+                 or request.ask("optimizer.state.param." + key, layer) or request.ask(key, layer))
         moments = {}
         if restore_optimizer:
             for moment in MOMENTS:
