@@ -30,6 +30,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
-        "test": ["pytest>=7", "matplotlib", "tensorboard"],
+        # Megatron-LM's HuggingFaceTokenizer / TikTokenizer (through megatron-core) and GPT2BPETokenizer.
+        "tokenizers": ["transformers", "tiktoken", "tokenizers"],
+        "test": ["pytest>=7", "matplotlib", "tensorboard", "transformers", "tiktoken", "tokenizers"],
     },
 )

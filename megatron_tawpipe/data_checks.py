@@ -294,13 +294,20 @@ def check_token_ids(info: IndexInfo, vocab_size: int, tokenizer_desc: str,
 TOKENIZER_RECORD_SUFFIX = ".tokenizer.json"
 
 
-def tokenizer_fingerprint(tokenizer_type: str, tokenizer_model: Optional[str], num_token_ids: int) -> Dict[str, object]:
+def tokenizer_fingerprint(tokenizer_type: str, tokenizer_model, num_token_ids: int) -> Dict[str, object]:
+    """``tokenizer_model``: the file (or list of files, e.g. GPT-2's vocab and merges) defining the tokenizer."""
     record: Dict[str, object] = {"tokenizer_type": tokenizer_type, "num_token_ids": int(num_token_ids)}
-    if tokenizer_model:
+    files = [tokenizer_model] if isinstance(tokenizer_model, str) else list(tokenizer_model or [])
+    if files:
         import hashlib
 
-        with open(tokenizer_model, "rb") as f:
-            record["model_sha256"] = hashlib.sha256(f.read()).hexdigest()
+        digests = []
+        for path in files:
+            with open(path, "rb") as f:
+                digests.append(hashlib.sha256(f.read()).hexdigest())
+        # One file: its own digest (as records written before several files were possible).
+        record["model_sha256"] = digests[0] if len(digests) == 1 else hashlib.sha256(
+            "".join(digests).encode()).hexdigest()
     return record
 
 

@@ -264,7 +264,7 @@ def test_sentencepiece_tokenizer_roundtrip(sp_model):
         assert tok.detokenize(ids) == text
     assert tok.detokenize(torch.tensor(sp.encode_as_ids("hello world"))) == "hello world"
 
-    fallback = data._SentencePieceFallbackTokenizer(sp_model)
+    fallback = data.tokenizers._SentencePieceFallbackTokenizer(sp_model)
     text = _english_texts()[3]
     assert fallback.tokenize(text) == tok.tokenize(text)
     assert (fallback.vocab_size, fallback.eod) == (tok.vocab_size, tok.eod)
@@ -286,7 +286,7 @@ def test_null_tokenizer_and_vocab_padding():
     assert args.padded_vocab_size == 1200
     assert tok.tokenize("5 17 999") == [5, 17, 999]
     assert tok.detokenize([5, 17, 999]) == "5 17 999"
-    fallback = data._NullFallbackTokenizer(1000)
+    fallback = data.tokenizers._NullFallbackTokenizer(1000)
     assert (fallback.vocab_size, fallback.eod, fallback.tokenize("5 17")) == (1001, 1000, [5, 17])
 
     args = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=128)

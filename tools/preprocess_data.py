@@ -26,6 +26,7 @@ from megatron_tawpipe.data import (  # noqa: E402
     SENTENCEPIECE_TOKENIZERS,
     SUPPORTED_TOKENIZERS,
     iter_documents,
+    tokenizer_options,
     write_indexed_dataset,
 )
 
@@ -44,8 +45,16 @@ def main(argv=None):
                             "paragraph, or per file (default: line)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=list(SUPPORTED_TOKENIZERS))
-    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="SentencePiece .model file, Hugging Face tokenizer directory (or its tokenizer.json), "
+                            "or TikTokenizer vocabulary file")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer vocab size; TikTokenizer size with its special tokens")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each document")
     group = parser.add_argument_group("output data")
@@ -67,6 +76,10 @@ def main(argv=None):
             parser.error(f"--tokenizer-model: file not found: {args.tokenizer_model}")
     if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
         parser.error("--vocab-size is required with --tokenizer-type NullTokenizer")
+    if args.tokenizer_type in ("HuggingFaceTokenizer", "TikTokenizer") and not args.tokenizer_model:
+        parser.error(f"--tokenizer-model is required with --tokenizer-type {args.tokenizer_type}")
+    if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        parser.error("--vocab-file and --merge-file are required with --tokenizer-type GPT2BPETokenizer")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
 
@@ -77,7 +90,7 @@ def main(argv=None):
             records, args.output_prefix, args.tokenizer_type,
             tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
             json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
-            log_interval=args.log_interval,
+            log_interval=args.log_interval, **tokenizer_options(args),
         )
     except ValueError as err:
         sys.exit(f"error: {err}")

@@ -300,12 +300,17 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, metavar="TOKENIZER_TYPE",
-                   help=f"required: {' or '.join(SUPPORTED_TOKENIZERS)} (Megatron-LM's other types are refused)")
+                   help=f"required: {', '.join(SUPPORTED_TOKENIZERS)} (Megatron-LM's other types are refused)")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
-    g.add_argument("--vocab-size", type=_positive_int, default=None, help="for NullTokenizer")
+    g.add_argument("--tiktoken-num-special-tokens", type=_non_negative_int, default=1000,
+                   help="TikTokenizer: special-token ids before the vocabulary's (Megatron-LM's default 1000)")
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer: the special tokens' names (megatron-core's defaults otherwise)")
+    g.add_argument("--vocab-size", type=_positive_int, default=None,
+                   help="NullTokenizer's ids; TikTokenizer's size with its special tokens")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")

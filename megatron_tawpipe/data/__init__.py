@@ -20,34 +20,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import logging
 import math
 import os
 import re
-import tempfile
-from collections import OrderedDict
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy
 
 from megatron_tawpipe.data_checks import (check_indexed_dataset, check_token_ids, check_tokenizer_record,
-                                          tokenizer_fingerprint, write_tokenizer_record)
+                                          tokenizer_fingerprint)
 
 logger = logging.getLogger(__name__)
 
-# Megatron-LM's tokenizers on a SentencePiece model: SentencePieceTokenizer through megatron-core;
-# GPTSentencePieceTokenizer and Llama2Tokenizer as Megatron-LM defines them (the model's own pieces,
-# eod = its end-of-sentence id; Llama2Tokenizer starts every document with the model's bos id).
-SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-SUPPORTED_TOKENIZERS = SENTENCEPIECE_TOKENIZERS + ("NullTokenizer",)
+from megatron_tawpipe.data.tokenizers import (SENTENCEPIECE_TOKENIZERS, SUPPORTED_TOKENIZERS, _arg, build_tokenizer,
+                                              load_tokenizer, pad_vocab_size, tokenizer_files, tokenizer_options)
+from megatron_tawpipe.data.preprocess import (indexed_dataset_path, iter_documents, train_sentencepiece,
+                                              write_indexed_dataset)
+
 DEFAULT_SPLIT = "969,30,1"
 
 __all__ = [
     "SENTENCEPIECE_TOKENIZERS",
     "SUPPORTED_TOKENIZERS",
     "build_tokenizer",
+    "load_tokenizer",
+    "tokenizer_files",
+    "tokenizer_options",
     "pad_vocab_size",
     "validate_data_args",
     "check_data_files",
@@ -63,194 +61,6 @@ __all__ = [
     "write_indexed_dataset",
     "indexed_dataset_path",
 ]
-
-
-# ---------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------
-
-
-def _arg(args, name, default=None):
-    value = getattr(args, name, None)
-    return default if value is None else value
-
-
-def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
-    """Megatron's vocabulary padding: round up to a multiple of divisible_by * TP size."""
-    multiple = max(1, int(divisible_by)) * max(1, int(tensor_parallel_size))
-    return int(math.ceil(int(vocab_size) / multiple) * multiple)
-
-
-class _SentencePieceFallbackTokenizer:  # also Megatron-LM's GPTSentencePieceTokenizer
-    """SentencePiece tokenizer for megatron-core releases without ``megatron.core.tokenizers``.
-
-    Same semantics as megatron-core's GPT SentencePiece tokenizer: ``eod`` is the model's
-    end-of-sentence id, ``pad`` its pad id (-1 when the model has none).
-    """
-
-    def __init__(self, model_path: str) -> None:
-        import sentencepiece
-
-        self.path = model_path
-        self._sp = sentencepiece.SentencePieceProcessor()
-        self._sp.Load(model_path)
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._sp.encode_as_ids(text)
-
-    def detokenize(self, ids) -> str:
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return self._sp.decode_ids(list(ids))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def eod(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def eos(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def bos(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def pad(self) -> int:
-        return self._sp.pad_id()
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        """What megatron-core's dataset cache keys on."""
-        return OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-                            ("tokenizer_path", self.path)])
-
-
-class _Llama2Tokenizer(_SentencePieceFallbackTokenizer):
-    """Megatron-LM's Llama2Tokenizer: the model's pieces, each document starting with its bos id."""
-
-    def tokenize(self, text: str) -> List[int]:
-        return [self._sp.bos_id()] + self._sp.encode_as_ids(text)
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(
-            [("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-             ("tokenizer_path", self.path)]
-        )
-
-
-class _NullFallbackTokenizer:
-    """Null tokenizer (text is space-separated integer ids, eod = vocab_size)."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self._vocab_size_without_eod = int(vocab_size)
-
-    def tokenize(self, text: str) -> List[int]:
-        return [int(x) for x in text.split()]
-
-    def detokenize(self, ids) -> str:
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return " ".join(str(int(x)) for x in ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size_without_eod + 1
-
-    @property
-    def eod(self) -> int:
-        return self._vocab_size_without_eod
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(
-            [("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-             ("vocab_size", str(self._vocab_size_without_eod))]
-        )
-
-
-def _core_tokenizer(tokenizer_path: Optional[str], library: str, **kwargs):
-    """Load a megatron-core GPT tokenizer, or return None if this megatron-core has none.
-
-    The metadata is handed over as a dict, so nothing is written next to the model (the
-    model directory may be read-only).  Releases whose ``from_pretrained`` only takes a
-    metadata file get one written under the temp dir instead.
-    """
-    try:
-        from megatron.core.tokenizers import MegatronTokenizer
-    except ImportError:
-        return None
-    metadata = {"library": library, "model_type": "gpt", "chat_template": None}
-    try:
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=tokenizer_path, metadata_path=dict(metadata), **kwargs
-        )
-    except (TypeError, ValueError, AttributeError):
-        pass
-    key = hashlib.sha1(json.dumps([tokenizer_path, metadata]).encode()).hexdigest()[:16]
-    meta_dir = os.path.join(tempfile.gettempdir(), "megatron_tawpipe_tokenizers", key)
-    os.makedirs(meta_dir, exist_ok=True)
-    meta_file = os.path.join(meta_dir, "tokenizer_metadata.json")
-    tmp = f"{meta_file}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(metadata, f)
-    os.replace(tmp, meta_file)
-    return MegatronTokenizer.from_pretrained(
-        tokenizer_path=tokenizer_path, metadata_path=meta_file, **kwargs
-    )
-
-
-def load_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
-                   vocab_size: Optional[int] = None):
-    """Load a tokenizer by Megatron-LM type name (no args namespace, no vocab padding)."""
-    if tokenizer_type in SENTENCEPIECE_TOKENIZERS:
-        if not tokenizer_model:
-            raise ValueError(f"--tokenizer-model is required with --tokenizer-type {tokenizer_type}")
-        path = os.path.abspath(tokenizer_model)
-        if tokenizer_type == "GPTSentencePieceTokenizer":
-            return _SentencePieceFallbackTokenizer(path)
-        if tokenizer_type == "Llama2Tokenizer":
-            return _Llama2Tokenizer(path)
-        tok = _core_tokenizer(path, "sentencepiece")
-        return tok if tok is not None else _SentencePieceFallbackTokenizer(path)
-    if tokenizer_type == "NullTokenizer":
-        if vocab_size is None:
-            raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
-        tok = _core_tokenizer(None, "null", vocab_size=int(vocab_size))
-        return tok if tok is not None else _NullFallbackTokenizer(int(vocab_size))
-    raise ValueError(
-        f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {', '.join(SUPPORTED_TOKENIZERS)}"
-    )
-
-
-def build_tokenizer(args):
-    """Build the tokenizer named by ``args.tokenizer_type`` and set ``args.padded_vocab_size``.
-
-    ``SentencePieceTokenizer`` loads ``args.tokenizer_model`` (eod = the model's ``</s>`` id);
-    ``NullTokenizer`` takes ``args.vocab_size`` ids plus one eod id (= ``args.vocab_size``),
-    like Megatron-LM.  The padded size is a multiple of
-    ``make_vocab_size_divisible_by * tensor_model_parallel_size``.
-    """
-    tok = load_tokenizer(
-        getattr(args, "tokenizer_type", None),
-        getattr(args, "tokenizer_model", None),
-        getattr(args, "vocab_size", None),
-    )
-    args.padded_vocab_size = pad_vocab_size(
-        tok.vocab_size,
-        _arg(args, "make_vocab_size_divisible_by", 128),
-        _arg(args, "tensor_model_parallel_size", 1),
-    )
-    logger.info(
-        "tokenizer %s: vocab size %d padded to %d (eod id %d)",
-        args.tokenizer_type, tok.vocab_size, args.padded_vocab_size, tok.eod,
-    )
-    return tok
 
 
 # ---------------------------------------------------------------------------------------
@@ -372,10 +182,11 @@ def check_data_files(args, vocab_size: Optional[int] = None) -> None:
     vocab = _tokenizer_vocab(args, vocab_size)
     if vocab is not None:
         tokenizer_type = getattr(args, "tokenizer_type", None)
-        sentencepiece = tokenizer_type in SENTENCEPIECE_TOKENIZERS
-        model = getattr(args, "tokenizer_model", None) if sentencepiece else None
-        fingerprint = tokenizer_fingerprint(tokenizer_type, model, vocab[0])
-        flag = (f"--tokenizer-model {model}" if sentencepiece else
+        files = tokenizer_files(tokenizer_type, getattr(args, "tokenizer_model", None),
+                                getattr(args, "vocab_file", None), getattr(args, "merge_file", None))
+        fingerprint = tokenizer_fingerprint(tokenizer_type, files, vocab[0])
+        flag = (f"--vocab-file {args.vocab_file}" if tokenizer_type == "GPT2BPETokenizer" else
+                f"--tokenizer-model {args.tokenizer_model}" if files else
                 f"--vocab-size {args.vocab_size}" if tokenizer_type == "NullTokenizer" else "the tokenizer")
         for info in infos:
             check_token_ids(info, *vocab)  # the most concrete message first: an id the tokenizer lacks
@@ -429,6 +240,19 @@ def validate_data_args(args) -> None:
             sentencepiece.SentencePieceProcessor(model_file=model)
         except Exception:
             raise ValueError(f"--tokenizer-model: not a valid SentencePiece model: {model}") from None
+    elif ttype == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", getattr(args, "vocab_file", None)),
+                           ("--merge-file", getattr(args, "merge_file", None))):
+            if not path:
+                raise ValueError(f"{flag} is required with --tokenizer-type GPT2BPETokenizer")
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag}: file not found: {path}")
+    elif ttype in ("HuggingFaceTokenizer", "TikTokenizer"):
+        model = getattr(args, "tokenizer_model", None)
+        if not model:
+            raise ValueError(f"--tokenizer-model is required with --tokenizer-type {ttype}")
+        if not os.path.exists(model):
+            raise ValueError(f"--tokenizer-model: not found: {model} (tokenizers are read from local files)")
     else:
         vocab = getattr(args, "vocab_size", None)
         if vocab is None:
@@ -663,240 +487,3 @@ def get_batch(data_iterator, device):
     )
 
 
-# ---------------------------------------------------------------------------------------
-# Tokenizer training and preprocessing (used by tools/ and the default corpus)
-# ---------------------------------------------------------------------------------------
-
-
-def _read_records(path: str, json_keys: Sequence[str], input_format: str = "auto",
-                  text_mode: str = "line") -> Iterator[Dict[str, object]]:
-    """Records ({key: text}) from a jsonl file or a plain text file.
-
-    jsonl: one JSON object per line, the texts under ``json_keys`` (a string, or a list of
-    strings stored as one document of several sequences).  Plain text: the text goes under
-    the first key; ``text_mode`` picks one document per non-empty line ("line"), per
-    blank-line-separated block ("paragraph") or per file ("file").
-    """
-    fmt = input_format
-    if fmt == "auto":
-        fmt = "jsonl" if path.endswith((".jsonl", ".json", ".jsonl.txt")) else "text"
-    with open(path, "r", encoding="utf-8") as f:
-        if fmt == "jsonl":
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-                missing = [k for k in json_keys if k not in obj]
-                if missing:
-                    raise ValueError(f"{path}:{lineno}: missing JSON key(s) {missing}")
-                yield {k: obj[k] for k in json_keys}
-        elif fmt == "text":
-            key = json_keys[0]
-            if text_mode == "line":
-                for line in f:
-                    line = line.rstrip("\n")
-                    if line.strip():
-                        yield {key: line}
-            elif text_mode == "paragraph":
-                block: List[str] = []
-                for line in f:
-                    if line.strip():
-                        block.append(line.rstrip("\n"))
-                    elif block:
-                        yield {key: "\n".join(block)}
-                        block = []
-                if block:
-                    yield {key: "\n".join(block)}
-            elif text_mode == "file":
-                text = f.read()
-                if text.strip():
-                    yield {key: text}
-            else:
-                raise ValueError(f"unknown text mode {text_mode!r}")
-        else:
-            raise ValueError(f"unknown input format {input_format!r}")
-
-
-def iter_documents(paths: Sequence[str], json_keys: Sequence[str] = ("text",),
-                   input_format: str = "auto", text_mode: str = "line") -> Iterator[Dict[str, object]]:
-    """Records from several files, in the order given."""
-    for path in paths:
-        yield from _read_records(path, json_keys, input_format, text_mode)
-
-
-def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,
-                        model_type: str = "bpe", seed: int = 1234, num_threads: int = 1,
-                        max_sentence_length: int = 16384,
-                        character_coverage: float = 0.9995) -> str:
-    """Train a SentencePiece model on ``texts`` and return the ``.model`` path.
-
-    Llama-style settings: byte fallback (no unknown characters), digits split, whitespace
-    kept as is, ``<unk>``=0, ``<s>``=1, ``</s>``=2 (the end-of-document id), no pad.
-    Each non-empty line of each text is one training sentence.  Deterministic: the same
-    input and settings give a byte-identical model.  Writes ``{model_prefix}.model`` and
-    ``{model_prefix}.vocab`` (piece<TAB>score), each under a temporary name first.
-    """
-    import io
-
-    import sentencepiece
-
-    def sentences():
-        for text in texts:
-            for line in text.split("\n"):
-                if line.strip():
-                    yield line
-
-    out_dir = os.path.dirname(os.path.abspath(model_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    writer = io.BytesIO()
-    sentencepiece.set_random_generator_seed(int(seed))
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=sentences(),
-        model_writer=writer,
-        vocab_size=int(vocab_size),
-        model_type=model_type,
-        character_coverage=character_coverage,
-        byte_fallback=True,
-        split_digits=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        max_sentence_length=int(max_sentence_length),
-        input_sentence_size=0,
-        shuffle_input_sentence=False,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        num_threads=int(num_threads),
-        minloglevel=2,
-    )
-    proto = writer.getvalue()
-    sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
-    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
-    for path, payload in ((model_prefix + ".vocab", vocab.encode("utf-8")),
-                          (model_prefix + ".model", proto)):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    return model_prefix + ".model"
-
-
-def indexed_dataset_path(output_prefix: str, key: str = "text", level: str = "document") -> str:
-    """Megatron-LM's naming of preprocessed data: ``{output_prefix}_{key}_{level}``."""
-    return f"{output_prefix}_{key}_{level}"
-
-
-class _Encoder:
-    """Turns a record into token ids per key (one instance per worker process)."""
-
-    tokenizer = None
-
-    def __init__(self, tokenizer_type, tokenizer_model, vocab_size, json_keys, append_eod):
-        self.tokenizer_type = tokenizer_type
-        self.tokenizer_model = tokenizer_model
-        self.vocab_size = vocab_size
-        self.json_keys = list(json_keys)
-        self.append_eod = append_eod
-
-    def initializer(self):
-        _Encoder.tokenizer = load_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_size)
-
-    def encode(self, record):
-        tok = _Encoder.tokenizer
-        out = {}
-        nbytes = 0
-        for key in self.json_keys:
-            value = record[key]
-            pieces = value if isinstance(value, list) else [value]
-            ids: List[int] = []
-            lengths: List[int] = []
-            for piece in pieces:
-                nbytes += len(piece)
-                if not piece.strip():
-                    continue  # blank text is no document (and NullTokenizer cannot parse it)
-                piece_ids = tok.tokenize(piece)
-                if len(piece_ids) > 0:
-                    ids.extend(piece_ids)
-                    lengths.append(len(piece_ids))
-            if ids and self.append_eod:
-                ids.append(tok.eod)
-                lengths[-1] += 1
-            out[key] = (ids, lengths)
-        return out, nbytes
-
-
-def write_indexed_dataset(records: Iterable[Dict[str, object]], output_prefix: str,
-                          tokenizer_type: str, tokenizer_model: Optional[str] = None,
-                          vocab_size: Optional[int] = None, json_keys: Sequence[str] = ("text",),
-                          append_eod: bool = True, workers: int = 1, log_interval: int = 0,
-                          log: Callable[[str], None] = print) -> Dict[str, str]:
-    """Tokenize records and write Megatron .bin/.idx files, one pair per JSON key.
-
-    Output files are ``{output_prefix}_{key}_document.bin/.idx`` (Megatron-LM's layout);
-    token dtype is uint16 when the vocabulary has fewer than 65500 ids, else int32.
-    Each record is one document; with ``append_eod`` the tokenizer's eod id ends it.
-    Blank texts and documents that tokenize to nothing are skipped.  Order is preserved with ``workers``
-    > 1.  Files are written under temporary names and renamed when complete.
-    Returns {key: dataset prefix}.
-    """
-    import torch  # noqa: F401  (IndexedDatasetBuilder works on numpy arrays / tensors)
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    encoder = _Encoder(tokenizer_type, tokenizer_model, vocab_size, json_keys, append_eod)
-    encoder.initializer()
-    dtype = DType.optimal_dtype(_Encoder.tokenizer.vocab_size)
-
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    prefixes = {key: indexed_dataset_path(output_prefix, key) for key in json_keys}
-    tmp_prefixes = {key: f"{p}.tmp{os.getpid()}" for key, p in prefixes.items()}
-    builders = {key: IndexedDatasetBuilder(tmp_prefixes[key] + ".bin", dtype=dtype)
-                for key in json_keys}
-
-    pool = None
-    if workers > 1:
-        import multiprocessing
-
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=encoder.initializer)
-        encoded = pool.imap(encoder.encode, records, 32)
-    else:
-        encoded = map(encoder.encode, records)
-
-    ndocs = ntokens = nbytes = 0
-    try:
-        for doc, size in encoded:
-            nbytes += size
-            for key, (ids, lengths) in doc.items():
-                if not ids:
-                    continue
-                builders[key].add_document(ids, lengths)
-                ntokens += len(ids)
-            ndocs += 1
-            if log_interval and ndocs % log_interval == 0:
-                log(f"processed {ndocs} documents, {nbytes / 1e6:.1f} MB, {ntokens} tokens")
-        for key in json_keys:
-            builders[key].finalize(tmp_prefixes[key] + ".idx")
-    except BaseException:
-        for key in json_keys:
-            builders[key].data_file.close()
-            for ext in (".bin", ".idx"):
-                if os.path.exists(tmp_prefixes[key] + ext):
-                    os.remove(tmp_prefixes[key] + ext)
-        raise
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-    fingerprint = tokenizer_fingerprint(tokenizer_type, tokenizer_model, _Encoder.tokenizer.vocab_size)
-    for key in json_keys:
-        os.replace(tmp_prefixes[key] + ".bin", prefixes[key] + ".bin")
-        os.replace(tmp_prefixes[key] + ".idx", prefixes[key] + ".idx")
-        write_tokenizer_record(prefixes[key], fingerprint)
-    log(f"wrote {ndocs} documents, {ntokens} tokens ({numpy.dtype(dtype).name}) to "
-        + ", ".join(prefixes[k] + ".{bin,idx}" for k in json_keys))
-    return prefixes
