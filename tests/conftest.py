@@ -12,6 +12,15 @@ if TESTS not in sys.path:
 # megatron-core warns at import about missing optional GPU packages.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
+# Hugging Face's tokenizers library must not run threads across the forks the tests make.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# megatron-core's tokenizer libraries import transformers and tiktoken where installed (seconds): once here,
+# inherited by every forked rank, rather than once per rank.
+try:
+    import megatron.core.tokenizers.text.libraries  # noqa: F401,E402
+except ImportError:
+    pass
+
 
 def pytest_configure(config):
     for pattern in (
