@@ -32,6 +32,7 @@ setup(
         "tensorboard": ["tensorboard"],
         # Megatron-LM's HuggingFaceTokenizer / TikTokenizer (through megatron-core) and GPT2BPETokenizer.
         "tokenizers": ["transformers", "tiktoken", "tokenizers"],
-        "test": ["pytest>=7", "matplotlib", "tensorboard", "transformers", "tiktoken", "tokenizers"],
+        "wandb": ["wandb"],
+        "test": ["pytest>=7", "matplotlib", "tensorboard", "transformers", "tiktoken", "tokenizers", "wandb"],
     },
 )

@@ -406,3 +406,58 @@ def test_tensorboard_scalars_have_megatron_lms_names(tmp_path):
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32]
     assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4]
     assert [e.value for e in events.Scalars("learning-rate")] == pytest.approx([r["learning_rate"] for r in records])
+
+
+def _wandb_history(run_file):
+    """History rows of an offline W&B run file: a LevelDB-style log (32 KiB blocks of records with a 7-byte
+    header: crc, length, type) of the run's protobuf records, after a 7-byte file header."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, rows, pending = open(run_file, "rb").read(), 32768, [], b""
+    offset = 7
+    while offset + 7 <= len(data):
+        if block - offset % block < 7:  # a block's tail too short for a header is padding
+            offset += block - offset % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
+        pending += data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+        elif kind == 0:
+            break
+    return rows
+
+
+def test_wandb_logs_megatron_lms_scalars_offline(tmp_path, monkeypatch):
+    import glob
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (records,) = run_ranks(train_rank, 1, tiny_args("--wandb-project", "tawpipe-test", "--wandb-exp-name", "tiny",
+                                                    "--wandb-save-dir", str(tmp_path / "wb"), train_iters=3))
+    (run_file,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    rows = [row for row in _wandb_history(run_file) if "lm loss" in row]
+    assert [row["_step"] for row in rows] == [1, 2, 3]
+    assert [row["lm loss"] for row in rows] == pytest.approx(losses(records))
+    assert [row["learning-rate"] for row in rows] == pytest.approx([r["learning_rate"] for r in records])
+    assert all("grad-norm" in row and "batch-size" in row for row in rows)
+
+
+def test_wandb_without_the_package_is_one_line(monkeypatch):
+    import importlib.util
+
+    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ArgumentError, match=r"--wandb-project p needs the wandb package \(pip install wandb\)"):
+        validate_args(parse_args(tiny_args("--wandb-project", "p")))

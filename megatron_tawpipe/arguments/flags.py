@@ -352,6 +352,11 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per validation; 0 or less: no validation")
     g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
+    g.add_argument("--wandb-project", default=None,
+                   help="log Megatron-LM's scalars to this Weights & Biases project (needs the wandb package; "
+                        "WANDB_MODE=offline works without network)")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B's local directory (default: SAVE/wandb)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write Megatron-LM's TensorBoard scalars here (needs the tensorboard package)")
     g.add_argument("--tensorboard-log-interval", type=_positive_int, default=1)

@@ -215,6 +215,13 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
         if not tensorboard_available():
             raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package "
                                 "(pip install tensorboard)")
+    if args.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
+    elif args.wandb_exp_name or args.wandb_save_dir:
+        notice("--wandb-exp-name / --wandb-save-dir: no effect without --wandb-project")
     if args.save_interval is not None and not args.save:
         notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
     if args.ckpt_format not in ("torch_dist", "tawpipe"):

@@ -141,9 +141,6 @@ REFUSED: Sequence[CompatFlag] = LOW_PRECISION + (
     CompatFlag("--num-experts", INT, "mixture-of-experts models are not supported (dense decoder layers only)",
                applies=lambda v: v != 0),
     CompatFlag("--step-batch-size-schedule", VALUE, f"{_NOT_YET}; the global batch is constant"),
-    CompatFlag("--wandb-project", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
-    CompatFlag("--wandb-exp-name", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
-    CompatFlag("--wandb-save-dir", VALUE, f"{_NOT_YET}; --metrics-file FILE writes every iteration as JSON lines"),
     CompatFlag("--tp-comm-overlap", SWITCH, "needs tensor parallelism with Transformer Engine's userbuffers on GPUs"),
 )
 
