@@ -147,10 +147,12 @@ def _common_step(entries) -> Optional[torch.Tensor]:
     for _name, _master, state in entries:
         if "step" in state:
             step = max(step, float(state["step"]))
-    total = torch.tensor([step], dtype=torch.float64)
+    # NCCL reduces device tensors only.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    total = torch.tensor([step], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return torch.tensor(float(total[0]), dtype=torch.float32) if total[0] > 0 else None
+    return torch.tensor(float(total[0]), dtype=torch.float32) if float(total[0]) > 0 else None
 
 
 def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
