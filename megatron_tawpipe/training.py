@@ -81,6 +81,7 @@ def _data_iterators(dataset, args, count: int, consumed_samples: int, num_worker
     # Slurm signals every process of the job: data-loader workers must leave --exit-signal to the rank.
     ignore = getattr(signal, args.exit_signal) if getattr(args, "exit_signal_handler", False) else None
     return [build_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples,
+                                dataloader_type=getattr(args, "dataloader_type", "single") or "single",
                                 num_workers=num_workers, ignore_signal=ignore)
             for _ in range(count)]
 

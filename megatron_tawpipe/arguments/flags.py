@@ -323,7 +323,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false", default=True)
     g.add_argument("--num-workers", type=_non_negative_int, default=2, help="data-loader worker processes per rank")
     g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"],
-                   help="single (default): every sample once, in the dataset's shuffled order")
+                   help="single (default): every sample once, in the dataset's shuffled order; cyclic: "
+                        "Megatron-LM's random sampler (epochs, each reshuffled by its number)")
 
 
 def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -84,9 +84,10 @@ def _validate_required(args: argparse.Namespace) -> None:
     if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
         notice(f"--tiktoken-pattern {args.tiktoken_pattern}: applies to TikTokenizer only; no effect with "
                f"{args.tokenizer_type}")
-    if args.dataloader_type in ("cyclic", "external"):
-        raise ArgumentError(f"--dataloader-type {args.dataloader_type} is not supported yet; single (the default: "
-                            "every sample once, in the dataset's shuffled order) is")
+    if args.dataloader_type == "external":
+        raise ArgumentError("--dataloader-type external (a user-supplied iterator) has no place in a command line; "
+                            "single (the default: every sample once, in the dataset's shuffled order) or cyclic "
+                            "(Megatron-LM's random sampler: epochs, each in a random order) are")
 
 
 def _validate_model(args: argparse.Namespace) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "dataset_sizes",
     "build_datasets",
     "MicroBatchSampler",
+    "RandomMicroBatchSampler",
     "build_data_iterator",
     "get_batch",
     "train_sentencepiece",
@@ -430,15 +431,55 @@ class MicroBatchSampler:
             start += self.step
 
 
+class RandomMicroBatchSampler:
+    """Megatron-LM's ``--dataloader-type cyclic`` sampler: epochs over the dataset, each in its own random
+    order (a permutation seeded by the epoch number), endless.
+
+    The dataset is cut to a multiple of ``M*D`` samples (the rest is never seen); each data-parallel rank
+    owns a contiguous bucket of ``1/D`` of it and walks that bucket in the epoch's order, ``M`` samples per
+    micro-batch. Resuming after ``consumed_samples`` (global samples) continues exactly where an
+    uninterrupted run would be.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int) -> None:
+        self.step = int(micro_batch_size) * int(data_parallel_size)
+        self.active = int(total_samples) - int(total_samples) % self.step
+        if self.active <= 0:
+            raise ValueError(f"the dataset has {total_samples} samples, fewer than one micro-batch on every "
+                             f"data-parallel rank ({self.step})")
+        self.consumed_samples = int(consumed_samples)
+        self.micro_batch_size = int(micro_batch_size)
+        self.data_parallel_rank = int(data_parallel_rank)
+        self.data_parallel_size = int(data_parallel_size)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        import torch
+
+        bucket = self.active // self.data_parallel_size
+        start = self.data_parallel_rank * bucket
+        consumed = self.consumed_samples
+        while True:
+            epoch, in_epoch = divmod(consumed, self.active)
+            generator = torch.Generator()
+            generator.manual_seed(epoch)
+            order = torch.randperm(bucket, generator=generator).tolist()
+            offset = in_epoch // self.data_parallel_size
+            for first in range(offset, bucket - self.micro_batch_size + 1, self.micro_batch_size):
+                yield [start + x for x in order[first:first + self.micro_batch_size]]
+            consumed = (epoch + 1) * self.active
+
+
 def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
                         consumed_samples: int, *, num_workers: int = 0, cyclic: bool = False,
-                        pin_memory: bool = False,
-                        ignore_signal: Optional[int] = None) -> Optional[Iterator[Dict[str, "object"]]]:
+                        pin_memory: bool = False, ignore_signal: Optional[int] = None,
+                        dataloader_type: str = "single") -> Optional[Iterator[Dict[str, "object"]]]:
     """Iterator over this data-parallel rank's micro-batches (dicts of batched CPU tensors).
 
     Deterministic and resumable: the batches after ``consumed_samples`` (global samples,
     i.e. iterations * global batch size) are those an uninterrupted run would see.
-    Finite (until the dataset is used up) unless ``cyclic``.  Returns None for a None
+    Finite (until the dataset is used up) unless ``cyclic``; ``dataloader_type`` ``cyclic`` is Megatron-LM's
+    random sampler (:class:`RandomMicroBatchSampler`), endless.  Returns None for a None
     dataset (ranks that build no data).  Worker processes ignore ``ignore_signal`` (the signal
     ``--exit-signal-handler`` leaves to the training process).
     """
@@ -446,8 +487,11 @@ def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: i
         return None
     import torch
 
-    sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank,
-                                dp_size, cyclic=cyclic)
+    if dataloader_type == "cyclic":  # Megatron-LM's random sampler
+        sampler = RandomMicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    else:
+        sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank,
+                                    dp_size, cyclic=cyclic)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
