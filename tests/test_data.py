@@ -197,7 +197,7 @@ def test_megatron_lms_sentencepiece_tokenizers_preprocess_and_train(tokenizer_ty
     import sentencepiece
 
     from distributed_harness import run_ranks
-    from training_helpers import tiny_args, train_rank
+    from training_helpers import data_args, train_rank
 
     texts = _english_texts()[:200]
     jsonl = _write_jsonl(tmp_path / "docs.jsonl", texts)
@@ -213,13 +213,8 @@ def test_megatron_lms_sentencepiece_tokenizers_preprocess_and_train(tokenizer_ty
     raw = numpy.fromfile(str(tmp_path / "corpus_text_document.bin"), dtype=numpy.uint16)
     assert raw.tolist() == expected
 
-    argv = tiny_args(train_iters=2)
-    i = argv.index("--mock-data")
-    argv[i:i + 1] = ["--data-path", str(tmp_path / "corpus_text_document"), "--split", "90,10,0"]
-    for flag in ("--tokenizer-type", "--vocab-size"):
-        j = argv.index(flag)
-        del argv[j:j + 2]
-    argv += ["--tokenizer-type", tokenizer_type, "--tokenizer-model", sp_model]
+    argv = data_args(str(tmp_path / "corpus_text_document"), ["--tokenizer-type", tokenizer_type,
+                                                              "--tokenizer-model", sp_model])
     (records,) = run_ranks(train_rank, 1, argv)
     assert len(records) == 2 and all(r["lm_loss"] > 0 for r in records)
     other = "Llama2Tokenizer" if tokenizer_type == "GPTSentencePieceTokenizer" else "GPTSentencePieceTokenizer"

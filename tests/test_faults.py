@@ -107,25 +107,19 @@ def test_native_pipeline_does_not_hang_on_a_stalled_or_dead_rank(fault):
 
 
 def _kill_while_saving(rank, argv, kill_at_iteration):
-    """Rank 0 is killed after every file of that iteration's checkpoint was written, before it is
-    promoted (the per-parameter format's index, or torch_dist's fsync before the rename)."""
-    from megatron_tawpipe.checkpoint import per_parameter, torch_dist
+    """Rank 0 is killed after every file of that iteration's checkpoint was written, as it is about to
+    promote the temporary directory (either format)."""
+    from megatron_tawpipe.checkpoint import state
 
     partial = f"iter_{kill_at_iteration:07d}.tmp"
-    original_save, original_fsync = per_parameter.atomic_torch_save, torch_dist.fsync_dir
-
-    def save(obj, path):
-        if partial in path and path.endswith("common.pt"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original_save(obj, path)
+    original_fsync = state.fsync_dir
 
     def fsync_dir(path):
         if path.endswith(partial):
             os.kill(os.getpid(), signal.SIGKILL)
         return original_fsync(path)
 
-    per_parameter.atomic_torch_save = save
-    torch_dist.fsync_dir = fsync_dir
+    state.fsync_dir = fsync_dir
     return train_rank(rank, argv)
 
 

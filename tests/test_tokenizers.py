@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 from distributed_harness import run_ranks
-from training_helpers import tiny_args, train_rank
+from training_helpers import data_args, train_rank
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [f"document {i}: the quick brown fox jumps over the lazy dog, {i * 7} times; hello world."
@@ -86,13 +86,7 @@ def test_tokenizer_preprocesses_exact_ids_and_trains(kind, tokenizer_files, tmp_
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    argv = tiny_args(train_iters=2)
-    i = argv.index("--mock-data")
-    argv[i:i + 1] = ["--data-path", str(tmp_path / "corpus_text_document"), "--split", "90,10,0"]
-    for flag in ("--tokenizer-type", "--vocab-size"):
-        j = argv.index(flag)
-        del argv[j:j + 2]
-    argv += flags
+    argv = data_args(str(tmp_path / "corpus_text_document"), flags)
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, **tokenizer_options(args))
     expected, eod = _expected_ids(kind, tokenizer_files, tokenizer)

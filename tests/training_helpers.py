@@ -26,6 +26,17 @@ def tiny_args(*extra: str, train_iters: int = 3, global_batch: int = 8, micro_ba
                          "--micro-batch-size", str(micro_batch)] + list(extra)
 
 
+def data_args(prefix: str, tokenizer_flags: List[str], train_iters: int = 2) -> List[str]:
+    """``tiny_args`` training on the indexed data at ``prefix`` with the tokenizer ``tokenizer_flags`` give."""
+    argv = tiny_args(train_iters=train_iters)
+    i = argv.index("--mock-data")
+    argv[i:i + 1] = ["--data-path", prefix, "--split", "90,10,0"]
+    for flag in ("--tokenizer-type", "--vocab-size"):
+        j = argv.index(flag)
+        del argv[j:j + 2]
+    return argv + list(tokenizer_flags)
+
+
 def train_rank(rank: int, argv: List[str]) -> List[dict]:
     """Body of one rank: parse, validate, train, tear down; return the iteration records."""
     from megatron_tawpipe.arguments import parse_args, validate_args

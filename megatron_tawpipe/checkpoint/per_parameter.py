@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.checkpoint.state import (CheckpointError, CheckpointSetupError, TRACKER_FILE, atomic_torch_save,
-                                                atomic_write_text, barrier, check_signature, fsync_dir, iteration_dir,
+from megatron_tawpipe.checkpoint.state import (CheckpointError, CheckpointSetupError, atomic_torch_save,
+                                                atomic_write_text, barrier, check_signature, iteration_dir,
                                                 latest_iteration, load_scheduler, model_signature, rank,
-                                                restore_optimizer_state, rng_state, set_rng_state, tied_alias, world,
-                                                writer_entries)
+                                                promote_checkpoint_dir, restore_optimizer_state, rng_state, set_rng_state,
+                                                start_checkpoint_dir, tied_alias, world, writer_entries)
 
 FORMAT_VERSION = 1
 
@@ -64,13 +63,7 @@ def _collect_local_state(entries, trainer, tied: bool,
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
     """Collectively write a checkpoint of ``trainer`` (every rank must call it)."""
     this_rank, world_size = rank(), world()
-    tmp_dir = iteration_dir(root, iteration) + ".tmp"
-    final_dir = iteration_dir(root, iteration)
-    if this_rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        os.makedirs(tmp_dir)
-    barrier()
+    tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
 
     tied = not args.untie_embeddings_and_output_weights
     index_part: Dict[str, Tuple[list, str]] = {}
@@ -112,11 +105,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         summary = {k: v for k, v in common.items() if k not in ("scheduler", "grad_scaler", "index")}
         summary["num_parameters"] = len(index)
         atomic_write_text(os.path.join(tmp_dir, "metadata.json"), json.dumps(summary, indent=1))
-        fsync_dir(tmp_dir)
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.replace(tmp_dir, final_dir)
-        fsync_dir(root)
-        atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration)
     barrier()
     return final_dir
 

@@ -208,3 +208,29 @@ def check_signature(saved_model: dict, args, directory: str) -> None:
             flag = SIGNATURE_FLAGS.get(key, "--" + key.replace("_", "-"))
             raise CheckpointSetupError(
                 f"{directory}: checkpoint has {key}={saved.get(key)}, this run {flag} gives {value}")
+
+
+def start_checkpoint_dir(root: str, iteration: int):
+    """``(temporary, final)`` directories of a checkpoint being written; rank 0 makes the (empty)
+    temporary one and every rank waits for it."""
+    import shutil
+
+    tmp_dir, final_dir = iteration_dir(root, iteration) + ".tmp", iteration_dir(root, iteration)
+    if rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    barrier()
+    return tmp_dir, final_dir
+
+
+def promote_checkpoint_dir(tmp_dir: str, final_dir: str, root: str, iteration: int) -> None:
+    """Rank 0, once every file is written and fsynced: rename the temporary directory into place, then
+    replace the tracker (a run killed before this leaves the previous checkpoint as the latest)."""
+    import shutil
+
+    fsync_dir(tmp_dir)
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(root)
+    atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")

@@ -35,17 +35,17 @@ import argparse
 import os
 import queue
 import re
-import shutil
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, CheckpointError, CheckpointSetupError, TRACKER_FILE, atomic_write_text,
-                                                barrier, check_signature, fsync_dir, fsync_file, iteration_dir,
-                                                latest_iteration, load_scheduler, model_signature, rank,
-                                                restore_optimizer_state, rng_state, set_rng_state, tied_alias, world,
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, CheckpointError, CheckpointSetupError,
+                                                barrier, check_signature, fsync_file, iteration_dir,
+                                                latest_iteration, load_scheduler, model_signature,
+                                                promote_checkpoint_dir, rank, restore_optimizer_state, rng_state,
+                                                set_rng_state, start_checkpoint_dir, tied_alias, world,
                                                 writer_entries)
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version for torch_dist checkpoints
@@ -217,12 +217,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
 
     _in_process_results_queue()
 
-    tmp_dir, final_dir = iteration_dir(root, iteration) + ".tmp", iteration_dir(root, iteration)
-    if rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        os.makedirs(tmp_dir)
-    barrier()
+    tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
     with_optimizer = not args.no_save_optim
     native = getattr(trainer, "megatron_sharded_state_dict", None)
     state = native(with_optimizer) if native is not None else whole_parameter_state(trainer, args, with_optimizer)
@@ -250,11 +245,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     if rank() == 0:
         for name in os.listdir(tmp_dir):
             fsync_file(os.path.join(tmp_dir, name))
-        fsync_dir(tmp_dir)
-        shutil.rmtree(final_dir, ignore_errors=True)
-        os.replace(tmp_dir, final_dir)
-        fsync_dir(root)
-        atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration)
     barrier()
     return final_dir
 
