@@ -192,6 +192,18 @@ def test_sharded_optimizers_resume_across_strategies(tmp_path, uninterrupted, ck
         assert len(names) > 5 and all(f"optimizer.state.{state}.{key}" in keys
                                       for key in names for state in ("exp_avg", "exp_avg_sq", "param"))
         assert len(read_parameters(directory)) > 10
+        # --overlap-param-gather: the saved weights are the updated ones (the deferred all-gather was finished).
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = FileSystemReader(directory).read_metadata().state_dict_metadata
+        pairs = {key: f"optimizer.state.param.{key}" for key in names
+                 if isinstance(metadata[key], TensorStorageMetadata)}
+        tensors = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype)
+                   for pair in pairs.items() for k in pair}
+        load(tensors, storage_reader=FileSystemReader(directory), no_dist=True)
+        for key, master in pairs.items():
+            assert torch.equal(tensors[key], tensors[master]), key
     resumed = run_ranks(train_rank, 4, tiny_args(*HSDP, *fmt, "--load", first, "--save", second, "--exit-interval",
                                                  "4", train_iters=ITERS))[-1]
     assert [r["iteration"] for r in resumed] == [3, 4]

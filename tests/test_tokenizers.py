@@ -25,7 +25,7 @@ NUM_SPECIAL = 16
 def tokenizer_files(tmp_path_factory):
     """A byte-level BPE (tokenizer.json + tokenizer_config.json; the same model as GPT-2 vocab.json/merges.txt)
     and a TikTokenizer vocabulary (the 256 bytes and a few merges, Megatron's JSON layout)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     root = tmp_path_factory.mktemp("tokenizers")
     bpe = Tokenizer(models.BPE())
@@ -34,11 +34,13 @@ def tokenizer_files(tmp_path_factory):
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(TEXTS, trainer)
+    (root / "gpt2").mkdir()
+    bpe.model.save(str(root / "gpt2"))
+    # The Hugging Face tokenizer starts every text with its bos (as Llama's do).
+    bpe.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", special_tokens=[(EOT, bpe.token_to_id(EOT))])
     (root / "hf").mkdir()
     bpe.save(str(root / "hf" / "tokenizer.json"))
     (root / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOT, "bos_token": EOT}))
-    (root / "gpt2").mkdir()
-    bpe.model.save(str(root / "gpt2"))
     merges = [b"th", b"the", b" t", b" the", b"qu", b"ow"]
     ranks = [bytes([i]) for i in range(256)] + merges
     (root / "tiktoken.json").write_text(json.dumps([
@@ -61,8 +63,9 @@ def _flags(kind, files):
 def _expected_ids(kind, files, tokenizer):
     """Each text's ids from an independent tokenizer, and the end-of-document id."""
     if kind in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
-        bpe = files["bpe"]
-        return [bpe.encode(text, add_special_tokens=False).ids for text in TEXTS], bpe.token_to_id(EOT)
+        bpe = files["bpe"]  # the Hugging Face tokenizer's own special tokens (its bos) are included
+        special = kind == "HuggingFaceTokenizer"
+        return [bpe.encode(text, add_special_tokens=special).ids for text in TEXTS], bpe.token_to_id(EOT)
     import tiktoken
 
     vocab = json.loads((files["root"] / "tiktoken.json").read_text())
@@ -96,7 +99,11 @@ def test_tokenizer_preprocesses_exact_ids_and_trains(kind, tokenizer_files, tmp_
     if kind == "TikTokenizer":
         assert tokenizer.vocab_size == NUM_SPECIAL + tokenizer_files["num_ranks"]
     else:  # (megatron-core 0.16's TikTokenizer cannot detokenize its own ids; training does not need it)
-        assert tokenizer.detokenize(expected[3]) == TEXTS[3]
+        assert tokenizer.detokenize(expected[3]).replace(EOT, "") == TEXTS[3]
+    if kind == "HuggingFaceTokenizer":
+        assert expected[0][0] == eod  # the bos
+        plain = load_tokenizer(kind, args.tokenizer_model, hf_include_special_tokens=False)
+        assert plain.tokenize(TEXTS[0]) == expected[0][1:]
 
     (records,) = run_ranks(train_rank, 1, argv)
     assert len(records) == 2 and all(math.isfinite(r["lm_loss"]) and r["lm_loss"] > 0 for r in records)

@@ -54,7 +54,9 @@ def main(argv=None):
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
+    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None)
+    group.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true")
+    group.add_argument("--tokenizer-hf-no-use-fast", action="store_true")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each document")
     group = parser.add_argument_group("output data")

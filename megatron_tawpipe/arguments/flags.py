@@ -307,8 +307,12 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
     g.add_argument("--tiktoken-num-special-tokens", type=_non_negative_int, default=1000,
                    help="TikTokenizer: special-token ids before the vocabulary's (Megatron-LM's default 1000)")
-    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+    g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
                    help="TikTokenizer: the special tokens' names (megatron-core's defaults otherwise)")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: leave out the tokenizer's own special tokens (a bos)")
+    g.add_argument("--tokenizer-hf-no-use-fast", action="store_true",
+                   help="HuggingFaceTokenizer: transformers' slow (Python) tokenizer")
     g.add_argument("--vocab-size", type=_positive_int, default=None,
                    help="NullTokenizer's ids; TikTokenizer's size with its special tokens")
     g.add_argument("--reset-position-ids", action="store_true")

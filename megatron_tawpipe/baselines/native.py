@@ -271,6 +271,12 @@ class NativeTrainer:
         """``model`` (``model0``, ``model1``, ... with virtual stages) and ``optimizer`` as Megatron-LM
         saves them with ``--ckpt-format torch_dist``: megatron-core's own sharded state dicts, the
         distributed optimizer in its model-space ``fully_reshardable`` form."""
+        if self.args.use_distributed_optimizer and self.args.overlap_param_gather:
+            # The last step's parameter all-gather waits for the next forward: finish it now, so that the
+            # saved weights are the updated ones (as Megatron-LM does before saving).
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=True)
+                chunk.enable_forward_pre_hook()
         chunks = [unwrap_model(chunk) for chunk in self.model]
         if len(chunks) == 1:
             state = {"model": chunks[0].sharded_state_dict()}
@@ -300,13 +306,28 @@ class NativeTrainer:
         return gather_distributed_optimizer(self._chained_single(), named, group, keep=self.writes_checkpoint())
 
     def optimizer_state_for(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
-        return self._torch_optimizer().state.get(master, {})
+        optimizer = self._torch_optimizer()
+        state = dict(optimizer.state.get(master, {}))
+        group = self._group_of(master)
+        if "step" not in state and group is not None and group.get("step"):
+            # Transformer Engine's and Apex's fused Adam keep the step in the parameter group.
+            state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+        return state
 
     def set_optimizer_state(self, master, state: Dict[str, torch.Tensor]) -> None:
         if isinstance(master, SliceTarget):
             master.store_state(state)
-        else:
-            self._torch_optimizer().state[master] = state
+            return
+        group = self._group_of(master)
+        if group is not None and "step" in group and "step" in state:
+            group["step"] = int(float(state["step"]))
+        self._torch_optimizer().state[master] = state
+
+    def _group_of(self, master: torch.Tensor):
+        for group in self._torch_optimizer().param_groups:
+            if any(param is master for param in group["params"]):
+                return group
+        return None
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         return self._chained_single().optimizer

@@ -177,9 +177,9 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     with torch.no_grad():
         for filename in sorted(by_file):
             _load_parameters_from(os.path.join(directory, filename), by_file[filename], trainer, restore_optimizer)
+    trainer.after_parameters_loaded()  # (--finetune too: replicas and low-precision copies follow the masters)
     if args.finetune:
         return 0, 0
-    trainer.after_parameters_loaded()
     if scheduler is not None and common["scheduler"] is not None and not args.no_load_optim:
         load_scheduler(scheduler, common, directory)
     if not args.no_load_optim and common["grad_scaler"] is not None:

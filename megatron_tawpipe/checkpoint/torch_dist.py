@@ -52,6 +52,9 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version for torch_dist chec
 RECORD_KEY = "tawpipe"
 RNG_KEY = "tawpipe_rng_state"
 SAVE_STRATEGY = ("torch_dist", 1)
+# How Megatron-LM reads the optimizer part back (it records the same when it saves).
+CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                    "singleton_local_shards": False}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -188,9 +191,13 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
     result = {"model": model}
     if not with_optimizer:
         return result
-    torch_state = {"state": {"common_step": _common_step(entries)}, "param_groups": _param_group_descriptions(trainer)}
-    if torch_state["state"]["common_step"] is None:
-        del torch_state["state"]["common_step"]
+    step = _common_step(entries)
+    groups = _param_group_descriptions(trainer)
+    for group in groups:  # what fused Adam (Transformer Engine's, Apex's) reads from a group
+        group.setdefault("bias_correction", True)
+        if step is not None:
+            group["step"] = int(step)
+    torch_state = {"state": {} if step is None else {"common_step": step}, "param_groups": groups}
     if low_precision:
         result["optimizer"] = {"optimizer": torch_state, "grad_scaler": trainer.grad_scaler_state()}
     else:
@@ -209,6 +216,12 @@ def _in_process_results_queue() -> None:
 
     if getattr(filesystem_async, "_results_queue", "absent") is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+def _comparable_common(common: dict) -> dict:
+    """The common part every rank must agree on: a weight-passing rank's (empty) containers of the tensors
+    it wrote are its own."""
+    return {key: value for key, value in common.items() if key not in ("model", "optimizer_tensors")}
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
@@ -240,7 +253,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         state[RNG_KEY] = _rng_object(rng_state())
-    dist_checkpointing.save(state, tmp_dir, sharded_strategy=SAVE_STRATEGY)
+    dist_checkpointing.save(state, tmp_dir, sharded_strategy=SAVE_STRATEGY, content_metadata=dict(CONTENT_METADATA),
+                            preprocess_common_before_consistancy_check=_comparable_common)
     barrier()
     if rank() == 0:
         for name in os.listdir(tmp_dir):
@@ -311,30 +325,15 @@ class _Request:
         return ident
 
 
-def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
-    """Load the latest torch_dist checkpoint under ``root`` into ``trainer``; ``(iteration, consumed_samples)``."""
-    from megatron.core import dist_checkpointing
-
-    iteration = latest_iteration(root)
-    directory = iteration_dir(root, iteration)
-    try:
-        common = dist_checkpointing.load_common_state_dict(directory)
-        metadata = dist_checkpointing.load_tensors_metadata(directory)
-    except Exception as exc:  # missing or truncated files
-        raise CheckpointError(f"{directory}: unreadable torch_dist checkpoint: {exc}") from exc
-    check_signature(_saved_model_signature(common, directory), args, directory)
-    record = common.get(RECORD_KEY, {})
-    restore_optimizer = not (args.no_load_optim or args.finetune)
-    if restore_optimizer and not record.get("optimizer_saved", "optimizer" in common):
-        raise CheckpointSetupError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
-                                   "from; pass --no-load-optim (or --finetune) to start the optimizer afresh")
+def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer: bool):
+    """The tensors this rank reads (a request) and where each goes: ``(name, param, master, value id,
+    {moment: id})`` per parameter. Raises CheckpointError naming what the checkpoint lacks."""
     request = _Request(metadata, args.num_layers)
     tied = not args.untie_embeddings_and_output_weights
     targets = []
     keys_map = layer_keys_map(args)
     # A tensor-parallel rank holds a slice of each whole tensor read (native schedules).
     whole_shape = getattr(trainer, "checkpoint_shape", None)
-    local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     for name, param, master in trainer.named_master_parameters():
         source = tied_alias(name, tied) or name
         key, layer = model_space_key(source, keys_map)
@@ -355,6 +354,47 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
                     raise CheckpointSetupError(f"{directory}: no optimizer state ({moment}) for {source}; pass "
                                                "--no-load-optim (or --finetune) to start the optimizer afresh")
         targets.append((name, param, master, value, moments))
+    return request, targets
+
+
+def _agree(problem: Optional[CheckpointError], directory: str) -> None:
+    """Every rank raises if any rank cannot load its part, before anyone enters the collective load."""
+    kind = 0.0 if problem is None else (2.0 if isinstance(problem, CheckpointSetupError) else 1.0)
+    if dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        flag = torch.tensor([kind], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        kind = max(kind, float(flag[0]))
+    if problem is not None:
+        raise problem
+    if kind:
+        error = CheckpointSetupError if kind == 2.0 else CheckpointError
+        raise error(f"{directory}: another rank cannot load its part of the checkpoint (its message names why)")
+
+
+def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+    """Load the latest torch_dist checkpoint under ``root`` into ``trainer``; ``(iteration, consumed_samples)``."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    directory = iteration_dir(root, iteration)
+    try:
+        common = dist_checkpointing.load_common_state_dict(directory)
+        metadata = dist_checkpointing.load_tensors_metadata(directory)
+    except Exception as exc:  # missing or truncated files
+        raise CheckpointError(f"{directory}: unreadable torch_dist checkpoint: {exc}") from exc
+    check_signature(_saved_model_signature(common, directory), args, directory)
+    record = common.get(RECORD_KEY, {})
+    restore_optimizer = not (args.no_load_optim or args.finetune)
+    if restore_optimizer and not record.get("optimizer_saved", "optimizer" in common):
+        raise CheckpointSetupError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
+                                   "from; pass --no-load-optim (or --finetune) to start the optimizer afresh")
+    problem = None
+    try:
+        request, targets = _requested(trainer, args, metadata, directory, restore_optimizer)
+    except CheckpointError as exc:
+        problem = exc
+    _agree(problem, directory)
     same_layout = (record.get("world_size") == world() and record.get("pipeline_schedule") == args.pipeline_schedule)
     load_rng = same_layout and not args.no_load_rng and not args.finetune and RNG_KEY in metadata_objects(directory)
     if load_rng:
@@ -364,6 +404,7 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     except (Exception, CheckpointException) as exc:  # a truncated or missing tensor file
         raise CheckpointError(f"{directory}: reading its tensors failed: {_last_line(exc)}") from exc
     step = _saved_step(common.get("optimizer")) if restore_optimizer else None
+    local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     with torch.no_grad():
         for name, param, master, value, moments in targets:
             whole = local(name, param, loaded[value])
@@ -375,9 +416,9 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
                 if step is not None:
                     state["step"] = step
                 restore_optimizer_state(trainer, master, state)
+    trainer.after_parameters_loaded()  # (--finetune too: replicas and low-precision copies follow the masters)
     if args.finetune:
         return 0, 0
-    trainer.after_parameters_loaded()
     consumed = record.get("consumed_samples", getattr(common.get("args"), "consumed_train_samples", 0))
     saved_iteration = common.get("iteration", iteration)
     if scheduler is not None and common.get("opt_param_scheduler") is not None and not args.no_load_optim:

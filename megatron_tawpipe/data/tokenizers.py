@@ -180,16 +180,17 @@ def _require(package: str, tokenizer_type: str):
                          f"(pip install {package}, or pip install -e \".[tokenizers]\")") from None
 
 
-def _huggingface_tokenizer(tokenizer_model: str):
+def _huggingface_tokenizer(tokenizer_model: str, include_special_tokens: bool = True, use_fast: bool = True):
     """A Hugging Face tokenizer from a local directory (or the directory of its tokenizer.json), through
-    megatron-core; eod = its eos token, as Megatron-LM's HuggingFaceTokenizer."""
+    megatron-core; as Megatron-LM's HuggingFaceTokenizer: the tokenizer's own special tokens (a bos) are
+    included unless --tokenizer-hf-no-include-special-tokens, eod = its eos token."""
     _require("transformers", "HuggingFaceTokenizer")
     path = os.path.abspath(tokenizer_model)
     directory = os.path.dirname(path) if os.path.isfile(path) else path
     if not os.path.isdir(directory):
         raise ValueError(f"--tokenizer-model {tokenizer_model}: no such directory or tokenizer.json (a Hugging Face "
                          "tokenizer is loaded from local files; download it first)")
-    tok = _core_tokenizer(directory, "huggingface")
+    tok = _core_tokenizer(directory, "huggingface", include_special_tokens=include_special_tokens, use_fast=use_fast)
     if tok.eod is None:
         raise ValueError(f"--tokenizer-model {tokenizer_model} has no eos token (HuggingFaceTokenizer's end of "
                          "document): give it one in tokenizer_config.json")
@@ -200,8 +201,8 @@ def _tiktoken_tokenizer(tokenizer_model: str, vocab_size: Optional[int], pattern
                         num_special_tokens: int, special_tokens: Optional[List[str]]):
     """megatron-core's TikTokenizer on a local vocabulary file (Megatron's JSON list of ranks and token bytes).
 
-    ``--vocab-size`` counts the special tokens too (default: all the file's tokens plus
-    ``--tiktoken-num-special-tokens``)."""
+    ``--vocab-size`` counts the special tokens too (default: Megatron-LM's 2**17, or all the file's tokens
+    plus ``--tiktoken-num-special-tokens`` where that is fewer)."""
     _require("tiktoken", "TikTokenizer")
     path = os.path.abspath(tokenizer_model)
     try:
@@ -209,7 +210,8 @@ def _tiktoken_tokenizer(tokenizer_model: str, vocab_size: Optional[int], pattern
             entries = len(json.load(handle))
     except (OSError, ValueError) as exc:
         raise ValueError(f"--tokenizer-model {tokenizer_model}: not a readable TikTokenizer vocabulary ({exc})") from None
-    total = int(vocab_size) if vocab_size else entries + num_special_tokens
+    # Megatron-LM's default is 2**17 ids (the vocabulary cut to fit); a smaller file is used whole.
+    total = int(vocab_size) if vocab_size else min(2 ** 17, entries + num_special_tokens)
     if not num_special_tokens < total <= entries + num_special_tokens:
         raise ValueError(f"--vocab-size {total} for TikTokenizer must exceed --tiktoken-num-special-tokens "
                          f"{num_special_tokens} and be at most that plus the {entries} tokens of {tokenizer_model}")
@@ -242,7 +244,9 @@ def tokenizer_options(args) -> dict:
     return {"vocab_file": getattr(args, "vocab_file", None), "merge_file": getattr(args, "merge_file", None),
             "tiktoken_pattern": getattr(args, "tiktoken_pattern", None),
             "tiktoken_num_special_tokens": _arg(args, "tiktoken_num_special_tokens", 1000),
-            "tiktoken_special_tokens": getattr(args, "tiktoken_special_tokens", None)}
+            "tiktoken_special_tokens": getattr(args, "tokenizer_special_tokens", None),
+            "hf_include_special_tokens": not getattr(args, "tokenizer_hf_no_include_special_tokens", False),
+            "hf_use_fast": not getattr(args, "tokenizer_hf_no_use_fast", False)}
 
 
 def _core_tokenizer(tokenizer_path: Optional[str], library: str, **kwargs):
@@ -279,7 +283,8 @@ def _core_tokenizer(tokenizer_path: Optional[str], library: str, **kwargs):
 def load_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
                    vocab_size: Optional[int] = None, *, vocab_file: Optional[str] = None,
                    merge_file: Optional[str] = None, tiktoken_pattern: Optional[str] = None,
-                   tiktoken_num_special_tokens: int = 1000, tiktoken_special_tokens: Optional[List[str]] = None):
+                   tiktoken_num_special_tokens: int = 1000, tiktoken_special_tokens: Optional[List[str]] = None,
+                   hf_include_special_tokens: bool = True, hf_use_fast: bool = True):
     """Load a tokenizer by Megatron-LM type name (no args namespace, no vocab padding)."""
     if tokenizer_type == "GPT2BPETokenizer":
         if not (vocab_file and merge_file):
@@ -288,7 +293,7 @@ def load_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
     if tokenizer_type in ("HuggingFaceTokenizer", "TikTokenizer") and not tokenizer_model:
         raise ValueError(f"--tokenizer-model is required with --tokenizer-type {tokenizer_type}")
     if tokenizer_type == "HuggingFaceTokenizer":
-        return _huggingface_tokenizer(tokenizer_model)
+        return _huggingface_tokenizer(tokenizer_model, hf_include_special_tokens, hf_use_fast)
     if tokenizer_type == "TikTokenizer":
         return _tiktoken_tokenizer(tokenizer_model, vocab_size, tiktoken_pattern, int(tiktoken_num_special_tokens),
                                    tiktoken_special_tokens)
