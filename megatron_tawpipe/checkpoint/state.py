@@ -195,7 +195,11 @@ def restore_optimizer_state(trainer, master: torch.Tensor, saved: dict) -> None:
     trainer.set_optimizer_state(master, restored)
 
 
-SIGNATURE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "padded_vocab_size": "--vocab-size / tokenizer",
+SIGNATURE_FLAGS = {"add_bias_linear": "--disable-bias-linear",
+                   # The padding is a multiple of --make-vocab-size-divisible-by x the tensor-parallel size
+                   # (as in Megatron-LM): another tensor-parallel size can pad the same tokenizer differently.
+                   "padded_vocab_size": "(the tokenizer's size padded to a multiple of --make-vocab-size-divisible-by "
+                                        "x --tensor-model-parallel-size)",
                     "use_rope_scaling": "--use-rope-scaling"}
 
 
