@@ -220,8 +220,8 @@ def _in_process_results_queue() -> None:
 
 def _comparable_common(common: dict) -> dict:
     """The common part every rank must agree on: a weight-passing rank's (empty) containers of the tensors
-    it wrote are its own."""
-    return {key: value for key, value in common.items() if key not in ("model", "optimizer_tensors")}
+    it wrote are its own, and so are the arguments' per-rank values (rank 0's are written)."""
+    return {key: value for key, value in common.items() if key not in ("model", "optimizer_tensors", "args")}
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
