@@ -25,6 +25,11 @@ class DistributedSetupError(RuntimeError):
     """The process group cannot be set up (master address unresolvable or unreachable)."""
 
 
+
+def current_device() -> torch.device:
+    """This rank's device: its GPU, or the host (NCCL reduces device tensors only)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
 def check_master_reachable(addr: str, port: int, timeout_s: float, must_connect: bool) -> None:
     """Fail with a clear message instead of hanging in init_process_group.
 

@@ -178,7 +178,9 @@ def _all_reduce_scalar(value: float, op) -> float:
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    from megatron_tawpipe.initialize import current_device
+
+    device = current_device()
     values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)

@@ -253,11 +253,17 @@ def resolve_attention_backend(requested: str, args=None) -> str:
     return requested
 
 
+def _beyond_torch_norm(args, backend: str) -> bool:
+    """Whether the layers get a norm other than megatron-core's torch norm (which has neither zero-centred
+    weights nor sequence parallelism): Transformer Engine's, or Apex's LayerNorm on a GPU."""
+    return backend == "te" or (args.normalization == "LayerNorm" and torch.cuda.is_available()
+                               and _importable("apex"))
+
+
 def check_model_support(args) -> None:
     """Raise ValueError for an architecture this machine cannot build (before any process group)."""
     backend = resolve_attention_backend(args.attention_backend, args)
-    apex_layernorm = args.normalization == "LayerNorm" and torch.cuda.is_available() and _importable("apex")
-    if args.apply_layernorm_1p and backend != "te" and not apex_layernorm:
+    if args.apply_layernorm_1p and not _beyond_torch_norm(args, backend):
         raise ValueError("--apply-layernorm-1p needs Transformer Engine (GPU), or Apex on a GPU with --normalization "
                          "LayerNorm: megatron-core's torch norm has no zero-centred weights")
     if (args.apply_query_key_layer_scaling and backend == "te"
@@ -269,9 +275,7 @@ def check_model_support(args) -> None:
 def check_sequence_parallel_support(args) -> None:
     """Raise ValueError where megatron-core cannot run --sequence-parallel: its torch norm refuses it
     (Transformer Engine's norms, or Apex's LayerNorm on a GPU, take it)."""
-    backend = resolve_attention_backend(args.attention_backend, args)
-    apex_layernorm = args.normalization == "LayerNorm" and torch.cuda.is_available() and _importable("apex")
-    if backend != "te" and not apex_layernorm:
+    if not _beyond_torch_norm(args, resolve_attention_backend(args.attention_backend, args)):
         raise ValueError("--sequence-parallel needs Transformer Engine's layers (GPU), or Apex's LayerNorm on a GPU: "
                          "megatron-core's torch norm does not support it")
 

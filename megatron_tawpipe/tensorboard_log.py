@@ -31,9 +31,10 @@ def _start_wandb(args):
     save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
-    config = {key: value for key, value in vars(args).items()
-              if value is None or isinstance(value, (bool, int, float, str, list, tuple))}
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=save_dir, config=config)
+    from megatron_tawpipe.arguments import plain_arguments
+
+    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=save_dir,
+                      config=plain_arguments(args))
 
 
 class TensorboardLog:

@@ -22,6 +22,7 @@ try:
 except ImportError:  # running from a source checkout without installation
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_tawpipe.arguments.flags import add_tokenizer_file_args  # noqa: E402
 from megatron_tawpipe.data import (  # noqa: E402
     SENTENCEPIECE_TOKENIZERS,
     SUPPORTED_TOKENIZERS,
@@ -45,18 +46,9 @@ def main(argv=None):
                             "paragraph, or per file (default: line)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=list(SUPPORTED_TOKENIZERS))
-    group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece .model file, Hugging Face tokenizer directory (or its tokenizer.json), "
-                            "or TikTokenizer vocabulary file")
+    add_tokenizer_file_args(group)
     group.add_argument("--vocab-size", type=int, default=None,
                        help="NullTokenizer vocab size; TikTokenizer size with its special tokens")
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None)
-    group.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true")
-    group.add_argument("--tokenizer-hf-no-use-fast", action="store_true")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each document")
     group = parser.add_argument_group("output data")

@@ -292,6 +292,35 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "GPTSentencePieceT
                    "BertWordPieceCase", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
 
 
+# Checkpoint formats this project writes (and reads), and Megatron-LM's others (refused in one line).
+CKPT_FORMATS = ("torch_dist", "tawpipe")
+MEGATRON_LM_ONLY_CKPT_FORMATS = ("torch", "zarr", "torch_dcp", "fsdp_dtensor")
+
+
+def plain_arguments(args: argparse.Namespace) -> dict:
+    """The arguments whose values are plain data (what a checkpoint's ``args`` and a W&B config keep)."""
+    return {key: value for key, value in vars(args).items()
+            if value is None or isinstance(value, (bool, int, float, str, list, tuple, dict))}
+
+
+def add_tokenizer_file_args(group) -> None:
+    """The flags naming a tokenizer's files and options (``pretrain_llama.py`` and ``tools/preprocess_data.py``)."""
+    group.add_argument("--tokenizer-model", default=None,
+                       help="SentencePiece .model file, Hugging Face tokenizer directory (or its tokenizer.json), "
+                            "or TikTokenizer vocabulary file")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
+    group.add_argument("--tiktoken-num-special-tokens", type=_non_negative_int, default=1000,
+                       help="TikTokenizer: special-token ids before the vocabulary's (Megatron-LM's default 1000)")
+    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                       help="TikTokenizer: the special tokens' names (megatron-core's defaults otherwise)")
+    group.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: leave out the tokenizer's own special tokens (a bos)")
+    group.add_argument("--tokenizer-hf-no-use-fast", action="store_true",
+                       help="HuggingFaceTokenizer: transformers' slow (Python) tokenizer")
+
+
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -301,18 +330,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, metavar="TOKENIZER_TYPE",
                    help=f"required: {', '.join(SUPPORTED_TOKENIZERS)} (Megatron-LM's other types are refused)")
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
-    g.add_argument("--tiktoken-num-special-tokens", type=_non_negative_int, default=1000,
-                   help="TikTokenizer: special-token ids before the vocabulary's (Megatron-LM's default 1000)")
-    g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
-                   help="TikTokenizer: the special tokens' names (megatron-core's defaults otherwise)")
-    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
-                   help="HuggingFaceTokenizer: leave out the tokenizer's own special tokens (a bos)")
-    g.add_argument("--tokenizer-hf-no-use-fast", action="store_true",
-                   help="HuggingFaceTokenizer: transformers' slow (Python) tokenizer")
+    add_tokenizer_file_args(g)
     g.add_argument("--vocab-size", type=_positive_int, default=None,
                    help="NullTokenizer's ids; TikTokenizer's size with its special tokens")
     g.add_argument("--reset-position-ids", action="store_true")
@@ -341,8 +359,7 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only, restart iteration count")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "tawpipe", "torch", "zarr", "torch_dcp",
-                                                                    "fsdp_dtensor"],
+    g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS + MEGATRON_LM_ONLY_CKPT_FORMATS,
                    help="torch_dist (default): Megatron-LM's format through megatron-core's dist_checkpointing; "
                         "tawpipe: this project's earlier per-parameter files. Loading reads either")
     g.add_argument("--use-checkpoint-args", action="store_true",

@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Optional
 
-from megatron_tawpipe.arguments.flags import (PIPELINE_SCHEDULES, SUPPORTED_TOKENIZERS,
+from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, SUPPORTED_TOKENIZERS,
                                               WEIGHT_PASSING_SCHEDULES, ArgumentError)
 from megatron_tawpipe.compat.megatron_lm import compat_notices, compat_refusal
 
@@ -225,7 +225,7 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
         notice("--wandb-exp-name / --wandb-save-dir: no effect without --wandb-project")
     if args.save_interval is not None and not args.save:
         notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
-    if args.ckpt_format not in ("torch_dist", "tawpipe"):
+    if args.ckpt_format not in CKPT_FORMATS:
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: this project writes torch_dist (Megatron-LM's default, "
                             "megatron-core's dist_checkpointing) or tawpipe (its own per-parameter files); "
                             f"Megatron-LM's {args.ckpt_format} format is not supported")

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
-from megatron_tawpipe.baselines.native import current_device
+from megatron_tawpipe.initialize import current_device
 from megatron_tawpipe.baselines.sharded_state import fsdp_target, gather_fsdp
 from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
 from megatron_tawpipe.param_groups import megatron_param_groups

@@ -26,14 +26,11 @@ from megatron_tawpipe.baselines.sharded_state import (SliceTarget, distributed_o
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.data import get_batch
+from megatron_tawpipe.initialize import current_device
 from megatron_tawpipe.model import (build_llama_model, global_parameter_names, global_shape, llama_config,
                                     tensor_parallel_slice, unwrap_model)
 from megatron_tawpipe.runtime.executor import PeerFailure, first_line
 from megatron_tawpipe.runtime.schedules import megatron_forward_backward_func
-
-
-def current_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

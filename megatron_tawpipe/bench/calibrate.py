@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_tawpipe.bench.emulated_compute import TIME_KEYS
+from megatron_tawpipe.initialize import current_device
 
 
 def uses_cuda_events(device: torch.device) -> bool:
@@ -148,7 +149,7 @@ def measure_compute_times(args, repeats: int = 5, warmup: int = 2, base_layers: 
     large = _model_times(args, base_layers + extra_layers, repeats, warmup)
     per_layer = {k: max(0.0, (large[k] - small[k]) / extra_layers) for k in small}
     head = {k: max(0.0, small[k] - base_layers * per_layer[k]) for k in small}
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = current_device()
     return {
         "layer_forward": per_layer["forward"],
         "layer_backward": per_layer["backward"],

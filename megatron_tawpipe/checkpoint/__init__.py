@@ -18,9 +18,6 @@ from megatron_tawpipe.checkpoint import per_parameter
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, CheckpointError,
                                                 CheckpointSetupError, iteration_dir, latest_iteration, model_signature)
 
-CKPT_FORMATS = ("torch_dist", "tawpipe")
-
-
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
     """Collectively write a checkpoint of ``trainer`` in ``--ckpt-format`` (every rank must call it)."""
     if getattr(args, "ckpt_format", "torch_dist") == "tawpipe":
@@ -86,37 +83,12 @@ def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
     fp32 masters where the checkpoint has them. Names are global (``decoder.layers.3.<...>``); a torch_dist
     checkpoint names them by megatron-core's keys (a local layer's norms under Transformer Engine's names)."""
     if checkpoint_format(directory) == "tawpipe":
-        index = torch.load(os.path.join(directory, "common.pt"), weights_only=True)["index"]
-        files: Dict[str, dict] = {}
-        params = {}
-        for name, (_shape, filename) in index.items():
-            if filename not in files:
-                files[filename] = torch.load(os.path.join(directory, filename), weights_only=True)["params"]
-            params[name] = files[filename][name]
-        return params
-    from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        return per_parameter.read_parameters(directory)
+    from megatron_tawpipe.checkpoint import torch_dist
 
-    reader = FileSystemReader(directory)
-    tensors = {key: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
-               if isinstance(meta, TensorStorageMetadata)}
-    sources = {key: next((source for source in ("optimizer.state.fp32_param." + key, "optimizer.state.param." + key)
-                          if source in tensors), key)
-               for key in tensors if not key.startswith("optimizer.")}
-    state = {source: torch.empty(tuple(tensors[source].size), dtype=tensors[source].properties.dtype)
-             for source in sources.values()}
-    load(state, storage_reader=reader, no_dist=True)
-    params = {}
-    for key, source in sources.items():
-        value = state[source].float()
-        if key.startswith("decoder.layers."):  # stacked over the layers
-            rest = key[len("decoder.layers."):]
-            params.update({f"decoder.layers.{i}.{rest}": value[i] for i in range(value.shape[0])})
-        else:
-            params[key] = value
-    return params
+    return torch_dist.read_parameters(directory)
 
 
-__all__ = ["CHECKPOINT_ARGS", "checkpoint_arguments", "read_parameters", "ARCHITECTURE_KEYS", "CKPT_FORMATS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
-           "checkpoint_format", "iteration_dir", "latest_iteration", "load_checkpoint", "model_signature",
-           "save_checkpoint"]
+__all__ = ["ARCHITECTURE_KEYS", "CHECKPOINT_ARGS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
+           "checkpoint_arguments", "checkpoint_format", "iteration_dir", "latest_iteration", "load_checkpoint",
+           "model_signature", "read_parameters", "save_checkpoint"]

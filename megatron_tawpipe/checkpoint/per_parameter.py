@@ -139,13 +139,13 @@ def _load_parameters_from(path: str, targets: List[_Target], trainer, restore_op
     contents = _load(path)
     directory, filename = os.path.split(path)
     # A tensor-parallel rank (native schedules) holds a slice of each whole tensor.
-    whole_shape = getattr(trainer, "checkpoint_shape", lambda _name, _param: master.shape)
+    whole_shape = getattr(trainer, "checkpoint_shape", None)
     local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     for source, param, master in targets:
         tensor = contents["params"].get(source)
         if tensor is None:
             raise CheckpointError(f"{path}: parameter {source} is missing")
-        expected = list(whole_shape(source, param))
+        expected = list(whole_shape(source, param) if whole_shape else master.shape)
         if list(tensor.shape) != expected:
             raise CheckpointError(f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {expected}")
         master.copy_(local(source, param, tensor))
@@ -196,3 +196,15 @@ def _check_format(common: dict, args, directory: str) -> None:
         raise CheckpointError(f"{directory}: unknown checkpoint format {common.get('format_version')!r}")
     check_signature(common["model"], args, directory)
 
+
+
+def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
+    """Every parameter's fp32 master in ``directory`` (see :func:`megatron_tawpipe.checkpoint.read_parameters`)."""
+    index = _load(os.path.join(directory, "common.pt"))["index"]
+    files: Dict[str, dict] = {}
+    params = {}
+    for name, (_shape, filename) in index.items():
+        if filename not in files:
+            files[filename] = _load(os.path.join(directory, filename))["params"]
+        params[name] = files[filename][name]
+    return params

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_tawpipe.arguments import plain_arguments
+from megatron_tawpipe.initialize import current_device
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, CheckpointError, CheckpointSetupError,
                                                 barrier, check_signature, fsync_file, iteration_dir,
                                                 latest_iteration, load_scheduler, model_signature,
@@ -119,8 +121,7 @@ def _rng_object(state):
 
 def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
     """The run's arguments as Megatron-LM stores them (``consumed_train_samples`` included)."""
-    saved = argparse.Namespace(**{key: value for key, value in vars(args).items()
-                                  if value is None or isinstance(value, (bool, int, float, str, list, tuple, dict))})
+    saved = argparse.Namespace(**plain_arguments(args))
     saved.consumed_train_samples = consumed_samples
     saved.consumed_valid_samples = 0
     return saved
@@ -135,13 +136,14 @@ def _param_group_descriptions(trainer) -> List[dict]:
         dist.all_gather_object(parts, local)
     else:
         parts = [local]
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys  # how megatron-core matches groups
+
     seen: Dict[tuple, dict] = {}
     for part in parts:
         for group in part:
-            ident = (group.get("wd_mult"), group.get("lr_mult"), group.get("is_expert_parallel"),
-                     group.get("is_decoupled_lr"))
-            seen.setdefault(ident, group)
-    return [seen[ident] for ident in sorted(seen, key=lambda i: (-(i[0] or 0.0), bool(i[3])))]
+            seen.setdefault(tuple(group.get(key) for key in param_group_identifier_keys), group)
+    order = lambda g: (-(g.get("wd_mult") or 0.0), bool(g.get("is_decoupled_lr")))  # noqa: E731
+    return sorted(seen.values(), key=order)
 
 
 def _common_step(entries) -> Optional[torch.Tensor]:
@@ -150,9 +152,7 @@ def _common_step(entries) -> Optional[torch.Tensor]:
     for _name, _master, state in entries:
         if "step" in state:
             step = max(step, float(state["step"]))
-    # NCCL reduces device tensors only.
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    total = torch.tensor([step], dtype=torch.float64, device=device)
+    total = torch.tensor([step], dtype=torch.float64, device=current_device())
     if dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.MAX)
     return torch.tensor(float(total[0]), dtype=torch.float32) if float(total[0]) > 0 else None
@@ -170,10 +170,12 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
     model_dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
     entries = [entry for entry in writer_entries(trainer)
                if tied_alias(entry[0], tied) is None and not trainer.skip_in_checkpoint(entry[0])]
-    model, masters, moments = {}, {}, {}
+    model, masters, moments, layers = {}, {}, {}, set()
     keys_map = layer_keys_map(args)
     for name, master, state in entries:
         key, layer = model_space_key(name, keys_map)
+        if layer is not None:
+            layers.add(layer)
         master = master.detach()
         model[name] = _sharded(key, master.to(model_dtype).clone() if low_precision else master,
                                layer, args.num_layers)
@@ -186,7 +188,7 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
                          for moment in MOMENTS if moment in state}
     layer_module = getattr(trainer, "checkpoint_layer_module", lambda: None)()
     if layer_module is not None:
-        for layer in sorted({model_space_key(name, keys_map)[1] for name, _m, _s in entries} - {None}):
+        for layer in sorted(layers):
             model.update(layer_extra_states(layer_module, layer, args.num_layers))
     result = {"model": model}
     if not with_optimizer:
@@ -361,8 +363,7 @@ def _agree(problem: Optional[CheckpointError], directory: str) -> None:
     """Every rank raises if any rank cannot load its part, before anyone enters the collective load."""
     kind = 0.0 if problem is None else (2.0 if isinstance(problem, CheckpointSetupError) else 1.0)
     if dist.is_initialized():
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        flag = torch.tensor([kind], device=device)
+        flag = torch.tensor([kind], device=current_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         kind = max(kind, float(flag[0]))
     if problem is not None:
@@ -446,3 +447,30 @@ def metadata_objects(directory: str) -> set:
     for fqn in FileSystemReader(directory).read_metadata().state_dict_metadata:
         names.add(fqn.split("/", 1)[0])
     return names
+
+
+def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
+    """Every parameter in ``directory``, whole, without process groups (torch's checkpoint reader in one
+    process): the fp32 masters (``fp32_param``, the distributed optimizer's ``param``) where present,
+    the stacked decoder keys split into ``decoder.layers.<i>.<...>``."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(directory)
+    tensors = {key: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if isinstance(meta, TensorStorageMetadata)}
+    sources = {key: next((source for source in ("optimizer.state.fp32_param." + key, "optimizer.state.param." + key)
+                          if source in tensors), key)
+               for key in tensors if not key.startswith("optimizer.")}
+    state = {source: torch.empty(tuple(tensors[source].size), dtype=tensors[source].properties.dtype)
+             for source in sources.values()}
+    load(state, storage_reader=reader, no_dist=True)
+    params = {}
+    for key, source in sources.items():
+        value = state[source].float()
+        if key.startswith("decoder.layers."):  # stacked over the layers
+            rest = key[len("decoder.layers."):]
+            params.update({f"decoder.layers.{i}.{rest}": value[i] for i in range(value.shape[0])})
+        else:
+            params[key] = value
+    return params

@@ -94,13 +94,6 @@ class _Llama2Tokenizer(_SentencePieceFallbackTokenizer):
     def tokenize(self, text: str) -> List[int]:
         return [self._sp.bos_id()] + self._sp.encode_as_ids(text)
 
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(
-            [("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-             ("tokenizer_path", self.path)]
-        )
-
 
 class _NullFallbackTokenizer:
     """Null tokenizer (text is space-separated integer ids, eod = vocab_size)."""

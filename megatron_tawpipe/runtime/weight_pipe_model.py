@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tawpipe import parallel_state
+from megatron_tawpipe.initialize import current_device
 from megatron_tawpipe.model import params_dtype
 from megatron_tawpipe.plan import build_plan, validate_plan
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
@@ -71,7 +72,7 @@ class WeightPipeModel:
         self.args = args
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = current_device()
         groups = args.tawpipe_num_groups or parallel_state.default_num_groups(self.world)
         self.plan = build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
                                num_layers=args.num_layers, num_microbatches=args.num_microbatches,
