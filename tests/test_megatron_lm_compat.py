@@ -55,14 +55,15 @@ def llama3_8b_script(tmp):
 # examples/gpt3/train_gpt3_175b_distributed.sh, scaled down (4 layers, hidden 64, 64 tokens, tensor
 # parallel 8 -> 1 and pipeline 16 -> 2 for 4 CPU ranks, 4 iterations). Taken out:
 #   data: --data-path/--vocab-file/--merge-file (GPT-2 BPE files) -> --mock-data with NullTokenizer;
-#   not supported yet: --step-batch-size-schedule (batch-size ramp).
+#   the batch ramp (--step-batch-size-schedule) scaled to go from 4 to 8 sequences after 192 tokens.
 def gpt3_175b_script(tmp):
     return [
         # GPT_MODEL_ARGS
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--attention-backend", "auto",
         # TRAINING_ARGS
-        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--weight-decay", "0.1",
+        "--micro-batch-size", "1", "--step-batch-size-schedule", "0:4 192:8", "--train-iters", "4",
+        "--weight-decay", "0.1",
         "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
         "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
         "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4",
@@ -103,7 +104,6 @@ def test_published_scripts_run_under_every_schedule(script, tmp_path):
 
 UNIMPLEMENTED = [
     (["--ckpt-format", "zarr"], "--ckpt-format zarr: this project writes torch_dist"),
-    (["--step-batch-size-schedule", "0:16 2.4B:320"], "--step-batch-size-schedule 0:16 2.4B:320: not supported yet"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 training is not supported yet"),
     (["--attention-backend", "fused"], "--attention-backend fused needs Transformer Engine and a CUDA GPU"),
     # Values megatron-core's LR scheduler would only assert on, later:

@@ -145,6 +145,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=_positive_int, default=2)
     g.add_argument("--global-batch-size", type=_positive_int, default=None,
                    help="default: micro-batch size x data-parallel size")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="\"THRESHOLD:BATCH ...\"",
+                   help="instead of --global-batch-size: the global batch steps up as training proceeds, e.g. "
+                        "\"0:16 2.4B:320\" (thresholds in tokens, K/M/B/T suffixes; Megatron-LM's format)")
     g.add_argument("--train-iters", type=_positive_int, default=None)
     g.add_argument("--train-samples", type=_positive_int, default=None,
                    help="instead of --train-iters: train on this many samples (floor(samples / global batch) "

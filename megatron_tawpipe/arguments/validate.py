@@ -10,6 +10,7 @@ from typing import Optional
 from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, SUPPORTED_TOKENIZERS,
                                               WEIGHT_PASSING_SCHEDULES, ArgumentError)
 from megatron_tawpipe.compat.megatron_lm import compat_notices, compat_refusal
+from megatron_tawpipe.training import batch_schedule
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -51,6 +52,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_data_parallel(args, world_size)
     _validate_batch(args, world_size)
     _validate_schedule_units(args)
+    _validate_batch_layout(args)
     _validate_logging_and_checkpoints(args)
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
@@ -129,7 +131,11 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
     Sets ``args.train_iters`` in both modes and ``args.lr_warmup_steps``, ``lr_decay_steps``,
     ``wsd_decay_steps`` and ``wd_incr_steps`` in samples, the unit of megatron-core's scheduler.
     """
-    gbs = args.global_batch_size
+    schedule = args.batch_schedule
+
+    def samples(iterations: int) -> int:
+        return batch_schedule.samples_after(schedule, iterations)
+
     if (args.train_iters is None) == (args.train_samples is None):
         raise ArgumentError("give exactly one of --train-iters and --train-samples")
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
@@ -140,19 +146,22 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
                                 "--train-samples; with --train-iters use --lr-decay-iters / --lr-warmup-iters")
         if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
             raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-        decay = (args.lr_decay_iters or args.train_iters) * gbs
-        warmup = args.lr_warmup_iters * gbs
-        wsd = (args.lr_wsd_decay_iters or 0) * gbs
-        total = args.train_iters * gbs
+        decay_iters = args.lr_decay_iters or args.train_iters
+        decay = samples(decay_iters)
+        warmup = samples(args.lr_warmup_iters)
+        # The anneal is the decay's last iterations.
+        wsd = decay - samples(max(decay_iters - (args.lr_wsd_decay_iters or 0), 0))
+        total = samples(args.train_iters)
     else:
         if args.lr_decay_iters is not None or args.lr_warmup_iters or args.lr_wsd_decay_iters:
             raise ArgumentError("--lr-decay-iters / --lr-warmup-iters / --lr-wsd-decay-iters go with --train-iters; "
                                 "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
         if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
             raise ArgumentError("--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive")
-        args.train_iters = args.train_samples // gbs
+        args.train_iters = batch_schedule.iterations_for_samples(schedule, args.train_samples)
         if args.train_iters == 0:
-            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch ({gbs})")
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
+                                f"({schedule[0][1]})")
         decay = args.lr_decay_samples or args.train_samples
         warmup = args.lr_warmup_samples
         wsd = args.lr_wsd_decay_samples or 0
@@ -163,7 +172,7 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
         unit = "iters" if args.train_samples is None else "samples"
         given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
                  else f"--lr-warmup-{unit} {getattr(args, 'lr_warmup_' + unit)}")
-        span = decay // gbs if unit == "iters" else decay
+        span = decay_iters if unit == "iters" else decay
         raise ArgumentError(f"{given} must be smaller than --lr-decay-{unit} {span} (default: --train-{unit})")
     if args.lr_decay_style == "WSD" and not wsd:
         notice("--lr-decay-style WSD without --lr-wsd-decay-iters / --lr-wsd-decay-samples: the anneal "
@@ -400,21 +409,45 @@ def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
 
 
 def _validate_batch(args: argparse.Namespace, world_size: int) -> None:
+    """The global batch over the run: --global-batch-size (default: one micro-batch per data-parallel
+    rank) or --step-batch-size-schedule, kept as ``args.batch_schedule``."""
     dp = data_parallel_size(args, world_size)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    per_step = args.micro_batch_size * dp
-    if args.global_batch_size % per_step:
-        raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} must be divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {dp}")
-    num_microbatches = args.global_batch_size // per_step
-    if args.pipeline_schedule == "interleaved" and num_microbatches % args.pipeline_model_parallel_size:
-        raise ArgumentError(
-            f"--pipeline-schedule interleaved needs the number of micro-batches ({num_microbatches}) "
-            f"to be a multiple of --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
     args.data_parallel_size = dp
-    args.num_microbatches = num_microbatches
+    if args.step_batch_size_schedule is not None:
+        if args.global_batch_size is not None:
+            raise ArgumentError("--step-batch-size-schedule and --global-batch-size are mutually exclusive "
+                                "(as in Megatron-LM): the schedule gives the global batch")
+        try:
+            args.batch_schedule = batch_schedule.parse_step_schedule(args.step_batch_size_schedule,
+                                                                     args.seq_length)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+    else:
+        if args.global_batch_size is None:
+            args.global_batch_size = args.micro_batch_size * dp
+        args.batch_schedule = batch_schedule.constant(args.global_batch_size)
+    args.global_batch_size = batch_schedule.batch_at(args.batch_schedule, 0)
+
+
+def _validate_batch_layout(args: argparse.Namespace) -> None:
+    """Every global batch the run reaches is a whole number of micro-batches per data-parallel rank
+    (a multiple of the pipeline size for the interleaved schedule). A run that resumes (--load) may
+    start past entries that do not fit this layout: the check then waits for the checkpoint."""
+    try:
+        counts = batch_schedule.check_layout(args, 0)
+    except ValueError as exc:
+        if args.load and len(args.batch_schedule) > 1:
+            args.num_microbatches = None
+            return
+        raise ArgumentError(str(exc)) from None
+    if args.pipeline_schedule == "interleaved":
+        for count in counts:
+            if count % args.pipeline_model_parallel_size:
+                raise ArgumentError(
+                    f"--pipeline-schedule interleaved needs the number of micro-batches ({count}) "
+                    f"to be a multiple of --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.num_microbatches = batch_schedule.micro_batches(args.global_batch_size, args.micro_batch_size,
+                                                         args.data_parallel_size)
 
 
 def _cuda_available() -> bool:

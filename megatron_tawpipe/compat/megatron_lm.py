@@ -97,7 +97,8 @@ NO_EFFECT: Sequence[CompatFlag] = (
                "(stages 1-2), --use-torch-fsdp2 or --pipeline-schedule tawpipe (stage 3): the arithmetic is "
                "the same"),
     CompatFlag("--rampup-batch-size", dict(nargs=3, default=None),
-               "Megatron-LM ignores it too (deprecated); the global batch is --global-batch-size throughout"),
+               "deprecated, and ignored by Megatron-LM since megatron-core 0.18 as it is here: the global batch "
+               "is --global-batch-size throughout (--step-batch-size-schedule ramps it)"),
     CompatFlag("--deepspeed", SWITCH, _DEEPSPEED),
     CompatFlag("--deepspeed_config", VALUE, _DEEPSPEED),
     CompatFlag("--deepspeed-activation-checkpointing", SWITCH,
@@ -140,7 +141,6 @@ REFUSED: Sequence[CompatFlag] = LOW_PRECISION + (
     CompatFlag("--keep-fp8-transpose-cache", SWITCH, _FSDP),
     CompatFlag("--num-experts", INT, "mixture-of-experts models are not supported (dense decoder layers only)",
                applies=lambda v: v != 0),
-    CompatFlag("--step-batch-size-schedule", VALUE, f"{_NOT_YET}; the global batch is constant"),
     CompatFlag("--tp-comm-overlap", SWITCH, "needs tensor parallelism with Transformer Engine's userbuffers on GPUs"),
 )
 

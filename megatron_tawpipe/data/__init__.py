@@ -290,12 +290,15 @@ def validate_data_args(args) -> None:
 
 def dataset_sizes(args) -> List[int]:
     """Number of samples per split, as Megatron-LM computes them."""
-    gbs = int(args.global_batch_size)
+    from megatron_tawpipe.training import batch_schedule
+
+    schedule = getattr(args, "batch_schedule", None) or batch_schedule.constant(args.global_batch_size)
+    gbs = batch_schedule.largest_batch(schedule)   # evaluation takes the batch in force (at most this)
     eval_iters = int(_arg(args, "eval_iters", 0))
-    train_samples = getattr(args, "train_samples", None)
-    if train_samples is None:
-        train_samples = int(args.train_iters) * gbs
-    train_iters = int(_arg(args, "train_iters", 0)) or int(math.ceil(train_samples / gbs))
+    train_iters = int(_arg(args, "train_iters", 0)) or batch_schedule.iterations_for_samples(
+        schedule, getattr(args, "train_samples", None) or 0)
+    # A schedule's last iteration may go past --train-samples (Megatron-LM's count).
+    train_samples = max(getattr(args, "train_samples", None) or 0, batch_schedule.samples_after(schedule, train_iters))
     eval_interval = int(_arg(args, "eval_interval", 1000))
     eval_samples = (train_iters // max(1, eval_interval) + 1) * eval_iters * gbs
     test_samples = eval_iters * gbs

@@ -74,7 +74,7 @@ class PlanExecutor:
     """
 
     def __init__(self, plan, rank: int, compute, communicators: Communicators,
-                 timeout: Optional[datetime.timedelta] = None, nccl_faithful: bool = False):
+                 timeout: Optional[datetime.timedelta] = None, nccl_faithful: bool = False, transport=None):
         self.plan = plan
         # Bounded waits: a dead or stalled peer becomes an error, never a silent hang.
         self.timeout = timeout or datetime.timedelta(minutes=10)
@@ -82,7 +82,9 @@ class PlanExecutor:
         self.compute = compute
         self.comms = communicators
         self.nccl_faithful = nccl_faithful
-        if nccl_faithful:
+        if transport is not None:   # another plan's, taken over (its groups and sequence numbers go on)
+            self.transport = transport
+        elif nccl_faithful:
             from megatron_tawpipe.runtime.nccl_faithful import FaithfulTransport
 
             self.transport = FaithfulTransport(rank, communicators, self.timeout)

@@ -95,14 +95,18 @@ class WeightPassingTrainer:
         times = emulated_compute.maybe_load(args)
         if times is not None:
             emulated_compute.emulate_weight_pipe_model(self.model, times)
-        self.plan = self.model.plan
         self.rank, self.world, self.device = self.model.rank, self.model.world, self.model.device
         self.scaling = GradScaling.from_args(args, self.device)
         self.model.loss_scale_func = self.scaling.scale
         self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
         self._build_optimizer()
-        self._planned_bytes = self.planned_link_bytes()
+        self._planned_bytes: Dict[int, Dict[str, float]] = {}
         self._warn_about_single_connection()
+
+    @property
+    def plan(self):
+        """The plan of this iteration's micro-batch count (--step-batch-size-schedule may change it)."""
+        return self.model.plan
 
     def _warn_about_single_connection(self) -> None:
         message = single_connection_warning(os.environ, self.device.type, self.args.pipeline_schedule)
@@ -142,11 +146,13 @@ class WeightPassingTrainer:
         grad_norm, skipped = self._optimizer_step()
         loss_sum, tokens = self._reduce_reports(reports)
         sent = self._reduce_bytes()
+        planned = self._planned_bytes.get(self.plan.num_microbatches) or self._planned_bytes.setdefault(
+            self.plan.num_microbatches, self.planned_link_bytes())
         return {"loss_sum": loss_sum, "num_tokens": tokens, "grad_norm": grad_norm,
                 "skipped": skipped, "loss_scale": self.scaling.loss_scale(),
                 "extra": {"inter_group_bytes": sent["inter"], "intra_group_bytes": sent["intra"],
-                          "planned_inter_group_bytes": self._planned_bytes["inter"],
-                          "planned_intra_group_bytes": self._planned_bytes["intra"],
+                          "planned_inter_group_bytes": planned["inter"],
+                          "planned_intra_group_bytes": planned["intra"],
                           "compute_busy_fraction": mean_over_ranks(busy)}}
 
     @torch.no_grad()

@@ -53,11 +53,12 @@ class Communicators:
     group in that order, so that no communicator is created lazily inside a
     plan (a first use blocks until all members make it)."""
 
-    def __init__(self, plan, world_size: int):
+    def __init__(self, plans, world_size: int):
+        plans = plans if isinstance(plans, (list, tuple)) else [plans]   # one plan, or each a run may switch to
         everyone = tuple(range(world_size))
         members = {("p2p", channel): everyone for channel in ("weight", "grad")}
         members.update({("collective", tuple(ranks), channel): tuple(ranks)
-                        for ranks, channel in plan.communicators() if channel != "replicated"})
+                        for plan in plans for ranks, channel in plan.communicators() if channel != "replicated"})
         members[("replicated", everyone)] = everyone
         self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {
             key: dist.new_group(list(ranks)) if world_size > 1 else None for key, ranks in members.items()}

@@ -28,6 +28,7 @@ from megatron_tawpipe import parallel_state
 from megatron_tawpipe.initialize import current_device
 from megatron_tawpipe.model import params_dtype
 from megatron_tawpipe.plan import build_plan, validate_plan
+from megatron_tawpipe.training import batch_schedule
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
 from megatron_tawpipe.runtime.precision import RngSnapshot
 from megatron_tawpipe.runtime.shard_model import ShardTemplate
@@ -42,6 +43,20 @@ def plan_name(args) -> str:
 def plan_options(args) -> dict:
     chunk = getattr(args, "tawpipe_microbatches_per_visit", 1)
     return {"chunk": chunk} if args.pipeline_schedule == "tawpipe" and chunk != 1 else {}
+
+
+def planned_microbatch_counts(args) -> List[int]:
+    """Micro-batches per rank of every global batch the run may take (those that fit the layout;
+    the loop refuses, before training, a batch still ahead that does not)."""
+    schedule = getattr(args, "batch_schedule", None)
+    if not schedule:
+        return [args.num_microbatches]
+    counts = {batch_schedule.micro_batches(batch, args.micro_batch_size, args.data_parallel_size)
+              for _, batch in schedule}
+    counts.discard(None)
+    if not counts:
+        raise ValueError("no global batch of --step-batch-size-schedule fits --micro-batch-size x data-parallel size")
+    return sorted(counts)
 
 
 class _MicroBatchRecorder:
@@ -74,10 +89,16 @@ class WeightPipeModel:
         self.world = dist.get_world_size()
         self.device = current_device()
         groups = args.tawpipe_num_groups or parallel_state.default_num_groups(self.world)
-        self.plan = build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
-                               num_layers=args.num_layers, num_microbatches=args.num_microbatches,
-                               **plan_options(args))
-        validate_plan(self.plan)
+        # One plan per micro-batch count the run's global batches give (one, unless
+        # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
+        self.plans = {count: build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
+                                        num_layers=args.num_layers, num_microbatches=count, **plan_options(args))
+                      for count in planned_microbatch_counts(args)}
+        for plan in self.plans.values():
+            validate_plan(plan)
+        self.plan = self.plans.get(args.num_microbatches) or self.plans[min(self.plans)]
+        if any(plan.owners != self.plan.owners for plan in self.plans.values()):
+            raise ValueError("the plans for the schedule's micro-batch counts give shards different owners")
         self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners)
         self.recompute = not args.tawpipe_no_recompute
         self.template = ShardTemplate(args, self.plan.num_shards, self.device)
@@ -90,10 +111,27 @@ class WeightPipeModel:
             self.template.init_shard(shard, flat)
         self._build_replicated_masters()
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        self.executor = PlanExecutor(self.plan, self.rank, self, Communicators(self.plan, self.world),
-                                     timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-                                     nccl_faithful=getattr(args, "tawpipe_nccl_faithful", False))
+        self.communicators = Communicators(list(self.plans.values()), self.world)
+        self.executor = self._executor(self.plan)
         self._reset(None, None, 1, forward_only=True)
+
+    def _executor(self, plan, transport=None) -> PlanExecutor:
+        return PlanExecutor(plan, self.rank, self, self.communicators,
+                            timeout=datetime.timedelta(minutes=self.args.distributed_timeout_minutes),
+                            nccl_faithful=getattr(self.args, "tawpipe_nccl_faithful", False), transport=transport)
+
+    def use_plan_for(self, num_microbatches: int) -> None:
+        """Switch to the plan for ``num_microbatches`` per rank (every rank switches at the same
+        iteration); the process groups and the transport stay, the buffers follow the plan."""
+        if num_microbatches == self.plan.num_microbatches:
+            return
+        if num_microbatches not in self.plans:
+            raise ValueError(f"no plan for {num_microbatches} micro-batches per rank (planned: "
+                             f"{sorted(self.plans)})")
+        transport = self.executor.transport
+        self.executor = None   # the old buffers go before the new ones are allocated
+        self.plan = self.plans[num_microbatches]
+        self.executor = self._executor(self.plan, transport)
 
     def _build_replicated_masters(self) -> None:
         self.replicated = self.template.replicated_parameters()
@@ -141,6 +179,8 @@ class WeightPipeModel:
     def run(self, forward_step_func, data_iterator: Iterator, num_microbatches: int,
             forward_only: bool) -> List[object]:
         """Execute this rank's plan; returns the loss_func reports, one per local micro-batch."""
+        if num_microbatches != self.plan.num_microbatches and num_microbatches in self.plans:
+            self.use_plan_for(num_microbatches)
         if num_microbatches != self.plan.num_microbatches:
             raise ValueError(f"the plan was built for {self.plan.num_microbatches} micro-batches per rank, "
                              f"got num_microbatches={num_microbatches}")

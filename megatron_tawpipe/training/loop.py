@@ -1,0 +1,271 @@
+"""The pre-training loop on megatron-core parts.
+
+``pretrain(args)`` is what ``pretrain_llama.py`` runs on every rank: it sets
+up process groups, tokenizer, datasets, the trainer of the chosen
+``--pipeline-schedule``, the LR schedule and checkpoints, then iterates. It
+returns the per-iteration records so that tests can call it in-process.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from typing import List, Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_tawpipe import cpu_compat, exits, progress
+from megatron_tawpipe.bench import emulated_compute
+from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
+from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
+from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
+from megatron_tawpipe.metrics import (IterationRecord, MetricsWriter, held_memory_bytes, max_over_ranks, mean_over_ranks,
+                                      peak_memory_bytes)
+from megatron_tawpipe.runtime.executor import PeerFailure, first_line
+from megatron_tawpipe.runtime.precision import NonFiniteGradientError
+from megatron_tawpipe.tensorboard_log import TensorboardLog
+from megatron_tawpipe.training import batch_schedule
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, unsupported schedule, ...)."""
+
+
+def build_trainer(args):
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
+
+        return WeightPassingTrainer(args)
+    if getattr(args, "use_torch_fsdp2", False):
+        from megatron_tawpipe.baselines.fsdp import FsdpTrainer
+
+        return FsdpTrainer(args)
+    from megatron_tawpipe.baselines.native import NativeTrainer
+
+    return NativeTrainer(args)
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    """Megatron's LR / weight-decay schedule in samples (as Megatron-LM counts it), stepped by the
+    global batch after every applied optimizer step; the spans come from validate_args."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=args.lr_decay_steps,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.wd_incr_steps,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=args.wsd_decay_steps if args.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
+    )
+
+
+def data_parallel_rank_and_size(args):
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        return dist.get_rank(), dist.get_world_size()
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def _data_iterators(dataset, args, count: int, consumed_samples: int, num_workers: int = 0):
+    dp_rank, dp_size = data_parallel_rank_and_size(args)
+    # Slurm signals every process of the job: data-loader workers must leave --exit-signal to the rank.
+    ignore = getattr(signal, args.exit_signal) if getattr(args, "exit_signal_handler", False) else None
+    return [build_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples,
+                                dataloader_type=getattr(args, "dataloader_type", "single") or "single",
+                                num_workers=num_workers, ignore_signal=ignore)
+            for _ in range(count)]
+
+
+def evaluate(trainer, dataset, args) -> Optional[float]:
+    """Mean validation loss over ``--eval-iters`` global batches, always from the start of the split."""
+    if dataset is None or args.eval_iters <= 0:
+        return None
+    iterators = _data_iterators(dataset, args, trainer.num_data_iterators, 0)
+    loss_sum = tokens = 0.0
+    board = progress.board()
+    for _ in range(args.eval_iters):
+        with board.step(board.iteration, "evaluation step"):
+            step_sum, step_tokens = trainer.eval_step(iterators)
+        loss_sum += step_sum
+        tokens += step_tokens
+    return loss_sum / max(tokens, 1.0)
+
+
+def _is_writer() -> bool:
+    # The last rank sits on the last pipeline stage, where native schedules compute the loss.
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _current_lr(scheduler: OptimizerParamScheduler) -> float:
+    return float(scheduler.optimizer.param_groups[0]["lr"])
+
+
+def pretrain(args, trainer_factory=None) -> List[IterationRecord]:
+    """Train; ``trainer_factory(args)`` replaces the schedule's trainer (tests use it to substitute their own)."""
+    with cpu_compat.explain_cuda_errors():
+        return _pretrain(args, trainer_factory or build_trainer)
+
+
+def _pretrain(args, trainer_factory) -> List[IterationRecord]:
+    initialize_distributed(args)
+    initialize_model_parallel(args)
+    progress.start_board(args.distributed_timeout_minutes * 60.0)
+    try:
+        return _train(args, trainer_factory)
+    except BaseException as exc:
+        board = progress.board()
+        if not _is_peer_failure(exc):
+            board.finish("failed", f"{type(exc).__name__}: {exc}")
+            raise
+        reason = str(exc) if isinstance(exc, PeerFailure) else (
+            f"rank {dist.get_rank()}, iteration {board.iteration}: {first_line(exc)}")
+        board.finish("failed", reason)  # tell the others first: this rank gave up, it is not the cause
+        # The watchdog may have diagnosed already (it fired while this thread was blocked).
+        diagnosis = board.last_diagnosis or board.diagnose(settle_s=progress.SILENT_AFTER_S + 1)
+        board.reported()
+        board.linger_for_readers()
+        raise PeerFailure(f"{reason}; {diagnosis}") from exc
+    finally:
+        progress.stop_board()
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """Our own PeerFailure, or a collective that failed because a peer went away (gloo/NCCL
+    report these as plain RuntimeErrors)."""
+    if isinstance(exc, PeerFailure):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                      "NCCL error", "Timed out waiting"))
+
+
+def _train(args, trainer_factory) -> List[IterationRecord]:
+    started = getattr(args, "program_start_time", None) or time.time()
+    tokenizer = build_tokenizer(args)
+    train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
+    before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
+    held_before_model = held_memory_bytes()
+    trainer = trainer_factory(args)
+    scheduler = build_scheduler(args, trainer.optimizer)
+
+    iteration, consumed_samples = 0, 0
+    if args.load:
+        iteration, consumed_samples = _resume(args, trainer, scheduler)
+    _check_batch_layout(args, consumed_samples)
+
+    writer = MetricsWriter(args, dist.get_world_size(), _is_writer())
+    board = TensorboardLog(args, _is_writer())
+    # One loader per model chunk: worker processes are for the single-chunk case (Megatron-LM's --num-workers).
+    workers = args.num_workers if trainer.num_data_iterators == 1 else 0
+    train_iterators = _data_iterators(train_ds, args, trainer.num_data_iterators, consumed_samples, workers)
+    records: List[IterationRecord] = []
+    last_saved = iteration if args.load else None
+    stop = exits.ExitConditions(args, started)
+    reason = None
+    try:
+        while iteration < args.train_iters:
+            batch = batch_schedule.apply(args, consumed_samples)
+            start = time.perf_counter()
+            emulated_compute.reset_slept()
+            try:
+                with progress.board().step(iteration + 1, "training step"):
+                    step = trainer.train_step(train_iterators)
+            except NonFiniteGradientError as exc:
+                raise TrainingError(f"{exc} at iteration {iteration + 1}; stopping "
+                                    "(--no-check-for-nan-in-loss-and-grad to continue anyway)") from exc
+            elapsed = time.perf_counter() - start
+            iteration += 1
+            consumed_samples += batch
+            if not step["skipped"]:
+                scheduler.step(increment=batch)
+            loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
+            if not math.isfinite(loss) and not args.fp16 and args.check_for_nan_in_loss_and_grad:
+                raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
+                                    "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
+            extra = dict(step.get("extra", {}))
+            extra["global_batch_size"] = batch
+            peak, held = peak_memory_bytes(), held_memory_bytes()
+            held = -1 if held is None or held_before_model is None else held - held_before_model
+            peak_max, growth_max, held_max = max_over_ranks([peak, peak - before_model, held])
+            extra["peak_memory_bytes_max_rank"] = int(peak_max)
+            extra["memory_since_model_bytes_max_rank"] = int(growth_max)
+            if held_max >= 0:  # what the model, optimizer and buffers hold between iterations
+                extra["memory_held_since_model_bytes_max_rank"] = int(held_max)
+            if getattr(args, "emulated_compute_times", None):  # busy = slept compute time, the same measure for every schedule
+                extra["compute"] = "emulated"
+                extra["compute_busy_fraction"] = mean_over_ranks(emulated_compute.slept_seconds() / elapsed)
+            reason = stop.reason(iteration)
+            # Validation every --eval-interval iterations and, as Megatron-LM does, once after the last
+            # iteration (not after an early exit).
+            if (args.eval_interval and iteration % args.eval_interval == 0) or (
+                    iteration == args.train_iters and not reason):
+                validation = _report_validation(trainer, valid_ds, args, iteration)
+                if validation is not None:
+                    extra["validation_lm_loss"] = validation
+            records.append(writer.record(
+                iteration, consumed_samples, elapsed, loss, step["grad_norm"], _current_lr(scheduler),
+                skipped=step["skipped"], loss_scale=step["loss_scale"], extra=extra))
+            board.iteration(records[-1], batch)
+            board.validation(extra.get("validation_lm_loss"), iteration, consumed_samples)
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+                last_saved = iteration
+            if reason:
+                break
+        if args.save and last_saved != iteration:
+            save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+        if reason and _is_writer():
+            print(f" exiting after iteration {iteration}: {reason}", flush=True)
+    finally:
+        stop.close()
+        board.close()
+        writer.close()
+        trainer.close()
+    return records
+
+
+def _check_batch_layout(args, consumed_samples: int) -> None:
+    """The batches still ahead fit the layout (validate_args checked from the start unless resuming)."""
+    try:
+        batch_schedule.check_layout(args, consumed_samples)
+    except ValueError as exc:
+        raise TrainingError(f"{exc} (resuming at {consumed_samples} consumed samples)") from None
+
+
+def _resume(args, trainer, scheduler):
+    """Load the latest checkpoint under --load; an empty directory is reported (or refused)."""
+    from megatron_tawpipe.checkpoint import CheckpointSetupError, latest_iteration
+
+    if latest_iteration(args.load) is None:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointSetupError(f"--load {args.load} holds no checkpoint (--exit-on-missing-checkpoint)")
+        if _is_writer():
+            print(f" no checkpoint found in --load {args.load}: training from scratch", flush=True)
+        return 0, 0
+    iteration, consumed_samples = load_checkpoint(args.load, trainer, scheduler, args)
+    if _is_writer() and iteration:
+        print(f" loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+    return iteration, consumed_samples
+
+
+def _report_validation(trainer, dataset, args, iteration: int) -> Optional[float]:
+    loss = evaluate(trainer, dataset, args)
+    if loss is not None and _is_writer():
+        ppl = math.exp(min(20.0, loss))
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |",
+              flush=True)
+    return loss
