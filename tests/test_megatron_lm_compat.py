@@ -6,6 +6,7 @@ They run under tawpipe, weipipe and native 1F1B with only ``--pipeline-schedule`
 """
 
 import math
+import os
 
 import pytest
 
@@ -137,6 +138,92 @@ def test_notices_say_what_has_no_effect(capsys, monkeypatch, tmp_path):
     assert "the 2 ranks of each --pipeline-model-parallel-size pipeline join the weight pipeline" in out
     assert "--sequence-parallel: no effect with --tensor-model-parallel-size 1" in out
     assert "--use-flash-attn: Megatron-LM no longer reads it" in out
+
+
+def _option_nargs(parser):
+    """flag -> how many values it takes, in megatron_lm_flags.txt's notation (0, 1, 3, '+', '*')."""
+    import argparse
+
+    table = {}
+    for action in parser._actions:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)):
+            count = "0"
+        else:
+            count = "1" if action.nargs is None else str(action.nargs)
+        for flag in action.option_strings:
+            table[flag] = count
+    return table
+
+
+def test_shared_flags_take_as_many_values_as_megatron_lms():
+    """Every flag this parser shares with Megatron-LM's takes the same number of values, so a script's
+    words are grouped the same way: against the installed Megatron-LM parser (megatron-core 0.17+) and
+    against the recorded table of Megatron-LM's flags."""
+    from megatron_tawpipe.arguments import build_parser
+    from megatron_tawpipe.compat.megatron_lm import installed_megatron_lm_parser, megatron_lm_flags
+
+    ours = _option_nargs(build_parser())
+    recorded = {}
+    with open(os.path.join(os.path.dirname(__import__("megatron_tawpipe.compat", fromlist=["x"]).__file__),
+                           "megatron_lm_flags.txt"), encoding="utf-8") as table:
+        for line in table:
+            if line.strip() and not line.startswith("#"):
+                fields = line.split()
+                recorded[fields[0]] = fields[1]
+    assert set(recorded) == set(megatron_lm_flags())
+    references = [("recorded table", recorded)]
+    installed = installed_megatron_lm_parser()
+    if installed is not None:
+        references.append(("installed Megatron-LM", _option_nargs(installed)))
+    for name, reference in references:
+        mismatched = {flag: (ours[flag], reference[flag]) for flag in set(ours) & set(reference)
+                      if ours[flag] != reference[flag]}
+        assert not mismatched, f"values per flag differ from the {name}: {mismatched}"
+
+
+needs_megatron_training = pytest.mark.skipif(
+    __import__("megatron_tawpipe.compat.megatron_lm", fromlist=["x"]).installed_megatron_lm_parser() is None,
+    reason="megatron-core < 0.17 ships no megatron.training (CI's 0.16.1); checked under 0.17+")
+
+
+@needs_megatron_training
+def test_project_flags_join_megatron_lms_parser_through_its_hook(monkeypatch):
+    import sys
+
+    from megatron.training import arguments
+
+    from megatron_tawpipe.arguments import add_tawpipe_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "4", "--pipeline-schedule", "tawpipe",
+                                      "--tawpipe-microbatches-per-visit", "2", "--metrics-file", "m.jsonl"])
+    args = arguments.parse_args(extra_args_provider=add_tawpipe_args)
+    assert (args.num_layers, args.pipeline_schedule, args.tawpipe_microbatches_per_visit) == (4, "tawpipe", 2)
+    assert args.metrics_file == "m.jsonl"
+
+
+@needs_megatron_training
+@pytest.mark.parametrize("extra,outcome", [
+    (["--moe-router-topk", "2"], "notice: --moe-router-topk: Megatron-LM's default value; nothing to do here"),
+    (["--log-energy"], "--log-energy is a Megatron-LM flag this project does not implement"),
+    (["--moe-router-topk", "4"], "--moe-router-topk: mixture-of-experts models are not supported"),
+    (["--rerun-mode", "bogus"], "Megatron-LM's parser: argument --rerun-mode: invalid choice: 'bogus'"),
+])
+def test_installed_megatron_lm_parser_settles_the_flags_this_project_lacks(extra, outcome, capsys, monkeypatch,
+                                                                           tmp_path):
+    import pretrain_llama
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    argv = llama3_8b_script(tmp_path) + ["--pipeline-schedule", "tawpipe"] + extra
+    if outcome.startswith("notice"):
+        from megatron_tawpipe.arguments import parse_args, validate_args
+
+        validate_args(parse_args(argv), world_size=4)
+        assert outcome in capsys.readouterr().out
+        return
+    assert pretrain_llama.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and outcome in err[0], err
 
 
 # ---- Megatron-LM's defaults and derived values -----------------------------------------------

@@ -8,7 +8,7 @@
 from megatron_tawpipe.arguments.flags import (ATTENTION_BACKENDS, LLAMA_FLAGS, NORMALIZATIONS,
                                               PIPELINE_SCHEDULES, POSITION_EMBEDDING_TYPES, SUPPORTED_TOKENIZERS,
                                               TOKENIZER_TYPES, TOOL_FLAGS, TRANSFORMER_IMPLS,
-                                              WEIGHT_PASSING_SCHEDULES, ArgumentError, build_parser,
+                                              WEIGHT_PASSING_SCHEDULES, ArgumentError, add_tawpipe_args, build_parser,
                                               default_ffn_hidden_size, fill_defaults, llama_ffn_hidden_size,
                                               parse_args, plain_arguments)
 from megatron_tawpipe.arguments.validate import (data_parallel_size, notice, validate_args, virtual_pipeline_size,
@@ -16,6 +16,6 @@ from megatron_tawpipe.arguments.validate import (data_parallel_size, notice, val
 
 __all__ = ["ATTENTION_BACKENDS", "LLAMA_FLAGS", "NORMALIZATIONS", "PIPELINE_SCHEDULES",
            "POSITION_EMBEDDING_TYPES", "SUPPORTED_TOKENIZERS", "TOKENIZER_TYPES", "TOOL_FLAGS", "TRANSFORMER_IMPLS",
-           "WEIGHT_PASSING_SCHEDULES", "ArgumentError", "build_parser", "data_parallel_size",
+           "WEIGHT_PASSING_SCHEDULES", "ArgumentError", "add_tawpipe_args", "build_parser", "data_parallel_size",
            "default_ffn_hidden_size", "fill_defaults", "llama_ffn_hidden_size", "notice", "parse_args", "plain_arguments",
            "validate_args", "virtual_pipeline_size", "weight_passing_runtime_available", "world_size_from_env"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown
+from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown, settle_megatron_lm_flags
 from megatron_tawpipe.data import SUPPORTED_TOKENIZERS
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_checkpoint_and_logging_args(parser)
+    add_tawpipe_args(parser)
     add_compat_args(parser)
     return parser
 
@@ -238,8 +239,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--pipeline-schedule", default="1f1b",
-                   help=f"one of {', '.join(PIPELINE_SCHEDULES)}")
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--context-parallel-size", type=_positive_int, default=1)
@@ -249,6 +248,16 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="default: nccl with CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10.0,
                    help="a peer that sends nothing for this long is reported as stopped (no silent hangs)")
+    _add_data_parallel_args(parser)
+
+
+def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This project's own flags, added the way Megatron-LM's ``extra_args_provider`` hook adds a
+    script's flags (``megatron.training.arguments.parse_args(extra_args_provider=add_tawpipe_args)``
+    takes it as is): the schedule, the weight pipeline's options, metrics and benchmarking."""
+    g = parser.add_argument_group("weight-passing pipeline (megatron_tawpipe)")
+    g.add_argument("--pipeline-schedule", default="1f1b",
+                   help=f"one of {', '.join(PIPELINE_SCHEDULES)}")
     g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
                    help="groups (nodes) of the weight pipeline; default: one per node")
     g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
@@ -264,7 +273,15 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tawpipe-no-recompute", action="store_true",
                    help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
                         "in backward (faster, needs memory for N x L/P layers of activations)")
-    _add_data_parallel_args(parser)
+    g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
+    g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
+                   help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "
+                        "of the seconds in FILE (tools/calibrate.py writes it); communication stays real")
+    g.add_argument("--timeline-file", default=None, metavar="FILE",
+                   help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
+                        "iteration (compute and transfers, wall clock) as JSON; draw it with "
+                        "tools/plot_schedule.py --timeline FILE")
+    return parser
 
 
 def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -376,7 +393,6 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="validate every this many iterations (default: only after training)")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per validation; 0 or less: no validation")
-    g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
     g.add_argument("--wandb-project", default=None,
                    help="log Megatron-LM's scalars to this Weights & Biases project (needs the wandb package; "
                         "WANDB_MODE=offline works without network)")
@@ -391,21 +407,19 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--exit-interval", type=_positive_int, default=None, help="stop after this iteration")
 
-    g = parser.add_argument_group("benchmarking")
-    g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
-                   help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "
-                        "of the seconds in FILE (tools/calibrate.py writes it); communication stays real")
-    g.add_argument("--timeline-file", default=None, metavar="FILE",
-                   help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
-                        "iteration (compute and transfers, wall clock) as JSON; draw it with "
-                        "tools/plot_schedule.py --timeline FILE")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parse ``argv``; a Megatron-LM flag this project does not implement is an ArgumentError naming it."""
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
-        raise ArgumentError(explain_unknown(unknown))
+        try:
+            unknown, notices = settle_megatron_lm_flags(unknown)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+        if unknown:
+            raise ArgumentError(explain_unknown(unknown))
+        args.megatron_lm_default_notices = notices
     fill_defaults(args)
     return args
 

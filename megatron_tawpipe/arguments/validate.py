@@ -57,7 +57,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
-    for message in compat_notices(args):
+    for message in compat_notices(args) + list(vars(args).pop("megatron_lm_default_notices", ())):
         notice(message)
     return args
 

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import functools
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 _TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_flags.txt")
 
@@ -189,9 +189,68 @@ def megatron_lm_flags() -> Dict[str, str]:
     return flags
 
 
+@functools.lru_cache(maxsize=1)
+def installed_megatron_lm_parser() -> Optional[argparse.ArgumentParser]:
+    """Megatron-LM's own parser where the installed megatron-core ships ``megatron.training``
+    (0.17 and later), else None. It is the authority on which Megatron-LM flags exist, how many
+    values each takes and what its default is, for the version installed."""
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+    except Exception:   # 0.16 ships no megatron.training; a broken optional import must not stop training
+        return None
+    parser = argparse.ArgumentParser(prog="Megatron-LM", allow_abbrev=False, add_help=False)
+    try:
+        return add_megatron_arguments(parser) or parser
+    except Exception:
+        return None
+
+
+class _ParserError(Exception):
+    pass
+
+
+class _QuietParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _ParserError(message)
+
+
+def settle_megatron_lm_flags(unknown: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """Split the words this project's parser did not take, using the installed Megatron-LM parser:
+    ``(still unknown, notices)``. A Megatron-LM flag this project does not implement, given with
+    Megatron-LM's default value, changes nothing and is accepted with a notice; given with another
+    value, it stays unknown (and is refused by :func:`explain_unknown`)."""
+    parser = installed_megatron_lm_parser()
+    if parser is None or not unknown:
+        return list(unknown), []
+    quiet = _QuietParser(allow_abbrev=False, add_help=False)
+    for action in parser._actions:
+        quiet._add_action(action)
+    unset = object()   # argparse fills in a default only where the namespace has no value yet
+    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    try:
+        parsed, rest = quiet.parse_known_args(list(unknown), namespace)
+    except _ParserError as exc:   # a Megatron-LM flag with a value Megatron-LM itself refuses
+        raise ValueError(f"Megatron-LM's parser: {exc}") from None
+    defaults = {action.dest: action.default for action in parser._actions}
+    kept, notices = [], []
+    for dest, value in vars(parsed).items():
+        if value is unset:
+            continue
+        flags = [f for a in parser._actions if a.dest == dest for f in a.option_strings]
+        shown = next((f for f in flags if any(w.split("=", 1)[0] == f for w in unknown)), flags[0] if flags else dest)
+        if value == defaults.get(dest):
+            notices.append(f"{shown}: Megatron-LM's default value; nothing to do here")
+        else:
+            kept.append(shown)
+    return kept + list(rest), notices
+
+
 def explain_unknown(unknown: Sequence[str]) -> str:
     """The one-line error for command-line words the parser did not take."""
-    known = megatron_lm_flags()
+    known = dict(megatron_lm_flags())
+    parser = installed_megatron_lm_parser()
+    if parser is not None:
+        known.update({flag: "megatron-lm" for action in parser._actions for flag in action.option_strings})
     for word in unknown:
         flag = word.split("=", 1)[0]
         if flag.startswith("--moe-"):

@@ -242,6 +242,15 @@ def tokenizer_options(args) -> dict:
             "hf_use_fast": not getattr(args, "tokenizer_hf_no_use_fast", False)}
 
 
+def _null_library() -> str:
+    """megatron-core's name for the null tokenizer's library: "null", "null-text" from 0.17 on."""
+    try:
+        from megatron.core.tokenizers import megatron_tokenizer
+    except ImportError:
+        return "null"
+    return "null-text" if "null-text" in getattr(megatron_tokenizer, "TEXT_LIBRARIES", ()) else "null"
+
+
 def _core_tokenizer(tokenizer_path: Optional[str], library: str, **kwargs):
     """Load a megatron-core GPT tokenizer, or return None if this megatron-core has none.
 
@@ -303,7 +312,7 @@ def load_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
-        tok = _core_tokenizer(None, "null", vocab_size=int(vocab_size))
+        tok = _core_tokenizer(None, _null_library(), vocab_size=int(vocab_size))
         return tok if tok is not None else _NullFallbackTokenizer(int(vocab_size))
     raise ValueError(
         f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {', '.join(SUPPORTED_TOKENIZERS)}"

@@ -139,10 +139,12 @@ def check_layout(args, from_samples: int = 0) -> List[int]:
     counts = set()
     for threshold, batch in reachable(schedule, from_samples, max(until, from_samples + 1)):
         count = micro_batches(batch, args.micro_batch_size, args.data_parallel_size)
+        if count is None and len(schedule) == 1:
+            raise ValueError(f"--global-batch-size {batch} must be divisible by --micro-batch-size "
+                             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
         if count is None:
-            flag = FLAG if len(schedule) > 1 else "--global-batch-size"
-            where = f" (from {threshold} samples)" if len(schedule) > 1 else ""
-            raise ValueError(f"{flag}: the global batch {batch}{where} must be a multiple of --micro-batch-size "
-                             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
+            raise ValueError(f"{FLAG}: the global batch {batch} (from {threshold} samples) must be a multiple of "
+                             f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                             f"{args.data_parallel_size} = {per_step}")
         counts.add(count)
     return sorted(counts)
