@@ -114,3 +114,24 @@ def test_step_schedule_matches_one_process_under_every_schedule(tmp_path):
                          f"{name} grad norm")
         assert_close_rel([r["learning_rate"] for r in records], [r["learning_rate"] for r in reference], 1e-6,
                          f"{name} learning rate")
+
+
+def _core_step_calculator():
+    from megatron.core import num_microbatches_calculator as calculators
+
+    return getattr(calculators, "StepBatchsizeNumMicroBatchesCalculator", None)
+
+
+@pytest.mark.skipif(_core_step_calculator() is None,
+                    reason="megatron-core < 0.18 has no step batch-size calculator (CI's 0.16.1); checked under 0.19")
+def test_schedule_agrees_with_megatron_cores_calculator():
+    """Where megatron-core has Megatron-LM's step calculator, both give the same batch and micro-batch
+    count for every consumed-sample count, for the same schedule string."""
+    text, seq_length, micro, dp = "0:4 192:8 1.5K:16 2K:24", 32, 2, 2
+    core = _core_step_calculator()(micro_batch_size=micro, data_parallel_size=dp, decrease_batch_size_if_needed=False,
+                                   rank=1, schedule=text, seq_length=seq_length)
+    ours = batch_schedule.parse_step_schedule(text, seq_length)
+    for consumed in range(0, 120):
+        core.update(consumed, consistency_check=False)
+        assert batch_schedule.batch_at(ours, consumed) == core.get_current_global_batch_size(), consumed
+        assert batch_schedule.micro_batches(batch_schedule.batch_at(ours, consumed), micro, dp) == core.get(), consumed
