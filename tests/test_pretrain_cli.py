@@ -81,7 +81,7 @@ BAD_FLAGS = [
     (["--tawpipe-microbatches-per-visit", "2"], 1, "need --pipeline-schedule tawpipe or weipipe"),
     # Megatron-LM's flags that are not implemented: one line each, never "unrecognized arguments".
     (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp: Megatron-FSDP is not supported"),
-    (["--moe-router-topk", "2"], 1, "--moe-router-topk: mixture-of-experts models are not supported"),
+    (["--moe-router-topk", "4"], 1, "--moe-router-topk: mixture-of-experts models are not supported"),
     (["--log-straggler"], 1, "--log-straggler is a Megatron-LM flag this project does not implement"),
     (["--position-embedding-type", "yarn"], 1, "--position-embedding-type yarn is not supported yet"),
     (["--train-samples", "64"], 1, "give exactly one of --train-iters and --train-samples"),
