@@ -33,10 +33,12 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, uninterrupted):
 
 def test_resume_across_pipeline_layouts(tmp_path, uninterrupted):
     """Saved by 1F1B with 2 stages, resumed without pipelining on one process."""
+    from megatron.core import dist_checkpointing
+
     save = str(tmp_path / "ckpt")
     run_ranks(train_rank, 2, tiny_args("--pipeline-model-parallel-size", "2", "--save", save,
                                        "--exit-interval", "3", train_iters=ITERS))
-    common = torch.load(os.path.join(save, "iter_0000003", "common.pt"), weights_only=False)
+    common = dist_checkpointing.load_common_state_dict(os.path.join(save, "iter_0000003"))
     assert common["iteration"] == 3 and common["tawpipe"]["world_size"] == 2
     (resumed,) = run_ranks(train_rank, 1, tiny_args("--load", save, train_iters=ITERS))
     assert_close_rel(losses(resumed), losses(uninterrupted[3:]), 1e-5)

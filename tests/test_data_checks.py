@@ -17,13 +17,19 @@ from megatron_tawpipe import data, data_checks
 
 from training_helpers import data_args_error, tiny_args
 
-# Documents of integer ids for the NullTokenizer; the largest id is 999, eod is the vocab size.
+# Documents of integer ids for the NullTokenizer; the largest id is 999. The eod is megatron-core's:
+# the vocab size up to 0.18 (vocab + 1 ids), the vocab size - 1 from 0.19 (vocab ids).
 DOCS = [[(37 * k + 11 * i) % 1000 for i in range(2 + k % 7)] for k in range(40)] + [[999, 1, 2]]
 OTHER_DOCS = [[5, 6, 7, 8, 9, 10, 11] for _ in range(25)]
 
 
 def _quiet(_msg):
     pass
+
+
+def _null(vocab_size):
+    """The installed megatron-core's NullTokenizer for ``--vocab-size vocab_size``."""
+    return data.load_tokenizer("NullTokenizer", None, vocab_size)
 
 
 def _write_null(prefix, docs, vocab_size=1000):
@@ -86,8 +92,9 @@ def test_good_dataset_passes(good):
     assert info.sequence_count == len(DOCS) and info.document_count == len(DOCS) + 1
     assert info.num_tokens == sum(len(d) + 1 for d in DOCS)  # each document ends with eod
     assert info.bin_bytes == os.path.getsize(good + ".bin") and info.dtype is numpy.uint16
-    assert data_checks.token_id_range(info) == (0, 1000, True)
-    # the largest id (eod 1000) is the last valid NullTokenizer id for --vocab-size 1000
+    eod = _null(1000).eod
+    assert data_checks.token_id_range(info) == (0, max(999, eod), True)
+    assert max(999, eod) == _null(1000).vocab_size - 1   # the largest id is the last valid one of --vocab-size 1000
     data.validate_data_args(_args(good, vocab_size=1000))
     # a blend naming it twice, with weights
     data.validate_data_args(_args(["0.5", good, "0.5", good]))
@@ -243,11 +250,13 @@ def test_mock_data_skips_the_checks(copy):
 
 def test_null_tokenizer_smaller_than_the_data(good):
     msg = data_args_error(_args(good, vocab_size=500))
-    assert msg == (f"--vocab-size 500 gives the NullTokenizer 501 token ids (0..500, eod 500) but "
-                   f"{good}.bin contains token id 1000: the data was tokenized with another "
+    small, largest = _null(500), max(999, _null(1000).eod)
+    assert msg == (f"--vocab-size 500 gives the NullTokenizer {small.vocab_size} token ids "
+                   f"(0..{small.vocab_size - 1}, eod {small.eod}) but "
+                   f"{good}.bin contains token id {largest}: the data was tokenized with another "
                    f"tokenizer or a larger --vocab-size")
-    # id 1000 is the eod of --vocab-size 1000, one more than --vocab-size 999 allows
-    assert "contains token id 1000" in data_args_error(_args(good, vocab_size=999))
+    # the largest id of the data is the last id of --vocab-size 1000, one more than --vocab-size 999 has
+    assert f"contains token id {largest}" in data_args_error(_args(good, vocab_size=999))
 
 
 def _texts():
@@ -313,8 +322,9 @@ def test_larger_tokenizer_is_refused_by_the_record_preprocessing_left(sp_pair, t
                                              "NullTokenizer", vocab_size=100, log=_quiet)["text"]
     data.validate_data_args(_args(null_prefix, vocab_size=100, split="1,0,0"))
     msg = data_args_error(_args(null_prefix, vocab_size=5000, split="1,0,0"))
-    assert msg.startswith("--vocab-size 5000 (NullTokenizer with 5001 token ids) is not the tokenizer that wrote")
-    assert "records NullTokenizer with 101 token ids" in msg
+    assert msg.startswith(f"--vocab-size 5000 (NullTokenizer with {_null(5000).vocab_size} token ids) is not the "
+                          "tokenizer that wrote")
+    assert f"records NullTokenizer with {_null(100).vocab_size} token ids" in msg
 
 
 def test_build_datasets_refuses_too(sp_pair, copy):
@@ -330,7 +340,7 @@ def test_build_datasets_refuses_too(sp_pair, copy):
 
 
 def test_large_bin_is_scanned_in_sampled_windows(tmp_path, monkeypatch):
-    docs = [[k % 50 for k in range(j, j + 40)] for j in range(200)]  # every document ends with eod 1000
+    docs = [[k % 50 for k in range(j, j + 40)] for j in range(200)]  # every document ends with the eod
     prefix = _write_null(tmp_path / "sampled", docs)
     monkeypatch.setattr(data_checks, "FULL_SCAN_BYTES", 1024)
     monkeypatch.setattr(data_checks, "SAMPLE_WINDOWS", 4)
@@ -338,8 +348,9 @@ def test_large_bin_is_scanned_in_sampled_windows(tmp_path, monkeypatch):
     info = data_checks.check_indexed_dataset(prefix)
     assert info.bin_bytes > 1024
     low, high, complete = data_checks.token_id_range(info)
-    assert not complete and low == 0 and high == 1000  # eod of --vocab-size 1000
-    assert "contains token id 1000" in data_args_error(_args(prefix, vocab_size=800))
+    eod = _null(1000).eod
+    assert not complete and low == 0 and high == eod  # the eod of --vocab-size 1000
+    assert f"contains token id {eod}" in data_args_error(_args(prefix, vocab_size=800))
 
 
 # ---------------------------------------------------------------------------------------
@@ -378,9 +389,10 @@ def test_pretrain_reports_a_garbage_idx(copy, capsys, monkeypatch):
 
 def test_pretrain_reports_a_vocabulary_mismatch(good, capsys, monkeypatch):
     line = _maindata_args_error(_cli(good), capsys, monkeypatch)  # tiny_args has --vocab-size 200
-    assert line == (f"pretrain_llama.py: error: --vocab-size 200 gives the NullTokenizer 201 token ids "
-                    f"(0..200, eod 200) but {good}.bin contains token id 1000: the data was tokenized "
-                    f"with another tokenizer or a larger --vocab-size")
+    small, largest = _null(200), max(999, _null(1000).eod)
+    assert line == (f"pretrain_llama.py: error: --vocab-size 200 gives the NullTokenizer {small.vocab_size} token "
+                    f"ids (0..{small.vocab_size - 1}, eod {small.eod}) but {good}.bin contains token id {largest}: "
+                    f"the data was tokenized with another tokenizer or a larger --vocab-size")
 
 
 def test_pretrain_reports_a_sentencepiece_mismatch(sp_pair, capsys, monkeypatch):

@@ -44,6 +44,8 @@ def _tensor_metadata(directory):
 def test_weight_passing_writes_megatron_cores_keys_shapes_and_common_entries(tmp_path):
     """Under --bf16 (fp32 masters beside bf16 weights) tawpipe writes the tensors megatron-core's own
     sharded state dicts write, and the common entries Megatron-LM reads."""
+    from megatron.core import dist_checkpointing
+
     native, tawpipe = str(tmp_path / "native"), str(tmp_path / "tawpipe")
     run_ranks(train_rank, 1, tiny_args("--bf16", "--save", native, "--exit-interval", "1", train_iters=2))
     run_ranks(train_rank, 2, tiny_args("--bf16", "--pipeline-schedule", "tawpipe", "--save", tawpipe,
@@ -55,7 +57,7 @@ def test_weight_passing_writes_megatron_cores_keys_shapes_and_common_entries(tmp
     assert expected["optimizer.state.fp32_param.decoder.layers.mlp.linear_fc1.weight"][1] == torch.float32
     assert {"optimizer.state.exp_avg.embedding.word_embeddings.weight",
             "optimizer.state.exp_avg_sq.output_layer.weight"} <= set(written)
-    common = torch.load(os.path.join(tawpipe, "iter_0000001", "common.pt"), weights_only=False)
+    common = dist_checkpointing.load_common_state_dict(os.path.join(tawpipe, "iter_0000001"))
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 1
     assert common["args"].consumed_train_samples == 8 and common["args"].hidden_size == 64
     assert common["opt_param_scheduler"]["num_steps"] == 8

@@ -69,8 +69,12 @@ def checkpoint_arguments(root: str) -> Optional[Tuple[str, Dict[str, object]]]:
     path = os.path.join(directory, "common.pt")
     try:
         if checkpoint_format(directory) == "torch_dist":
-            # Megatron-LM stores its argparse namespace (a pickled object, as megatron-core reads it).
-            saved = vars(torch.load(path, map_location="cpu", weights_only=False)["args"])
+            # Megatron-LM stores its argparse namespace in the common part: common.pt up to megatron-core
+            # 0.18, an object inside the .distcp files from 0.19 (megatron-core reads either).
+            from megatron.core import dist_checkpointing
+
+            path = directory
+            saved = vars(dist_checkpointing.load_common_state_dict(directory)["args"])
         else:
             saved = torch.load(path, map_location="cpu", weights_only=True)["model"]
     except (OSError, KeyError, RuntimeError, EOFError) as exc:

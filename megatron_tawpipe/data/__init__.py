@@ -160,11 +160,14 @@ def _tokenizer_vocab(args, vocab_size: Optional[int] = None) -> Optional[Tuple[i
         return (int(vocab_size), f"the tokenizer has {int(vocab_size)} tokens",
                 "the data was tokenized with another tokenizer")
     null_vocab = int(null_vocab)
+    # megatron-core's null tokenizer: --vocab-size ids plus the eod --vocab-size up to 0.18,
+    # --vocab-size ids with the eod --vocab-size - 1 from 0.19 (as Megatron-LM of each release).
+    null = load_tokenizer("NullTokenizer", None, null_vocab)
     if vocab_size is None:
-        vocab_size = null_vocab + 1
+        vocab_size = null.vocab_size
     return (int(vocab_size),
             f"--vocab-size {null_vocab} gives the NullTokenizer {int(vocab_size)} token ids "
-            f"(0..{int(vocab_size) - 1}, eod {null_vocab})",
+            f"(0..{int(vocab_size) - 1}, eod {null.eod})",
             "the data was tokenized with another tokenizer or a larger --vocab-size")
 
 
