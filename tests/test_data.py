@@ -91,10 +91,21 @@ def _null_args(prefix, **kw):
     return args
 
 
-# Documents of distinct integer ids: doc k holds ids 16*k+1 .. 16*k+len (len <= 11), vocab 1000,
-# eod 1000.
+# Documents of distinct integer ids: doc k holds ids 16*k+1 .. 16*k+len (len <= 11), vocab 1000.
 NULL_DOCS = [[16 * k + 1 + i for i in range(3 + (k * 7) % 9)] for k in range(60)]
-NULL_EOD = 1000
+
+
+def _null_eod_follows_vocab() -> bool:
+    """megatron-core's NullTokenizer: up to 0.18, --vocab-size V gives V + 1 ids with the eod V; from
+    0.19 (it takes an eod_id) V ids with the eod V - 1, as Megatron-LM of each release."""
+    import inspect
+
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return "eod_id" not in inspect.signature(NullTokenizer.__init__).parameters
+
+
+NULL_EOD = 1000 if _null_eod_follows_vocab() else 999
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +288,7 @@ def test_null_tokenizer_and_vocab_padding():
     args = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=1000,
                               make_vocab_size_divisible_by=100, tensor_model_parallel_size=3)
     tok = data.build_tokenizer(args)
-    assert tok.vocab_size == 1001 and tok.eod == 1000
+    assert (tok.vocab_size, tok.eod) == ((1001, 1000) if _null_eod_follows_vocab() else (1000, 999))
     assert args.padded_vocab_size == 1200
     assert tok.tokenize("5 17 999") == [5, 17, 999]
     assert tok.detokenize([5, 17, 999]) == "5 17 999"
@@ -286,7 +297,8 @@ def test_null_tokenizer_and_vocab_padding():
 
     args = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=128)
     data.build_tokenizer(args)
-    assert args.padded_vocab_size == 256  # 129 ids -> next multiple of 128
+    # 129 ids -> the next multiple of 128; 128 ids stay
+    assert args.padded_vocab_size == (256 if _null_eod_follows_vocab() else 128)
     assert data.pad_vocab_size(256, 128, 2) == 256
     assert data.pad_vocab_size(257, 128, 2) == 512
 
@@ -475,7 +487,7 @@ def test_validate_data_args_errors(null_corpus, sp_model, tmp_path):
     assert "--data-path" in msg
 
     msg = data_args_error(_null_args(null_corpus, tokenizer_model=sp_model, **sp))  # ids of another tokenizer
-    assert msg.startswith(f"--tokenizer-model {sp_model} has 500 tokens") and "token id 1000" in msg
+    assert msg.startswith(f"--tokenizer-model {sp_model} has 500 tokens") and f"token id {NULL_EOD}" in msg
 
     # valid settings pass
     data.validate_data_args(_null_args(null_corpus))
