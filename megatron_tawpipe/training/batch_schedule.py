@@ -134,7 +134,7 @@ def check_layout(args, from_samples: int = 0) -> List[int]:
     """Every batch the run can still reach fits the layout; returns the micro-batch counts per rank
     (ascending) that the run will use. Raises ValueError naming the flag otherwise."""
     schedule = args.batch_schedule
-    until = getattr(args, "train_samples_total", None) or samples_after(schedule, args.train_iters)
+    until = samples_after(schedule, args.train_iters)  # --train-samples was turned into iterations already
     per_step = args.micro_batch_size * args.data_parallel_size
     counts = set()
     for threshold, batch in reachable(schedule, from_samples, max(until, from_samples + 1)):
