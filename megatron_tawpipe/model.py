@@ -273,11 +273,48 @@ def check_model_support(args) -> None:
 
 
 def check_sequence_parallel_support(args) -> None:
-    """Raise ValueError where megatron-core cannot run --sequence-parallel: its torch norm refuses it
-    (Transformer Engine's norms, or Apex's LayerNorm on a GPU, take it)."""
-    if not _beyond_torch_norm(args, resolve_attention_backend(args.attention_backend, args)):
-        raise ValueError("--sequence-parallel needs Transformer Engine's layers (GPU), or Apex's LayerNorm on a GPU: "
-                         "megatron-core's torch norm does not support it")
+    """Raise ValueError where --sequence-parallel cannot run: the norms take it (Transformer Engine's, Apex's,
+    or :class:`TorchNorm` in megatron-core's local layer), but zero-centred norms need TE or Apex."""
+    if args.apply_layernorm_1p and not _beyond_torch_norm(args, resolve_attention_backend(args.attention_backend,
+                                                                                           args)):
+        raise ValueError("--sequence-parallel with --apply-layernorm-1p needs Transformer Engine's layers (GPU), or "
+                         "Apex's LayerNorm on a GPU")
+
+
+class TorchNorm:
+    """torch's LayerNorm or RMSNorm for megatron-core's local layer, also under --sequence-parallel.
+
+    Under sequence parallelism a norm sees 1/T of the tokens on each tensor-parallel rank, so its
+    weight gradients are partial sums: its parameters are marked ``sequence_parallel``, as
+    megatron-core's own norms mark theirs, and the gradients are all-reduced over the
+    tensor-parallel group (megatron-core's ``finalize_model_grads`` for the native schedules, the
+    weight-passing trainer for its own). Used in place of megatron-core's torch norm, which refuses
+    sequence parallelism, when --sequence-parallel is on without Transformer Engine or Apex.
+    """
+
+    marks_sequence_parallel = True
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("torch's norms have no zero-centred weights (--apply-layernorm-1p)")
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ValueError(f"--normalization {config.normalization}: LayerNorm or RMSNorm")
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel and cls.marks_sequence_parallel)
+        return norm
+
+
+class TorchQKNorm(TorchNorm):
+    """:class:`TorchNorm` for the per-head query/key norms: they see every token (attention gathers the
+    sequence first), so their gradients are not sequence-parallel partial sums."""
+
+    marks_sequence_parallel = False
+
+
+def _uses_torch_norm_with_sequence_parallel(args, backend: str) -> bool:
+    return bool(getattr(args, "sequence_parallel", False)) and not _beyond_torch_norm(args, backend)
 
 
 def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
@@ -291,6 +328,11 @@ def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    if _uses_torch_norm_with_sequence_parallel(args, backend):
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
+        if qk_layernorm:
+            layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = TorchQKNorm
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
@@ -299,9 +341,16 @@ def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
 def construct_llama_model(args, config: TransformerConfig, pre_process: bool = True,
                           post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
     """The megatron-core GPTModel the flags describe, not yet initialised, on the host."""
-    return GPTModel(
+    spec = llama_layer_spec(args.attention_backend, args)
+    if _uses_torch_norm_with_sequence_parallel(args, resolve_attention_backend(args.attention_backend, args)):
+        # The block's final norm is megatron-core's module default unless the block spec names it.
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                          layer_norm=TorchNorm)
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=llama_layer_spec(args.attention_backend, args),
+        transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -315,6 +364,7 @@ def construct_llama_model(args, config: TransformerConfig, pre_process: bool = T
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
+    return model
 
 
 def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,

@@ -6,7 +6,11 @@ layout: D groups (nodes) of G = P / D consecutive ranks, the process groups
 inside each group, and which rank owns which shard. This module builds that
 once per run, with getters in megatron's style and a clean destroy.
 
-Rank ``r = k * G + j`` is local index ``j`` of group ``k``. The plan decides
+Rank ``r = k * G + j`` is local index ``j`` of group ``k``. With tensor parallelism
+inside the weight pipeline (``--tensor-model-parallel-size T``) these are *virtual*
+ranks: virtual rank ``v`` is the T consecutive global ranks ``v * T .. v * T + T - 1``
+(megatron-core's tensor-parallel group, inside one node), and the topology is that
+of the P / T virtual ranks. The plan decides
 shard ownership (TawPipe spreads each group's shards over the model's depth);
 the topology records it so that checkpoints and tools can ask.
 """
@@ -65,18 +69,22 @@ _TOPOLOGY: Optional[WeightPipeTopology] = None
 _INTRA_GROUPS: Dict[int, dist.ProcessGroup] = {}
 
 
-def initialize_weight_pipeline(num_groups: int, shard_owners: Sequence[int]) -> WeightPipeTopology:
-    """Create the topology and one process group per group (collective: every rank calls it)."""
+def initialize_weight_pipeline(num_groups: int, shard_owners: Sequence[int],
+                               tensor_parallel_size: int = 1) -> WeightPipeTopology:
+    """Create the topology (of virtual ranks when ``tensor_parallel_size`` > 1) and one process
+    group per group with all its global ranks (collective: every rank calls it)."""
     global _TOPOLOGY
     if _TOPOLOGY is not None:
         raise RuntimeError("the weight pipeline is already initialised; call destroy_weight_pipeline() first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % num_groups:
-        raise ValueError(f"--tawpipe-num-groups {num_groups} must divide the number of ranks {world}")
-    topology = WeightPipeTopology(world, num_groups, rank, tuple(shard_owners))
+    if world % (num_groups * tensor_parallel_size):
+        raise ValueError(f"--tawpipe-num-groups {num_groups} x --tensor-model-parallel-size {tensor_parallel_size} "
+                         f"must divide the number of ranks {world}")
+    t = tensor_parallel_size
+    topology = WeightPipeTopology(world // t, num_groups, rank // t, tuple(shard_owners))
     for group in range(num_groups):
         # new_group is collective over the default group: every rank creates every group.
-        _INTRA_GROUPS[group] = dist.new_group(topology.group_ranks(group))
+        _INTRA_GROUPS[group] = dist.new_group([v * t + j for v in topology.group_ranks(group) for j in range(t)])
     _TOPOLOGY = topology
     return topology
 

@@ -269,10 +269,6 @@ def _validate_tensor_parallel(args: argparse.Namespace) -> None:
             notice("--sequence-parallel: no effect with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")
             args.sequence_parallel = False
         return
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
-        raise ArgumentError(f"--tensor-model-parallel-size {tp} with --pipeline-schedule {args.pipeline_schedule}: "
-                            "tensor parallelism inside weight passing is not supported yet; the native schedules "
-                            "(1f1b, interleaved) take it")
     if args.use_torch_fsdp2:
         raise ArgumentError(f"--tensor-model-parallel-size {tp} with --use-torch-fsdp2: the FSDP2 baseline shards "
                             "whole layers over all ranks; leave tensor parallelism at 1")

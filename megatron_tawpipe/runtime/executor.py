@@ -71,6 +71,9 @@ class PlanExecutor:
     it provides ``forward(mb, shard, weights)``, ``backward(mb, shard, weights, grad)``,
     ``master(shard)``, ``main_grad(shard)``, ``replicated_grads(part="all")``,
     ``optimizer_step()`` and ``shard_numel``/``compute_dtype``/``device``.
+
+    ``rank`` is the plan's rank; with tensor parallelism inside the weight pipeline that is
+    a virtual rank, and ``communicators`` maps it and its peers to global ranks.
     """
 
     def __init__(self, plan, rank: int, compute, communicators: Communicators,
@@ -87,7 +90,7 @@ class PlanExecutor:
         elif nccl_faithful:
             from megatron_tawpipe.runtime.nccl_faithful import FaithfulTransport
 
-            self.transport = FaithfulTransport(rank, communicators, self.timeout)
+            self.transport = FaithfulTransport(communicators.physical(rank), communicators, self.timeout)
         else:
             self.transport = DirectTransport(compute.device)
         self.timer = ComputeTimer(compute.device)
@@ -277,7 +280,7 @@ class PlanExecutor:
             send = type(x) is A.SendStart
             tensor = self._buffer(x.buf, x.kind, x.shard, write=not send)
             ops.append(Op(x.tag, x, step, "send" if send else "recv", [tensor], self.comms.for_action(x),
-                          peer=x.peer))
+                          peer=self.comms.physical(x.peer)))
             starts.append((x, tensor, send))
         works = self.transport.issue(ops)
         for x, tensor, send in starts:
@@ -296,7 +299,9 @@ class PlanExecutor:
         self._issue_p2p(a)
 
     def _collective(self, a, kind: str, tensors, peer: int):
-        op = Op(a.tag, a, self._step, kind, tensors, self.comms.for_action(a), peer=peer, ranks=tuple(a.ranks))
+        physical = self.comms.physical
+        op = Op(a.tag, a, self._step, kind, tensors, self.comms.for_action(a),
+                peer=physical(peer) if peer >= 0 else peer, ranks=tuple(physical(r) for r in a.ranks))
         return self.transport.issue([op])[a.tag]
 
     def _broadcast(self, a: A.BroadcastStart) -> None:

@@ -51,19 +51,39 @@ class Communicators:
     replicated all-reduce -- the arrangement :mod:`plan.nccl` models.  On NCCL
     every group's communicator is created here, by one small all-reduce per
     group in that order, so that no communicator is created lazily inside a
-    plan (a first use blocks until all members make it)."""
+    plan (a first use blocks until all members make it).
 
-    def __init__(self, plans, world_size: int):
+    With tensor parallelism inside the weight pipeline (``tensor_parallel_size``
+    T > 1) the plan's ranks are *virtual* ranks, one per tensor-parallel group:
+    virtual rank ``v`` is the T global ranks ``v * T + j``. Tensor-parallel rank
+    ``j`` talks only to rank ``j`` of other virtual ranks, so every group above
+    exists once per index ``j`` (its members ``v * T + j``), and each rank keeps
+    the set of its own index: T independent copies of the plan's communication,
+    each moving 1/T of every shard."""
+
+    def __init__(self, plans, world_size: int, tensor_parallel_size: int = 1, tensor_parallel_rank: int = 0):
         plans = plans if isinstance(plans, (list, tuple)) else [plans]   # one plan, or each a run may switch to
+        self.tensor_parallel_size, self.tensor_parallel_rank = tensor_parallel_size, tensor_parallel_rank
         everyone = tuple(range(world_size))
         members = {("p2p", channel): everyone for channel in ("weight", "grad")}
         members.update({("collective", tuple(ranks), channel): tuple(ranks)
                         for plan in plans for ranks, channel in plan.communicators() if channel != "replicated"})
         members[("replicated", everyone)] = everyone
-        self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {
-            key: dist.new_group(list(ranks)) if world_size > 1 else None for key, ranks in members.items()}
-        if world_size > 1 and dist.get_backend() == "nccl":
-            self._create_nccl_communicators(members)
+        physical_world = world_size * tensor_parallel_size
+        self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {}
+        mine: Dict[tuple, Tuple[int, ...]] = {}
+        for index in range(tensor_parallel_size):   # every rank creates every index's groups, in one order
+            for key, ranks in members.items():
+                physical = [v * tensor_parallel_size + index for v in ranks]
+                group = dist.new_group(physical) if physical_world > 1 else None
+                if index == tensor_parallel_rank:
+                    self.groups[key], mine[key] = group, tuple(physical)
+        if physical_world > 1 and dist.get_backend() == "nccl":
+            self._create_nccl_communicators(mine)
+
+    def physical(self, rank: int) -> int:
+        """The global rank of virtual rank ``rank`` at this rank's tensor-parallel index."""
+        return rank * self.tensor_parallel_size + self.tensor_parallel_rank
 
     def _create_nccl_communicators(self, members: Dict[tuple, Tuple[int, ...]]) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
