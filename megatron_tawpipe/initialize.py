@@ -101,12 +101,13 @@ def initialize_distributed(args) -> None:
 
 
 def initialize_model_parallel(args) -> None:
-    """megatron-core's parallel state: TP and PP as requested for the native schedules (1 and 1 for weight passing)."""
+    """megatron-core's parallel state: TP and PP as requested for the native schedules; for weight passing, PP 1
+    and TP as requested (the tensor-parallel groups inside the weight pipeline's virtual ranks)."""
     from megatron.core import parallel_state
 
     weight_passing = args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES
     pp = 1 if weight_passing else args.pipeline_model_parallel_size
-    tp = 1 if weight_passing else args.tensor_model_parallel_size
+    tp = args.tensor_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,

@@ -300,10 +300,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                    "--pipeline-model-parallel-size pipeline join the weight pipeline, which runs over all "
                    f"{world_size} ranks (every rank is a data-parallel rank and owns 1/{world_size} of the layers)")
             args.pipeline_model_parallel_size = pp = 1
-        if args.num_layers % world_size:
-            raise ArgumentError(
-                f"--num-layers {args.num_layers} must be divisible by the number of ranks {world_size} "
-                f"for --pipeline-schedule {args.pipeline_schedule}")
+        _validate_weight_pipeline_ranks(args, world_size)
         if args.recompute_granularity == "selective":
             raise ArgumentError(
                 f"--recompute-granularity selective is not supported with --pipeline-schedule "
@@ -316,10 +313,6 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         if args.tawpipe_nccl_faithful and backend != "gloo":
             raise ArgumentError("--tawpipe-nccl-faithful runs NCCL's rules on gloo: it needs "
                                 "--distributed-backend gloo (on NCCL the rules are NCCL's own)")
-        groups = args.tawpipe_num_groups
-        if groups is not None and world_size % groups:
-            raise ArgumentError(
-                f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
             or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful):
@@ -346,6 +339,37 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                 "layers of a pipeline stage into at least two virtual stages")
     elif per_virtual is not None:
         raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
+
+
+def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -> None:
+    """Groups (nodes), tensor-parallel groups and layers for a weight-passing schedule: the plan runs over
+    world / T virtual ranks, each a tensor-parallel group of T ranks inside one node."""
+    schedule, tp = args.pipeline_schedule, args.tensor_model_parallel_size
+    groups = args.tawpipe_num_groups
+    if groups is not None and world_size % groups:
+        raise ArgumentError(f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
+    if tp > 1:
+        if world_size % tp:
+            raise ArgumentError(f"--tensor-model-parallel-size {tp} must divide the number of ranks {world_size}")
+        per_node = world_size // groups if groups is not None else _ranks_per_node(world_size)
+        if per_node % tp:
+            where = (f"--tawpipe-num-groups {groups} gives {per_node} ranks per group" if groups is not None
+                     else f"{per_node} ranks per node (LOCAL_WORLD_SIZE)")
+            raise ArgumentError(f"--tensor-model-parallel-size {tp} with --pipeline-schedule {schedule}: {where}, "
+                                f"which {tp} does not divide, so a tensor-parallel group would span nodes; "
+                                "tensor-parallel groups must stay inside a node")
+    virtual = world_size // tp
+    if args.num_layers % virtual:
+        ranks = (f"the number of tensor-parallel groups {virtual} ({world_size} ranks / "
+                 f"--tensor-model-parallel-size {tp})" if tp > 1 else f"the number of ranks {world_size}")
+        raise ArgumentError(f"--num-layers {args.num_layers} must be divisible by {ranks} "
+                            f"for --pipeline-schedule {schedule}")
+
+
+def _ranks_per_node(world_size: int) -> int:
+    """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE; all ranks when unset)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return local if local > 0 and world_size % local == 0 else world_size
 
 
 def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
@@ -394,7 +418,7 @@ def notice(message: str) -> None:
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
-        return world_size
+        return world_size // args.tensor_model_parallel_size
     return world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
 
 

@@ -5,6 +5,11 @@ Every decoder layer has the same shapes, so a rank builds a single template of
 embedding, final norm and output layer) and runs shard ``s`` by pointing the
 template's parameters at a flat buffer that holds shard ``s``'s weights.
 Flat buffers are what travels between ranks; parameters are views into them.
+
+With ``--tensor-model-parallel-size T`` the template is built from megatron-core's
+tensor-parallel layers: each rank's flat buffer holds its column- and row-parallel
+slices (and its copy of what tensor parallelism does not split), so a shard's buffer
+is about 1/T of the shard; the embedding and output layer are vocabulary-parallel.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from megatron_tawpipe.model import construct_llama_model, init_parameter, llama_config
+from megatron_tawpipe.model import construct_llama_model, init_parameter, llama_config, mark_tensor_parallel_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +28,8 @@ class ParamSlot:
     local_name: str          # name inside one template layer stack, e.g. "1.mlp.linear_fc1.weight"
     offset: int
     shape: Tuple[int, ...]
+    partition_dim: int = -1  # the dimension tensor parallelism splits; -1: whole on every tensor-parallel rank
+    tp_reduce: bool = False  # its gradient is a partial sum over the tensor-parallel group (all-reduced)
 
     @property
     def numel(self) -> int:
@@ -48,10 +55,15 @@ class ShardTemplate:
         # (Enabling it would need a template-owned fp32 main_grad flat buffer bound once as
         # views, drained into the plan buffer after each backward, and the same for the
         # output layer among the replicated parts.) The other fusions follow llama_config.
-        template_config = llama_config(args, main_grad_buffers=False)
+        self.tensor_parallel_size = getattr(args, "tensor_model_parallel_size", 1)
+        template_config = llama_config(args, main_grad_buffers=False,
+                                       tensor_model_parallel_size=self.tensor_parallel_size,
+                                       sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
         template_config.num_layers = self.layers_per_shard
         self.config = template_config
         self.model = construct_llama_model(args, template_config).to(device)
+        if self.tensor_parallel_size > 1:
+            mark_tensor_parallel_weights(self.model)
         if template_config.params_dtype != torch.float32:
             # As megatron's Float16Module does for the native schedules: torch's own modules (norms,
             # learned position embeddings) are created in fp32 and must compute in bf16/fp16 too.
@@ -74,9 +86,22 @@ class ShardTemplate:
     def _layout(self) -> List[ParamSlot]:
         slots, offset = [], 0
         for name, param in self.layers.named_parameters():
-            slots.append(ParamSlot(name, offset, tuple(param.shape)))
+            split = getattr(param, "tensor_model_parallel", False)
+            slots.append(ParamSlot(name, offset, tuple(param.shape), param.partition_dim if split else -1,
+                                   self.gradient_is_partial(name, param)))
             offset += param.numel()
         return slots
+
+    def gradient_is_partial(self, name: str, param: torch.Tensor) -> bool:
+        """Whether a parameter's gradient on one tensor-parallel rank is a partial sum (all-reduced over
+        the group after the backward, as megatron-core's ``finalize_model_grads`` does): weights marked
+        ``sequence_parallel`` under --sequence-parallel, and the query/key norms, which see only the
+        rank's heads."""
+        if self.tensor_parallel_size == 1 or getattr(param, "tensor_model_parallel", False):
+            return False
+        if self.config.sequence_parallel and getattr(param, "sequence_parallel", False):
+            return True
+        return bool(self.config.qk_layernorm) and ("q_layernorm" in name or "k_layernorm" in name)
 
     def global_name(self, shard: int, slot: ParamSlot) -> str:
         local_layer, rest = slot.local_name.split(".", 1)
@@ -85,9 +110,18 @@ class ShardTemplate:
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
+    def tagged_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """:meth:`views` carrying megatron-core's tensor-parallel attributes (``tensor_model_parallel``,
+        ``partition_dim``): what initialisation, checkpoints and the gradient norm read."""
+        views = self.views(flat)
+        for slot, view in zip(self.slots, views):
+            if slot.partition_dim >= 0:
+                view.tensor_model_parallel, view.partition_dim, view.partition_stride = True, slot.partition_dim, 1
+        return views
+
     def init_shard(self, shard: int, flat: torch.Tensor) -> None:
-        """Initial weights of ``shard``: the same values a whole-model build gets."""
-        for slot, view in zip(self.slots, self.views(flat)):
+        """Initial weights of ``shard``: the same values (this rank's slices of them) a whole-model build gets."""
+        for slot, view in zip(self.slots, self.tagged_views(flat)):
             init_parameter(view, self.global_name(shard, slot), self.args.seed, self.full_config)
 
     # ---- replicated parts -----------------------------------------------------------
@@ -102,7 +136,7 @@ class ShardTemplate:
 
     def _init_replicated(self, seed: int) -> None:
         for name, param in self.replicated_parameters():
-            init_parameter(param.data, name, seed, self.full_config)
+            init_parameter(param, name, seed, self.full_config)  # the parameter: its tensor-parallel attributes
 
     # ---- binding and running ------------------------------------------------------
 

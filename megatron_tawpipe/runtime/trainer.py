@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
+from megatron_tawpipe.model import gather_tensor_parallel, global_shape, tensor_parallel_slice
 from megatron_tawpipe.param_groups import megatron_param_groups
 from megatron_tawpipe.baselines.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
@@ -95,7 +96,8 @@ class WeightPassingTrainer:
         times = emulated_compute.maybe_load(args)
         if times is not None:
             emulated_compute.emulate_weight_pipe_model(self.model, times)
-        self.rank, self.world, self.device = self.model.rank, self.model.world, self.model.device
+        # Global rank and size (the plan's virtual ranks are the model's: model.rank, model.world).
+        self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), self.model.device
         self.scaling = GradScaling.from_args(args, self.device)
         self.model.loss_scale_func = self.scaling.scale
         self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
@@ -167,6 +169,7 @@ class WeightPassingTrainer:
             micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
 
     def _optimizer_step(self) -> Tuple[Optional[float], bool]:
+        self.model.reduce_partial_grads()
         grads = self.model.shard_grads() + self.model.replicated_grads()
         if self.scaling.unscale_and_check(grads):
             return None, True
@@ -190,6 +193,8 @@ class WeightPassingTrainer:
         executor.trace = None
         if self.rank != 0:
             return
+        # Tensor-parallel ranks of one virtual rank run the same actions: the first one's trace shows them.
+        traces = traces[::self.model.tensor_parallel_size]
         plan = self.plan
         doc = {"schedule": plan.schedule, "num_ranks": plan.num_ranks, "num_groups": plan.num_groups,
                "num_layers": plan.num_layers, "num_microbatches": plan.num_microbatches,
@@ -216,11 +221,12 @@ class WeightPassingTrainer:
         raise NonFiniteGradientError(", ".join(names))
 
     def _reduce_reports(self, reports) -> Tuple[float, float]:
-        """Sum the ``[loss_sum, tokens]`` reports over micro-batches and ranks."""
+        """Sum the ``[loss_sum, tokens]`` reports over micro-batches and data-parallel (virtual) ranks
+        (the tensor-parallel ranks of one virtual rank report the same micro-batches)."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for report in reports:
             totals += report["lm loss"].to(totals)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self._data_parallel_group())
         return float(totals[0]), float(totals[1])
 
     def _reduce_bytes(self) -> Dict[str, int]:
@@ -230,8 +236,16 @@ class WeightPassingTrainer:
         dist.all_reduce(counts)
         return {"intra": int(counts[0]), "inter": int(counts[1])}
 
+    def _data_parallel_group(self):
+        if self.model.tensor_parallel_size == 1:
+            return None   # the default group
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
     def planned_link_bytes(self) -> Dict[str, float]:
-        """Bytes per link class per iteration that the plan prescribes, with this run's buffer dtypes."""
+        """Bytes per link class per iteration that the plan prescribes, with this run's buffer dtypes
+        (each of the T tensor-parallel indices runs the plan on its 1/T of every shard)."""
         weight_bytes = self.model.shard_numel * torch.finfo(self.model.compute_dtype).bits // 8
         grad_bytes = self.model.shard_numel * 4
         total = {"intra": 0.0, "inter": 0.0}
@@ -239,15 +253,21 @@ class WeightPassingTrainer:
             only = dataclasses.replace(self.plan, actions=[
                 [a for a in acts if getattr(a, "kind", None) == kind] for acts in self.plan.actions])
             for link, value in link_bytes(only, unit).items():
-                total[link] += value
+                total[link] += value * self.model.tensor_parallel_size
         return total
 
     def _global_norm(self) -> float:
-        """L2 norm of all gradients: owned shards (summed over ranks) and the replicated parts."""
-        squared = squared_l2_norm(self.model.shard_grads(), self.device)
+        """L2 norm of all gradients: owned shards (summed over ranks) and the replicated parts (the
+        same on every virtual rank; summed over the tensor-parallel group when it splits them)."""
+        shards, replicated = self.model.norm_grads()
+        squared = squared_l2_norm(shards, self.device)
         dist.all_reduce(squared)
-        squared += squared_l2_norm(self.model.replicated_grads(), self.device)  # the same on every rank
-        return float(squared.sqrt())
+        others = squared_l2_norm(replicated, self.device)
+        if self.model.tensor_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            dist.all_reduce(others, group=parallel_state.get_tensor_model_parallel_group())
+        return float((squared + others).sqrt())
 
     def _clip_gradients(self, norm: float) -> None:
         """Megatron's global-norm clipping: scale every gradient by clip / (norm + 1e-6) when below 1."""
@@ -279,7 +299,38 @@ class WeightPassingTrainer:
         return value.to(device=master.device, dtype=master.dtype)
 
     def writes_checkpoint(self) -> bool:
-        return True
+        """Every rank writes what it owns; with tensor parallelism, the group's first rank writes
+        the whole tensors gathered from its group (:meth:`gathered_masters`)."""
+        return self.model.tensor_parallel_rank == 0
+
+    def checkpoint_shape(self, name: str, param: torch.Tensor) -> Tuple[int, ...]:
+        """The whole parameter's shape in a checkpoint (a tensor-parallel rank holds a slice)."""
+        return global_shape(param)
+
+    def checkpoint_slice(self, name: str, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel slice of a whole parameter (or of its Adam state) read from a checkpoint."""
+        return tensor_parallel_slice(name, whole, param, self.model.template.full_config)
+
+    def gathered_masters(self):
+        """With tensor parallelism: ``(name, whole fp32 master, whole Adam state)`` of every parameter this
+        virtual rank holds, gathered over the tensor-parallel group (every rank calls this; the group's
+        first rank gets the tensors, the others an empty list). None without tensor parallelism."""
+        if self.model.tensor_parallel_size == 1:
+            return None
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        keep = self.writes_checkpoint()
+        config = self.model.template.full_config
+        out = []
+        for name, master in self._named_masters:
+            state = self.optimizer_state_for(master)
+            whole = gather_tensor_parallel(name, master.detach(), master, config, group)
+            moments = {key: gather_tensor_parallel(name, value, master, config, group) if key != "step" else value
+                       for key, value in state.items()}
+            if keep:
+                out.append((name, whole, moments))
+        return out
 
     def checkpoint_layer_module(self):
         """A decoder layer built from the run's layer spec (its extra state goes into torch_dist checkpoints)."""

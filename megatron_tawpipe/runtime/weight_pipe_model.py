@@ -85,10 +85,15 @@ class WeightPipeModel:
 
     def __init__(self, args):
         self.args = args
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        # With --tensor-model-parallel-size T the plan runs over P / T virtual ranks, one per
+        # tensor-parallel group (T consecutive ranks, megatron-core's layout): ``rank`` and
+        # ``world`` are the plan's, ``tensor_parallel_rank`` is this rank's index in its group.
+        self.tensor_parallel_size = getattr(args, "tensor_model_parallel_size", 1)
+        self.tensor_parallel_rank = dist.get_rank() % self.tensor_parallel_size
+        self.rank = dist.get_rank() // self.tensor_parallel_size
+        self.world = dist.get_world_size() // self.tensor_parallel_size
         self.device = current_device()
-        groups = args.tawpipe_num_groups or parallel_state.default_num_groups(self.world)
+        groups = args.tawpipe_num_groups or parallel_state.default_num_groups(dist.get_world_size())
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
         self.plans = {count: build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
@@ -99,7 +104,7 @@ class WeightPipeModel:
         self.plan = self.plans.get(args.num_microbatches) or self.plans[min(self.plans)]
         if any(plan.owners != self.plan.owners for plan in self.plans.values()):
             raise ValueError("the plans for the schedule's micro-batch counts give shards different owners")
-        self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners)
+        self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.tensor_parallel_size)
         self.recompute = not args.tawpipe_no_recompute
         self.template = ShardTemplate(args, self.plan.num_shards, self.device)
         self.shard_numel = self.template.shard_numel
@@ -111,7 +116,8 @@ class WeightPipeModel:
             self.template.init_shard(shard, flat)
         self._build_replicated_masters()
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        self.communicators = Communicators(list(self.plans.values()), self.world)
+        self.communicators = Communicators(list(self.plans.values()), self.world, self.tensor_parallel_size,
+                                           self.tensor_parallel_rank)
         self.executor = self._executor(self.plan)
         self._reset(None, None, 1, forward_only=True)
 
@@ -139,6 +145,9 @@ class WeightPipeModel:
         for _, param in self.replicated:
             master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
             master.grad = torch.zeros_like(master)
+            for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel"):
+                if hasattr(param, attribute):   # (``param.data`` is a new tensor without them)
+                    setattr(master, attribute, getattr(param, attribute))
             self.replicated_masters.append(master)
 
     # ---- parameters ---------------------------------------------------------------------
@@ -147,7 +156,7 @@ class WeightPipeModel:
         """``(global name, fp32 master, fp32 gradient)`` for every parameter this rank updates."""
         out = []
         for shard in self.owned:
-            views = self.template.views(self._masters[shard])
+            views = self.template.tagged_views(self._masters[shard])
             grads = self.template.views(self._main_grads[shard])
             for slot, view, grad in zip(self.template.slots, views, grads):
                 out.append((self.template.global_name(shard, slot), view, grad))
@@ -157,6 +166,43 @@ class WeightPipeModel:
 
     def shard_grads(self) -> List[torch.Tensor]:
         return list(self._main_grads.values())
+
+    def norm_grads(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """The gradients this rank counts in the global norm: (owned shards', replicated parts').
+        Owned shards' are summed over all ranks, replicated parts' over the tensor-parallel group
+        (they are the same on every virtual rank). A tensor that tensor parallelism does not
+        split is counted on tensor-parallel rank 0 only (megatron-core's rule)."""
+        if self.tensor_parallel_size == 1:
+            return self.shard_grads(), self.replicated_grads()
+        first = self.tensor_parallel_rank == 0
+        shards = [view for shard in self.owned
+                  for slot, view in zip(self.template.slots, self.template.views(self._main_grads[shard]))
+                  if first or slot.partition_dim >= 0]
+        replicated = [master.grad for master in self.replicated_masters
+                      if first or getattr(master, "tensor_model_parallel", False)]
+        return shards, replicated
+
+    def reduce_partial_grads(self) -> None:
+        """All-reduce over the tensor-parallel group the gradients that are partial sums there
+        (sequence-parallel norms and biases, query/key norms; see ShardTemplate.gradient_is_partial),
+        in one coalesced all-reduce. Nothing to do without tensor parallelism."""
+        if self.tensor_parallel_size == 1:
+            return
+        from megatron.core import parallel_state as megatron_state
+
+        partial = [view for shard in self.owned
+                   for slot, view in zip(self.template.slots, self.template.views(self._main_grads[shard]))
+                   if slot.tp_reduce]
+        partial += [master.grad for (name, param), master in zip(self.replicated, self.replicated_masters)
+                    if self.template.gradient_is_partial(name, param)]
+        if not partial:
+            return
+        flat = torch.cat([g.reshape(-1) for g in partial])
+        dist.all_reduce(flat, group=megatron_state.get_tensor_model_parallel_group())
+        offset = 0
+        for grad in partial:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def zero_grads(self) -> None:
         for grad in self.shard_grads() + self.replicated_grads():

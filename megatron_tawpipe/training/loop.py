@@ -72,8 +72,9 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
 
 
 def data_parallel_rank_and_size(args):
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
-        return dist.get_rank(), dist.get_world_size()
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:   # one data stream per virtual rank
+        tp = args.tensor_model_parallel_size
+        return dist.get_rank() // tp, dist.get_world_size() // tp
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
