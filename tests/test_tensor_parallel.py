@@ -1,5 +1,6 @@
 """--tensor-model-parallel-size with the native schedules: megatron-core's tensor parallelism on gloo
-matches one process without it, and checkpoints move between tensor-parallel layouts and schedules."""
+(with and without --sequence-parallel) matches one process without it, and checkpoints move between
+tensor-parallel layouts and schedules. (Inside weight passing: test_tensor_parallel_weight_passing.py.)"""
 
 import pytest
 
@@ -26,7 +27,9 @@ def reference():
     (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "llama"),
     (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"], "llama"),
     (2, ["--tensor-model-parallel-size", "2"], "gpt"),
-], ids=["tp2", "tp2-pp2", "tp2-dp2-distopt", "tp2-gpt"])
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "llama"),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"], "gpt"),
+], ids=["tp2", "tp2-pp2", "tp2-dp2-distopt", "tp2-gpt", "tp2-sp", "tp2-sp-pp2-gpt"])
 def test_tensor_parallel_matches_one_process(reference, world, extra, architecture):
     flags = GPT_FLAGS if architecture == "gpt" else None
     argv = tiny_args(*extra, train_iters=ITERS, **({"architecture": flags} if flags else {}))
@@ -53,8 +56,7 @@ def test_checkpoints_cross_tensor_parallel_layouts_and_schedules(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--pipeline-schedule", "tawpipe"], "tensor parallelism inside weight passing is not supported yet"),
-    (["--sequence-parallel"], "--sequence-parallel needs Transformer Engine's layers"),
+    (["--sequence-parallel", "--apply-layernorm-1p"], "--apply-layernorm-1p needs Transformer Engine"),
     (["--num-query-groups", "1", "--group-query-attention"], "--num-query-groups 1 must be divisible by"),
     (["--save", "x", "--ckpt-format", "tawpipe"], "use --ckpt-format torch_dist"),
     (["--use-torch-fsdp2"], "--tensor-model-parallel-size 2 with --use-torch-fsdp2"),

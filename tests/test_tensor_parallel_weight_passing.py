@@ -1,0 +1,149 @@
+"""--tensor-model-parallel-size inside weight passing: tawpipe and weipipe over P / T virtual ranks.
+
+Each case runs 3 iterations (clipping active, fp32, forked gloo ranks, the executor's NCCL-faithful
+mode) and compares, against one process without any parallelism: the loss and gradient norm of every
+iteration, and every parameter after every step, gathered into whole tensors by the checkpoint (the
+parameters read back from both runs' torch_dist checkpoints). The bytes each link class carried equal
+the plan's, now summed over the tensor-parallel indices (each moves 1/T of every shard).
+"""
+
+import pytest
+
+from distributed_harness import run_ranks
+from test_weight_passing_equivalence import assert_same_parameters
+from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, train_rank
+from megatron_tawpipe.arguments import LLAMA_FLAGS
+
+ITERS = 3
+GPT = list(GPT_FLAGS)
+QK_NORM = list(LLAMA_FLAGS) + ["--qk-layernorm"]
+
+
+def _args(*extra, layers, global_batch, save, architecture=LLAMA_FLAGS):
+    argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, architecture=architecture)
+    argv[argv.index("--num-layers") + 1] = str(layers)
+    return argv + ["--save", save, "--save-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache = {}
+
+    def get(layers, global_batch, architecture):
+        key = (layers, global_batch, tuple(architecture))
+        if key not in cache:
+            save = str(tmp_path_factory.mktemp(f"ref-L{layers}-B{global_batch}"))
+            (records,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch, save=save,
+                                                        architecture=architecture))
+            cache[key] = (records, save)
+        return cache[key]
+
+    return get
+
+
+TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]
+WEIPIPE = ["--pipeline-schedule", "weipipe"]
+SP = ["--sequence-parallel"]
+# world, flags, layers, global batch, architecture. T = 2 everywhere: P / 2 virtual ranks, each owning
+# (layers / virtual ranks) layers, with (global batch / virtual ranks) micro-batches.
+CASES = [
+    (4, TAWPIPE, 2, 2, LLAMA_FLAGS),                                            # 1 layer/shard, 1 mb
+    (4, TAWPIPE + SP, 4, 6, LLAMA_FLAGS),                                       # 2 layers/shard, 3 mb
+    (4, TAWPIPE + SP + ["--tawpipe-no-recompute"], 2, 6, GPT),                  # biases, LayerNorm, positions
+    (8, TAWPIPE, 8, 12, LLAMA_FLAGS),                                           # 2 layers/shard, 3 mb
+    (8, TAWPIPE + SP + ["--tawpipe-microbatches-per-visit", "2"], 4, 8, QK_NORM),
+    (4, WEIPIPE + SP, 2, 6, LLAMA_FLAGS),                                       # 1 layer/shard, 3 mb
+    (4, WEIPIPE + ["--tawpipe-no-recompute"], 4, 2, GPT),                       # 2 layers/shard, 1 mb
+    (6, WEIPIPE + SP, 6, 3, LLAMA_FLAGS),                                       # 2 layers/shard, 1 mb
+    (6, WEIPIPE + ["--tawpipe-no-recompute"], 3, 9, QK_NORM),                   # 1 layer/shard, 3 mb
+]
+
+
+def _case_id(case):
+    world, extra, layers, batch, architecture = case
+    flags = "-".join(f.lstrip("-").replace("tawpipe-", "") for f in extra if f.startswith("--")
+                     and f not in ("--pipeline-schedule", "--tawpipe-num-groups"))
+    arch = "gpt" if architecture is GPT else ("qknorm" if architecture is QK_NORM else "llama")
+    virtual = world // 2
+    return f"{extra[1]}-P{world}-T2-{flags or 'plain'}-{arch}-{layers // virtual}lps-{batch // virtual}mb"
+
+
+@pytest.mark.parametrize("world,extra,layers,global_batch,architecture", CASES, ids=[_case_id(c) for c in CASES])
+def test_matches_single_process_reference(world, extra, layers, global_batch, architecture, reference, tmp_path):
+    ref_records, ref_save = reference(layers, global_batch, architecture)
+    save = str(tmp_path / "ckpt")
+    per_rank = run_ranks(train_rank, world, _args(
+        *extra, "--tensor-model-parallel-size", "2", "--tawpipe-nccl-faithful", "--distributed-timeout-minutes", "2",
+        layers=layers, global_batch=global_batch, save=save, architecture=architecture))
+    for records in per_rank:
+        assert_close_rel(losses(records), losses(ref_records), 1e-5)
+        assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in ref_records], 1e-5,
+                         "grad norm")
+    assert max(r["grad_norm"] for r in ref_records) > 1.0   # clipping was active
+    for iteration in range(1, ITERS + 1):
+        # The key bias's exact gradient is zero (softmax ignores a constant added to every key): its
+        # computed gradient is rounding noise, different under tensor parallelism, which Adam scales up
+        # to updates of about --lr. The QKV bias is compared to 2e-3 of its size, the rest to 1e-5.
+        assert_same_parameters(save, ref_save, iteration, rtol_by_suffix={"linear_qkv.bias": 2e-3})
+    for record in per_rank[0]:
+        assert record["inter_group_bytes"] == record["planned_inter_group_bytes"]
+        assert record["intra_group_bytes"] == record["planned_intra_group_bytes"]
+        assert record["inter_group_bytes"] + record["intra_group_bytes"] > 0
+
+
+def test_node_links_carry_each_shard_once_whatever_the_tensor_parallel_size():
+    """The same plan (2 virtual ranks in 2 groups) with T = 1 on 2 ranks and T = 2 on 4: with T = 2 each
+    rank sends its 1/T of every shard, so the node links carry what they carry with T = 1, plus the
+    norm weights that every tensor-parallel rank keeps whole (well under 5% here)."""
+    flags = TAWPIPE + ["--tawpipe-nccl-faithful", "--distributed-timeout-minutes", "2"]
+    one = run_ranks(train_rank, 2, tiny_args(*flags, train_iters=2, global_batch=4))[0][0]
+    two = run_ranks(train_rank, 4, tiny_args(*flags, "--tensor-model-parallel-size", "2", train_iters=2,
+                                             global_batch=4))[0][0]
+    assert one["inter_group_bytes"] > 0
+    assert one["inter_group_bytes"] < two["inter_group_bytes"] < 1.05 * one["inter_group_bytes"]
+    assert_close_rel([two["lm_loss"]], [one["lm_loss"]], 1e-5)
+
+
+def test_checkpoints_cross_tensor_parallel_sizes_and_schedules(tmp_path):
+    """tawpipe T = 2 saves; tawpipe T = 1 resumes and saves; native 1F1B (2 stages) resumes and saves;
+    tawpipe T = 2 resumes: the losses of one uninterrupted run."""
+    iters = 8
+    (uninterrupted,) = run_ranks(train_rank, 1, tiny_args(train_iters=iters))
+    dirs = [str(tmp_path / name) for name in ("t2", "t1", "native")]
+    segments = [
+        (4, TAWPIPE + ["--tensor-model-parallel-size", "2", "--save", dirs[0], "--exit-interval", "2"]),
+        (2, TAWPIPE + ["--load", dirs[0], "--save", dirs[1], "--exit-interval", "4"]),
+        (2, ["--pipeline-model-parallel-size", "2", "--load", dirs[1], "--save", dirs[2], "--exit-interval", "6"]),
+        (4, TAWPIPE + ["--tensor-model-parallel-size", "2", "--load", dirs[2]]),
+    ]
+    records = []
+    for world, flags in segments:
+        records += run_ranks(train_rank, world, tiny_args(*flags, train_iters=iters))[-1]
+    assert [r["iteration"] for r in records] == list(range(1, iters + 1))
+    assert_close_rel(losses(records), losses(uninterrupted), 1e-5)
+
+
+@pytest.mark.parametrize("world, local, extra, message", [
+    (6, "3", ["--pipeline-schedule", "tawpipe"],
+     "3 ranks per node (LOCAL_WORLD_SIZE), which 2 does not divide, so a tensor-parallel group would span nodes"),
+    (4, None, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "4"],
+     "--tawpipe-num-groups 4 gives 1 ranks per group, which 2 does not divide"),
+    (4, None, ["--pipeline-schedule", "weipipe", "--num-attention-heads", "2", "--ffn-hidden-size", "129"],
+     "--ffn-hidden-size 129 must be divisible by --tensor-model-parallel-size 2"),
+    (4, None, ["--pipeline-schedule", "weipipe", "--num-layers", "3"],
+     "--num-layers 3 must be divisible by the number of tensor-parallel groups 2"),
+    (6, None, ["--pipeline-schedule", "weipipe", "--tensor-model-parallel-size", "4"],
+     "--tensor-model-parallel-size 4 must divide the number of ranks 6"),
+])
+def test_unsupported_layouts_are_refused_before_any_process_group(monkeypatch, world, local, extra, message):
+    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    if local:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    else:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    argv = tiny_args("--tensor-model-parallel-size", "2", *extra)
+    with pytest.raises(ArgumentError) as info:
+        validate_args(parse_args(argv))
+    assert message in str(info.value)
