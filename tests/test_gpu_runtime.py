@@ -59,7 +59,8 @@ def _clip_on_two_ranks(rank):
     try:
         shard = [torch.full((4,), 3.0 * (rank + 1))]          # owned: summed over ranks
         replicated = [torch.full((2, 2), 0.5), torch.ones(3)]  # the same on every rank: counted once
-        model = SimpleNamespace(shard_grads=lambda: shard, replicated_grads=lambda: replicated)
+        model = SimpleNamespace(shard_grads=lambda: shard, replicated_grads=lambda: replicated,
+                                norm_grads=lambda: (shard, replicated), tensor_parallel_size=1)
         trainer = SimpleNamespace(model=model, device=torch.device("cpu"), args=SimpleNamespace(clip_grad=1.0))
         norm = WeightPassingTrainer._global_norm(trainer)
         WeightPassingTrainer._clip_gradients(trainer, norm)

@@ -46,6 +46,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             load_compute_times(args.emulated_compute_times)
         except ValueError as exc:
             raise ArgumentError(str(exc)) from None
+        if args.tensor_model_parallel_size > 1 and args.pipeline_schedule not in WEIGHT_PASSING_SCHEDULES:
+            raise ArgumentError("--emulated-compute-times with --tensor-model-parallel-size > 1 is emulated for "
+                                "--pipeline-schedule tawpipe / weipipe only (the native emulation replaces whole "
+                                "layers and would drop megatron's tensor-parallel collectives)")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
     _validate_parallel_layout(args, world_size)

@@ -34,6 +34,8 @@ PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
 # What each strategy is, with the flags its best users would pass (nodes = the cluster's nodes).
 STRATEGIES = {
     "tawpipe": "TawPipe: weight passing, one group per node",
+    "tawpipe-tp": "TawPipe over tensor-parallel groups inside each node (--tensor-model-parallel-size: the "
+                  "ranks per node unless --tensor-parallel-size says otherwise; --sequence-parallel)",
     "weipipe": "WeiPipe: weight passing in one ring",
     "1f1b": "megatron 1F1B, one pipeline over all ranks",
     "interleaved": "megatron interleaved 1F1B over all ranks, 2 virtual stages",
@@ -76,9 +78,13 @@ class BenchmarkConfig:
     recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
     tawpipe_microbatches_per_visit: int = 1
+    tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
     python: str = sys.executable
     env: Dict[str, str] = field(default_factory=dict)
+
+    def tawpipe_tensor_parallel_size(self) -> int:
+        return self.tensor_parallel_size or self.ranks // self.num_groups()
 
     def num_groups(self) -> int:
         if self.groups is not None:
@@ -117,12 +123,14 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         common += ["--num-layers", str(layers)]
     if config.emulated_compute_times:
         common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
-    if schedule in ("tawpipe", "weipipe"):
+    if schedule in ("tawpipe", "weipipe", "tawpipe-tp"):
         extra = [] if config.recompute else ["--tawpipe-no-recompute"]
-        if schedule == "tawpipe" and config.tawpipe_microbatches_per_visit != 1:
+        if schedule != "weipipe" and config.tawpipe_microbatches_per_visit != 1:
             extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
-        return ([PRETRAIN, "--pipeline-schedule", schedule, "--tawpipe-num-groups", str(config.num_groups())]
-                + extra + common)
+        if schedule == "tawpipe-tp":
+            extra += ["--tensor-model-parallel-size", str(config.tawpipe_tensor_parallel_size()), "--sequence-parallel"]
+        return ([PRETRAIN, "--pipeline-schedule", schedule.split("-")[0], "--tawpipe-num-groups",
+                 str(config.num_groups())] + extra + common)
     if schedule == "1f1b":
         return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(p)] + common
     if schedule == "interleaved":

@@ -200,16 +200,27 @@ def emulate_weight_pipe_model(model, times: ComputeTimes) -> None:
     gradient hooks: a zero gradient of the shard's size (and of the embedding
     on shard 0, of the head on the last shard) accumulated into the gradient
     buffer, so that no strategy is spared the other's memory traffic.
+
+    With tensor parallelism (T > 1) each rank sleeps 1/T of the times (the layer's
+    matrix work split T ways) and runs megatron's tensor-parallel collectives for
+    real, with their real sizes, on the tensor-parallel group: per decoder layer two
+    all-reduces of the hidden state in the forward, two in the backward and two in
+    a recompute (under --sequence-parallel, an all-gather and a reduce-scatter for
+    each), and one for the output layer's forward and backward.
     """
     from megatron_tawpipe.runtime.weight_pipe_model import _normalised_loss
 
     layers = model.plan.layers_per_shard
     last = model.plan.num_shards - 1
+    tp = getattr(model, "tensor_parallel_size", 1)
+    exchange = _tensor_parallel_exchange(model) if tp > 1 else (lambda count: None)
+    per_layer = 2
 
     def forward(mb: int, shard: int, weights: torch.Tensor) -> None:
         if shard == 0:
             model._start_microbatch(mb)
-        emulate(times.forward_s(layers, shard == last))
+        emulate(times.forward_s(layers, shard == last) / tp)
+        exchange(per_layer * layers + (1 if shard == last else 0))
         if shard == last:
             labels = model._batches[mb]["labels"]
             per_token = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
@@ -218,7 +229,8 @@ def emulate_weight_pipe_model(model, times: ComputeTimes) -> None:
                 model._batches.pop(mb)
 
     def backward(mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
-        emulate(times.backward_s(layers, shard == last, model.recompute))
+        emulate(times.backward_s(layers, shard == last, model.recompute) / tp)
+        exchange(per_layer * layers * (2 if model.recompute else 1) + (1 if shard == last else 0))
         grad_buffer.add_(torch.zeros_like(grad_buffer))
         parts = (["embedding"] if shard == 0 else []) + (["head"] if shard == last else [])
         for part in parts:
@@ -230,6 +242,31 @@ def emulate_weight_pipe_model(model, times: ComputeTimes) -> None:
 
     model.forward = forward
     model.backward = backward
+
+
+def _tensor_parallel_exchange(model):
+    """``exchange(count)``: ``count`` of megatron's tensor-parallel hidden-state collectives on the
+    group, of the real size (``seq x micro-batch x hidden`` in the compute dtype): all-reduces, or
+    under --sequence-parallel all-gather + reduce-scatter pairs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    args, tp = model.args, model.tensor_parallel_size
+    group = parallel_state.get_tensor_model_parallel_group()
+    full = torch.zeros(args.seq_length * args.micro_batch_size * args.hidden_size, dtype=model.compute_dtype,
+                       device=model.device)
+    part = full[: full.numel() // tp].clone()
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
+
+    def exchange(count: int) -> None:
+        for _ in range(count):
+            if sequence_parallel:
+                dist.all_gather_into_tensor(full, part, group=group)
+                dist.reduce_scatter_tensor(part, full, group=group)
+            else:
+                dist.all_reduce(full, group=group)
+
+    return exchange
 
 
 def maybe_load(args) -> Optional[ComputeTimes]:

@@ -39,6 +39,7 @@ from .fsdp import simulate_fsdp
 from .strategies import (pipeline_memory, plan_memory_fields, simulate_distopt, simulate_extended,
                          simulate_hfsdp, simulate_hsdp, simulate_pipeline)
 from .memory import generic_breakdown
+from .tensor_parallel import TENSOR_PARALLEL_SIZES, per_gpu_breakdown, tensor_parallel_problem, virtual_rank_cost
 
 #: Llama-shaped presets: Llama-2 7B/13B/70B, Code Llama 34B.
 PRESETS = {
@@ -133,6 +134,8 @@ class Config:
             parts.append(f"pp={k['pipeline_size']}")
         if k.get("virtual_stages", 1) > 1:
             parts.append(f"vp={k['virtual_stages']}")
+        if k.get("tp", 1) > 1:
+            parts.append(f"tp={k['tp']}")
         if "chunk" in k:
             parts.append(f"c={k['chunk']}")
         if "cache" in k:
@@ -175,15 +178,21 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
                 if D > 1:
                     for s in ("distopt-node", "hsdp", "hfsdp"):
                         add(s)
-                if L % P == 0:
-                    N = mbs // P
-                    add("weipipe")
-                    # TawPipe: b micro-batches per visit cost what a b times larger
-                    # micro-batch costs, with less memory: micro-batch size 1 only.
-                    for c in (1, 2, 4) if b == 1 else ():
-                        if N % c == 0:
-                            for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
-                                add("tawpipe", chunk=c, cache=cache)
+            for tp in TENSOR_PARALLEL_SIZES:
+                # Weight passing over P / T virtual ranks, each a tensor-parallel group inside a node.
+                virtual = P // tp
+                if mbs % virtual or tensor_parallel_problem(tp, P, d, L, model.num_attention_heads,
+                                                            model.num_query_groups, model.ffn_hidden_size):
+                    continue
+                extra = {"tp": tp} if tp > 1 else {}
+                N = mbs // virtual
+                add("weipipe", **extra)
+                # TawPipe: b micro-batches per visit cost what a b times larger
+                # micro-batch costs, with less memory: micro-batch size 1 only.
+                for c in (1, 2, 4) if b == 1 else ():
+                    if N % c == 0:
+                        for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
+                            add("tawpipe", chunk=c, cache=cache, **extra)
             p = D
             while p <= P:
                 if P % p == 0 and L % p == 0 and mbs % (P // p) == 0:
@@ -197,7 +206,8 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
     if global_batch % P:
         na.append(f"data-parallel strategies: global batch {global_batch} is not a multiple of {P} ranks")
     if L % P:
-        na.append(f"tawpipe, weipipe: --num-layers {L} is not divisible by {P} ranks (one shard per rank)")
+        na.append(f"tawpipe, weipipe without tensor parallelism: --num-layers {L} is not divisible by {P} ranks "
+                  "(one shard per rank)")
     if D == 1:
         na.append("hsdp, distopt-node, hfsdp, pp-nodes: one node (D = 1)")
     elif L % D:
@@ -227,12 +237,18 @@ class Advisor:
                 inter_latency=c.inter_latency)
         return self.costs[key]
 
+    def wp_cost(self, cfg: Config) -> CostModel:
+        """A weight-passing configuration's cost model: one virtual rank's with tensor parallelism."""
+        return virtual_rank_cost(self.cost(cfg.micro_batch_size, cfg.recompute), cfg.knobs.get("tp", 1))
+
     def bound(self, cfg: Config) -> float:
         """Tokens/s per GPU with free communication: compute only, times the
         pipeline bubble of equal stages where the schedule has one (1F1B
         ``m/(m+p-1)``, interleaved ``Vm/(Vm+p-1)``, WeiPipe ``NP/(NP+P-1)``)."""
-        c = self.cost(cfg.micro_batch_size, cfg.recompute)
-        L, P = self.model.num_layers, self.cluster.ranks
+        tp = cfg.knobs.get("tp", 1)
+        c = self.wp_cost(cfg) if cfg.strategy in ("tawpipe", "weipipe") else self.cost(cfg.micro_batch_size,
+                                                                                        cfg.recompute)
+        L, P = self.model.num_layers, self.cluster.ranks // tp
         t = L * (c.layer_forward + c.layer_backward + c.layer_recompute) + c.head_forward + c.head_backward
         mbs = self.G // cfg.micro_batch_size
         k = cfg.knobs
@@ -242,7 +258,7 @@ class Advisor:
             t *= (v * m + p - 1) / (v * m)
         elif cfg.strategy == "weipipe":
             t *= (mbs + P - 1) / mbs
-        return c.tokens_per_microbatch / t
+        return c.tokens_per_microbatch / (t * tp)
 
     def comm_bound(self, cfg: Config) -> float:
         """Tokens/s per GPU that the node links allow: an iteration takes at least
@@ -258,7 +274,7 @@ class Advisor:
         if "pipeline_size" in k:
             node_bytes = k.get("virtual_stages", 1) * mbs * cost.activation_bytes
         else:
-            N, c = mbs // cl.ranks, k.get("chunk", 1)
+            N, c = mbs // (cl.ranks // k.get("tp", 1)), k.get("chunk", 1)
             n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
             opts = _wp_options(cfg)
             b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), 1.0)["inter"] for n in (n1, n2))
@@ -268,8 +284,9 @@ class Advisor:
         t = node_bytes / cl.inter_bw
         return self.G * self.model.seq_length / (cl.ranks * t) if t > 0 else float("inf")
 
-    def _plan(self, name, N, **opts):
-        P, D, L = self.cluster.ranks, self.cluster.nodes, self.model.num_layers
+    def _plan(self, name, N, tp: int = 1, **opts):
+        """The plan over P / ``tp`` (virtual) ranks."""
+        P, D, L = self.cluster.ranks // tp, self.cluster.nodes, self.model.num_layers
         key = (name, P, D, L, N, tuple(sorted(opts.items())))
         if key not in self.plan_cache:
             self.plan_cache[key] = build_plan(name, num_ranks=P, num_groups=D, num_layers=L,
@@ -283,10 +300,13 @@ class Advisor:
         cost = self.cost(cfg.micro_batch_size, cfg.recompute)
         cl = self.cluster
         if cfg.strategy in ("tawpipe", "weipipe"):
-            N = self.G // cfg.micro_batch_size // cl.ranks
+            tp = cfg.knobs.get("tp", 1)
+            N = self.G // cfg.micro_batch_size // (cl.ranks // tp)
             c = cfg.knobs.get("chunk", 1)
             probe = self._plan(cfg.strategy, min(N, 2 * c), **_wp_options(cfg))
-            return weight_passing_breakdown(plan_memory_fields(probe, cost), cost, probe, c)
+            virtual = self.wp_cost(cfg)
+            return per_gpu_breakdown(weight_passing_breakdown(plan_memory_fields(probe, virtual), virtual, probe, c),
+                                     tp)
         pp = cfg.knobs["pipeline_size"]
         m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
         return pipeline_memory(cost, cl.ranks, cl.nodes, self.model.num_layers,
@@ -301,10 +321,12 @@ class Advisor:
         N = self.G // b // P
         s = cfg.strategy
         if s in ("tawpipe", "weipipe"):
-            opts, c = _wp_options(cfg), cfg.knobs.get("chunk", 1)
-            res = simulate_extended(lambda n: self._plan(s, n, **opts), cost, N, 2 * c, 4 * c)
+            opts, c, tp = _wp_options(cfg), cfg.knobs.get("chunk", 1), cfg.knobs.get("tp", 1)
+            N, virtual = self.G // b // (P // tp), self.wp_cost(cfg)
+            res = simulate_extended(lambda n: self._plan(s, n, **opts), virtual, N, 2 * c, 4 * c)
             plan = self._plan(s, min(N, 2 * c), **opts)
-            mem = weight_passing_breakdown(res, cost, plan, c)
+            mem = per_gpu_breakdown(weight_passing_breakdown(res, virtual, plan, c), tp)
+            res.tokens_per_sec_per_rank /= tp
             if s == "tawpipe" and cfg.knobs["cache"] != (D <= 4):
                 cfg.trainable = False
                 cfg.note = (f"cache {'on' if cfg.knobs['cache'] else 'off'} with {D} groups: the runtime "
@@ -397,9 +419,11 @@ class Advisor:
 
 
 def _wp_options(cfg: Config) -> dict:
+    """Plan options of a weight-passing configuration (``tp``: the plan over P / T virtual ranks)."""
+    tp = {"tp": cfg.knobs["tp"]} if cfg.knobs.get("tp", 1) > 1 else {}
     if cfg.strategy == "tawpipe":
-        return {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
-    return {}
+        return {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"], **tp}
+    return tp
 
 
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",

@@ -53,6 +53,8 @@ def command(cfg, model, cluster, global_batch: int):
             comment = cfg.note + "; " + comment
     elif s == "weipipe":
         argv += ["--pipeline-schedule", "weipipe"] + ([] if cfg.recompute else ["--tawpipe-no-recompute"])
+    if s in ("tawpipe", "weipipe") and k.get("tp", 1) > 1:
+        argv += ["--tensor-model-parallel-size", str(k["tp"]), "--sequence-parallel"]
     elif s in ("pp-nodes", "1f1b", "interleaved"):
         pp = k["pipeline_size"]
         argv += ["--pipeline-schedule", "interleaved" if s == "interleaved" else "1f1b",

@@ -14,6 +14,7 @@ from .fsdp import simulate_fsdp
 from .planners import build_plan
 from .simulate import simulate
 from .strategies import STRATEGIES, plan_memory, run_strategy
+from .tensor_parallel import per_gpu_result, virtual_rank_cost
 from .validate import validate_plan
 
 ACTIVATION = ("gpipe", "1f1b", "interleaved")
@@ -64,6 +65,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prefetch", type=int, default=None, help="tawpipe: slots of look-ahead for "
                    "inter-group fetches")
     s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
+    s.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
+                   help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
+                        "virtual ranks (--num-microbatches is then per virtual rank); see "
+                        "megatron_tawpipe/plan/tensor_parallel.py")
 
 
 def cost_model(args) -> CostModel:
@@ -106,7 +111,7 @@ def planner_options(name: str, args) -> dict:
 
 def make_plan(name: str, args, validate: bool = True):
     n = args.num_microbatches * (args.ranks if name in ACTIVATION else 1)
-    plan = build_plan(name, num_ranks=args.ranks, num_groups=args.groups,
+    plan = build_plan(name, num_ranks=args.ranks // _tensor_parallel(name, args), num_groups=args.groups,
                       num_layers=args.num_layers, num_microbatches=n,
                       **planner_options(name, args))
     if validate:
@@ -117,9 +122,16 @@ def make_plan(name: str, args, validate: bool = True):
 def run_one(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
     """(plan or None, SimResult); the result's ``options["memory_breakdown"]`` is
     the per-GPU memory by term (:mod:`plan.memory`)."""
+    tp = _tensor_parallel(name, args)
     if name in STRATEGIES:
         return None, run_strategy(name, cost, args.ranks, args.groups, args.num_layers,
                                   args.num_microbatches)
+    if tp > 1:
+        virtual = virtual_rank_cost(cost, tp)
+        plan = make_plan(name, args, validate)
+        result = simulate(plan, virtual, record=record)
+        result.options["memory_breakdown"] = plan_memory(result, virtual, plan).as_dict()
+        return plan, per_gpu_result(result, tp, cost, args.num_layers, args.num_microbatches)
     if name == "fsdp":
         result = simulate_fsdp(cost, args.ranks, args.groups, args.num_layers,
                                args.num_microbatches)
@@ -129,6 +141,19 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
         result = simulate(plan, cost, record=record)
     result.options["memory_breakdown"] = plan_memory(result, cost, plan).as_dict()
     return plan, result
+
+
+def _tensor_parallel(name: str, args) -> int:
+    """T for a weight-passing schedule (1 for the others; refused for them when T > 1)."""
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp == 1:
+        return 1
+    if not name.startswith(("tawpipe", "weipipe")):
+        raise ValueError(f"--tensor-model-parallel-size {tp} is modelled for tawpipe/weipipe only, not {name}")
+    per_node = args.ranks // args.groups
+    if per_node % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide the {per_node} ranks of a group")
+    return tp
 
 
 
