@@ -221,17 +221,41 @@ def test_enumeration_respects_divisibility():
     configs, na = enumerate_configs(TINY, tiny_cluster(), 16)
     for c in configs:
         mbs = 16 // c.micro_batch_size
+        tp = c.knobs.get("tp", 1)
         if "pipeline_size" in c.knobs:
             p = c.knobs["pipeline_size"]
             assert p % 2 == 0 and 8 % p == 0 and mbs % (8 // p) == 0
-        else:
-            assert mbs % 8 == 0
+        else:   # weight passing: over 8 / T virtual ranks, T dividing the 4 GPUs of a node and the 4 KV groups
+            assert tp in (1, 2, 4) and mbs % (8 // tp) == 0 and 8 % (8 // tp) == 0
         if c.strategy == "tawpipe":
-            assert (mbs // 8) % c.knobs["chunk"] == 0
+            assert (mbs // (8 // tp)) % c.knobs["chunk"] == 0
     assert {c.strategy for c in configs} >= {"tawpipe", "weipipe", "hsdp", "distopt", "distopt-node",
                                               "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved"}
+    assert {c.knobs.get("tp", 1) for c in configs if c.strategy in ("tawpipe", "weipipe")} == {1, 2, 4}
     _, na = enumerate_configs(ModelSpec(**{**vars(TINY), "num_layers": 6}), tiny_cluster(), 12)
     assert any("not divisible by 8 ranks" in x for x in na)
+
+
+def test_tensor_parallel_weight_passing_is_one_virtual_rank_per_group():
+    """T = 2: the plan over 4 virtual ranks; per GPU half the virtual rank's tokens/s and memory; the
+    tensor-parallel collectives add to compute; the command says --tensor-model-parallel-size 2."""
+    from megatron_tawpipe.plan.advisor import Advisor, Config
+    from megatron_tawpipe.plan.tensor_parallel import all_reduce_time, tensor_parallel_problem
+
+    adv = Advisor(TINY, tiny_cluster(), 16)
+    one = adv.evaluate(Config("weipipe", 1, True, {}))
+    two = adv.evaluate(Config("weipipe", 1, True, {"tp": 2}))
+    base, virtual = adv.cost(1, True), adv.wp_cost(two)
+    ar = all_reduce_time(base.intra, base.activation_bytes, 2)
+    assert virtual.layer_forward == pytest.approx(base.layer_forward / 2 + 2 * ar)
+    assert virtual.intra.bandwidth == 2 * base.intra.bandwidth
+    # Half of everything per GPU, but not less: the slices add up to what one rank would hold.
+    assert two.memory.optimizer < one.memory.optimizer
+    assert two.memory.total == pytest.approx(adv.memory_only(Config("weipipe", 1, True, {"tp": 2})).total)
+    assert "--tensor-model-parallel-size 2 --sequence-parallel" in two.command
+    assert two.trainable and two.status == "ok"
+    assert tensor_parallel_problem(3, 8, 4, 8, 8, 4, 1408) == "T=3 does not divide the 4 GPUs of a node"
+    assert "query groups" in tensor_parallel_problem(8, 16, 8, 8, 8, 4, 1408)
 
 
 def test_advisor_ranks_and_prunes_consistently():
