@@ -140,7 +140,9 @@ def test_kill_during_checkpoint_save_leaves_previous_checkpoint_loadable(tmp_pat
 
 
 @pytest.mark.parametrize("world,extra", [(4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]),
-                                         (1, ["--pipeline-schedule", "1f1b"])], ids=["tawpipe", "native"])
+                                         (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2",
+                                              "--tensor-model-parallel-size", "2"]),
+                                         (1, ["--pipeline-schedule", "1f1b"])], ids=["tawpipe", "tawpipe-tp2", "native"])
 def test_nan_stops_every_rank_naming_iteration(world, extra):
     argv = tiny_args(*extra, "--lr", "1e20", "--min-lr", "1e20", train_iters=6)
     outcomes = run_ranks_outcomes(train_rank, world, argv, timeout=120)
@@ -150,6 +152,9 @@ def test_nan_stops_every_rank_naming_iteration(world, extra):
         assert "iteration" in text
     if world > 1:
         assert all("shard" in text or "replicated" in text for _, text, _ in outcomes)
+    if "--tensor-model-parallel-size" in extra:   # owners named as tensor-parallel groups of global ranks
+        assert all("ranks 0-1, a tensor-parallel group" in text or "ranks 2-3, a tensor-parallel group" in text
+                   or "replicated" in text for _, text, _ in outcomes)
 
 
 def test_nan_check_can_be_disabled():

@@ -123,6 +123,23 @@ def test_checkpoints_cross_tensor_parallel_sizes_and_schedules(tmp_path):
     assert_close_rel(losses(records), losses(uninterrupted), 1e-5)
 
 
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_low_precision_and_evaluation_follow_tensor_parallelism_one(precision):
+    """bf16 (fp32 masters) and fp16 (dynamic loss scaling) with T = 2 train and evaluate like T = 1 up to
+    rounding: the same validation batches, losses within 2% (different summation orders in 16 bits)."""
+    flags = TAWPIPE + [precision, "--eval-interval", "2", "--eval-iters", "2", "--tawpipe-nccl-faithful"]
+    one = run_ranks(train_rank, 2, tiny_args(*flags, train_iters=4, global_batch=4))[0]
+    two = run_ranks(train_rank, 4, tiny_args(*flags, "--tensor-model-parallel-size", "2", train_iters=4,
+                                             global_batch=4))[0]
+    assert_close_rel(losses(two), losses(one), 2e-2)
+    validation = [(r["iteration"], r["validation_lm_loss"]) for r in two if r.get("validation_lm_loss") is not None]
+    expected = [(r["iteration"], r["validation_lm_loss"]) for r in one if r.get("validation_lm_loss") is not None]
+    assert [i for i, _ in validation] == [i for i, _ in expected] == [2, 4]
+    assert_close_rel([v for _, v in validation], [v for _, v in expected], 2e-2, "validation loss")
+    if precision == "--fp16":
+        assert all(r["loss_scale"] > 1 for r in two)
+
+
 @pytest.mark.parametrize("world, local, extra, message", [
     (6, "3", ["--pipeline-schedule", "tawpipe"],
      "3 ranks per node (LOCAL_WORLD_SIZE), which 2 does not divide, so a tensor-parallel group would span nodes"),

@@ -300,9 +300,13 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     pp = args.pipeline_model_parallel_size
     if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
         if pp != 1:
+            tp = args.tensor_model_parallel_size
+            owners = world_size // tp
+            who = ("every rank is a data-parallel rank and owns" if tp == 1 else
+                   f"every tensor-parallel group of {tp} ranks is a data-parallel rank and owns")
             notice(f"--pipeline-schedule {args.pipeline_schedule}: the {pp} ranks of each "
                    "--pipeline-model-parallel-size pipeline join the weight pipeline, which runs over all "
-                   f"{world_size} ranks (every rank is a data-parallel rank and owns 1/{world_size} of the layers)")
+                   f"{world_size} ranks ({who} 1/{owners} of the layers)")
             args.pipeline_model_parallel_size = pp = 1
         _validate_weight_pipeline_ranks(args, world_size)
         if args.recompute_granularity == "selective":
