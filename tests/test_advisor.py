@@ -222,40 +222,54 @@ def test_enumeration_respects_divisibility():
     for c in configs:
         mbs = 16 // c.micro_batch_size
         tp = c.knobs.get("tp", 1)
+        virtual = 8 // tp    # T divides the 4 GPUs of a node and the 4 query groups: 1, 2 or 4
+        assert tp in (1, 2, 4)
         if "pipeline_size" in c.knobs:
             p = c.knobs["pipeline_size"]
-            assert p % 2 == 0 and 8 % p == 0 and mbs % (8 // p) == 0
-        else:   # weight passing: over 8 / T virtual ranks, T dividing the 4 GPUs of a node and the 4 KV groups
-            assert tp in (1, 2, 4) and mbs % (8 // tp) == 0 and 8 % (8 // tp) == 0
+            assert p % 2 == 0 and virtual % p == 0 and mbs % (virtual // p) == 0
+        else:
+            assert mbs % virtual == 0
+        if c.strategy in ("tawpipe", "weipipe"):
+            assert 8 % virtual == 0   # layers over the virtual ranks
         if c.strategy == "tawpipe":
-            assert (mbs // (8 // tp)) % c.knobs["chunk"] == 0
+            assert (mbs // virtual) % c.knobs["chunk"] == 0
     assert {c.strategy for c in configs} >= {"tawpipe", "weipipe", "hsdp", "distopt", "distopt-node",
                                               "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved"}
-    assert {c.knobs.get("tp", 1) for c in configs if c.strategy in ("tawpipe", "weipipe")} == {1, 2, 4}
+    for strategies in (("tawpipe",), ("distopt",), ("1f1b", "pp-nodes")):   # (T = 4: 2 virtual ranks, 1 per node)
+        assert {c.knobs.get("tp", 1) for c in configs if c.strategy in strategies} == {1, 2, 4}
     _, na = enumerate_configs(ModelSpec(**{**vars(TINY), "num_layers": 6}), tiny_cluster(), 12)
     assert any("not divisible by 8 ranks" in x for x in na)
 
 
-def test_tensor_parallel_weight_passing_is_one_virtual_rank_per_group():
-    """T = 2: the plan over 4 virtual ranks; per GPU half the virtual rank's tokens/s and memory; the
-    tensor-parallel collectives add to compute; the command says --tensor-model-parallel-size 2."""
+def test_tensor_parallel_configurations_run_over_virtual_ranks():
+    """T = 2: the strategy over 4 virtual ranks of 2 GPUs; per GPU half the virtual rank's tokens/s and
+    memory; the tensor-parallel collectives add to compute; the command carries the flags, and
+    pretrain_llama.py accepts it for weight passing and megatron, refuses it for FSDP2."""
     from megatron_tawpipe.plan.advisor import Advisor, Config
     from megatron_tawpipe.plan.tensor_parallel import all_reduce_time, tensor_parallel_problem
 
     adv = Advisor(TINY, tiny_cluster(), 16)
     one = adv.evaluate(Config("weipipe", 1, True, {}))
     two = adv.evaluate(Config("weipipe", 1, True, {"tp": 2}))
-    base, virtual = adv.cost(1, True), adv.wp_cost(two)
+    sub = adv.virtual(2)
+    assert sub.cluster.ranks == 4 and sub.cluster.usable_memory == 2 * adv.cluster.usable_memory
+    base, virtual = adv.cost(1, True), sub.cost(1, True)
     ar = all_reduce_time(base.intra, base.activation_bytes, 2)
-    assert virtual.layer_forward == pytest.approx(base.layer_forward / 2 + 2 * ar)
+    assert ar > 0 and virtual.layer_forward == pytest.approx(base.layer_forward / 2 + 2 * ar)
     assert virtual.intra.bandwidth == 2 * base.intra.bandwidth
-    # Half of everything per GPU, but not less: the slices add up to what one rank would hold.
-    assert two.memory.optimizer < one.memory.optimizer
+    inner = sub.measure(Config("weipipe", 1, True, {}))
+    assert two.tokens_per_sec_per_gpu == pytest.approx(inner.tokens_per_sec_per_gpu / 2)
+    assert two.memory.total == pytest.approx(inner.memory.total / 2)
+    assert two.memory.optimizer < one.memory.optimizer     # the replicated parts are sliced too
     assert two.memory.total == pytest.approx(adv.memory_only(Config("weipipe", 1, True, {"tp": 2})).total)
     assert "--tensor-model-parallel-size 2 --sequence-parallel" in two.command
     assert two.trainable and two.status == "ok"
-    assert tensor_parallel_problem(3, 8, 4, 8, 8, 4, 1408) == "T=3 does not divide the 4 GPUs of a node"
-    assert "query groups" in tensor_parallel_problem(8, 16, 8, 8, 8, 4, 1408)
+    distopt = adv.evaluate(Config("distopt", 1, True, {"tp": 2}))
+    assert distopt.trainable, distopt.note
+    fsdp = adv.evaluate(Config("fsdp", 1, True, {"tp": 2}))
+    assert not fsdp.trainable and "--use-torch-fsdp2" in fsdp.note
+    assert tensor_parallel_problem(3, 4, 8, 4, 1408) == "T=3 does not divide the 4 GPUs of a node"
+    assert "query groups" in tensor_parallel_problem(8, 8, 8, 4, 1408)
 
 
 def test_advisor_ranks_and_prunes_consistently():
@@ -340,9 +354,9 @@ def test_advise_json_and_table():
 
 
 def test_advise_error_when_nothing_fits():
-    out = run_simulate(*ADVISE, "--gpu-memory", "0.1GB", "--memory-reserve", "0")
+    out = run_simulate(*ADVISE, "--gpu-memory", "0.01GB", "--memory-reserve", "0")
     assert out.returncode == 2
-    assert "nothing fits in 0.10 GB" in out.stderr and "dominated by" in out.stderr
+    assert "nothing fits in 0.01 GB" in out.stderr and "dominated by" in out.stderr
 
 
 def test_model_preset_and_overrides():

@@ -25,7 +25,7 @@ scale study uses).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS
@@ -161,7 +161,25 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
                       runtime_knobs_only: bool = False):
     """(configs, not_applicable): every strategy x knobs whose shapes divide, and
     one line per strategy/knob that cannot run at all, saying why.
-    ``runtime_knobs_only``: TawPipe's cache only as the runtime sets it."""
+    ``runtime_knobs_only``: TawPipe's cache only as the runtime sets it.
+
+    Every strategy is also tried with tensor parallelism inside the nodes (knob ``tp``:
+    T = 2, 4, 8 where T divides the GPUs of a node, the heads, the query groups and the
+    FFN size): the strategy then runs over P / T virtual ranks (see :mod:`plan.tensor_parallel`)."""
+    out, na = _enumerate(model, cluster, global_batch, runtime_knobs_only)
+    for tp in TENSOR_PARALLEL_SIZES[1:]:
+        if tensor_parallel_problem(tp, cluster.per_node, model.num_attention_heads, model.num_query_groups,
+                                   model.ffn_hidden_size):
+            continue
+        configs, _ = _enumerate(model, replace(cluster, ranks=cluster.ranks // tp), global_batch,
+                                runtime_knobs_only)
+        for cfg in configs:
+            cfg.knobs["tp"] = tp
+        out += configs
+    return out, na
+
+
+def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool):
     P, D, d, L = cluster.ranks, cluster.nodes, cluster.per_node, model.num_layers
     out, na = [], []
     for b in MICRO_BATCHES:
@@ -178,21 +196,15 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
                 if D > 1:
                     for s in ("distopt-node", "hsdp", "hfsdp"):
                         add(s)
-            for tp in TENSOR_PARALLEL_SIZES:
-                # Weight passing over P / T virtual ranks, each a tensor-parallel group inside a node.
-                virtual = P // tp
-                if mbs % virtual or tensor_parallel_problem(tp, P, d, L, model.num_attention_heads,
-                                                            model.num_query_groups, model.ffn_hidden_size):
-                    continue
-                extra = {"tp": tp} if tp > 1 else {}
-                N = mbs // virtual
-                add("weipipe", **extra)
-                # TawPipe: b micro-batches per visit cost what a b times larger
-                # micro-batch costs, with less memory: micro-batch size 1 only.
-                for c in (1, 2, 4) if b == 1 else ():
-                    if N % c == 0:
-                        for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
-                            add("tawpipe", chunk=c, cache=cache, **extra)
+                if L % P == 0:
+                    N = mbs // P
+                    add("weipipe")
+                    # TawPipe: b micro-batches per visit cost what a b times larger
+                    # micro-batch costs, with less memory: micro-batch size 1 only.
+                    for c in (1, 2, 4) if b == 1 else ():
+                        if N % c == 0:
+                            for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
+                                add("tawpipe", chunk=c, cache=cache)
             p = D
             while p <= P:
                 if P % p == 0 and L % p == 0 and mbs % (P // p) == 0:
@@ -206,8 +218,7 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
     if global_batch % P:
         na.append(f"data-parallel strategies: global batch {global_batch} is not a multiple of {P} ranks")
     if L % P:
-        na.append(f"tawpipe, weipipe without tensor parallelism: --num-layers {L} is not divisible by {P} ranks "
-                  "(one shard per rank)")
+        na.append(f"tawpipe, weipipe: --num-layers {L} is not divisible by {P} ranks (one shard per rank)")
     if D == 1:
         na.append("hsdp, distopt-node, hfsdp, pp-nodes: one node (D = 1)")
     elif L % D:
@@ -223,6 +234,7 @@ class Advisor:
         self.plan_cache = {} if plan_cache is None else plan_cache
         self.costs: Dict = {}
         self.grad_bytes = grad_bytes
+        self._virtual: Dict[int, "Advisor"] = {}
 
     def cost(self, b: int, recompute: bool) -> CostModel:
         key = (b, recompute)
@@ -237,18 +249,34 @@ class Advisor:
                 inter_latency=c.inter_latency)
         return self.costs[key]
 
-    def wp_cost(self, cfg: Config) -> CostModel:
-        """A weight-passing configuration's cost model: one virtual rank's with tensor parallelism."""
-        return virtual_rank_cost(self.cost(cfg.micro_batch_size, cfg.recompute), cfg.knobs.get("tp", 1))
+    # ---- tensor parallelism: the same strategy over P / T virtual ranks -----------------
+
+    def virtual(self, tp: int) -> "Advisor":
+        """The advisor of the P / ``tp`` virtual ranks (tensor-parallel groups) of this cluster."""
+        if tp == 1:
+            return self
+        if tp not in self._virtual:
+            self._virtual[tp] = _VirtualRankAdvisor(self, tp)
+        return self._virtual[tp]
+
+    def _split(self, cfg: Config):
+        """(advisor, configuration, T): a tensor-parallel configuration as the virtual ranks' one."""
+        tp = cfg.knobs.get("tp", 1)
+        if tp == 1:
+            return self, cfg, 1
+        inner = Config(cfg.strategy, cfg.micro_batch_size, cfg.recompute,
+                       {k: v for k, v in cfg.knobs.items() if k != "tp"})
+        return self.virtual(tp), inner, tp
 
     def bound(self, cfg: Config) -> float:
         """Tokens/s per GPU with free communication: compute only, times the
         pipeline bubble of equal stages where the schedule has one (1F1B
         ``m/(m+p-1)``, interleaved ``Vm/(Vm+p-1)``, WeiPipe ``NP/(NP+P-1)``)."""
-        tp = cfg.knobs.get("tp", 1)
-        c = self.wp_cost(cfg) if cfg.strategy in ("tawpipe", "weipipe") else self.cost(cfg.micro_batch_size,
-                                                                                        cfg.recompute)
-        L, P = self.model.num_layers, self.cluster.ranks // tp
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            return sub.bound(inner) / tp
+        c = self.cost(cfg.micro_batch_size, cfg.recompute)
+        L, P = self.model.num_layers, self.cluster.ranks
         t = L * (c.layer_forward + c.layer_backward + c.layer_recompute) + c.head_forward + c.head_backward
         mbs = self.G // cfg.micro_batch_size
         k = cfg.knobs
@@ -258,7 +286,7 @@ class Advisor:
             t *= (v * m + p - 1) / (v * m)
         elif cfg.strategy == "weipipe":
             t *= (mbs + P - 1) / mbs
-        return c.tokens_per_microbatch / (t * tp)
+        return c.tokens_per_microbatch / t
 
     def comm_bound(self, cfg: Config) -> float:
         """Tokens/s per GPU that the node links allow: an iteration takes at least
@@ -266,6 +294,9 @@ class Advisor:
         Pipelines: every boundary between nodes carries each micro-batch's
         activation once per virtual stage (and its gradient back); weight
         passing: the plan's inter-node bytes (exact, linear in N)."""
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            return sub.comm_bound(inner) / tp
         cl, k = self.cluster, cfg.knobs
         if cl.nodes == 1:
             return float("inf")
@@ -274,7 +305,7 @@ class Advisor:
         if "pipeline_size" in k:
             node_bytes = k.get("virtual_stages", 1) * mbs * cost.activation_bytes
         else:
-            N, c = mbs // (cl.ranks // k.get("tp", 1)), k.get("chunk", 1)
+            N, c = mbs // cl.ranks, k.get("chunk", 1)
             n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
             opts = _wp_options(cfg)
             b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), 1.0)["inter"] for n in (n1, n2))
@@ -284,9 +315,8 @@ class Advisor:
         t = node_bytes / cl.inter_bw
         return self.G * self.model.seq_length / (cl.ranks * t) if t > 0 else float("inf")
 
-    def _plan(self, name, N, tp: int = 1, **opts):
-        """The plan over P / ``tp`` (virtual) ranks."""
-        P, D, L = self.cluster.ranks // tp, self.cluster.nodes, self.model.num_layers
+    def _plan(self, name, N, **opts):
+        P, D, L = self.cluster.ranks, self.cluster.nodes, self.model.num_layers
         key = (name, P, D, L, N, tuple(sorted(opts.items())))
         if key not in self.plan_cache:
             self.plan_cache[key] = build_plan(name, num_ranks=P, num_groups=D, num_layers=L,
@@ -297,16 +327,16 @@ class Advisor:
         """Memory of a plan-based config without simulating it.  Weight passing:
         a plan with 2c micro-batches per rank has the buffers and the stored
         boundaries of the full one (peak = c visits' worth)."""
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            return per_gpu_breakdown(sub.memory_only(inner), tp)
         cost = self.cost(cfg.micro_batch_size, cfg.recompute)
         cl = self.cluster
         if cfg.strategy in ("tawpipe", "weipipe"):
-            tp = cfg.knobs.get("tp", 1)
-            N = self.G // cfg.micro_batch_size // (cl.ranks // tp)
+            N = self.G // cfg.micro_batch_size // cl.ranks
             c = cfg.knobs.get("chunk", 1)
             probe = self._plan(cfg.strategy, min(N, 2 * c), **_wp_options(cfg))
-            virtual = self.wp_cost(cfg)
-            return per_gpu_breakdown(weight_passing_breakdown(plan_memory_fields(probe, virtual), virtual, probe, c),
-                                     tp)
+            return weight_passing_breakdown(plan_memory_fields(probe, cost), cost, probe, c)
         pp = cfg.knobs["pipeline_size"]
         m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
         return pipeline_memory(cost, cl.ranks, cl.nodes, self.model.num_layers,
@@ -314,6 +344,29 @@ class Advisor:
                                self.plan_cache, min(m, 4 * pp))
 
     def evaluate(self, cfg: Config) -> Config:
+        """Simulate ``cfg``; its figures per GPU, whether it fits, and its command line."""
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            sub.measure(inner)
+            cfg.tokens_per_sec_per_gpu = inner.tokens_per_sec_per_gpu / tp
+            cfg.iteration_time, cfg.bubble = inner.iteration_time, inner.bubble
+            cfg.inter_bytes_per_node = inner.inter_bytes_per_node
+            cfg.memory = per_gpu_breakdown(inner.memory, tp)
+            cfg.trainable, cfg.note = inner.trainable, inner.note
+        else:
+            self.measure(cfg)
+        cfg.status = "ok" if cfg.memory.total <= self.cluster.usable_memory else "no-fit"
+        cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
+        if cfg.trainable and cfg.strategy != "hfsdp":
+            problem = check_command(cfg.argv, self.cluster.ranks)
+            if problem:
+                cfg.trainable = False
+                cfg.note = "pretrain_llama.py refuses it: " + problem
+        return cfg
+
+    def measure(self, cfg: Config) -> Config:
+        """The simulation of ``cfg`` on this advisor's (possibly virtual) ranks: tokens/s, time,
+        bubble, bytes per node, memory; what only the simulator models is marked not trainable."""
         cl, model = self.cluster, self.model
         P, D, L = cl.ranks, cl.nodes, model.num_layers
         b = cfg.micro_batch_size
@@ -321,12 +374,10 @@ class Advisor:
         N = self.G // b // P
         s = cfg.strategy
         if s in ("tawpipe", "weipipe"):
-            opts, c, tp = _wp_options(cfg), cfg.knobs.get("chunk", 1), cfg.knobs.get("tp", 1)
-            N, virtual = self.G // b // (P // tp), self.wp_cost(cfg)
-            res = simulate_extended(lambda n: self._plan(s, n, **opts), virtual, N, 2 * c, 4 * c)
+            opts, c = _wp_options(cfg), cfg.knobs.get("chunk", 1)
+            res = simulate_extended(lambda n: self._plan(s, n, **opts), cost, N, 2 * c, 4 * c)
             plan = self._plan(s, min(N, 2 * c), **opts)
-            mem = per_gpu_breakdown(weight_passing_breakdown(res, virtual, plan, c), tp)
-            res.tokens_per_sec_per_rank /= tp
+            mem = weight_passing_breakdown(res, cost, plan, c)
             if s == "tawpipe" and cfg.knobs["cache"] != (D <= 4):
                 cfg.trainable = False
                 cfg.note = (f"cache {'on' if cfg.knobs['cache'] else 'off'} with {D} groups: the runtime "
@@ -360,13 +411,6 @@ class Advisor:
         cfg.bubble = res.bubble_ratio
         cfg.inter_bytes_per_node = res_inter
         cfg.memory = mem
-        cfg.status = "ok" if mem.total <= cl.usable_memory else "no-fit"
-        cfg.argv, cfg.command = command(cfg, model, cl, self.G)
-        if cfg.trainable and cfg.strategy != "hfsdp":
-            problem = check_command(cfg.argv, P)
-            if problem:
-                cfg.trainable = False
-                cfg.note = "pretrain_llama.py refuses it: " + problem
         return cfg
 
     def run(self, prune: str = "strategy", trainable_only: bool = False,
@@ -418,12 +462,29 @@ class Advisor:
         return configs, na
 
 
+class _VirtualRankAdvisor(Advisor):
+    """The advisor of a cluster's P / T tensor-parallel groups, each one *virtual rank*: T GPUs' memory,
+    and the cost model of :func:`plan.tensor_parallel.virtual_rank_cost` (1/T compute plus the
+    tensor-parallel collectives, T GPUs' links inside the node, the node's link between nodes)."""
+
+    def __init__(self, parent: Advisor, tp: int):
+        cl = parent.cluster
+        cluster = replace(cl, ranks=cl.ranks // tp, gpu_memory=cl.gpu_memory * tp,
+                          memory_reserve=cl.memory_reserve * tp)
+        super().__init__(parent.model, cluster, parent.G, parent.plan_cache, parent.grad_bytes)
+        self.parent, self.tp = parent, tp
+
+    def cost(self, b: int, recompute: bool) -> CostModel:
+        key = (b, recompute)
+        if key not in self.costs:
+            self.costs[key] = virtual_rank_cost(self.parent.cost(b, recompute), self.tp)
+        return self.costs[key]
+
+
 def _wp_options(cfg: Config) -> dict:
-    """Plan options of a weight-passing configuration (``tp``: the plan over P / T virtual ranks)."""
-    tp = {"tp": cfg.knobs["tp"]} if cfg.knobs.get("tp", 1) > 1 else {}
     if cfg.strategy == "tawpipe":
-        return {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"], **tp}
-    return tp
+        return {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
+    return {}
 
 
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",

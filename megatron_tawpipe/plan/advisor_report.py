@@ -38,6 +38,8 @@ def command(cfg, model, cluster, global_batch: int):
     s, k = cfg.strategy, cfg.knobs
     argv = model.flags() + ["--micro-batch-size", str(cfg.micro_batch_size),
                             "--global-batch-size", str(global_batch), "--bf16"]
+    if k.get("tp", 1) > 1:   # tensor parallelism inside the nodes, as Megatron users run it: with sequence parallelism
+        argv += ["--tensor-model-parallel-size", str(k["tp"]), "--sequence-parallel"]
     native_rc = RECOMPUTE if cfg.recompute else []
     comment = ("add data and training flags (--train-iters, --data-path or --mock-data, --tokenizer-type, "
                "--lr, ...)")
@@ -53,8 +55,6 @@ def command(cfg, model, cluster, global_batch: int):
             comment = cfg.note + "; " + comment
     elif s == "weipipe":
         argv += ["--pipeline-schedule", "weipipe"] + ([] if cfg.recompute else ["--tawpipe-no-recompute"])
-    if s in ("tawpipe", "weipipe") and k.get("tp", 1) > 1:
-        argv += ["--tensor-model-parallel-size", str(k["tp"]), "--sequence-parallel"]
     elif s in ("pp-nodes", "1f1b", "interleaved"):
         pp = k["pipeline_size"]
         argv += ["--pipeline-schedule", "interleaved" if s == "interleaved" else "1f1b",
@@ -62,7 +62,7 @@ def command(cfg, model, cluster, global_batch: int):
         if s == "interleaved":
             argv += ["--num-layers-per-virtual-pipeline-stage",
                      str(model.num_layers // (pp * k["virtual_stages"]))]
-        argv += (DISTOPT if cluster.ranks // pp > 1 else []) + native_rc
+        argv += (DISTOPT if cluster.ranks // (pp * k.get("tp", 1)) > 1 else []) + native_rc
     elif s == "fsdp":
         argv += ["--use-torch-fsdp2"] + native_rc
     elif s == "hsdp":

@@ -99,14 +99,12 @@ def per_gpu_result(result, tp: int, cost: CostModel, num_layers: int, microbatch
     return result
 
 
-def tensor_parallel_problem(tp: int, ranks: int, ranks_per_node: int, num_layers: int, heads: int,
-                            query_groups: int, ffn: int) -> str:
-    """Why weight passing cannot run with ``tp`` ("" when it can): the runtime's rules."""
+def tensor_parallel_problem(tp: int, ranks_per_node: int, heads: int, query_groups: int, ffn: int) -> str:
+    """Why tensor parallelism of size ``tp`` cannot run ("" when it can): megatron-core's and the
+    runtime's rules (the group inside one node; heads, query groups and FFN size divisible)."""
     if ranks_per_node % tp:
         return f"T={tp} does not divide the {ranks_per_node} GPUs of a node"
     for name, value in (("attention heads", heads), ("query groups", query_groups), ("FFN size", ffn)):
         if value % tp:
             return f"T={tp} does not divide the {value} {name}"
-    if num_layers % (ranks // tp):
-        return f"{num_layers} layers are not divisible by {ranks // tp} virtual ranks (T={tp})"
     return ""
