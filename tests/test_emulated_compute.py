@@ -176,3 +176,55 @@ def test_calibration_flag_errors(tmp_path, capsys):
         main(["--output", str(tmp_path / "x.json"), "--hidden-size", "64", "--num-attention-heads", "4",
               "--num-layers", "2", "--seq-length", "64"])
     assert "--vocab-size is required" in capsys.readouterr().err
+
+
+def _tensor_parallel_collectives_rank(rank, argv):
+    """Train; count the hidden-state-sized collectives on this rank's tensor-parallel group."""
+    import torch.distributed as dist
+
+    seen = []
+    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def recording(kind):
+        def call(*args, group=None, **kwargs):
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else "world"
+            seen.append((kind, ranks, args[0].numel()))
+            return originals[kind](*args, group=group, **kwargs)
+        return call
+
+    try:
+        for name in names:
+            setattr(dist, name, recording(name))
+        records = train_rank(rank, argv)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    group = (rank - rank % 2, rank - rank % 2 + 1)
+    return records, [(kind, size) for kind, ranks, size in seen if ranks == group]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_emulated_tensor_parallelism_runs_megatrons_collectives(times_file, sequence_parallel):
+    """T = 2 on 4 ranks: 1/2 of the times slept, and per micro-batch and layer two hidden-state
+    all-reduces (all-gather + reduce-scatter pairs under --sequence-parallel) forward, two backward,
+    two in the recompute, one each way for the output layer; plan bytes as planned."""
+    extra = ["--sequence-parallel"] if sequence_parallel else []
+    argv = tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tensor-model-parallel-size",
+                     "2", *extra, "--emulated-compute-times", times_file, train_iters=2)
+    results = run_ranks(_tensor_parallel_collectives_rank, 4, argv)
+    hidden = 32 * 1 * 64                       # seq x micro-batch x hidden of tiny_args
+    micro_batches, layers = 8 // 2, 8          # per virtual rank; all layers visited once each way
+    per_iteration = micro_batches * (2 * layers + 1 + 2 * 2 * layers + 1)
+    for records, seen in results:
+        if sequence_parallel:
+            assert seen.count(("all_gather_into_tensor", hidden)) == 2 * per_iteration
+            assert seen.count(("reduce_scatter_tensor", hidden // 2)) == 2 * per_iteration
+        else:
+            assert seen.count(("all_reduce", hidden)) == 2 * per_iteration
+        for record in records:
+            assert record["compute"] == "emulated"
+            # Half of a rank's layer times per micro-batch: 2 virtual ranks each run all 8 layers.
+            slept = micro_batches * (8 * (0.004 + 0.008 + 0.004) + 0.002 + 0.004) / 2
+            assert record["elapsed_ms"] / 1000 >= 0.95 * slept
+            assert record["inter_group_bytes"] == record["planned_inter_group_bytes"] > 0
