@@ -266,7 +266,7 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
 
 
 def _validate_tensor_parallel(args: argparse.Namespace) -> None:
-    """megatron-core's tensor parallelism, for the native schedules (weight passing: its own issue)."""
+    """megatron-core's tensor parallelism (native schedules, and inside weight passing: see _validate_weight_pipeline_ranks)."""
     tp = args.tensor_model_parallel_size
     if tp == 1:
         if args.sequence_parallel:
