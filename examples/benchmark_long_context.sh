@@ -18,16 +18,11 @@ INTER_BW=${INTER_BW:-125MB/s} # the same rate, for the simulator
 INTRA_BW=${INTRA_BW:-0.6GB/s} # gloo over a namespace's loopback on this kind of machine (measured)
 VISIT=${VISIT:-4}            # tawpipe micro-batches per shard visit
 BUCKET=${BUCKET:-1000000}    # megatron DDP buckets of ~1 decoder layer (0.8M parameters): overlap on this small model
-PEAK=${PEAK:-0.4}            # emulated device: TFLOP/s at efficiency 1 -> 24.4 ms per layer forward
 BACKEND=${BACKEND:-gloo}     # the simulator as the CPU runs the libraries (nccl: what GPUs would do)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-source examples/llama_flags.sh
-MODEL=("${LLAMA_FLAGS[@]}" --num-layers 8 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 4 --seq-length 3072 --max-position-embeddings 3072
-       --micro-batch-size 1 --global-batch-size 16 --mock-data --tokenizer-type NullTokenizer --vocab-size 2047
-       --lr 1e-4 --log-interval 1000 --eval-iters 0 --num-workers 0)
+source examples/long_context_model.sh
 mkdir -p "$OUT"
-python tools/calibrate.py --output "$OUT/times.json" --from-cost-model --peak-tflops "$PEAK" --efficiency 1 \
-    "${LLAMA_FLAGS[@]}" --ffn-hidden-size 704 --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --vocab-size 2048 --num-layers 8
+calibrate_times "$OUT/times.json"
 STRATEGIES=${STRATEGIES:-tawpipe weipipe 1f1b interleaved pp-nodes distopt-node distopt fsdp hsdp}
 python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" --schedules $STRATEGIES \
     --train-iters "$ITERS" --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" \

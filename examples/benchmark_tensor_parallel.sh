@@ -15,15 +15,10 @@ RATE=${RATE:-1gbit}
 INTER_BW=${INTER_BW:-125MB/s}
 INTRA_BW=${INTRA_BW:-0.6GB/s}
 VISIT=${VISIT:-4}
-PEAK=${PEAK:-0.4}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-source examples/llama_flags.sh
-MODEL=("${LLAMA_FLAGS[@]}" --num-layers 8 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 4 --seq-length 3072 --max-position-embeddings 3072
-       --micro-batch-size 1 --global-batch-size 16 --mock-data --tokenizer-type NullTokenizer --vocab-size 2047
-       --lr 1e-4 --log-interval 1000 --eval-iters 0 --num-workers 0)
+source examples/long_context_model.sh
 mkdir -p "$OUT"
-python tools/calibrate.py --output "$OUT/times.json" --from-cost-model --peak-tflops "$PEAK" --efficiency 1 \
-    "${LLAMA_FLAGS[@]}" --ffn-hidden-size 704 --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --vocab-size 2048 --num-layers 8
+calibrate_times "$OUT/times.json"
 python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" --schedules tawpipe tawpipe-tp \
     --train-iters "$ITERS" --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" \
     --emulated-compute-times "$OUT/times.json" --outdir "$OUT/runs" --json "$OUT/results.json" -- "${MODEL[@]}"

@@ -10,35 +10,13 @@ the plan's, now summed over the tensor-parallel indices (each moves 1/T of every
 import pytest
 
 from distributed_harness import run_ranks
-from test_weight_passing_equivalence import assert_same_parameters
+# The single-process reference runs (a module-scoped fixture, cached per shape) and their arguments.
+from test_weight_passing_equivalence import ITERS, _args, assert_same_parameters, reference  # noqa: F401
 from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, train_rank
 from megatron_tawpipe.arguments import LLAMA_FLAGS
 
-ITERS = 3
 GPT = list(GPT_FLAGS)
 QK_NORM = list(LLAMA_FLAGS) + ["--qk-layernorm"]
-
-
-def _args(*extra, layers, global_batch, save, architecture=LLAMA_FLAGS):
-    argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, architecture=architecture)
-    argv[argv.index("--num-layers") + 1] = str(layers)
-    return argv + ["--save", save, "--save-interval", "1"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache = {}
-
-    def get(layers, global_batch, architecture):
-        key = (layers, global_batch, tuple(architecture))
-        if key not in cache:
-            save = str(tmp_path_factory.mktemp(f"ref-L{layers}-B{global_batch}"))
-            (records,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch, save=save,
-                                                        architecture=architecture))
-            cache[key] = (records, save)
-        return cache[key]
-
-    return get
 
 
 TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]
@@ -70,7 +48,7 @@ def _case_id(case):
 
 @pytest.mark.parametrize("world,extra,layers,global_batch,architecture", CASES, ids=[_case_id(c) for c in CASES])
 def test_matches_single_process_reference(world, extra, layers, global_batch, architecture, reference, tmp_path):
-    ref_records, ref_save = reference(layers, global_batch, architecture)
+    ref_records, ref_save = reference(layers, global_batch, architecture=architecture)
     save = str(tmp_path / "ckpt")
     per_rank = run_ranks(train_rank, world, _args(
         *extra, "--tensor-model-parallel-size", "2", "--tawpipe-nccl-faithful", "--distributed-timeout-minutes", "2",

@@ -17,13 +17,14 @@ import os
 import pytest
 
 from distributed_harness import run_ranks
+from megatron_tawpipe.arguments import LLAMA_FLAGS
 from training_helpers import assert_close_rel, losses, tiny_args, train_rank
 
 ITERS = 3
 
 
-def _args(*extra, layers, global_batch, save=None, tied=False):
-    argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1)
+def _args(*extra, layers, global_batch, save=None, tied=False, architecture=LLAMA_FLAGS):
+    argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1, architecture=architecture)
     argv[argv.index("--num-layers") + 1] = str(layers)
     if tied:
         argv.remove("--untie-embeddings-and-output-weights")
@@ -36,12 +37,12 @@ def _args(*extra, layers, global_batch, save=None, tied=False):
 def reference(tmp_path_factory):
     cache = {}
 
-    def get(layers, global_batch, tied=False):
-        key = (layers, global_batch, tied)
+    def get(layers, global_batch, tied=False, architecture=LLAMA_FLAGS):
+        key = (layers, global_batch, tied, tuple(architecture))
         if key not in cache:
             save = str(tmp_path_factory.mktemp(f"ref-L{layers}-B{global_batch}"))
             (records,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch, save=save,
-                                                        tied=tied))
+                                                        tied=tied, architecture=architecture))
             cache[key] = (records, save)
         return cache[key]
 
