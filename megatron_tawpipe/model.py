@@ -490,24 +490,6 @@ def tensor_parallel_slice(name: str, whole: torch.Tensor, param: torch.Tensor,
     return whole.chunk(tp, dim)[rank]
 
 
-def gather_tensor_parallel(name: str, local: torch.Tensor, param: torch.Tensor, config: TransformerConfig,
-                           group) -> torch.Tensor:
-    """The whole tensor from every tensor-parallel rank's slice ``local`` (of parameter ``param``, or of
-    state shaped like it): the inverse of :func:`tensor_parallel_slice`. Collective over ``group``."""
-    tp = _tensor_parallel_size(param)
-    if tp == 1:
-        return local
-    import torch.distributed as dist
-
-    pieces = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(pieces, local.contiguous(), group=group)
-    dim = param.partition_dim
-    if config.gated_linear_unit and name.rsplit(".", 1)[0].endswith("linear_fc1"):
-        gates, ups = zip(*(piece.chunk(2, dim=0) for piece in pieces))
-        return torch.cat([torch.cat(gates, dim), torch.cat(ups, dim)], dim=0)
-    return torch.cat(pieces, dim)
-
-
 @torch.no_grad()
 def init_parameter(param: torch.Tensor, name: str, seed: int, config: TransformerConfig) -> None:
     """Norm weights 1 (0 when zero-centred), biases 0, weights N(0, std) drawn for the *whole* tensor from a

@@ -83,15 +83,17 @@ def test_node_links_carry_each_shard_once_whatever_the_tensor_parallel_size():
 
 
 def test_checkpoints_cross_tensor_parallel_sizes_and_schedules(tmp_path):
-    """tawpipe T = 2 saves; tawpipe T = 1 resumes and saves; native 1F1B (2 stages) resumes and saves;
-    tawpipe T = 2 resumes: the losses of one uninterrupted run."""
+    """tawpipe T = 2 saves (its slices, as pieces of the whole tensors); tawpipe T = 1 resumes and saves;
+    native 1F1B with T = 2 x 2 stages (megatron-core's own sharded layout) resumes and saves; tawpipe
+    T = 2 resumes (reading its slices as pieces): the losses of one uninterrupted run."""
     iters = 8
     (uninterrupted,) = run_ranks(train_rank, 1, tiny_args(train_iters=iters))
     dirs = [str(tmp_path / name) for name in ("t2", "t1", "native")]
     segments = [
         (4, TAWPIPE + ["--tensor-model-parallel-size", "2", "--save", dirs[0], "--exit-interval", "2"]),
         (2, TAWPIPE + ["--load", dirs[0], "--save", dirs[1], "--exit-interval", "4"]),
-        (2, ["--pipeline-model-parallel-size", "2", "--load", dirs[1], "--save", dirs[2], "--exit-interval", "6"]),
+        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--load", dirs[1], "--save",
+             dirs[2], "--exit-interval", "6"]),
         (4, TAWPIPE + ["--tensor-model-parallel-size", "2", "--load", dirs[2]]),
     ]
     records = []
@@ -116,6 +118,19 @@ def test_low_precision_and_evaluation_follow_tensor_parallelism_one(precision):
     assert_close_rel([v for _, v in validation], [v for _, v in expected], 2e-2, "validation loss")
     if precision == "--fp16":
         assert all(r["loss_scale"] > 1 for r in two)
+
+
+def test_bf16_resume_with_tensor_parallelism_continues_exactly(tmp_path):
+    """--bf16, T = 2: a run stopped after iteration 2 and resumed from its checkpoint (bf16 weights,
+    fp32 masters and Adam moments written and read as slices) repeats the uninterrupted run's losses."""
+    flags = TAWPIPE + ["--bf16", "--tensor-model-parallel-size", "2"]
+    save = str(tmp_path / "ckpt")
+    uninterrupted = run_ranks(train_rank, 4, tiny_args(*flags, train_iters=4, global_batch=4))[0]
+    first = run_ranks(train_rank, 4, tiny_args(*flags, "--save", save, "--exit-interval", "2", train_iters=4,
+                                               global_batch=4))[0]
+    second = run_ranks(train_rank, 4, tiny_args(*flags, "--load", save, train_iters=4, global_batch=4))[0]
+    assert [r["iteration"] for r in first + second] == [1, 2, 3, 4]
+    assert losses(first + second) == losses(uninterrupted)
 
 
 @pytest.mark.parametrize("world, local, extra, message", [

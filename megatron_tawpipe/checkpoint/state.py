@@ -4,7 +4,10 @@ the LR schedule and the per-parameter state a trainer hands over.
 A trainer exposes ``named_master_parameters()`` (global name, model parameter, fp32 master or a
 stand-in that copies its own slice), ``optimizer_state_for`` / ``set_optimizer_state``,
 ``writes_checkpoint()``, ``skip_in_checkpoint(name)``, optionally ``gathered_masters()`` (whole
-tensors gathered for the writing rank), the grad scaler's state and ``after_parameters_loaded()``.
+tensors gathered for the writing rank), ``checkpoint_shape`` / ``checkpoint_slice`` (a rank holding
+a slice of each whole tensor), ``checkpoint_fragments`` / ``checkpoint_replica`` (torch_dist: a
+slice written and read as pieces of the whole tensor, and which copy of an unsplit one is written),
+the grad scaler's state and ``after_parameters_loaded()``.
 """
 
 from __future__ import annotations

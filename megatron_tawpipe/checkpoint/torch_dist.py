@@ -85,17 +85,32 @@ def model_space_key(name: str, keys_map: Dict[str, str]) -> Tuple[str, Optional[
     return "decoder.layers." + rest, int(match.group(1))
 
 
-def _sharded(key: str, tensor: torch.Tensor, layer: Optional[int], num_layers: int, replica_id: int = 0):
-    """A whole parameter (one layer's, for a stacked decoder key) as a megatron-core ShardedTensor."""
+def _sharded(key: str, tensor: torch.Tensor, layer: Optional[int], num_layers: int, replica_id: int = 0,
+             fragment: Optional[Tuple[int, int, int]] = None):
+    """A whole parameter (one layer's, for a stacked decoder key) as a megatron-core ShardedTensor; with
+    ``fragment = (axis, index, count)``, piece ``index`` of ``count`` equal pieces along ``axis`` of it
+    (a tensor-parallel slice)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    if layer is None:
-        return ShardedTensor.from_rank_offsets(key, tensor, replica_id=replica_id)
-    return ShardedTensor.from_rank_offsets(key, tensor, (0, layer, num_layers), replica_id=replica_id,
-                                           prepend_axis_num=1)
+    prepend = 0 if layer is None else 1
+    offsets = [] if layer is None else [(0, layer, num_layers)]
+    if fragment is not None:
+        axis, index, count = fragment
+        offsets.append((prepend + axis, index, count))
+    return ShardedTensor.from_rank_offsets(key, tensor, *offsets, replica_id=replica_id, prepend_axis_num=prepend)
 
 
-def layer_extra_states(layer_module, layer: int, num_layers: int) -> Dict[str, object]:
+def _pieces(key: str, tensor: torch.Tensor, layer: Optional[int], num_layers: int, fragments, replica_id: int = 0):
+    """``tensor`` as ShardedTensors: one for a whole tensor or a plain tensor-parallel slice, one per piece
+    where the slice is several pieces of the whole (SwiGLU's [gate; up] rows), keyed by piece."""
+    if not fragments:
+        return {"": _sharded(key, tensor, layer, num_layers, replica_id)}
+    chunks = tensor.chunk(len(fragments), dim=fragments[0][0]) if len(fragments) > 1 else (tensor,)
+    return {f"#{i}" if len(fragments) > 1 else "": _sharded(key, chunk, layer, num_layers, replica_id, fragment)
+            for i, (chunk, fragment) in enumerate(zip(chunks, fragments))}
+
+
+def layer_extra_states(layer_module, layer: int, num_layers: int, replica_id: int = 0) -> Dict[str, object]:
     """megatron-core's extra-state objects of decoder layer ``layer`` (Transformer Engine's metadata,
     None for megatron's own layers), read from any module built from the same layer spec."""
     from dataclasses import replace
@@ -107,7 +122,7 @@ def layer_extra_states(layer_module, layer: int, num_layers: int) -> Dict[str, o
     local = "decoder.layers.0."
     state = layer_module.sharded_state_dict(local, [(0, layer, num_layers)], None)
     replace_prefix_for_sharding(state, local, "decoder.layers.")
-    return {f"{obj.key}@{layer}": replace(obj, replica_id=0)
+    return {f"{obj.key}@{layer}": replace(obj, replica_id=replica_id)
             for obj in nested_values(state) if isinstance(obj, ShardedObject)}
 
 
@@ -172,24 +187,35 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
                if tied_alias(entry[0], tied) is None and not trainer.skip_in_checkpoint(entry[0])]
     model, masters, moments, layers = {}, {}, {}, set()
     keys_map = layer_keys_map(args)
+    fragments_of = getattr(trainer, "checkpoint_fragments", lambda _name, _tensor: None)
+    replica_of = getattr(trainer, "checkpoint_replica", lambda _name, _tensor: 0)
     for name, master, state in entries:
         key, layer = model_space_key(name, keys_map)
         if layer is not None:
             layers.add(layer)
+        # A tensor-parallel rank writes its slice of the whole tensor, and a copy of what tensor
+        # parallelism does not split only from the group's first rank (replica 0).
+        fragments, replica = fragments_of(name, master), replica_of(name, master)
         master = master.detach()
-        model[name] = _sharded(key, master.to(model_dtype).clone() if low_precision else master,
-                               layer, args.num_layers)
+
+        def pieces(prefix: str, tensor: torch.Tensor, where: dict, entry: str) -> None:
+            for suffix, sharded in _pieces(prefix + key, tensor, layer, args.num_layers, fragments, replica).items():
+                where[entry + suffix] = sharded
+
+        pieces("", master.to(model_dtype).clone() if low_precision else master, model, name)
         if not with_optimizer:
             continue
         if low_precision:
-            masters[name] = _sharded("optimizer.state.fp32_param." + key, master.float(), layer, args.num_layers)
-        moments[name] = {moment: _sharded(f"optimizer.state.{moment}.{key}", state[moment].detach(), layer,
-                                          args.num_layers)
-                         for moment in MOMENTS if moment in state}
+            pieces("optimizer.state.fp32_param.", master.float(), masters, name)
+        moments[name] = {}
+        for moment in MOMENTS:
+            if moment in state:
+                pieces(f"optimizer.state.{moment}.", state[moment].detach(), moments[name], moment)
     layer_module = getattr(trainer, "checkpoint_layer_module", lambda: None)()
     if layer_module is not None:
+        replica = getattr(trainer, "checkpoint_replica", lambda _name, _tensor: 0)("", None)
         for layer in sorted(layers):
-            model.update(layer_extra_states(layer_module, layer, args.num_layers))
+            model.update(layer_extra_states(layer_module, layer, args.num_layers, replica))
     result = {"model": model}
     if not with_optimizer:
         return result
@@ -315,16 +341,33 @@ class _Request:
         self.num_layers = num_layers
         self.items: Dict[str, object] = {}
 
-    def ask(self, key: str, layer: Optional[int]) -> Optional[str]:
-        """Ask for ``key`` (one layer of it if stacked); the request's id, or None if not in the checkpoint."""
+    def ask(self, key: str, layer: Optional[int], fragments=None):
+        """Ask for ``key`` (one layer of it if stacked), whole or the pieces ``fragments`` of it
+        (``(axis, index, count)``: a tensor-parallel slice); the request's id (a tuple of ids for
+        pieces), or None if not in the checkpoint."""
         meta = self.metadata.get(key)
         if meta is None:
             return None
-        ident = f"{key}@{layer}"
-        if ident not in self.items:
-            shape = tuple(meta.global_shape[1:] if layer is not None else meta.global_shape)
-            self.items[ident] = _sharded(key, torch.empty(shape, dtype=meta.dtype), layer, self.num_layers)
-        return ident
+        shape = list(meta.global_shape[1:] if layer is not None else meta.global_shape)
+        idents = []
+        for fragment in fragments or [None]:
+            ident = f"{key}@{layer}" + ("" if fragment is None else "#{}.{}.{}".format(*fragment))
+            if ident not in self.items:
+                piece = list(shape)
+                if fragment is not None:
+                    piece[fragment[0]] //= fragment[2]
+                self.items[ident] = _sharded(key, torch.empty(piece, dtype=meta.dtype), layer, self.num_layers,
+                                             fragment=fragment)
+            idents.append(ident)
+        return tuple(idents) if fragments else idents[0]
+
+
+def _value(loaded: dict, ident, name: str, param, local) -> torch.Tensor:
+    """A loaded tensor as the rank holds it: its pieces joined (a tensor-parallel slice read as pieces),
+    or this rank's part of a whole one (``local``: the trainer's ``checkpoint_slice``)."""
+    if isinstance(ident, tuple):
+        return loaded[ident[0]] if len(ident) == 1 else torch.cat([loaded[i] for i in ident], dim=0)
+    return local(name, param, loaded[ident])
 
 
 def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer: bool):
@@ -336,6 +379,7 @@ def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer:
     keys_map = layer_keys_map(args)
     # A tensor-parallel rank holds a slice of each whole tensor read (native schedules).
     whole_shape = getattr(trainer, "checkpoint_shape", None)
+    fragments_of = getattr(trainer, "checkpoint_fragments", lambda _name, _tensor: None)
     for name, param, master in trainer.named_master_parameters():
         source = tied_alias(name, tied) or name
         key, layer = model_space_key(source, keys_map)
@@ -345,13 +389,15 @@ def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer:
         model_shape = list(whole_shape(name, param) if whole_shape else master.shape)
         if saved_shape != model_shape:
             raise CheckpointError(f"{directory}: parameter {source} has shape {saved_shape}, the model {model_shape}")
+        # A weight-passing rank with tensor parallelism reads just its slice (pieces of the whole tensor).
+        fragments = fragments_of(name, master)
         # fp32 masters: the non-distributed optimizers' fp32_param, the distributed optimizer's param.
-        value = (request.ask("optimizer.state.fp32_param." + key, layer)
-                 or request.ask("optimizer.state.param." + key, layer) or request.ask(key, layer))
+        value = (request.ask("optimizer.state.fp32_param." + key, layer, fragments)
+                 or request.ask("optimizer.state.param." + key, layer, fragments) or request.ask(key, layer, fragments))
         moments = {}
         if restore_optimizer:
             for moment in MOMENTS:
-                moments[moment] = request.ask(f"optimizer.state.{moment}.{key}", layer)
+                moments[moment] = request.ask(f"optimizer.state.{moment}.{key}", layer, fragments)
                 if moments[moment] is None:
                     raise CheckpointSetupError(f"{directory}: no optimizer state ({moment}) for {source}; pass "
                                                "--no-load-optim (or --finetune) to start the optimizer afresh")
@@ -408,12 +454,13 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     with torch.no_grad():
         for name, param, master, value, moments in targets:
-            whole = local(name, param, loaded[value])
+            whole = _value(loaded, value, name, param, local)
             master.copy_(whole.to(device=master.device, dtype=torch.float32))
             if param is not master:
                 param.copy_(whole.to(device=param.device, dtype=param.dtype))
             if restore_optimizer:
-                state = {moment: local(name, param, loaded[ident]).float() for moment, ident in moments.items()}
+                state = {moment: _value(loaded, ident, name, param, local).float()
+                         for moment, ident in moments.items()}
                 if step is not None:
                     state["step"] = step
                 restore_optimizer_state(trainer, master, state)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
-from megatron_tawpipe.model import gather_tensor_parallel, global_shape, tensor_parallel_slice
+from megatron_tawpipe.model import global_shape, tensor_parallel_slice
 from megatron_tawpipe.param_groups import megatron_param_groups
 from megatron_tawpipe.baselines.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
@@ -301,9 +301,7 @@ class WeightPassingTrainer:
         return value.to(device=master.device, dtype=master.dtype)
 
     def writes_checkpoint(self) -> bool:
-        """Every rank writes what it owns; with tensor parallelism, the group's first rank writes
-        the whole tensors gathered from its group (:meth:`gathered_masters`)."""
-        return self.model.tensor_parallel_rank == 0
+        return True
 
     def checkpoint_shape(self, name: str, param: torch.Tensor) -> Tuple[int, ...]:
         """The whole parameter's shape in a checkpoint (a tensor-parallel rank holds a slice)."""
@@ -313,34 +311,34 @@ class WeightPassingTrainer:
         """This rank's tensor-parallel slice of a whole parameter (or of its Adam state) read from a checkpoint."""
         return tensor_parallel_slice(name, whole, param, self.model.template.full_config)
 
-    def gathered_masters(self):
-        """With tensor parallelism: ``(name, whole fp32 master, whole Adam state)`` of every parameter this
-        virtual rank holds, gathered over the tensor-parallel group (every rank calls this; the group's
-        first rank gets the tensors, the others an empty list). None without tensor parallelism."""
-        if self.model.tensor_parallel_size == 1:
+    def checkpoint_fragments(self, name: str, master: torch.Tensor) -> Optional[List[Tuple[int, int, int]]]:
+        """Where this rank's tensor-parallel slice lies in the whole tensor, as ``(axis, index, count)``
+        pieces (megatron-core's layout: rows of column-parallel and vocabulary-parallel weights,
+        columns of row-parallel ones; a SwiGLU ``linear_fc1`` slice is two pieces, its gate rows and
+        its up rows); None for a whole tensor. Checkpoints are written and read as these pieces:
+        no rank gathers or reads a whole tensor."""
+        tp = self.model.tensor_parallel_size
+        if tp == 1 or not getattr(master, "tensor_model_parallel", False):
             return None
-        from megatron.core import parallel_state
+        j = self.model.tensor_parallel_rank
+        if self.model.template.full_config.gated_linear_unit and name.rsplit(".", 1)[0].endswith("linear_fc1"):
+            return [(0, j, 2 * tp), (0, tp + j, 2 * tp)]
+        return [(master.partition_dim, j, tp)]
 
-        group = parallel_state.get_tensor_model_parallel_group()
-        keep = self.writes_checkpoint()
-        config = self.model.template.full_config
-        out = []
-        for name, master in self._named_masters:
-            state = self.optimizer_state_for(master)
-            whole = gather_tensor_parallel(name, master.detach(), master, config, group)
-            moments = {key: gather_tensor_parallel(name, value, master, config, group) if key != "step" else value
-                       for key, value in state.items()}
-            if keep:
-                out.append((name, whole, moments))
-        return out
+    def checkpoint_replica(self, name: str, master: Optional[torch.Tensor]) -> int:
+        """0 where this rank's copy is the one written: its own slice, or, for what tensor parallelism
+        does not split (norms, biases of row-parallel layers, extra state), the group's first rank's."""
+        if master is not None and getattr(master, "tensor_model_parallel", False):
+            return 0
+        return self.model.tensor_parallel_rank
 
     def checkpoint_layer_module(self):
         """A decoder layer built from the run's layer spec (its extra state goes into torch_dist checkpoints)."""
         return self.model.template.layers[0]
 
     def skip_in_checkpoint(self, name: str) -> bool:
-        """Replicated parts are identical on every rank: rank 0 writes them."""
-        return self.rank != 0 and not name.startswith("decoder.layers.")
+        """Replicated parts are identical on every (virtual) rank: the first (tensor-parallel group) writes them."""
+        return self.model.rank != 0 and not name.startswith("decoder.layers.")
 
     def grad_scaler_state(self):
         return self.scaling.state_dict()
