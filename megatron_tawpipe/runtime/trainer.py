@@ -66,8 +66,11 @@ def single_connection_warning(environ: Mapping[str, str], device_type: str, pipe
     """The warning for ``CUDA_DEVICE_MAX_CONNECTIONS=1`` under a weight-passing schedule on CUDA, or None.
 
     With one hardware queue, the weight and gradient transfers that the plan overlaps with the
-    next shard's compute queue behind it instead (megatron's environments often set it for
-    tensor-parallel communication ordering, which weight passing does not need).
+    next shard's compute queue behind it instead. (megatron's environments set it so that its
+    asynchronous tensor-parallel communication is scheduled ahead of the compute it overlaps: a
+    matter of speed, not correctness, and the template's layers run without that overlap's fused
+    gradient accumulation; with --tensor-model-parallel-size inside weight passing the plan's
+    overlap is the larger gain.)
     """
     if device_type != "cuda" or environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
         return None
