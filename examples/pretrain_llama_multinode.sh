@@ -4,6 +4,8 @@
 # SCHEDULE: tawpipe, weipipe, 1f1b, interleaved, or hsdp, fsdp, distopt-node, pp-nodes
 # On CPU nodes set BACKEND=gloo (and GLOO_SOCKET_IFNAME to the inter-node interface).
 # Weight-passing schedules take one group per node by default (--tawpipe-num-groups = NNODES).
+# TP=2/4/8: tensor parallelism inside each node, with --sequence-parallel (every schedule; for tawpipe
+# and weipipe each group of TP ranks is one rank of the weight pipeline).
 # A failed run is relaunched up to MAX_RESTARTS (default 3) times from the latest checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +18,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 SCHEDULE=${SCHEDULE:-1f1b}
 WORLD=$((NNODES * GPUS_PER_NODE))
-PP=${PP:-$WORLD}
+TP=${TP:-1}
+PP=${PP:-$((WORLD / TP))}
 NUM_LAYERS=${NUM_LAYERS:-32}
 HIDDEN=${HIDDEN:-4096}
 FFN=${FFN:-11008}
@@ -54,13 +57,15 @@ case "$SCHEDULE" in
     pp-nodes) PP_ARGS=(--pipeline-model-parallel-size "$NNODES" "${DISTOPT[@]}") ;;
     *) PIPELINE_SCHEDULE=$SCHEDULE; PP_ARGS=(--pipeline-model-parallel-size "$PP") ;;
 esac
+TP_ARGS=()
+[ "$TP" -gt 1 ] && TP_ARGS=(--tensor-model-parallel-size "$TP" --sequence-parallel)
 PRECISION=(--bf16)
 [ "$BACKEND" = gloo ] && PRECISION=()
 
 source examples/restarts.sh
 run_with_restarts torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_llama.py \
-    --pipeline-schedule "$PIPELINE_SCHEDULE" "${PP_ARGS[@]}" --distributed-backend "$BACKEND" \
+    --pipeline-schedule "$PIPELINE_SCHEDULE" "${PP_ARGS[@]}" "${TP_ARGS[@]}" --distributed-backend "$BACKEND" \
     "${LLAMA_FLAGS[@]}" \
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN" --num-attention-heads "$HEADS" \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --untie-embeddings-and-output-weights \
