@@ -393,3 +393,24 @@ def test_simulate_lists_the_new_strategies():
         mem = r["options"]["memory_breakdown"]
         assert mem["total"] == pytest.approx(sum(mem[t] for t in TERMS))
         assert r["tokens_per_sec_per_rank"] > 0
+
+
+def test_simulate_cli_models_tensor_parallel_weight_passing():
+    """tools/simulate.py --tensor-model-parallel-size 2: the plan over half the ranks, per-GPU figures
+    (half a virtual rank's tokens/s and memory), the same bytes between nodes as that plan; refused
+    for schedules it does not model."""
+    import json
+
+    shape = ["--ranks", "8", "--groups", "2", "--num-layers", "8", "--hidden-size", "1024", "--seq-length", "4096",
+             "--num-attention-heads", "8", "--num-microbatches", "4", "--json"]
+    (tp2,) = json.loads(run_simulate("--schedule", "tawpipe", "--tensor-model-parallel-size", "2", *shape).stdout)
+    virtual = shape.copy()
+    virtual[1] = "4"
+    (plain,) = json.loads(run_simulate("--schedule", "tawpipe", *virtual).stdout)
+    assert tp2["options"]["tensor_model_parallel_size"] == 2
+    assert tp2["inter_group_bytes"] == plain["inter_group_bytes"] > 0
+    assert tp2["tokens_per_sec_per_rank"] > plain["tokens_per_sec_per_rank"] / 2   # 1/2 compute per GPU
+    assert tp2["memory_bytes"] == pytest.approx(plain["memory_bytes"] / 2)   # every term sliced T ways
+    assert tp2["options"]["tensor_parallel_bytes_per_gpu"] > 0
+    refused = run_simulate("--schedule", "1f1b", "--tensor-model-parallel-size", "2", *shape)
+    assert refused.returncode == 2 and "modelled for tawpipe/weipipe only" in refused.stderr

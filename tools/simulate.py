@@ -35,7 +35,8 @@ except ImportError:  # running from a source checkout
 
 from megatron_tawpipe.plan import SCHEDULES
 from megatron_tawpipe.plan.cli import (ALL, ANALYTIC, add_advisor_args, add_model_args,
-                                       advisor_inputs, cost_model, run_one)
+                                       advisor_inputs, cost_model, run_one,
+                                       tensor_parallel_for)
 
 def format_table(rows) -> str:
     head = ("schedule", "iter s", "tok/s/rank", "bubble", "inter GB", "intra GB", "w bufs",
@@ -73,6 +74,10 @@ def main(argv=None) -> int:
     for n in names:
         if n not in ANALYTIC and n not in SCHEDULES:
             p.error(f"unknown schedule {n!r}; known: {', '.join(list(SCHEDULES) + list(ANALYTIC))}")
+        try:
+            tensor_parallel_for(n, args)
+        except ValueError as exc:
+            p.error(str(exc))
     cost = cost_model(args)
     rows = []
     for n in names:

@@ -111,7 +111,7 @@ def planner_options(name: str, args) -> dict:
 
 def make_plan(name: str, args, validate: bool = True):
     n = args.num_microbatches * (args.ranks if name in ACTIVATION else 1)
-    plan = build_plan(name, num_ranks=args.ranks // _tensor_parallel(name, args), num_groups=args.groups,
+    plan = build_plan(name, num_ranks=args.ranks // tensor_parallel_for(name, args), num_groups=args.groups,
                       num_layers=args.num_layers, num_microbatches=n,
                       **planner_options(name, args))
     if validate:
@@ -122,7 +122,7 @@ def make_plan(name: str, args, validate: bool = True):
 def run_one(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
     """(plan or None, SimResult); the result's ``options["memory_breakdown"]`` is
     the per-GPU memory by term (:mod:`plan.memory`)."""
-    tp = _tensor_parallel(name, args)
+    tp = tensor_parallel_for(name, args)
     if name in STRATEGIES:
         return None, run_strategy(name, cost, args.ranks, args.groups, args.num_layers,
                                   args.num_microbatches)
@@ -143,7 +143,7 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
     return plan, result
 
 
-def _tensor_parallel(name: str, args) -> int:
+def tensor_parallel_for(name: str, args) -> int:
     """T for a weight-passing schedule (1 for the others; refused for them when T > 1)."""
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if tp == 1:
