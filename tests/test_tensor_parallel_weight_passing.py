@@ -144,6 +144,8 @@ def test_bf16_resume_with_tensor_parallelism_continues_exactly(tmp_path):
      "--num-layers 3 must be divisible by the number of tensor-parallel groups 2"),
     (6, None, ["--pipeline-schedule", "weipipe", "--tensor-model-parallel-size", "4"],
      "--tensor-model-parallel-size 4 must divide the number of ranks 6"),
+    (4, None, ["--pipeline-schedule", "tawpipe", "--sequence-parallel", "--seq-length", "31", "--max-position-embeddings",
+               "31"], "--seq-length 31 must be divisible by --tensor-model-parallel-size 2"),
 ])
 def test_unsupported_layouts_are_refused_before_any_process_group(monkeypatch, world, local, extra, message):
     from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
@@ -157,3 +159,18 @@ def test_unsupported_layouts_are_refused_before_any_process_group(monkeypatch, w
     with pytest.raises(ArgumentError) as info:
         validate_args(parse_args(argv))
     assert message in str(info.value)
+
+
+def test_transfer_errors_name_global_ranks():
+    """With T = 2, plan rank 1 is global rank 2 or 3 depending on the tensor-parallel index: what a wait
+    reports (a dead or stalled peer) names the global ranks a user sees in the launcher's logs."""
+    from megatron_tawpipe.plan import actions as A
+    from megatron_tawpipe.runtime.transport import describe_op
+
+    physical = lambda rank: rank * 2 + 1  # noqa: E731 - tensor-parallel index 1 of T = 2
+    recv = A.RecvStart(tag=5, peer=1, buf="w0", kind="weight", shard=3, link="inter")
+    assert describe_op(recv, 0, physical) == ("receive of weight shard 3 from rank 3 (rank 3 stopped, stalled or "
+                                              "is unreachable)")
+    bcast = A.BroadcastStart(tag=6, root=0, ranks=(0, 1), buf="w1", kind="weight", shard=0, link="intra")
+    assert describe_op(bcast, 1, physical) == "broadcast of weight shard 0 from rank 1 over ranks [1, 3]"
+    assert "from rank 1 " in describe_op(recv, 0)   # without tensor parallelism, plan ranks are global

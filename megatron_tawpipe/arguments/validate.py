@@ -280,6 +280,9 @@ def _validate_tensor_parallel(args: argparse.Namespace) -> None:
                         ("--num-query-groups", args.num_query_groups), ("--ffn-hidden-size", args.ffn_hidden_size)):
         if value % tp:
             raise ArgumentError(f"{flag} {value} must be divisible by --tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
+                            f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
     if args.sequence_parallel:
         from megatron_tawpipe.model import check_sequence_parallel_support
 

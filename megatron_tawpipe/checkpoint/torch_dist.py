@@ -270,6 +270,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         RECORD_KEY: {
             "pipeline_schedule": args.pipeline_schedule,
             "world_size": world(),
+            "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "model": model_signature(args),
             "consumed_samples": consumed_samples,
             "optimizer_saved": with_optimizer,
@@ -442,7 +443,8 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     except CheckpointError as exc:
         problem = exc
     _agree(problem, directory)
-    same_layout = (record.get("world_size") == world() and record.get("pipeline_schedule") == args.pipeline_schedule)
+    same_layout = (record.get("world_size") == world() and record.get("pipeline_schedule") == args.pipeline_schedule
+                   and record.get("tensor_model_parallel_size", 1) == args.tensor_model_parallel_size)
     load_rng = same_layout and not args.no_load_rng and not args.finetune and RNG_KEY in metadata_objects(directory)
     if load_rng:
         request.items[RNG_KEY] = _rng_object(None)

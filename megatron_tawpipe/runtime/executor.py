@@ -82,6 +82,9 @@ class PlanExecutor:
         # Bounded waits: a dead or stalled peer becomes an error, never a silent hang.
         self.timeout = timeout or datetime.timedelta(minutes=10)
         self.rank = rank
+        # Errors name global ranks (with tensor parallelism the plan's ranks are virtual).
+        self.name = (f"rank {communicators.physical(rank)}" if communicators.tensor_parallel_size == 1 else
+                     f"rank {communicators.physical(rank)} (plan rank {rank})")
         self.compute = compute
         self.comms = communicators
         self.nccl_faithful = nccl_faithful
@@ -180,17 +183,17 @@ class PlanExecutor:
                 if self.trace is not None:
                     self._record(action, started, time.time())
             except PeerFailure as exc:
-                raise PeerFailure(f"rank {self.rank}, step {step} of {len(actions)}, {action}: {exc}") from exc
+                raise PeerFailure(f"{self.name}, step {step} of {len(actions)}, {action}: {exc}") from exc
             except ExecutionError as exc:
-                raise ExecutionError(f"rank {self.rank}, step {step}, {action}: {exc}") from exc
+                raise ExecutionError(f"{self.name}, step {step}, {action}: {exc}") from exc
             except RuntimeError as exc:
                 if isinstance(action, A.STARTS):
                     raise PeerFailure(
-                        f"rank {self.rank}, step {step} of {len(actions)}, {action}: could not start "
-                        f"({describe_op(action, self.rank)}): {first_line(exc)}") from exc
+                        f"{self.name}, step {step} of {len(actions)}, {action}: could not start "
+                        f"({describe_op(action, self.rank, self.comms.physical)}): {first_line(exc)}") from exc
                 raise
         if self.in_flight:
-            raise ExecutionError(f"rank {self.rank}: plan ended with transfers in flight: {sorted(self.in_flight)}")
+            raise ExecutionError(f"{self.name}: plan ended with transfers in flight: {sorted(self.in_flight)}")
         if self.trace is not None:
             self._resolve_trace()
 
@@ -230,7 +233,8 @@ class PlanExecutor:
 
     def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:
-        self.in_flight[action.tag] = _InFlight(work, after, buf, reads_only, describe_op(action, self.rank))
+        self.in_flight[action.tag] = _InFlight(work, after, buf, reads_only,
+                                               describe_op(action, self.rank, self.comms.physical))
 
     def _count(self, link: str, tensor: torch.Tensor) -> None:
         self.bytes_sent[link] += tensor.numel() * tensor.element_size()

@@ -163,17 +163,21 @@ class DirectTransport:
         return None
 
 
-def describe_op(action, rank: int) -> str:
-    """What a communication action waits for, naming the peer ranks it depends on."""
+def describe_op(action, rank: int, physical=lambda r: r) -> str:
+    """What a communication action waits for, naming the peer ranks it depends on (as global ranks:
+    ``physical`` maps a plan's virtual rank to this tensor-parallel index's global rank)."""
     what = f"{getattr(action, 'kind', '')} shard {getattr(action, 'shard', '')}".strip()
     if isinstance(action, A.SendStart):
-        return f"send of {what} to rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
+        peer = physical(action.peer)
+        return f"send of {what} to rank {peer} (rank {peer} stopped, stalled or is unreachable)"
     if isinstance(action, A.RecvStart):
-        return f"receive of {what} from rank {action.peer} (rank {action.peer} stopped, stalled or is unreachable)"
+        peer = physical(action.peer)
+        return f"receive of {what} from rank {peer} (rank {peer} stopped, stalled or is unreachable)"
+    ranks = [physical(r) for r in getattr(action, "ranks", ())]
     if isinstance(action, A.BroadcastStart):
-        return f"broadcast of {what} from rank {action.root} over ranks {list(action.ranks)}"
+        return f"broadcast of {what} from rank {physical(action.root)} over ranks {ranks}"
     if isinstance(action, A.ReduceStart):
-        return f"reduce of {what} to rank {action.root} over ranks {list(action.ranks)}"
+        return f"reduce of {what} to rank {physical(action.root)} over ranks {ranks}"
     if isinstance(action, A.ReplicatedAllReduceStart):
-        return f"all-reduce of the replicated gradients over ranks {list(action.ranks)}"
+        return f"all-reduce of the replicated gradients over ranks {ranks}"
     return type(action).__name__

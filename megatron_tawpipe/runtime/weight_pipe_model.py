@@ -118,8 +118,22 @@ class WeightPipeModel:
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self.communicators = Communicators(list(self.plans.values()), self.world, self.tensor_parallel_size,
                                            self.tensor_parallel_rank)
+        self._create_megatron_communicators()
         self.executor = self._executor(self.plan)
         self._reset(None, None, 1, forward_only=True)
+
+    def _create_megatron_communicators(self) -> None:
+        """On NCCL with tensor parallelism: megatron-core's tensor- and data-parallel communicators are
+        created here, before any plan runs, by one small all-reduce each in the same order on every
+        rank. Otherwise the first tensor-parallel collective (inside the first forward) would create
+        its communicator lazily, blocking while the plan's transfers are in flight."""
+        if self.tensor_parallel_size == 1 or dist.get_backend() != "nccl":
+            return
+        from megatron.core import parallel_state as megatron_state
+
+        probe = torch.zeros(1, device=self.device)
+        for group in (megatron_state.get_tensor_model_parallel_group(), megatron_state.get_data_parallel_group()):
+            dist.all_reduce(probe, group=group)
 
     def _executor(self, plan, transport=None) -> PlanExecutor:
         return PlanExecutor(plan, self.rank, self, self.communicators,
