@@ -348,7 +348,7 @@ def construct_llama_model(args, config: TransformerConfig, pre_process: bool = T
 
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                           layer_norm=TorchNorm)
-    model = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
@@ -364,7 +364,6 @@ def construct_llama_model(args, config: TransformerConfig, pre_process: bool = T
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
-    return model
 
 
 def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,
@@ -471,6 +470,12 @@ def global_shape(param: torch.Tensor) -> Tuple[int, ...]:
     return tuple(shape)
 
 
+def is_gated_fc1(name: str, config: TransformerConfig) -> bool:
+    """Whether ``name`` is a gated MLP's ``linear_fc1`` weight or bias, which stacks [gate; up] and whose
+    tensor-parallel slice is [gate slice; up slice]."""
+    return bool(config.gated_linear_unit) and name.rsplit(".", 1)[0].endswith("linear_fc1")
+
+
 def tensor_parallel_slice(name: str, whole: torch.Tensor, param: torch.Tensor,
                           config: TransformerConfig) -> torch.Tensor:
     """This rank's slice of the whole tensor ``whole`` of parameter ``param``, as megatron-core lays it out.
@@ -484,7 +489,7 @@ def tensor_parallel_slice(name: str, whole: torch.Tensor, param: torch.Tensor,
     from megatron.core import parallel_state
 
     rank, dim = parallel_state.get_tensor_model_parallel_rank(), param.partition_dim
-    if config.gated_linear_unit and name.rsplit(".", 1)[0].endswith("linear_fc1"):
+    if is_gated_fc1(name, config):
         gate, up = whole.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim)[rank], up.chunk(tp, dim)[rank]], dim=0)
     return whole.chunk(tp, dim)[rank]

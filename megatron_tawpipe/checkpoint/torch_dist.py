@@ -213,7 +213,7 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
                 pieces(f"optimizer.state.{moment}.", state[moment].detach(), moments[name], moment)
     layer_module = getattr(trainer, "checkpoint_layer_module", lambda: None)()
     if layer_module is not None:
-        replica = getattr(trainer, "checkpoint_replica", lambda _name, _tensor: 0)("", None)
+        replica = replica_of("", None)   # extra state: like a tensor that tensor parallelism does not split
         for layer in sorted(layers):
             model.update(layer_extra_states(layer_module, layer, args.num_layers, replica))
     result = {"model": model}

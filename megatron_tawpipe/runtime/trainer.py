@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.bench import emulated_compute
 from megatron_tawpipe.metrics import mean_over_ranks
-from megatron_tawpipe.model import global_shape, tensor_parallel_slice
+from megatron_tawpipe.model import global_shape, is_gated_fc1, tensor_parallel_slice
 from megatron_tawpipe.param_groups import megatron_param_groups
 from megatron_tawpipe.baselines.native import gpt_forward_step
 from megatron_tawpipe.plan import link_bytes
@@ -324,7 +324,7 @@ class WeightPassingTrainer:
         if tp == 1 or not getattr(master, "tensor_model_parallel", False):
             return None
         j = self.model.tensor_parallel_rank
-        if self.model.template.full_config.gated_linear_unit and name.rsplit(".", 1)[0].endswith("linear_fc1"):
+        if is_gated_fc1(name, self.model.template.full_config):
             return [(0, j, 2 * tp), (0, tp + j, 2 * tp)]
         return [(master.partition_dim, j, tp)]
 

@@ -31,7 +31,7 @@ from megatron_tawpipe.plan import build_plan, validate_plan
 from megatron_tawpipe.training import batch_schedule
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
 from megatron_tawpipe.runtime.precision import RngSnapshot
-from megatron_tawpipe.runtime.shard_model import ShardTemplate
+from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
 
 
 def plan_name(args) -> str:
@@ -181,6 +181,11 @@ class WeightPipeModel:
     def shard_grads(self) -> List[torch.Tensor]:
         return list(self._main_grads.values())
 
+    def _owned_grad_slots(self) -> Iterator[Tuple[ParamSlot, torch.Tensor]]:
+        """``(slot, gradient view)`` of every parameter of the owned shards."""
+        for shard in self.owned:
+            yield from zip(self.template.slots, self.template.views(self._main_grads[shard]))
+
     def norm_grads(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The gradients this rank counts in the global norm: (owned shards', replicated parts').
         Owned shards' are summed over all ranks, replicated parts' over the tensor-parallel group
@@ -189,9 +194,7 @@ class WeightPipeModel:
         if self.tensor_parallel_size == 1:
             return self.shard_grads(), self.replicated_grads()
         first = self.tensor_parallel_rank == 0
-        shards = [view for shard in self.owned
-                  for slot, view in zip(self.template.slots, self.template.views(self._main_grads[shard]))
-                  if first or slot.partition_dim >= 0]
+        shards = [view for slot, view in self._owned_grad_slots() if first or slot.partition_dim >= 0]
         replicated = [master.grad for master in self.replicated_masters
                       if first or getattr(master, "tensor_model_parallel", False)]
         return shards, replicated
@@ -204,9 +207,7 @@ class WeightPipeModel:
             return
         from megatron.core import parallel_state as megatron_state
 
-        partial = [view for shard in self.owned
-                   for slot, view in zip(self.template.slots, self.template.views(self._main_grads[shard]))
-                   if slot.tp_reduce]
+        partial = [view for slot, view in self._owned_grad_slots() if slot.tp_reduce]
         partial += [master.grad for (name, param), master in zip(self.replicated, self.replicated_masters)
                     if self.template.gradient_is_partial(name, param)]
         if not partial:
