@@ -30,6 +30,7 @@ class WeightPipeTopology:
     num_groups: int
     rank: int
     shard_owners: Tuple[int, ...]
+    shard_replicas: Tuple[Tuple[int, Tuple[int, ...]], ...] = ()   # (shard, other holders)
 
     @property
     def ranks_per_group(self) -> int:
@@ -56,6 +57,12 @@ class WeightPipeTopology:
         rank = self.rank if rank is None else rank
         return [s for s, owner in enumerate(self.shard_owners) if owner == rank]
 
+    def held_shards(self, rank: Optional[int] = None) -> List[int]:
+        """Owned shards and the shards ``rank`` holds a replica of (``Plan.replicas``)."""
+        rank = self.rank if rank is None else rank
+        replicas = dict(self.shard_replicas)
+        return [s for s, owner in enumerate(self.shard_owners) if owner == rank or rank in replicas.get(s, ())]
+
 
 def default_num_groups(world_size: int) -> int:
     """One group per node as torchrun reports it (LOCAL_WORLD_SIZE ranks per node)."""
@@ -70,7 +77,8 @@ _INTRA_GROUPS: Dict[int, dist.ProcessGroup] = {}
 
 
 def initialize_weight_pipeline(num_groups: int, shard_owners: Sequence[int],
-                               tensor_parallel_size: int = 1) -> WeightPipeTopology:
+                               tensor_parallel_size: int = 1,
+                               shard_replicas: Optional[Dict[int, Sequence[int]]] = None) -> WeightPipeTopology:
     """Create the topology (of virtual ranks when ``tensor_parallel_size`` > 1) and one process
     group per group with all its global ranks (collective: every rank calls it)."""
     global _TOPOLOGY
@@ -81,7 +89,8 @@ def initialize_weight_pipeline(num_groups: int, shard_owners: Sequence[int],
         raise ValueError(f"--tawpipe-num-groups {num_groups} x --tensor-model-parallel-size {tensor_parallel_size} "
                          f"must divide the number of ranks {world}")
     t = tensor_parallel_size
-    topology = WeightPipeTopology(world // t, num_groups, rank // t, tuple(shard_owners))
+    replicas = tuple(sorted((s, tuple(r)) for s, r in (shard_replicas or {}).items()))
+    topology = WeightPipeTopology(world // t, num_groups, rank // t, tuple(shard_owners), replicas)
     for group in range(num_groups):
         # new_group is collective over the default group: every rank creates every group.
         _INTRA_GROUPS[group] = dist.new_group([v * t + j for v in topology.group_ranks(group) for j in range(t)])

@@ -86,6 +86,12 @@ CASES = [
     # Tied embedding and output weights: the output layer's gradient is part of the embedding's
     # replicated all-reduce, which starts only after shard 0's last backward.
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "tied"], 8, 8),
+    # Shard 0 held in every group: its gradient all-reduced among the holders, stepped by each.
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-replicate-first-shard",
+         "--tawpipe-microbatches-per-visit", "2", "tied"], 8, 12),
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "4", "--tawpipe-replicate-first-shard"], 4, 8),
+    (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", "--tawpipe-replicate-first-shard",
+         "--tawpipe-no-recompute"], 6, 12),
 ]
 
 
@@ -114,9 +120,12 @@ def test_matches_single_process_reference(world, extra, layers, global_batch, re
     for iteration in range(1, ITERS + 1):
         assert_same_parameters(save, ref_save, iteration)
     # Bytes: what the executor sent equals what the plan prescribes (plan.simulate.link_bytes), every iteration.
+    # (A ring all-reduce among a replicated shard's holders sends 2(n-1)/n of it per holder: each rank
+    # counts that rounded to a byte.)
+    slack = world if "--tawpipe-replicate-first-shard" in extra else 0
     for record in per_rank[0]:
-        assert record["inter_group_bytes"] == record["planned_inter_group_bytes"]
-        assert record["intra_group_bytes"] == record["planned_intra_group_bytes"]
+        assert abs(record["inter_group_bytes"] - record["planned_inter_group_bytes"]) <= slack
+        assert abs(record["intra_group_bytes"] - record["planned_intra_group_bytes"]) <= slack
     groups = int(extra[extra.index("--tawpipe-num-groups") + 1]) if "--tawpipe-num-groups" in extra else 1
     assert (per_rank[0][0]["inter_group_bytes"] > 0) == (groups > 1)
     assert (per_rank[0][0]["intra_group_bytes"] > 0) == (world // groups > 1)

@@ -270,6 +270,11 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="tawpipe: micro-batches each rank runs per visit of a shard; the shard is broadcast "
                         "in the group (and its gradient reduced) once per visit, so intra-node traffic falls "
                         "by this factor while boundary activations of that many micro-batches are kept")
+    g.add_argument("--tawpipe-replicate-first-shard", action="store_true",
+                   help="tawpipe: every group (node) holds shard 0 (the first layers) -- master weights, optimizer "
+                        "state and gradient on one rank per group, gradients all-reduced among them -- so no group "
+                        "waits for it at the start of an iteration; costs that shard's state on one more rank per "
+                        "extra group. Needs two or more groups")
     g.add_argument("--tawpipe-no-recompute", action="store_true",
                    help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
                         "in backward (faster, needs memory for N x L/P layers of activations)")

@@ -320,17 +320,20 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError(f"--timeline-file {args.timeline_file} is a directory; give a file name")
         if args.tawpipe_microbatches_per_visit != 1 and args.pipeline_schedule != "tawpipe":
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
+        if args.tawpipe_replicate_first_shard:
+            _validate_replicated_first_shard(args, world_size)
         backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
         if args.tawpipe_nccl_faithful and backend != "gloo":
             raise ArgumentError("--tawpipe-nccl-faithful runs NCCL's rules on gloo: it needs "
                                 "--distributed-backend gloo (on NCCL the rules are NCCL's own)")
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
-            or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful):
+            or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful
+            or args.tawpipe_replicate_first_shard):
         raise ArgumentError(
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
-            "--tawpipe-microbatches-per-visit / --tawpipe-nccl-faithful / --timeline-file need "
-            "--pipeline-schedule tawpipe or weipipe")
+            "--tawpipe-microbatches-per-visit / --tawpipe-replicate-first-shard / --tawpipe-nccl-faithful / "
+            "--timeline-file need --pipeline-schedule tawpipe or weipipe")
     tp = args.tensor_model_parallel_size
     if world_size % (tp * pp):
         raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
@@ -375,6 +378,17 @@ def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -
                  f"--tensor-model-parallel-size {tp})" if tp > 1 else f"the number of ranks {world_size}")
         raise ArgumentError(f"--num-layers {args.num_layers} must be divisible by {ranks} "
                             f"for --pipeline-schedule {schedule}")
+
+
+def _validate_replicated_first_shard(args: argparse.Namespace, world_size: int) -> None:
+    """--tawpipe-replicate-first-shard: tawpipe (with overlap) over two or more groups."""
+    if args.pipeline_schedule != "tawpipe" or args.tawpipe_no_overlap:
+        raise ArgumentError("--tawpipe-replicate-first-shard applies to --pipeline-schedule tawpipe (without "
+                            "--tawpipe-no-overlap) only")
+    groups = args.tawpipe_num_groups or world_size // _ranks_per_node(world_size)
+    if groups < 2:
+        raise ArgumentError("--tawpipe-replicate-first-shard needs two or more groups (nodes, or "
+                            f"--tawpipe-num-groups); this run has {groups}")
 
 
 def _ranks_per_node(world_size: int) -> int:

@@ -10,7 +10,7 @@ Pure Python (no torch): usable on a laptop to plan a cluster run.
 from . import actions
 from .actions import (Forward, Backward, BackwardInput, BackwardWeight, LoadWeights, ZeroGrad,
                       AccumulateToOwner, SendStart, RecvStart, BroadcastStart, ReduceStart,
-                      ReplicatedAllReduceStart, Wait, OptimizerStep, MAIN)
+                      AllReduceStart, ReplicatedAllReduceStart, Wait, OptimizerStep, MAIN)
 from .plan import Plan
 from .errors import PlanError
 from .validate import ValidationReport, validate_plan
@@ -20,7 +20,7 @@ __all__ = [
     "actions", "Plan", "PlanError", "ValidationReport", "validate_plan", "build_plan",
     "split_backward", "SCHEDULES", "Forward", "Backward", "BackwardInput", "BackwardWeight",
     "LoadWeights", "ZeroGrad", "AccumulateToOwner", "SendStart", "RecvStart", "BroadcastStart",
-    "ReduceStart", "ReplicatedAllReduceStart", "Wait", "OptimizerStep", "MAIN",
+    "ReduceStart", "AllReduceStart", "ReplicatedAllReduceStart", "Wait", "OptimizerStep", "MAIN",
 ]
 from .costmodel import CostModel, Link, params_per_layer, parse_rate, parse_time
 from .simulate import SimResult, Span, Transfer, link_bytes, replicated_allreduce_bytes, simulate

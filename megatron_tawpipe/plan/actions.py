@@ -164,6 +164,21 @@ class ReduceStart:
 
 
 @dataclass(frozen=True, slots=True)
+class AllReduceStart:
+    """Collective over ``ranks``: every member's ``buf`` becomes the sum of all
+    members' ``buf``.  Used for a shard held by one rank per group (its
+    ``Plan.replicas``): each holder's buffer carries its group's gradient and
+    ends with every group's, which each holder then accumulates into ``main``."""
+    tag: int
+    ranks: Tuple[int, ...]
+    buf: str
+    kind: str
+    shard: int
+    link: str
+    size: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicatedAllReduceStart:
     """All-reduce (sum) of the replicated parameters' gradients over ``ranks``.
 
@@ -198,7 +213,7 @@ BUFFER_ROLES = {
     LoadWeights: (("buf", "weight"),), ZeroGrad: (("buf", "grad"),),
     AccumulateToOwner: (("buf", "grad"),),
 }
-COMM_BUFFER = (SendStart, RecvStart, BroadcastStart, ReduceStart)
+COMM_BUFFER = (SendStart, RecvStart, BroadcastStart, ReduceStart, AllReduceStart)
 
 
 def buffer_roles(action):
@@ -212,11 +227,11 @@ def buffer_roles(action):
 
 ACTION_TYPES = (Forward, Backward, BackwardInput, BackwardWeight, LoadWeights, ZeroGrad,
                 AccumulateToOwner, SendStart, RecvStart, BroadcastStart, ReduceStart,
-                ReplicatedAllReduceStart, Wait, OptimizerStep)
+                AllReduceStart, ReplicatedAllReduceStart, Wait, OptimizerStep)
 BY_NAME = {cls.__name__: cls for cls in ACTION_TYPES}
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 P2P = (SendStart, RecvStart)
-COLLECTIVE = (BroadcastStart, ReduceStart, ReplicatedAllReduceStart)
+COLLECTIVE = (BroadcastStart, ReduceStart, AllReduceStart, ReplicatedAllReduceStart)
 STARTS = P2P + COLLECTIVE
 FIELD_NAMES = {cls: tuple(f.name for f in fields(cls)) for cls in ACTION_TYPES}
 
@@ -286,6 +301,8 @@ def short(action, starts=None) -> str:
         return f"bc{action.shard}@{action.root}"
     if t is ReduceStart:
         return f"rd{action.shard}@{action.root}"
+    if t is AllReduceStart:
+        return f"ar{action.shard}"
     if t is ReplicatedAllReduceStart:
         return "ar" if action.part == "all" else f"ar:{action.part}"
     if t is Wait:

@@ -82,6 +82,17 @@ class PlanBuilder:
             self.emit(r, wait_key, A.Wait, tag)
         return tag
 
+    def all_reduce(self, members: Sequence[int], bufs: Dict[int, str], kind: str, shard: int,
+                   start_key: tuple, wait_key: tuple, size: float = 1.0) -> int:
+        """An all-reduce of ``bufs`` over ``members``, started and waited at the same keys on every member."""
+        tag = self.new_tag()
+        ranks = tuple(sorted(members))
+        link = self.link(ranks)
+        for r in ranks:
+            self.emit(r, start_key, A.AllReduceStart, tag, ranks, bufs[r], kind, shard, link, size)
+            self.emit(r, wait_key, A.Wait, tag)
+        return tag
+
     def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key: tuple,
                              part: str = "all") -> int:
         tag = self.new_tag()
@@ -101,7 +112,8 @@ class PlanBuilder:
 
     # ------------------------------------------------------------- finalise
     def build(self, *, schedule: str, family: str, num_layers: int, num_microbatches: int,
-              owners: Sequence[int], streams: Sequence[int], options: dict) -> Plan:
+              owners: Sequence[int], streams: Sequence[int], options: dict,
+              replicas: Dict[int, Sequence[int]] = None) -> Plan:
         lists = []
         weight_slots = grad_slots = 0
         batches = itertools.count()
@@ -115,7 +127,8 @@ class PlanBuilder:
                     num_groups=self.num_groups, num_layers=num_layers,
                     num_microbatches=num_microbatches, owners=tuple(owners),
                     streams=tuple(streams), max_weight_buffers=weight_slots,
-                    max_grad_buffers=grad_slots, actions=lists, options=dict(options))
+                    max_grad_buffers=grad_slots, actions=lists, options=dict(options),
+                    replicas={s: tuple(r) for s, r in (replicas or {}).items()})
 
 
 def _batch_p2p(items: list, counter) -> list:

@@ -64,6 +64,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chunk", type=int, default=None, help="tawpipe: micro-batches per visit")
     s.add_argument("--prefetch", type=int, default=None, help="tawpipe: slots of look-ahead for "
                    "inter-group fetches")
+    s.add_argument("--replicate-first-shard", action="store_true", help="tawpipe: shard 0 held by one "
+                   "rank in every group (--tawpipe-replicate-first-shard)")
     s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
     s.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
                    help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
@@ -102,6 +104,8 @@ def planner_options(name: str, args) -> dict:
             kw["chunk"] = args.chunk
         if args.prefetch:
             kw["prefetch"] = args.prefetch
+        if args.replicate_first_shard:
+            kw["replicate_first"] = True
     elif name.startswith("weipipe") and args.no_overlap:
         kw["overlap"] = False
     elif name == "interleaved" and args.virtual_stages:

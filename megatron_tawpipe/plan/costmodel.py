@@ -221,7 +221,7 @@ class CostModel:
         return 0.0 if bw == float("inf") else self.shard_bytes(plan) / bw
 
     def optimizer_time(self, plan, rank: int) -> float:
-        n = len(plan.shards_owned_by(rank)) * plan.layers_per_shard * self.params_per_layer
+        n = len(plan.shards_held_by(rank)) * plan.layers_per_shard * self.params_per_layer
         return (n + self.replicated_params) * self.optimizer_time_per_param
 
 

@@ -149,7 +149,7 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
     """Breakdown of a simulated weight-passing plan (tawpipe, weipipe): the same
     figures as the simulator's memory fields (their sum is ``memory_bytes``),
     split by term, plus the logits."""
-    owned = max(len(plan.shards_owned_by(r)) for r in range(plan.num_ranks))
+    owned = max(len(plan.shards_held_by(r)) for r in range(plan.num_ranks))
     own = owned * plan.layers_per_shard * cost.params_per_layer
     rep = cost.replicated_params
     m = MemoryBreakdown()

@@ -23,6 +23,10 @@ class Plan:
     whose micro-batches rank ``r`` computes (weight passing: ``r``; activation
     passing: 0).  Ranks ``r`` with ``r // ranks_per_group == k`` form group
     (node) ``k``; ``link`` fields of communication actions follow this map.
+    ``replicas[s]`` (shards absent: none) are the other ranks that hold shard
+    ``s`` as its owner does -- master weights, optimizer state, ``main``
+    gradient -- and step it identically: its ``main`` gradients are all-reduced
+    among the holders (``AllReduceStart``) before the step.
     ``max_weight_buffers``/``max_grad_buffers`` bound the number of distinct
     weight/gradient buffer names on any rank (``main`` not counted).
     """
@@ -39,6 +43,7 @@ class Plan:
     max_grad_buffers: int
     actions: List[List[object]]
     options: Dict[str, object] = field(default_factory=dict)
+    replicas: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -64,7 +69,17 @@ class Plan:
         return "intra" if self.group_of(a) == self.group_of(b) else "inter"
 
     def shards_owned_by(self, rank: int) -> List[int]:
+        """Shards whose owner is ``rank`` (each shard has one)."""
         return [s for s, o in enumerate(self.owners) if o == rank]
+
+    def shards_held_by(self, rank: int) -> List[int]:
+        """Shards whose master weights, optimizer state and ``main`` gradient ``rank`` keeps:
+        the ones it owns and the ones it holds a replica of."""
+        return [s for s, o in enumerate(self.owners) if o == rank or rank in self.replicas.get(s, ())]
+
+    def holders(self, shard: int) -> Tuple[int, ...]:
+        """The ranks that hold ``shard``: its owner, then its replicas."""
+        return (self.owners[shard],) + tuple(self.replicas.get(shard, ()))
 
     def layers_of_shard(self, shard: int) -> range:
         n = self.layers_per_shard
@@ -76,7 +91,7 @@ class Plan:
         seen = {}
         for rank_actions in self.actions:
             for a in rank_actions:
-                if isinstance(a, (A.BroadcastStart, A.ReduceStart)):
+                if isinstance(a, (A.BroadcastStart, A.ReduceStart, A.AllReduceStart)):
                     seen.setdefault((a.ranks, A.CHANNEL[a.kind]), None)
                 elif isinstance(a, A.ReplicatedAllReduceStart):
                     seen.setdefault((a.ranks, "replicated"), None)
@@ -94,6 +109,7 @@ class Plan:
             "owners": list(self.owners), "streams": list(self.streams),
             "max_weight_buffers": self.max_weight_buffers,
             "max_grad_buffers": self.max_grad_buffers, "options": self.options,
+            **({"replicas": {str(s): list(r) for s, r in self.replicas.items()}} if self.replicas else {}),
         }
 
     @classmethod
@@ -107,7 +123,8 @@ class Plan:
                    owners=tuple(meta["owners"]), streams=tuple(meta["streams"]),
                    max_weight_buffers=int(meta["max_weight_buffers"]),
                    max_grad_buffers=int(meta["max_grad_buffers"]),
-                   actions=actions, options=dict(meta.get("options", {})))
+                   actions=actions, options=dict(meta.get("options", {})),
+                   replicas={int(s): tuple(r) for s, r in meta.get("replicas", {}).items()})
 
     def to_json(self, indent: Optional[int] = None) -> str:
         doc = {"meta": self.meta(),

@@ -130,7 +130,17 @@ def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float =
                 out[a.link] += a.size * unit
             elif (t is A.BroadcastStart or t is A.ReduceStart) and r != a.root:
                 out["intra" if r // G == a.root // G else "inter"] += a.size * bytes_per_shard
+            elif t is A.AllReduceStart:
+                successor, share = ring_share(a.ranks, r)
+                out["intra" if r // G == successor // G else "inter"] += share * a.size * bytes_per_shard
     return out
+
+
+def ring_share(ranks, rank: int):
+    """``rank``'s successor in a ring all-reduce over ``ranks`` and the fraction of the buffer it
+    sends there: 2(n-1)/n (reduce-scatter, then all-gather)."""
+    n = len(ranks)
+    return ranks[(ranks.index(rank) + 1) % n], (2 * (n - 1) / n if n > 1 else 0.0)
 
 
 def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float) -> Dict[str, float]:
@@ -354,9 +364,13 @@ class _Simulator:
             pairs = [(src, send.peer)]
         elif cls is A.BroadcastStart:
             pairs = [(a.root, m) for m in a.ranks if m != a.root]
+        elif cls is A.AllReduceStart:
+            pairs = [(m, ring_share(a.ranks, m)[0]) for m in a.ranks if len(a.ranks) > 1]
         else:
             pairs = [(m, a.root) for m in a.ranks if m != a.root]
         nbytes = a.size * self.unit[a.kind]
+        if cls is A.AllReduceStart:
+            nbytes *= ring_share(a.ranks, a.ranks[0])[1]
         op.flows_left = len(pairs)
         if not pairs:
             self.push(t, "done", op)
@@ -442,7 +456,7 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
     lps = plan.layers_per_shard
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
-    owned = max(len(plan.shards_owned_by(r)) for r in range(P))
+    owned = max(len(plan.shards_held_by(r)) for r in range(P))
     # fp32 master + Adam moments + fp32 main grad (16 B/param) for owned layers
     # and the replicated parts, plus the replicated parts' compute copy.
     state = 16 * (owned * lps * cost.params_per_layer + cost.replicated_params) + \

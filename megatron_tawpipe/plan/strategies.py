@@ -398,7 +398,7 @@ def plan_memory_fields(plan, cost: CostModel):
     lps = plan.layers_per_shard
     per = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
-    owned = max(len(plan.shards_owned_by(r)) for r in range(plan.num_ranks))
+    owned = max(len(plan.shards_held_by(r)) for r in range(plan.num_ranks))
     state = 16 * (owned * lps * cost.params_per_layer + cost.replicated_params) + \
         cost.dtype_bytes * cost.replicated_params
     return SimpleNamespace(

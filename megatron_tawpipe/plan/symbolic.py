@@ -49,8 +49,9 @@ class SymbolicExecutor:
         self.stream_index = {s: i for i, s in enumerate(stream_ids)}
         self.full = (1 << (len(stream_ids) * self.N)) - 1
         self.state = [_RankState() for _ in range(plan.num_ranks)]
-        for s, o in enumerate(plan.owners):
-            self.state[o].main[s] = 0
+        for s in range(self.S):
+            for holder in plan.holders(s):
+                self.state[holder].main[s] = 0
         self.posted: Dict[int, Dict[int, object]] = defaultdict(dict)  # tag -> rank -> snapshot
         self.waiters: Dict[int, List[int]] = defaultdict(list)
         self.fwd_next: Dict[tuple, int] = {}
@@ -261,8 +262,8 @@ class SymbolicExecutor:
 
     # --------------------------------------------------------------- local
     def _load(self, r, st, i, a):
-        if not 0 <= a.shard < self.S or self.plan.owners[a.shard] != r:
-            self._err(f"only the owner of shard {a.shard} can load it", r, i, a)
+        if not 0 <= a.shard < self.S or r not in self.plan.holders(a.shard):
+            self._err(f"only the owner of shard {a.shard} (or a replica) can load it", r, i, a)
         self._unlocked(st, a.buf, r, i, a)
         st.w[a.buf] = a.shard
 
@@ -380,6 +381,17 @@ class SymbolicExecutor:
         st.pending[a.tag] = (i, a, snap)
         self._post(r, a.tag, snap)
 
+    def _all_reduce(self, r, st, i, a):
+        if a.kind != "grad":
+            self._err("only gradients can be all-reduced", r, i, a)
+        if tuple(sorted(self.plan.holders(a.shard))) != a.ranks:
+            self._err(f"all-reduces shard {a.shard} over ranks {list(a.ranks)}, not over its holders "
+                      f"{sorted(self.plan.holders(a.shard))}", r, i, a)
+        entry = self._grad_target(st, a.buf, a.shard, r, i, a)
+        self._lock(st, a.buf, a.tag, "w")
+        st.pending[a.tag] = (i, a, entry[1])
+        self._post(r, a.tag, entry[1])
+
     def _replicated(self, r, st, i, a):
         if a.part not in A.REPLICATED_PARTS:
             self._err(f"unknown replicated part {a.part!r}; known: {', '.join(A.REPLICATED_PARTS)}",
@@ -419,6 +431,14 @@ class SymbolicExecutor:
             for member, snap in self.posted[w.tag].items():
                 if total & snap:
                     self._err(f"reduction counts contributions {self._describe_mask(total & snap)}"
+                              f" twice (member {member})", r, i, w)
+                total |= snap
+            st.g[a.buf] = [a.shard, total]
+        elif t is A.AllReduceStart:
+            total = 0
+            for member, snap in sorted(self.posted[w.tag].items()):
+                if total & snap:
+                    self._err(f"all-reduce counts contributions {self._describe_mask(total & snap)}"
                               f" twice (member {member})", r, i, w)
                 total |= snap
             st.g[a.buf] = [a.shard, total]
@@ -476,6 +496,6 @@ class SymbolicExecutor:
         A.Forward: _forward, A.Backward: _backward, A.BackwardInput: _bi, A.BackwardWeight: _bw,
         A.LoadWeights: _load, A.ZeroGrad: _zero, A.AccumulateToOwner: _accumulate,
         A.OptimizerStep: _optimizer, A.SendStart: _send, A.RecvStart: _recv,
-        A.BroadcastStart: _broadcast, A.ReduceStart: _reduce,
+        A.BroadcastStart: _broadcast, A.ReduceStart: _reduce, A.AllReduceStart: _all_reduce,
         A.ReplicatedAllReduceStart: _replicated,
     }

@@ -37,6 +37,14 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   gradient buffers on a rank; cuts inter-group traffic to two shard units per
   foreign (group, shard) per iteration, independent of N.  Default: on for
   ``D <= 4`` groups.
+* ``replicate_first``: shard 0 is held by one rank in every group (the rank
+  that would stage it), not by its owner alone: each holder keeps master
+  weights, optimizer state and ``main`` gradient of it, its group's gradient
+  of it is all-reduced among the holders (``AllReduceStart``) after the last
+  backward, and every holder steps it identically.  No group waits for shard
+  0 at the start of an iteration, so the groups start together (no stagger
+  unless asked for); the price is shard 0's master, optimizer state and
+  gradient on D-1 more ranks (``Plan.replicas``).  Needs D >= 2.
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
   is the flat-group ablation (one group of all ranks, no GWPS).
 """
@@ -67,8 +75,9 @@ def _visits(P: int, N: int, chunk: int) -> List[Tuple[str, int, Tuple[int, ...],
 
 
 def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
-                 groups: int = None, overlap: bool = True, stagger: bool = True,
-                 drain: bool = False, chunk: int = 1, cache: bool = None, prefetch: int = 2):
+                 groups: int = None, overlap: bool = True, stagger: bool = None,
+                 drain: bool = False, chunk: int = 1, cache: bool = None, prefetch: int = 2,
+                 replicate_first: bool = False):
     P, N = num_ranks, num_microbatches
     D = num_groups if groups is None else groups
     if D < 1 or P % D:
@@ -78,6 +87,11 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     if chunk < 1 or prefetch < 1:
         raise ValueError("chunk and prefetch must be >= 1")
     G = P // D
+    if replicate_first and D < 2:
+        raise ValueError("replicate_first needs at least 2 scheduling groups (one holder of shard 0 per group)")
+    if stagger is None:
+        # Groups that all hold shard 0 start together: a stagger would only delay the later ones.
+        stagger = not replicate_first
     if cache is None:
         # Keeping foreign shards costs 2(D-1) shard buffers per rank: worth it
         # for a few groups (nodes), not when groups are tiny.
@@ -91,10 +105,16 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     slack = D - 1 if stagger or drain else 0
     b = PlanBuilder(P, num_groups)
     owner = [tawpipe_owner(s, D, G) for s in range(P)]
+    # A replicated shard's holder in group g is the rank that would otherwise stage it there.
+    replicas = {0: tuple(g * G for g in range(D) if g != owner[0] // G)} if replicate_first else {}
+    holders = {s: (owner[s],) + replicas.get(s, ()) for s in range(P)}
     visits = _visits(P, N, chunk)
 
     for s in range(P):
         b.emit(owner[s], (START, 0), A.LoadWeights, s, "~wown")
+        for r in replicas.get(s, ()):
+            b.emit(r, (START, 0), A.LoadWeights, s, f"~wrep{s}")
+    replica_ready: Dict[int, tuple] = {}   # group -> key at which its gradient of shard 0 is final
 
     first_b_visit: Dict[int, int] = {}
     last_b_visit: Dict[int, int] = {}
@@ -132,6 +152,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                 wbuf = prev_wbuf
             elif root == owner[s]:
                 wbuf[root] = "~wown"
+            elif root in holders[s]:
+                wbuf[root] = f"~wrep{s}"
             else:
                 wbuf[root] = f"~wc{s}" if cache else f"~w{v}"
                 if not cache or (g, s) not in fetched:
@@ -156,13 +178,16 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                         b.emit(r, (tau, COMP, j), A.Forward, m, s, wbuf[r])
                 continue
             gbuf = {m: f"~g{v}" for m in members}
-            direct = G == 1 and root == owner[s]
+            replicated = s in replicas
+            direct = G == 1 and root == owner[s] and not replicated
             if direct:
                 gbuf[root] = A.MAIN
+            elif replicated:
+                gbuf[root] = f"~gx{s}"     # the group's gradient, all-reduced among the holders at the end
             elif cache and root != owner[s]:
                 gbuf[root] = f"~gc{s}"
             for r in members:
-                accumulating = cache and r == root and root != owner[s]
+                accumulating = r == root and (replicated or (cache and root != owner[s]))
                 if gbuf[r] != A.MAIN and (not accumulating or first_b_visit[s] == v):
                     b.emit(r, (tau, POST, 3), A.ZeroGrad, s, gbuf[r])
                 for j, m in enumerate(mbs):
@@ -171,14 +196,24 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                 continue
             # -------------------------------------------------- gradients out
             if G > 1:
-                # Waited after the next visit's compute: a member that finished
-                # this visit early does not wait for the slowest one.
-                keys = ((tau, AFTER, 0), (tau + 1, AFTER, 0)) if overlap else \
-                    ((tau, AFTER, 0), (tau, AFTER, 1))
+                # Waited during the next visit: a member that finished this
+                # visit early does not wait for the slowest one.  After the
+                # next visit's first micro-batch when it has more than one, so
+                # that the gradient leaves for its owner while the rest of
+                # that visit computes (not with the last gradients at the end
+                # of the iteration); else after its compute.
+                split = v + 1 < len(visits) and slots[v + 1] == tau + 1 and len(visits[v + 1][2]) > 1
+                done = (tau + 1, COMP, 0, 1) if split else (tau + 1, AFTER, 0)
+                keys = ((tau, AFTER, 0), done) if overlap else ((tau, AFTER, 0), (tau, AFTER, 1))
                 b.collective(A.ReduceStart, root, members, gbuf, "grad", s, *keys)
-                ready = (tau + 1, AFTER, 1) if overlap else (tau, AFTER, 2)
+                ready = done[:-1] + (done[-1] + 1,) if overlap else (tau, AFTER, 2)
             else:
                 ready = (tau, AFTER, 2)
+            after_ready = ready[:-1] + (ready[-1] + 1,) if len(ready) > 3 else (ready[0], ready[1], 2)
+            if replicated:
+                if last_b_visit[s] == v:
+                    replica_ready[g] = ready
+                continue
             if root == owner[s]:
                 b.emit(root, ready, A.AccumulateToOwner, s, gbuf[root])
                 continue
@@ -188,10 +223,10 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             if overlap and cache:
                 # The group's whole gradient of the shard, sent once; nothing
                 # reuses the buffers, so nobody waits before the iteration ends.
-                start = (ready[0], ready[1], 2)
+                start = after_ready
                 src_wait = dst_wait = (END, 0, 0)
             elif overlap:
-                start = (ready[0], ready[1], 2)
+                start = after_ready
                 src_wait = dst_wait = (ready[0] + 1 + slack, WAIT, 0)
             else:
                 start = (tau, AFTER, 3)
@@ -200,6 +235,15 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                   src_wait_key=src_wait, dst_wait_key=dst_wait)
             b.emit(owner[s], dst_wait[:2] + (dst_wait[2] + 1,), A.AccumulateToOwner, s, recv)
 
+    for s, members in holders.items():
+        if len(members) > 1:
+            # Posted at the same key on every holder, after the last group's gradient is final
+            # and after every rank's embedding all-reduce (one order of collectives on all ranks).
+            start = max(list(replica_ready.values()) + [(max(last_slot.values()), AFTER, 9)])
+            b.all_reduce(members, {m: f"~gx{s}" for m in members}, "grad", s,
+                         start[:-1] + (start[-1] + 1,), (END, 0, 5))
+            for m in members:
+                b.emit(m, (END, 0, 6), A.AccumulateToOwner, s, f"~gx{s}")
     b.replicated_allreduce_parts({r: (head_slot[r // G], AFTER, 9) for r in range(P)},
                                  {r: (last_slot[r // G], AFTER, 9) for r in range(P)}, (END, 1))
     for r in range(P):
@@ -210,8 +254,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     if not cache and drain and D == num_groups and overlap:
         name = "tawpipe-paper"
     return b.build(schedule=name, family="weight", num_layers=num_layers, num_microbatches=N,
-                   owners=owner, streams=range(P),
+                   owners=owner, streams=range(P), replicas=replicas,
                    options={"groups": D, "overlap": overlap, "stagger": stagger,
                             "drain": drain, "chunk": chunk, "cache": cache,
-                            "prefetch": prefetch,
+                            "prefetch": prefetch, **({"replicate_first": True} if replicate_first else {}),
                             "slots": max(last_slot.values()) + 1})

@@ -85,6 +85,13 @@ def _check_meta(plan: Plan) -> None:
                         f"(owners {plan.owners})")
     if plan.family not in ("weight", "activation"):
         raise PlanError(f"unknown plan family {plan.family!r}")
+    for shard, ranks in plan.replicas.items():
+        if not 0 <= shard < plan.num_shards:
+            raise PlanError(f"replicas name shard {shard}, outside 0..{plan.num_shards - 1}")
+        holders = plan.holders(shard)
+        if any(not 0 <= r < P for r in ranks) or len(set(holders)) != len(holders):
+            raise PlanError(f"replicas {list(ranks)} of shard {shard} must be distinct ranks in 0..{P - 1} "
+                            f"other than its owner {plan.owners[shard]}")
 
 
 # ----------------------------------------------------------------- static
@@ -147,7 +154,7 @@ def _check_static(plan: Plan):
                                         "include this rank", r, i, a)
                     channel = "replicated"
                     if t is not A.ReplicatedAllReduceStart:
-                        if a.root not in a.ranks:
+                        if t is not A.AllReduceStart and a.root not in a.ranks:
                             raise PlanError(f"root {a.root} is not a member", r, i, a)
                         if a.kind not in ("weight", "grad"):
                             raise PlanError(f"collectives move weights or grads, not {a.kind!r}",

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_tawpipe import progress
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import entries_of
+from megatron_tawpipe.plan.simulate import ring_share
 from megatron_tawpipe.runtime.timing import ComputeTimer
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
 
@@ -113,6 +114,7 @@ class PlanExecutor:
             A.RecvStart: self._recv,
             A.BroadcastStart: self._broadcast,
             A.ReduceStart: self._reduce,
+            A.AllReduceStart: self._all_reduce,
             A.ReplicatedAllReduceStart: self._replicated_all_reduce,
             A.Wait: self._wait,
             A.OptimizerStep: self._optimizer_step,
@@ -236,8 +238,8 @@ class PlanExecutor:
         self.in_flight[action.tag] = _InFlight(work, after, buf, reads_only,
                                                describe_op(action, self.rank, self.comms.physical))
 
-    def _count(self, link: str, tensor: torch.Tensor) -> None:
-        self.bytes_sent[link] += tensor.numel() * tensor.element_size()
+    def _count(self, link: str, tensor: torch.Tensor, share: float = 1.0) -> None:
+        self.bytes_sent[link] += round(share * tensor.numel() * tensor.element_size())
 
     # ---- compute ------------------------------------------------------------------------
 
@@ -325,6 +327,13 @@ class PlanExecutor:
             after = lambda: tensor.zero_()  # noqa: E731 - contributions moved to the root
         self._start(a, work, a.buf, after)
 
+    def _all_reduce(self, a: A.AllReduceStart) -> None:
+        tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
+        work = self._collective(a, "allreduce", [tensor], -1)
+        successor, share = ring_share(a.ranks, self.rank)   # what a ring all-reduce sends
+        self._count(self.plan.link_between(self.rank, successor), tensor, share)
+        self._start(a, work, a.buf)
+
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
         # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
         grads = [g for g in self.compute.replicated_grads(a.part) if g.numel()]
@@ -358,7 +367,7 @@ def _arrives_here(action, rank: int) -> bool:
         return action.root != rank
     if isinstance(action, A.ReduceStart):
         return action.root == rank
-    return False
+    return isinstance(action, A.AllReduceStart)
 
 
 class _PlanPosition:

@@ -340,8 +340,11 @@ class WeightPassingTrainer:
         return self.model.template.layers[0]
 
     def skip_in_checkpoint(self, name: str) -> bool:
-        """Replicated parts are identical on every (virtual) rank: the first (tensor-parallel group) writes them."""
-        return self.model.rank != 0 and not name.startswith("decoder.layers.")
+        """Replicated parts are identical on every (virtual) rank: the first (tensor-parallel group) writes
+        them; a shard held by several ranks is written by its owner."""
+        if name.startswith("decoder.layers."):
+            return self.model.is_replica(name)   # its owner writes a replicated shard (--tawpipe-replicate-first-shard)
+        return self.model.rank != 0
 
     def grad_scaler_state(self):
         return self.scaling.state_dict()

@@ -178,6 +178,8 @@ def describe_op(action, rank: int, physical=lambda r: r) -> str:
         return f"broadcast of {what} from rank {physical(action.root)} over ranks {ranks}"
     if isinstance(action, A.ReduceStart):
         return f"reduce of {what} to rank {physical(action.root)} over ranks {ranks}"
+    if isinstance(action, A.AllReduceStart):
+        return f"all-reduce of {what} over its holders, ranks {ranks}"
     if isinstance(action, A.ReplicatedAllReduceStart):
         return f"all-reduce of the replicated gradients over ranks {ranks}"
     return type(action).__name__

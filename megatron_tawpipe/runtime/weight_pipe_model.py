@@ -41,8 +41,15 @@ def plan_name(args) -> str:
 
 
 def plan_options(args) -> dict:
+    if args.pipeline_schedule != "tawpipe":
+        return {}
+    options = {}
     chunk = getattr(args, "tawpipe_microbatches_per_visit", 1)
-    return {"chunk": chunk} if args.pipeline_schedule == "tawpipe" and chunk != 1 else {}
+    if chunk != 1:
+        options["chunk"] = chunk
+    if getattr(args, "tawpipe_replicate_first_shard", False):
+        options["replicate_first"] = True
+    return options
 
 
 def planned_microbatch_counts(args) -> List[int]:
@@ -102,19 +109,25 @@ class WeightPipeModel:
         for plan in self.plans.values():
             validate_plan(plan)
         self.plan = self.plans.get(args.num_microbatches) or self.plans[min(self.plans)]
-        if any(plan.owners != self.plan.owners for plan in self.plans.values()):
+        if any(plan.owners != self.plan.owners or plan.replicas != self.plan.replicas for plan in self.plans.values()):
             raise ValueError("the plans for the schedule's micro-batch counts give shards different owners")
-        self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.tensor_parallel_size)
+        self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.tensor_parallel_size,
+                                                                  self.plan.replicas)
         self.recompute = not args.tawpipe_no_recompute
         self.template = ShardTemplate(args, self.plan.num_shards, self.device)
         self.shard_numel = self.template.shard_numel
         self.compute_dtype = params_dtype(args)
-        self.owned = self.topology.owned_shards()
+        # Every shard whose master this rank keeps and steps (owned or replicated, --tawpipe-replicate-first-shard);
+        # ``counted`` are the ones it counts in the global norm and writes to checkpoints (owned).
+        self.owned = self.topology.held_shards()
+        self.counted = self.topology.owned_shards()
         self._masters = {s: torch.empty(self.shard_numel, dtype=torch.float32, device=self.device) for s in self.owned}
         self._main_grads = {s: torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device) for s in self.owned}
         for shard, flat in self._masters.items():
             self.template.init_shard(shard, flat)
         self._build_replicated_masters()
+        self._replica_names = {self.template.global_name(shard, slot) for shard in self.owned
+                               if shard not in self.counted for slot in self.template.slots}
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self.communicators = Communicators(list(self.plans.values()), self.world, self.tensor_parallel_size,
                                            self.tensor_parallel_rank)
@@ -181,10 +194,15 @@ class WeightPipeModel:
     def shard_grads(self) -> List[torch.Tensor]:
         return list(self._main_grads.values())
 
-    def _owned_grad_slots(self) -> Iterator[Tuple[ParamSlot, torch.Tensor]]:
-        """``(slot, gradient view)`` of every parameter of the owned shards."""
-        for shard in self.owned:
+    def _owned_grad_slots(self, shards: Optional[List[int]] = None) -> Iterator[Tuple[ParamSlot, torch.Tensor]]:
+        """``(slot, gradient view)`` of every parameter of ``shards`` (default: every shard held)."""
+        for shard in self.owned if shards is None else shards:
             yield from zip(self.template.slots, self.template.views(self._main_grads[shard]))
+
+    def is_replica(self, name: str) -> bool:
+        """Whether ``name`` is a decoder parameter of a shard this rank holds as a replica (its owner
+        writes it to checkpoints and counts it in the global norm)."""
+        return name in self._replica_names
 
     def norm_grads(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The gradients this rank counts in the global norm: (owned shards', replicated parts').
@@ -192,9 +210,9 @@ class WeightPipeModel:
         (they are the same on every virtual rank). A tensor that tensor parallelism does not
         split is counted on tensor-parallel rank 0 only (megatron-core's rule)."""
         if self.tensor_parallel_size == 1:
-            return self.shard_grads(), self.replicated_grads()
+            return [self._main_grads[s] for s in self.counted], self.replicated_grads()
         first = self.tensor_parallel_rank == 0
-        shards = [view for slot, view in self._owned_grad_slots() if first or slot.partition_dim >= 0]
+        shards = [view for slot, view in self._owned_grad_slots(self.counted) if first or slot.partition_dim >= 0]
         replicated = [master.grad for master in self.replicated_masters
                       if first or getattr(master, "tensor_model_parallel", False)]
         return shards, replicated
