@@ -67,11 +67,15 @@ def test_grid_is_accepted(grid_failures, schedule, P):
     dict(cache=False), dict(cache=True), dict(chunk=2), dict(chunk=4, cache=False),
     dict(prefetch=1), dict(prefetch=4, cache=False), dict(stagger=False), dict(drain=True),
     dict(overlap=False, cache=True), dict(groups=2), dict(drain=True, stagger=False),
+    dict(replicate_first=True), dict(replicate_first=True, chunk=2), dict(replicate_first=True, stagger=True),
+    dict(replicate_first=True, cache=False), dict(replicate_first=True, overlap=False),
 ])
 def test_tawpipe_options_are_accepted(options):
     for P in (4, 6, 8):
         for D in divisors(P):
             if "groups" in options and P % options["groups"]:
+                continue
+            if options.get("replicate_first") and D < 2:
                 continue
             for N in (1, 3, 5):
                 validate_plan(build_plan("tawpipe", num_ranks=P, num_groups=D,
@@ -263,3 +267,52 @@ def test_backward_after_its_replicated_all_reduce_started_is_rejected():
             if type(a) is Backward and a.shard == plan.num_shards - 1)
     plan.actions[r].insert(j, start)      # started before the last shard's last backward
     expect(plan, r, j + 1, plan.actions[r][j + 1], "not final")
+
+
+# ------------------------------------------------------ a shard held by one rank per group
+def test_replicated_first_shard_is_held_and_stepped_by_one_rank_per_group():
+    """--tawpipe-replicate-first-shard: shard 0 is loaded from local masters in every group (no
+    transfer of its weights), its gradient all-reduced among its holders, then accumulated by each."""
+    plan = build_plan("tawpipe", num_ranks=6, num_groups=3, num_layers=6, num_microbatches=2,
+                      replicate_first=True)
+    validate_plan(plan)
+    assert plan.replicas == {0: (2, 4)} and plan.holders(0) == (0, 2, 4)
+    assert plan.shards_held_by(2) == [0, 1] and plan.shards_owned_by(2) == [1]
+    assert not [a for acts in plan.actions for a in acts
+                if type(a) in (A.SendStart, A.RecvStart) and a.shard == 0]
+    for r in range(6):
+        reduces = [a for a in plan.actions[r] if type(a) is A.AllReduceStart]
+        assert [(a.ranks, a.shard) for a in reduces] == ([((0, 2, 4), 0)] if r in (0, 2, 4) else [])
+    again = type(plan).from_json(plan.to_json())
+    assert again.replicas == plan.replicas and again.actions == plan.actions
+    with pytest.raises(ValueError, match="at least 2 scheduling groups"):
+        build_plan("tawpipe", num_ranks=4, num_groups=1, replicate_first=True)
+
+
+def test_replicated_shard_missing_another_groups_gradient_is_rejected():
+    plan = mutable(build_plan("tawpipe", num_ranks=4, num_groups=2, num_microbatches=2, replicate_first=True))
+    for r in (0, 2):   # both holders skip the all-reduce: each steps with its own group's gradient only
+        i = find(plan, r, A.AllReduceStart)
+        tag = plan.actions[r][i].tag
+        plan.actions[r] = [a for a in plan.actions[r] if getattr(a, "tag", None) != tag]
+    with pytest.raises(PlanError, match="gradient of owned shard 0 is missing contributions"):
+        validate_plan(plan)
+
+
+def test_all_reduce_over_other_ranks_than_the_holders_is_rejected():
+    plan = mutable(build_plan("tawpipe", num_ranks=6, num_groups=3, num_layers=6, num_microbatches=1,
+                              replicate_first=True))
+    tag = plan.actions[4][find(plan, 4, A.AllReduceStart)].tag
+    plan.actions[4] = [a for a in plan.actions[4] if getattr(a, "tag", None) != tag]
+    for r in (0, 2):
+        i = find(plan, r, A.AllReduceStart)
+        plan.actions[r][i] = dataclasses.replace(plan.actions[r][i], ranks=(0, 2))
+    with pytest.raises(PlanError, match=r"not over its holders \[0, 2, 4\]"):
+        validate_plan(plan)
+
+
+def test_replicas_naming_the_owner_are_rejected():
+    plan = dataclasses.replace(build_plan("tawpipe", num_ranks=4, num_groups=2, replicate_first=True),
+                               replicas={0: (0,)})
+    with pytest.raises(PlanError, match="other than its owner 0"):
+        validate_plan(plan)

@@ -79,6 +79,10 @@ BAD_FLAGS = [
     (["--pipeline-schedule", "weipipe", "--tawpipe-microbatches-per-visit", "2"], 4,
      "--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only"),
     (["--tawpipe-microbatches-per-visit", "2"], 1, "need --pipeline-schedule tawpipe or weipipe"),
+    (["--pipeline-schedule", "weipipe", "--tawpipe-replicate-first-shard"], 4,
+     "--tawpipe-replicate-first-shard applies to --pipeline-schedule tawpipe"),
+    (["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "1", "--tawpipe-replicate-first-shard"], 4,
+     "--tawpipe-replicate-first-shard needs two or more groups"),
     # Megatron-LM's flags that are not implemented: one line each, never "unrecognized arguments".
     (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp: Megatron-FSDP is not supported"),
     (["--moe-router-topk", "4"], 1, "--moe-router-topk: mixture-of-experts models are not supported"),

@@ -72,6 +72,48 @@ def test_native_checkpoint_resumes_under_tawpipe(tmp_path, uninterrupted_tawpipe
     assert_close_rel(losses(resumed), losses(uninterrupted_tawpipe[3:]), 1e-5)
 
 
+def _train_returning_first_shard(rank, argv):
+    """Train; return the records and this rank's fp32 master of shard 0 and its Adam moments, where it holds them."""
+    from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
+
+    held = {}
+    close = WeightPassingTrainer.close
+
+    def keep(self):
+        if 0 in self.model.owned:
+            master = self.model.master(0)
+            names = {self.model.template.global_name(0, slot) for slot in self.model.template.slots}
+            state = [self.optimizer_state_for(view) for name, view, _ in self.named_master_parameters()
+                     if name in names]
+            assert len(state) == len(names)
+            # (bytes: tensors from forked ranks do not survive their exit)
+            held["shard0"] = (master.numpy().tobytes(), [s["exp_avg"].numpy().tobytes() for s in state],
+                              [s["exp_avg_sq"].numpy().tobytes() for s in state])
+        close(self)
+
+    WeightPassingTrainer.close = keep
+    return train_rank(rank, argv), held.get("shard0")
+
+
+def test_replicated_first_shard_stays_identical_on_its_holders_and_resumes(tmp_path, uninterrupted_tawpipe):
+    """--tawpipe-replicate-first-shard: the holders of shard 0 (ranks 0 and 2) step it to bitwise
+    the same weights and Adam state; training matches the plain plan; a checkpoint (written by the
+    owner only) resumes it, the replica reading shard 0 back."""
+    flags = TAWPIPE + ["--tawpipe-replicate-first-shard"]
+    save = str(tmp_path / "ckpt")
+    first = run_ranks(_train_returning_first_shard, 4, tiny_args(*flags, "--save", save, "--exit-interval", "3",
+                                                                 train_iters=ITERS))
+    assert [r["iteration"] for r in first[0][0]] == [1, 2, 3]
+    assert first[1][1] is None and first[3][1] is None
+    (w0, m0, v0), (w2, m2, v2) = first[0][1], first[2][1]
+    assert w0 == w2 and m0 == m2 and v0 == v2
+    assert_close_rel(losses(first[0][0]), losses(uninterrupted_tawpipe[:3]), 1e-5)
+    resumed = run_ranks(_train_returning_first_shard, 4, tiny_args(*flags, "--load", save, train_iters=ITERS))
+    assert [r["iteration"] for r in resumed[0][0]] == [4, 5, 6]
+    assert_close_rel(losses(resumed[0][0]), losses(uninterrupted_tawpipe[3:]), 1e-5)
+    assert resumed[0][1] == resumed[2][1]
+
+
 @pytest.fixture(scope="module")
 def fp32_reference():
     return run_ranks(train_rank, 1, tiny_args(train_iters=3))[0]
