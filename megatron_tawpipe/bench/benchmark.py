@@ -78,6 +78,7 @@ class BenchmarkConfig:
     recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
     tawpipe_microbatches_per_visit: int = 1
+    tawpipe_replicate_first_shard: bool = False
     tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
     python: str = sys.executable
@@ -127,6 +128,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         extra = [] if config.recompute else ["--tawpipe-no-recompute"]
         if schedule != "weipipe" and config.tawpipe_microbatches_per_visit != 1:
             extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
+        if schedule != "weipipe" and config.tawpipe_replicate_first_shard:
+            extra += ["--tawpipe-replicate-first-shard"]
         if schedule == "tawpipe-tp":
             extra += ["--tensor-model-parallel-size", str(config.tawpipe_tensor_parallel_size()), "--sequence-parallel"]
         return ([PRETRAIN, "--pipeline-schedule", schedule.split("-")[0], "--tawpipe-num-groups",
