@@ -158,7 +158,8 @@ def test_memory_breakdowns_add_up(recompute):
 
 
 @pytest.mark.parametrize("schedule,opts", [("tawpipe", {}), ("tawpipe", {"chunk": 2}),
-                                           ("tawpipe", {"cache": False}), ("weipipe", {})])
+                                           ("tawpipe", {"cache": False}), ("weipipe", {}),
+                                           ("tawpipe", {"replicate_first": True})])
 def test_weight_passing_breakdown_is_the_simulators_memory(schedule, opts):
     c = small_cost()
     plan = build_plan(schedule, num_ranks=P, num_groups=D, num_layers=L, num_microbatches=N, **opts)
@@ -315,6 +316,31 @@ def test_commands_parse_with_the_projects_arguments(strategy, recompute):
     if recompute:
         assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == \
             ("full", "uniform", 1) or strategy in ("tawpipe", "weipipe")
+
+
+def test_replicated_first_shard_is_a_tawpipe_knob_with_its_memory_and_flag():
+    """The advisor tries TawPipe with shard 0 in every group (two or more nodes): its state counts on
+    the ranks holding two shards, and its command carries --tawpipe-replicate-first-shard."""
+    from megatron_tawpipe.arguments import parse_args, validate_args
+
+    cl = tiny_cluster()
+    adv = Advisor(TINY, cl, 16)
+    configs, _ = enumerate_configs(TINY, cl, 16)
+    pick = {c.knobs["replicate_first"]: c for c in configs if c.strategy == "tawpipe" and c.micro_batch_size == 1
+            and c.recompute and c.knobs["chunk"] == 1 and c.knobs["cache"] and "tp" not in c.knobs}
+    for cfg in pick.values():
+        adv.evaluate(cfg)
+    plain, replicated = pick[False], pick[True]
+    shard_params = TINY.num_layers // cl.ranks * CostModel.from_flops(
+        hidden_size=512, seq_length=2048, micro_batch_size=1, ffn_hidden_size=1408, vocab_size=1000,
+        num_attention_heads=8, num_query_groups=4).params_per_layer
+    # fp32 master + Adam moments (12 B per parameter) of one more shard on its holders
+    assert replicated.memory.optimizer - plain.memory.optimizer == pytest.approx(12 * shard_params, rel=1e-6)
+    assert "--tawpipe-replicate-first-shard" in replicated.argv and "rep0" in replicated.label()
+    assert "--tawpipe-replicate-first-shard" not in plain.argv
+    validate_args(parse_args(replicated.argv + ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type",
+                                                "NullTokenizer"]), world_size=cl.ranks)
+    assert not [c for c in enumerate_configs(TINY, tiny_cluster(nodes=1), 16)[0] if c.knobs.get("replicate_first")]
 
 
 def test_hfsdp_is_marked_simulator_only():

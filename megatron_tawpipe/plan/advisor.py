@@ -4,9 +4,10 @@ predicted tokens/s per GPU, and print the command line of the best
 (``tools/simulate.py --advise``).
 
 Strategies: the weight-passing ``tawpipe`` (micro-batches per visit 1/2/4,
-cache on/off) and ``weipipe``; megatron pipelines (``pp-nodes``: one stage per
-node; ``1f1b`` / ``interleaved`` with larger pipelines, every stage inside one
-node, data parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
+cache on/off, shard 0 replicated in every group or not) and ``weipipe``;
+megatron pipelines (``pp-nodes``: one stage per node; ``1f1b`` /
+``interleaved`` with larger pipelines, every stage inside one node, data
+parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
 ``distopt-node``, ``distopt`` and ``hfsdp`` (simulator only).  Every strategy
 is tried with micro-batch sizes 1/2/4 and recompute on/off.
 
@@ -140,6 +141,8 @@ class Config:
             parts.append(f"c={k['chunk']}")
         if "cache" in k:
             parts.append("cache" if k["cache"] else "no-cache")
+        if k.get("replicate_first"):
+            parts.append("rep0")
         parts.append("recompute" if self.recompute else "no-recompute")
         return " ".join(parts)
 
@@ -204,7 +207,8 @@ def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_kn
                     for c in (1, 2, 4) if b == 1 else ():
                         if N % c == 0:
                             for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
-                                add("tawpipe", chunk=c, cache=cache)
+                                for rep in (False, True) if D > 1 else (False,):
+                                    add("tawpipe", chunk=c, cache=cache, replicate_first=rep)
             p = D
             while p <= P:
                 if P % p == 0 and L % p == 0 and mbs % (P // p) == 0:
@@ -483,7 +487,10 @@ class _VirtualRankAdvisor(Advisor):
 
 def _wp_options(cfg: Config) -> dict:
     if cfg.strategy == "tawpipe":
-        return {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
+        options = {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
+        if cfg.knobs.get("replicate_first"):
+            options["replicate_first"] = True
+        return options
     return {}
 
 

@@ -47,6 +47,7 @@ def command(cfg, model, cluster, global_batch: int):
     if s == "tawpipe":
         argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D),
                  "--tawpipe-microbatches-per-visit", str(k["chunk"])]
+        argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
         argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
         if k["cache"] == (D <= 4):
             comment = (f"cache {'on' if k['cache'] else 'off'}: the runtime's choice for {D} groups "

@@ -42,9 +42,12 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   weights, optimizer state and ``main`` gradient of it, its group's gradient
   of it is all-reduced among the holders (``AllReduceStart``) after the last
   backward, and every holder steps it identically.  No group waits for shard
-  0 at the start of an iteration, so the groups start together (no stagger
-  unless asked for); the price is shard 0's master, optimizer state and
-  gradient on D-1 more ranks (``Plan.replicas``).  Needs D >= 2.
+  0 at the start of an iteration; with D = 2 the groups start together (no
+  stagger unless asked for).  The second-to-last visit's gradient leaves for
+  its owner during the last visit (after its first micro-batch), not with the
+  iteration's last gradients.  The price is shard 0's master, optimizer state
+  and gradient on D-1 more ranks (``Plan.replicas``).  Needs D >= 2; the
+  simulator finds it faster for D = 2 and not for more groups.
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
   is the flat-group ablation (one group of all ranks, no GWPS).
 """
@@ -90,8 +93,9 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     if replicate_first and D < 2:
         raise ValueError("replicate_first needs at least 2 scheduling groups (one holder of shard 0 per group)")
     if stagger is None:
-        # Groups that all hold shard 0 start together: a stagger would only delay the later ones.
-        stagger = not replicate_first
+        # Two groups that both hold shard 0 start together (a stagger would only delay the
+        # second); with more, staggering still spreads each slot's fetches over the owners.
+        stagger = not replicate_first or D > 2
     if cache is None:
         # Keeping foreign shards costs 2(D-1) shard buffers per rank: worth it
         # for a few groups (nodes), not when groups are tiny.
@@ -196,13 +200,16 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                 continue
             # -------------------------------------------------- gradients out
             if G > 1:
-                # Waited during the next visit: a member that finished this
-                # visit early does not wait for the slowest one.  After the
-                # next visit's first micro-batch when it has more than one, so
-                # that the gradient leaves for its owner while the rest of
-                # that visit computes (not with the last gradients at the end
-                # of the iteration); else after its compute.
-                split = v + 1 < len(visits) and slots[v + 1] == tau + 1 and len(visits[v + 1][2]) > 1
+                # Waited after the next visit's compute: a member that finished
+                # this visit early does not wait for the slowest one.  With
+                # replicate_first, when the next visit is the group's last and
+                # has more than one micro-batch: after its first one, so that
+                # this gradient leaves for its owner while the rest of that
+                # visit computes instead of joining shard 0's all-reduce on the
+                # node link.  (Not in general: moving a send ahead of others on
+                # the gradient channel can block them behind a late receiver.)
+                split = replicate_first and v + 2 == len(visits) and slots[v + 1] == tau + 1 and \
+                    len(visits[v + 1][2]) > 1
                 done = (tau + 1, COMP, 0, 1) if split else (tau + 1, AFTER, 0)
                 keys = ((tau, AFTER, 0), done) if overlap else ((tau, AFTER, 0), (tau, AFTER, 1))
                 b.collective(A.ReduceStart, root, members, gbuf, "grad", s, *keys)
