@@ -8,6 +8,7 @@
 # shard's weights (2 layers, fp32, 6.4 MB) take about as long on the node link as one
 # shard's forward (2 x 24.4 ms). Then the simulator's prediction of the same configuration.
 #   sudo bash examples/benchmark_long_context.sh        (REPS=3 ITERS=4 RATE=1gbit VISIT=4)
+# tawpipe-rep: TawPipe with --tawpipe-replicate-first-shard (shard 0 in both nodes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/long_context}
@@ -23,7 +24,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 source examples/long_context_model.sh
 mkdir -p "$OUT"
 calibrate_times "$OUT/times.json"
-STRATEGIES=${STRATEGIES:-tawpipe weipipe 1f1b interleaved pp-nodes distopt-node distopt fsdp hsdp}
+STRATEGIES=${STRATEGIES:-tawpipe tawpipe-rep weipipe 1f1b interleaved pp-nodes distopt-node distopt fsdp hsdp}
 python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" --schedules $STRATEGIES \
     --train-iters "$ITERS" --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" \
     --ddp-bucket-size "$BUCKET" \

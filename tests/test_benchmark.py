@@ -98,6 +98,8 @@ def test_schedule_commands_are_valid_pretrain_flags():
     assert parsed["distopt"].num_distributed_optimizer_instances == 1
     assert parsed["fsdp"].use_torch_fsdp2 and parsed["fsdp"].num_distributed_optimizer_instances == 1
     assert parsed["hsdp"].use_torch_fsdp2 and parsed["hsdp"].num_distributed_optimizer_instances == 2
+    assert parsed["tawpipe-rep"].pipeline_schedule == "tawpipe" and parsed["tawpipe-rep"].tawpipe_replicate_first_shard
+    assert not parsed["tawpipe"].tawpipe_replicate_first_shard
 
 
 def test_cli_with_torchrun(tmp_path):

@@ -72,8 +72,6 @@ def main(argv=None) -> int:
                         "the whole backward")
     p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=1,
                    help="passed to the tawpipe runs (see pretrain_llama.py --help)")
-    p.add_argument("--tawpipe-replicate-first-shard", action="store_true",
-                   help="passed to the tawpipe runs (see pretrain_llama.py --help)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="--tensor-model-parallel-size of the tawpipe-tp runs (default: the ranks per node)")
     p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
@@ -107,7 +105,6 @@ def main(argv=None) -> int:
                              outdir=args.outdir, cluster=cluster, timeout_s=args.timeout,
                              recompute=not args.no_recompute, emulated_compute_times=args.emulated_compute_times,
                              tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
-                             tawpipe_replicate_first_shard=args.tawpipe_replicate_first_shard,
                              ddp_bucket_size=args.ddp_bucket_size, tensor_parallel_size=args.tensor_parallel_size)
     if args.warmup_iters >= args.train_iters:
         print("benchmark.py: error: --warmup-iters must be smaller than --train-iters", file=sys.stderr)

@@ -34,6 +34,7 @@ PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
 # What each strategy is, with the flags its best users would pass (nodes = the cluster's nodes).
 STRATEGIES = {
     "tawpipe": "TawPipe: weight passing, one group per node",
+    "tawpipe-rep": "TawPipe with shard 0 held by one rank of every node (--tawpipe-replicate-first-shard)",
     "tawpipe-tp": "TawPipe over tensor-parallel groups inside each node (--tensor-model-parallel-size: the "
                   "ranks per node unless --tensor-parallel-size says otherwise; --sequence-parallel)",
     "weipipe": "WeiPipe: weight passing in one ring",
@@ -78,7 +79,6 @@ class BenchmarkConfig:
     recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
     tawpipe_microbatches_per_visit: int = 1
-    tawpipe_replicate_first_shard: bool = False
     tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
     python: str = sys.executable
@@ -124,11 +124,11 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         common += ["--num-layers", str(layers)]
     if config.emulated_compute_times:
         common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
-    if schedule in ("tawpipe", "weipipe", "tawpipe-tp"):
+    if schedule in ("tawpipe", "weipipe", "tawpipe-tp", "tawpipe-rep"):
         extra = [] if config.recompute else ["--tawpipe-no-recompute"]
         if schedule != "weipipe" and config.tawpipe_microbatches_per_visit != 1:
             extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
-        if schedule != "weipipe" and config.tawpipe_replicate_first_shard:
+        if schedule == "tawpipe-rep":
             extra += ["--tawpipe-replicate-first-shard"]
         if schedule == "tawpipe-tp":
             extra += ["--tensor-model-parallel-size", str(config.tawpipe_tensor_parallel_size()), "--sequence-parallel"]

@@ -19,7 +19,7 @@ from .validate import validate_plan
 
 ACTIVATION = ("gpipe", "1f1b", "interleaved")
 ANALYTIC = ("fsdp",) + tuple(STRATEGIES)      # not plan schedules
-ALL = ("tawpipe", "tawpipe-paper", "tawpipe-nooverlap", "tawpipe-flat", "weipipe",
+ALL = ("tawpipe", "tawpipe-rep", "tawpipe-paper", "tawpipe-nooverlap", "tawpipe-flat", "weipipe",
        "weipipe-naive", "gpipe", "1f1b", "interleaved", "fsdp") + tuple(STRATEGIES)
 
 

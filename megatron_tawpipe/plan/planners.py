@@ -27,6 +27,10 @@ def _tawpipe_flat(**kw):
     return plan_tawpipe(**{**kw, "groups": 1})
 
 
+def _tawpipe_rep(**kw):
+    return plan_tawpipe(**{**kw, "replicate_first": True})
+
+
 def _tawpipe_paper(**kw):
     return plan_tawpipe(**{"cache": False, "drain": True, **kw})
 
@@ -44,6 +48,7 @@ SCHEDULES = {
     "tawpipe-nooverlap": _tawpipe_nooverlap,
     "tawpipe-flat": _tawpipe_flat,
     "tawpipe-paper": _tawpipe_paper,
+    "tawpipe-rep": _tawpipe_rep,
     "gpipe": _activation("gpipe"),
     "1f1b": _activation("1f1b"),
     "interleaved": _activation("interleaved"),

@@ -256,6 +256,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     for r in range(P):
         b.emit(r, (END, 2), A.OptimizerStep)
     name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
+    if replicate_first:
+        name += "-rep"
     if not overlap:
         name += "-nooverlap"
     if not cache and drain and D == num_groups and overlap:
