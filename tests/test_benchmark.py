@@ -169,3 +169,13 @@ def test_simulator_matrix_report():
     assert row.startswith(f"| `{c.name}` | 0.33 |") and "distopt -24%, fsdp -20%" in row
     cmd = simulate_command(c, "times.json")
     assert cmd[cmd.index("--backend") + 1] == "gloo" and cmd[cmd.index("--inter-bw") + 1] == "125000000B/s"
+
+
+def test_replicated_first_shard_needs_two_nodes(tmp_path):
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, BenchmarkError, run_benchmark
+
+    config = BenchmarkConfig(ranks=2, model_args=BENCH_MODEL, groups=1, schedules=["tawpipe-rep"],
+                             outdir=str(tmp_path))
+    with pytest.raises(BenchmarkError, match="tawpipe-rep .* at least 2 nodes"):
+        run_benchmark(config, launcher=fork_launcher)
+    assert not os.listdir(tmp_path)      # refused before any run

@@ -128,7 +128,7 @@ def test_tawpipe_cached_inter_group_volume_is_independent_of_N(P, D):
         assert units(plan, "inter") == 2 * P * (D - 1)
 
 
-@pytest.mark.parametrize("schedule", ["tawpipe", "tawpipe-paper", "tawpipe-flat", "weipipe",
+@pytest.mark.parametrize("schedule", ["tawpipe", "tawpipe-paper", "tawpipe-flat", "tawpipe-rep", "weipipe",
                                       "1f1b", "interleaved"])
 def test_simulated_transfers_add_up_to_link_bytes(schedule):
     cost = CostModel.from_flops(hidden_size=256, seq_length=512, inter_bw="1GB/s")
@@ -139,7 +139,7 @@ def test_simulated_transfers_add_up_to_link_bytes(schedule):
     for t in r.transfers:
         moved[t.link] += t.nbytes
         assert t.end >= t.posted
-    expect = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes)
+    expect = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan))
     assert moved == pytest.approx(expect)
     assert r.link_bytes == pytest.approx(expect)
 
@@ -236,3 +236,23 @@ def test_memory_report():
     assert r.memory_bytes == pytest.approx(r.weight_buffer_bytes + r.grad_buffer_bytes +
                                            r.activation_bytes + r.state_bytes)
     assert not r.spans and not r.transfers
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "tawpipe-rep", "weipipe"])
+def test_gradients_travel_in_fp32_weights_in_the_compute_dtype(schedule):
+    """The runtime's gradient buffers are fp32 whatever the compute dtype: in bf16 a gradient
+    transfer carries twice a weight transfer's bytes, and so do the gradient buffers."""
+    cost = CostModel.from_flops(hidden_size=256, seq_length=512, inter_bw="1GB/s", dtype_bytes=2)
+    plan = build_plan(schedule, num_ranks=4, num_groups=2, num_layers=8, num_microbatches=3)
+    r = simulate(plan, cost)
+    weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
+    assert grad == 2 * weight
+    by_kind = {"weight": [], "grad": []}
+    for t in r.transfers:
+        by_kind[t.kind].append(t.nbytes)
+    assert by_kind["weight"] and by_kind["grad"]
+    assert all(n % weight == 0 for n in by_kind["weight"])
+    # (tawpipe-rep's all-reduce between 2 holders: each sends 2(n-1)/n = 1 buffer to the other)
+    assert all(n % grad == 0 for n in by_kind["grad"])
+    assert r.grad_buffer_bytes == plan.max_grad_buffers * grad
+    assert r.weight_buffer_bytes == plan.max_weight_buffers * weight

@@ -48,6 +48,24 @@ def test_simulate_rejects_unknown_schedule():
     assert out.returncode != 0 and "unknown schedule" in out.stderr
 
 
+def test_simulate_all_runs_on_one_group_and_refuses_a_replicated_first_shard_there():
+    """'all' drops tawpipe-rep where it cannot run (one group, --flat); naming it there is an error."""
+    one_group = [a if a != "2" else "1" for a in SMALL]
+    for extra in (one_group, SMALL + ["--flat"]):
+        rows = json.loads(run_tool("simulate.py", "--schedule", "all", "--json", *extra))
+        names = [r["schedule"] for r in rows]
+        assert not any(n.endswith("-rep") for n in names) and "weipipe" in names and "fsdp" in names
+    rows = json.loads(run_tool("simulate.py", "--schedule", "all", "--json", *SMALL))
+    assert "tawpipe-rep" in [r["schedule"] for r in rows]
+    # --replicate-first-shard applies to the TawPipe plans that can hold shard 0 in every group only.
+    rows = json.loads(run_tool("simulate.py", "--schedule", "tawpipe,tawpipe-flat", "--replicate-first-shard",
+                               "--json", *SMALL))
+    assert rows[0]["options"].get("replicate_first") is True and "replicate_first" not in rows[1]["options"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "simulate.py"), "--schedule", "tawpipe-rep",
+                          *one_group], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0 and "tawpipe-rep" in out.stderr and "--groups >= 2" in out.stderr
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                     reason="matplotlib not installed (pip install megatron_tawpipe[plot])")
 def test_plot_schedule_writes_a_png(tmp_path):

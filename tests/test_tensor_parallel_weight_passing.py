@@ -30,6 +30,7 @@ CASES = [
     (4, TAWPIPE + SP + ["--tawpipe-no-recompute"], 2, 6, GPT),                  # biases, LayerNorm, positions
     (8, TAWPIPE, 8, 12, LLAMA_FLAGS),                                           # 2 layers/shard, 3 mb
     (8, TAWPIPE + SP + ["--tawpipe-microbatches-per-visit", "2"], 4, 8, QK_NORM),
+    (4, TAWPIPE + ["--tawpipe-replicate-first-shard"], 4, 6, LLAMA_FLAGS),     # shard 0 in both groups
     (4, WEIPIPE + SP, 2, 6, LLAMA_FLAGS),                                       # 1 layer/shard, 3 mb
     (4, WEIPIPE + ["--tawpipe-no-recompute"], 4, 2, GPT),                       # 2 layers/shard, 1 mb
     (6, WEIPIPE + SP, 6, 3, LLAMA_FLAGS),                                       # 2 layers/shard, 1 mb

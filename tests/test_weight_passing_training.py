@@ -95,11 +95,13 @@ def _train_returning_first_shard(rank, argv):
     return train_rank(rank, argv), held.get("shard0")
 
 
-def test_replicated_first_shard_stays_identical_on_its_holders_and_resumes(tmp_path, uninterrupted_tawpipe):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "tawpipe"])
+def test_replicated_first_shard_stays_identical_on_its_holders_and_resumes(tmp_path, uninterrupted_tawpipe,
+                                                                           ckpt_format):
     """--tawpipe-replicate-first-shard: the holders of shard 0 (ranks 0 and 2) step it to bitwise
     the same weights and Adam state; training matches the plain plan; a checkpoint (written by the
-    owner only) resumes it, the replica reading shard 0 back."""
-    flags = TAWPIPE + ["--tawpipe-replicate-first-shard"]
+    owner only) resumes it, the replica reading shard 0 back, in either checkpoint format."""
+    flags = TAWPIPE + ["--tawpipe-replicate-first-shard", "--ckpt-format", ckpt_format]
     save = str(tmp_path / "ckpt")
     first = run_ranks(_train_returning_first_shard, 4, tiny_args(*flags, "--save", save, "--exit-interval", "3",
                                                                  train_iters=ITERS))

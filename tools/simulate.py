@@ -34,7 +34,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_tawpipe.plan import SCHEDULES
-from megatron_tawpipe.plan.cli import (ALL, ANALYTIC, add_advisor_args, add_model_args,
+from megatron_tawpipe.plan.cli import (ALL, ANALYTIC, add_advisor_args, add_model_args, replicable,
                                        advisor_inputs, cost_model, run_one,
                                        tensor_parallel_for)
 
@@ -70,10 +70,14 @@ def main(argv=None) -> int:
         args.groups = args.ranks // args.ranks_per_node
     if args.advise:
         return advise_main(args, argv)
-    names = list(ALL) if args.schedule == "all" else [x.strip() for x in args.schedule.split(",")]
+    names = [x.strip() for x in args.schedule.split(",")]
+    if args.schedule == "all":     # every schedule this cluster can run
+        names = [n for n in ALL if n != "tawpipe-rep" or replicable(n, args)]
     for n in names:
         if n not in ANALYTIC and n not in SCHEDULES:
             p.error(f"unknown schedule {n!r}; known: {', '.join(list(SCHEDULES) + list(ANALYTIC))}")
+        if n == "tawpipe-rep" and not replicable(n, args):
+            p.error("tawpipe-rep (shard 0 in every group) needs --groups >= 2 and not --flat")
         try:
             tensor_parallel_for(n, args)
         except ValueError as exc:

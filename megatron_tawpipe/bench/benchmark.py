@@ -257,6 +257,9 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
         nodes, per_node, _rate = config.cluster
         if nodes * per_node != config.ranks:
             raise BenchmarkError(f"--nodes x --ranks-per-node ({nodes} x {per_node}) must equal the ranks {config.ranks}")
+    if "tawpipe-rep" in config.schedules and config.num_groups() < 2:
+        raise BenchmarkError("tawpipe-rep (--tawpipe-replicate-first-shard) needs at least 2 nodes (groups): "
+                             "one holder of shard 0 per node")
     os.makedirs(config.outdir, exist_ok=True)
     runs: List[dict] = []
     start = time.time()

@@ -312,10 +312,11 @@ class Advisor:
             N, c = mbs // cl.ranks, k.get("chunk", 1)
             n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
             opts = _wp_options(cfg)
-            b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), 1.0)["inter"] for n in (n1, n2))
-            units = b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2
             plan = self._plan(cfg.strategy, n2, **opts)
-            node_bytes = units * cost.shard_bytes(plan) / cl.nodes
+            weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
+            b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), weight, bytes_per_grad=grad)["inter"]
+                      for n in (n1, n2))
+            node_bytes = (b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes
         t = node_bytes / cl.inter_bw
         return self.G * self.model.seq_length / (cl.ranks * t) if t > 0 else float("inf")
 

@@ -104,13 +104,19 @@ def planner_options(name: str, args) -> dict:
             kw["chunk"] = args.chunk
         if args.prefetch:
             kw["prefetch"] = args.prefetch
-        if args.replicate_first_shard:
+        if args.replicate_first_shard and replicable(name, args):
             kw["replicate_first"] = True
     elif name.startswith("weipipe") and args.no_overlap:
         kw["overlap"] = False
     elif name == "interleaved" and args.virtual_stages:
         kw["virtual_stages"] = args.virtual_stages
     return kw
+
+
+def replicable(name: str, args) -> bool:
+    """Whether TawPipe schedule ``name`` can hold shard 0 in every group: at
+    least 2 groups, not the flat variant."""
+    return name.startswith("tawpipe") and name != "tawpipe-flat" and not args.flat and args.groups >= 2
 
 
 def make_plan(name: str, args, validate: bool = True):

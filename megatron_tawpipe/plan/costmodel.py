@@ -102,7 +102,8 @@ class CostModel:
     head_forward: float = 0.0             # s per micro-batch (last shard)
     head_backward: float = 0.0
     params_per_layer: float = 0.0
-    dtype_bytes: int = 2                  # compute dtype on the wire
+    dtype_bytes: int = 2                  # compute dtype on the wire (weights, activations)
+    grad_bytes: int = 4                   # partial gradients travel and accumulate in fp32
     activation_bytes: float = 0.0         # one boundary activation of one micro-batch
     layer_activation_bytes: float = 0.0   # everything one layer keeps for backward, one mb
     tokens_per_microbatch: int = 0
@@ -194,10 +195,18 @@ class CostModel:
         return self.replicated_params
 
     def shard_bytes(self, plan) -> float:
+        """One shard's weights in the compute dtype (a weight buffer, a weight transfer)."""
         return self.params_per_layer * plan.layers_per_shard * self.dtype_bytes
 
+    def grad_shard_bytes(self, plan) -> float:
+        """One shard's partial gradient (a gradient buffer, a gradient transfer): fp32, as the
+        runtime's gradient buffers are."""
+        return self.params_per_layer * plan.layers_per_shard * self.grad_bytes
+
     def unit_bytes(self, plan, kind: str) -> float:
-        return self.shard_bytes(plan) if kind in ("weight", "grad") else self.activation_bytes
+        if kind == "weight":
+            return self.shard_bytes(plan)
+        return self.grad_shard_bytes(plan) if kind == "grad" else self.activation_bytes
 
     def forward_time(self, plan, shard: int) -> float:
         t = self.layer_forward * plan.layers_per_shard

@@ -161,9 +161,9 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
     m.optimizer = 12.0 * (own + rep)
     m.notes["optimizer"] = f"12 B x ({own / 1e9:.3g}e9 + {rep / 1e9:.3g}e9) params"
     m.comm_buffers = result.weight_buffer_bytes + result.grad_buffer_bytes
-    sb = cost.shard_bytes(plan)
-    m.notes["comm_buffers"] = (f"({result.weight_buffers} weight + {result.grad_buffers} grad buffers) "
-                               f"x {gb(sb)} shard ({plan.layers_per_shard} layers)")
+    m.notes["comm_buffers"] = (f"{result.weight_buffers} weight buffers x {gb(cost.shard_bytes(plan))} + "
+                               f"{result.grad_buffers} fp32 grad buffers x {gb(cost.grad_shard_bytes(plan))} "
+                               f"(shards of {plan.layers_per_shard} layers)")
     m.activations = result.activation_bytes
     lps = plan.layers_per_shard
     per = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes

@@ -31,8 +31,9 @@ Which FIFO an operation joins (``mode``):
 
 The process groups are the executor's (:class:`runtime.executor.Communicators`):
 one for all point-to-point traffic of each channel (weights, gradients, ...),
-one per (members, channel) of broadcasts/reductions, and the default group for
-the replicated all-reduce.  The executor creates every process group's
+one per (members, channel) of broadcasts/reductions (the holders' all-reduce of
+a replicated first shard among them), and the default group for the replicated
+all-reduce.  The executor creates every process group's
 communicator before the first iteration, collectively and in one order, so a
 group communicator's first use inside a plan never blocks; the pair
 communicators of ``"pair"`` mode are created by the plan's traffic.

@@ -110,29 +110,31 @@ class SimResult:
 
 
 # --------------------------------------------------------------- byte counts
-def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float = 0.0
-               ) -> Dict[str, float]:
+def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float = 0.0,
+               bytes_per_grad: Optional[float] = None) -> Dict[str, float]:
     """Bytes moved per link class in one iteration, exactly as the plan says.
 
     Point-to-point: ``size`` units from sender to receiver.  Broadcast/reduce:
     ``size`` units between the root and each other member (a member in the
-    root's group counts as intra, otherwise inter).  An executor that counts
+    root's group counts as intra, otherwise inter).  A gradient unit is
+    ``bytes_per_grad`` (default ``bytes_per_shard``).  An executor that counts
     the same way (per send, per received broadcast copy, per contributed
     reduction input) measures the same numbers.  The replicated all-reduce is
     not included (see ``replicated_allreduce_bytes``)."""
     out = {"intra": 0.0, "inter": 0.0}
     G = plan.ranks_per_group
+    units = {"weight": bytes_per_shard, "grad": bytes_per_shard if bytes_per_grad is None else bytes_per_grad,
+             "act": bytes_per_activation, "actgrad": bytes_per_activation}
     for r, acts in enumerate(plan.actions):
         for a in acts:
             t = type(a)
             if t is A.SendStart:
-                unit = bytes_per_shard if a.kind in ("weight", "grad") else bytes_per_activation
-                out[a.link] += a.size * unit
+                out[a.link] += a.size * units[a.kind]
             elif (t is A.BroadcastStart or t is A.ReduceStart) and r != a.root:
-                out["intra" if r // G == a.root // G else "inter"] += a.size * bytes_per_shard
+                out["intra" if r // G == a.root // G else "inter"] += a.size * units[a.kind]
             elif t is A.AllReduceStart:
                 successor, share = ring_share(a.ranks, r)
-                out["intra" if r // G == successor // G else "inter"] += share * a.size * bytes_per_shard
+                out["intra" if r // G == successor // G else "inter"] += share * a.size * units[a.kind]
     return out
 
 
@@ -209,9 +211,7 @@ class _Simulator:
                 for _, a in ops:
                     self.entry_of[(r, a.tag)] = entry
         self.fifo: Dict[tuple, deque] = {}
-        sb = cost.shard_bytes(plan)
-        self.unit = {"weight": sb, "grad": sb, "act": cost.activation_bytes,
-                     "actgrad": cost.activation_bytes}
+        self.unit = {kind: cost.unit_bytes(plan, kind) for kind in ("weight", "grad", "act", "actgrad")}
         self.fwd = [cost.forward_time(plan, s) for s in range(plan.num_shards)]
         self.bwd = [cost.backward_time(plan, s) for s in range(plan.num_shards)]
         self.bwd_i = [cost.backward_input_time(plan, s) for s in range(plan.num_shards)]
@@ -352,7 +352,7 @@ class _Simulator:
         cls = type(a)
         if cls is A.ReplicatedAllReduceStart:
             P = self.plan.num_ranks
-            nbytes = self.cost.replicated_part_params(a.part) * self.cost.dtype_bytes
+            nbytes = self.cost.replicated_part_params(a.part) * self.cost.grad_bytes
             link = self.cost.inter if self.plan.num_groups > 1 else self.cost.intra
             dur = 0.0 if P == 1 else 2 * (P - 1) * link.latency + \
                 (0.0 if link.bandwidth == INF else 2 * (P - 1) / P * nbytes / link.bandwidth)
@@ -374,6 +374,9 @@ class _Simulator:
         op.flows_left = len(pairs)
         if not pairs:
             self.push(t, "done", op)
+        if cls is A.AllReduceStart and pairs:   # a ring's 2(n-1) steps each pay a latency; the flows pay one
+            crossing = any(src // self.G != dst // self.G for src, dst in pairs)
+            t += (2 * len(pairs) - 3) * (self.cost.inter if crossing else self.cost.intra).latency
         for src, dst in pairs:
             link = "intra" if src // self.G == dst // self.G else "inter"
             tr = Transfer(op.tag, src, dst, a.kind, link, nbytes, t)
@@ -451,8 +454,9 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
     compute = sum(sim.busy)
     tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
     sb = cost.shard_bytes(plan)
-    lb = link_bytes(plan, sb, cost.activation_bytes)
-    rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.dtype_bytes)
+    gsb = cost.grad_shard_bytes(plan)
+    lb = link_bytes(plan, sb, cost.activation_bytes, gsb)
+    rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.grad_bytes)
     lps = plan.layers_per_shard
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
@@ -468,7 +472,7 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
         link_bytes=lb, replicated_allreduce_bytes=rep["intra"] + rep["inter"],
         weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
         weight_buffer_bytes=plan.max_weight_buffers * sb,
-        grad_buffer_bytes=plan.max_grad_buffers * sb,
+        grad_buffer_bytes=plan.max_grad_buffers * gsb,
         activation_bytes=max(sim.peak_stash) * per_stash + working,
         state_bytes=state, compute_time=sim.busy, finish_time=sim.finish,
         spans=sim.spans, transfers=sim.transfers, options=dict(plan.options))

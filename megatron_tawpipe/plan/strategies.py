@@ -403,7 +403,8 @@ def plan_memory_fields(plan, cost: CostModel):
         cost.dtype_bytes * cost.replicated_params
     return SimpleNamespace(
         weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
-        weight_buffer_bytes=plan.max_weight_buffers * sb, grad_buffer_bytes=plan.max_grad_buffers * sb,
+        weight_buffer_bytes=plan.max_weight_buffers * sb,
+        grad_buffer_bytes=plan.max_grad_buffers * cost.grad_shard_bytes(plan),
         activation_bytes=max(peak_stash(plan)) * per + working, state_bytes=state)
 
 

@@ -25,6 +25,7 @@ TAWPIPE_OPTIONS = {
     "chunk": (1, 2, 3),
     "prefetch": (2, 1, 3),
     "flat": (False, True),
+    "replicate_first": (False, True),
 }
 
 
@@ -39,9 +40,10 @@ def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tawpipe_options(N: int, full: bool) -> Iterator[dict]:
+def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
     """Option sets: the whole product when ``full``, else each option changed
-    on its own from the default, plus the named variants (no overlap, flat, paper)."""
+    on its own from the default, plus the named variants (no overlap, flat, paper);
+    ``replicate_first`` only where there are 2 or more groups (not flat)."""
     names = list(TAWPIPE_OPTIONS)
     if full:
         combos = (dict(zip(names, values)) for values in itertools.product(*TAWPIPE_OPTIONS.values()))
@@ -59,6 +61,10 @@ def _tawpipe_options(N: int, full: bool) -> Iterator[dict]:
             continue
         seen.add(key)
         flat = c.pop("flat")
+        if c["replicate_first"] and (flat or D < 2):
+            continue
+        if not c["replicate_first"]:
+            del c["replicate_first"]
         if flat:
             c["groups"] = 1
         yield c
@@ -72,7 +78,7 @@ def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_m
             for N in microbatches:
                 shape = dict(num_ranks=P, num_groups=D, num_microbatches=N,
                              num_layers=P * layers_per_shard)
-                for opts in _tawpipe_options(N, full=P <= full_product_max_ranks):
+                for opts in _tawpipe_options(N, D, full=P <= full_product_max_ranks):
                     yield "tawpipe", dict(shape, **opts)
                 for interleave, overlap in itertools.product((True, False), (True, False)):
                     name = "weipipe" if interleave else "weipipe-naive"

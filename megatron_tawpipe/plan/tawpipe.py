@@ -43,9 +43,10 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   of it is all-reduced among the holders (``AllReduceStart``) after the last
   backward, and every holder steps it identically.  No group waits for shard
   0 at the start of an iteration; with D = 2 the groups start together (no
-  stagger unless asked for).  The second-to-last visit's gradient leaves for
-  its owner during the last visit (after its first micro-batch), not with the
-  iteration's last gradients.  The price is shard 0's master, optimizer state
+  stagger unless asked for).  When the last visit has more than one
+  micro-batch, the second-to-last visit's gradient leaves for its owner
+  during it (after its first micro-batch), not with the iteration's last
+  gradients.  The price is shard 0's master, optimizer state
   and gradient on D-1 more ranks (``Plan.replicas``).  Needs D >= 2; the
   simulator finds it faster for D = 2 and not for more groups.
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``

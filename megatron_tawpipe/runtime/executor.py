@@ -360,7 +360,8 @@ _SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.LoadWeights: "load", A.Accumul
 
 
 def _arrives_here(action, rank: int) -> bool:
-    """Whether a transfer brings data to ``rank`` (else it takes data away)."""
+    """Whether a transfer brings data to ``rank`` (else it takes data away); an all-reduce
+    both sends and receives, and what a rank waits on is its result: "in"."""
     if isinstance(action, A.RecvStart):
         return True
     if isinstance(action, A.BroadcastStart):

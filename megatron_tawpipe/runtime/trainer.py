@@ -13,7 +13,6 @@ the summed gradient equals data-parallel training's averaged one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -253,13 +252,8 @@ class WeightPassingTrainer:
         (each of the T tensor-parallel indices runs the plan on its 1/T of every shard)."""
         weight_bytes = self.model.shard_numel * torch.finfo(self.model.compute_dtype).bits // 8
         grad_bytes = self.model.shard_numel * 4
-        total = {"intra": 0.0, "inter": 0.0}
-        for kind, unit in (("weight", weight_bytes), ("grad", grad_bytes)):
-            only = dataclasses.replace(self.plan, actions=[
-                [a for a in acts if getattr(a, "kind", None) == kind] for acts in self.plan.actions])
-            for link, value in link_bytes(only, unit).items():
-                total[link] += value * self.model.tensor_parallel_size
-        return total
+        planned = link_bytes(self.plan, weight_bytes, bytes_per_grad=grad_bytes)
+        return {link: value * self.model.tensor_parallel_size for link, value in planned.items()}
 
     def _global_norm(self) -> float:
         """L2 norm of all gradients: owned shards (summed over ranks) and the replicated parts (the

@@ -47,8 +47,9 @@ class Communicators:
     """Process groups a plan needs, created collectively and in the same order on every rank.
 
     One group per point-to-point channel (weights, gradients), one per
-    (members, channel) of broadcasts and reductions, and one for the
-    replicated all-reduce -- the arrangement :mod:`plan.nccl` models.  On NCCL
+    (members, channel) of broadcasts and reductions (and of the holders'
+    all-reduce of a replicated first shard), and one for the replicated
+    all-reduce -- the arrangement :mod:`plan.nccl` models.  On NCCL
     every group's communicator is created here, by one small all-reduce per
     group in that order, so that no communicator is created lazily inside a
     plan (a first use blocks until all members make it).
