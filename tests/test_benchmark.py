@@ -171,6 +171,23 @@ def test_simulator_matrix_report():
     assert cmd[cmd.index("--backend") + 1] == "gloo" and cmd[cmd.index("--inter-bw") + 1] == "125000000B/s"
 
 
+def test_simulator_matrix_calibrates_the_model_it_measures(tmp_path):
+    """The matrix's emulated compute comes from the cost model of the Llama layer its runs build
+    (SwiGLU, its FFN size), at the configuration's device speed."""
+    from megatron_tawpipe.arguments import llama_ffn_hidden_size
+    from megatron_tawpipe.bench.matrix import HIDDEN, MATRIX, calibrate
+    from megatron_tawpipe.plan.costmodel import CostModel
+
+    c = MATRIX[0]
+    path = str(tmp_path / "times.json")
+    calibrate(c, path)
+    with open(path) as f:
+        times = json.load(f)
+    expect = CostModel.from_flops(hidden_size=HIDDEN, seq_length=c.seq_length, ffn_hidden_size=llama_ffn_hidden_size(HIDDEN),
+                                  num_attention_heads=4, peak_tflops=c.peak_tflops, efficiency=1.0)
+    assert times["layer_forward"] == pytest.approx(expect.layer_forward, rel=1e-6)
+
+
 def test_replicated_first_shard_needs_two_nodes(tmp_path):
     from megatron_tawpipe.bench.benchmark import BenchmarkConfig, BenchmarkError, run_benchmark
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -172,6 +173,44 @@ def test_latency_and_bandwidth_of_a_transfer():
                      dtype_bytes=2, inter=Link(1e9, 0.25), intra=Link(1e12))
     r = simulate(_two_flows_plan(False), cost)      # 1e9 bytes each, one after the other
     assert sorted(t.end for t in r.transfers) == pytest.approx([1.25, 11.25])
+
+
+def _exchange_plan() -> Plan:
+    """Ranks 0 (group 0) and 2 (group 1) send each other one shard at once (one batch each), as a
+    pipeline boundary exchanges activations and gradients."""
+    acts = [[], [], [], []]
+    for me, peer, out_tag, in_tag in ((0, 2, 1, 2), (2, 0, 2, 1)):
+        acts[me] += [A.LoadWeights(me, "w0"),
+                     A.SendStart(out_tag, peer, "w0", "weight", me, "inter", batch=1),
+                     A.RecvStart(in_tag, peer, "w1", "weight", peer, "inter", batch=1),
+                     A.Wait(out_tag), A.Wait(in_tag)]
+    for a in acts:
+        a.append(A.OptimizerStep())
+    return Plan("exchange", "weight", 4, 2, 4, 1, (0, 1, 2, 3), (0, 1, 2, 3), 1, 0, acts)
+
+
+@pytest.mark.parametrize("nbytes", [2e6, 12.6e6])
+def test_gloo_pair_takes_turns_beyond_its_socket_buffers(nbytes):
+    """On gloo two ranks sending each other large messages at once move the first
+    GLOO_PAIR_DUPLEX_BYTES of each at the link rate, the rest at half of it (measured by
+    bench/link_duplex.py: 0.60 of one direction's rate per direction for 12.6 MB, full for 2 MB);
+    NCCL's are full duplex."""
+    from megatron_tawpipe.plan.costmodel import GLOO_PAIR_DUPLEX_BYTES as B
+
+    rate = 125e6
+    cost = CostModel(layer_forward=1.0, layer_backward=1.0, params_per_layer=nbytes, dtype_bytes=1,
+                     inter=Link(rate), intra=Link(1e12))
+    ends = {}
+    for backend in ("nccl", "gloo"):
+        r = simulate(_exchange_plan(), replace(cost, backend=backend))
+        assert len(r.transfers) == 2
+        ends[backend] = [t.end for t in r.transfers]
+    assert ends["nccl"] == pytest.approx([nbytes / rate] * 2)
+    expect = nbytes / rate if nbytes <= B else (B + 2 * (nbytes - B)) / rate
+    assert ends["gloo"] == pytest.approx([expect] * 2)
+    # One direction alone is not slowed, whatever the backend.
+    alone = simulate(_two_flows_plan(False), replace(cost, backend="gloo"))
+    assert sorted(t.end - t.posted for t in alone.transfers) == pytest.approx([nbytes / rate] * 2, rel=1e-6)
 
 
 # ------------------------------------------------------------- cost model

@@ -34,7 +34,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron_tawpipe.arguments import TOOL_FLAGS, llama_ffn_hidden_size
+from megatron_tawpipe.arguments import LLAMA_FLAGS, TOOL_FLAGS, llama_ffn_hidden_size
 from megatron_tawpipe.bench.benchmark import (SCHEDULES, BenchmarkConfig, interleaved_layers_per_virtual_stage,
                                               run_benchmark)
 from megatron_tawpipe.plan.costmodel import parse_rate
@@ -105,7 +105,8 @@ def _python(*args: str, stdout=None) -> None:
 
 def calibrate(c: MatrixConfig, path: str) -> None:
     _python("tools/calibrate.py", "--output", path, "--from-cost-model", "--peak-tflops", str(c.peak_tflops),
-            "--efficiency", "1", "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+            "--efficiency", "1", *LLAMA_FLAGS, "--hidden-size", str(HIDDEN),
+            "--ffn-hidden-size", str(llama_ffn_hidden_size(HIDDEN)), "--num-attention-heads", str(HEADS),
             "--seq-length", str(c.seq_length), "--micro-batch-size", "1", "--vocab-size", str(VOCAB + 1),
             "--num-layers", str(c.num_layers), stdout=subprocess.DEVNULL)
 

@@ -90,8 +90,21 @@ BACKENDS = {
             "all-reduce as a blocking call (its overlap lives in CUDA streams), and its gloo "
             "reduce-scatter moves an all-reduce's bytes; megatron with more than one distributed-"
             "optimizer instance reduces each bucket synchronously; one instance's reductions are "
-            "asynchronous gloo work and still overlap",
+            "asynchronous gloo work and still overlap; two ranks exchanging large messages both ways "
+            "at once take turns beyond the first 4 MiB of each (GLOO_PAIR_DUPLEX_BYTES)",
 }
+
+#: gloo point-to-point between two ranks in both directions at once (a pipeline boundary's
+#: activations one way and gradients the other): the first 4 MiB of a message (the kernel's socket
+#: buffers, tcp_wmem's maximum on the machines measured) flow both ways at the link rate, the rest
+#: takes turns with the reverse message -- each direction at half the rate.  Measured with
+#: ``megatron_tawpipe.bench.link_duplex`` on the emulated cluster (1 Gbit/s, 2026-11-24,
+#: ``examples/results/link_duplex_1gbit.json``): both ways over one pair of ranks, per direction,
+#: 1.0 of one way alone for 1-3 MB messages, 0.72 for 6.3 MB, 0.65 for 8.4 MB and 0.62 for 12.6 MB
+#: (the model: 0.75, 0.67, 0.60); 0.54-0.63 for 12.6 MB from 200 Mbit/s to 2 Gbit/s.  Different
+#: pairs in opposite directions do not interfere; NCCL's connections do not take turns (no limit
+#: on that backend).
+GLOO_PAIR_DUPLEX_BYTES = 4 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -117,11 +130,20 @@ class CostModel:
     # How library collectives (FSDP2's, megatron's data-parallel reductions) behave: "nccl" runs them
     # on side CUDA streams, overlapping compute; "gloo" (the CPU) has no streams (see BACKENDS).
     backend: str = "nccl"
+    # The rate two ranks' opposite messages take turns on (gloo; see GLOO_PAIR_DUPLEX_BYTES): the node
+    # link's (None) unless ``inter`` is a share of it (pp-nodes' pipelines share a node's link).
+    pair_bandwidth: Optional[float] = None
 
     @property
     def library_collectives_block(self) -> bool:
         """Whether FSDP2's collectives and megatron's partial-DP reductions block compute (gloo)."""
         return self.backend == "gloo"
+
+    @property
+    def pair_duplex_bytes(self) -> float:
+        """Bytes of a message that flow at full rate while its pair sends the other way (see
+        :data:`GLOO_PAIR_DUPLEX_BYTES`); beyond them the two directions share the rate."""
+        return GLOO_PAIR_DUPLEX_BYTES if self.backend == "gloo" else float("inf")
 
     @property
     def reduce_scatter_factor(self) -> float:

@@ -12,7 +12,9 @@ transfer holds its stream until its partner runs.  Then it moves its bytes:
   bandwidth-optimal collectives: an intra-group broadcast or reduce takes
   ``latency + bytes/bandwidth``);
 * inter-group flows share each node's outgoing and incoming link max-min
-  fairly with every other flow of that node, after the link latency;
+  fairly with every other flow of that node, after the link latency; on
+  ``gloo``, two flows between the same two ranks in opposite directions also
+  share one link's rate once each has sent ``CostModel.pair_duplex_bytes``;
 * broadcasts and reductions are star-shaped (root to/from each member); a
   collective spanning several groups therefore sends one copy per remote
   member over the slow links, which is what a topology-unaware flat group
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from collections import deque
 
@@ -177,6 +179,9 @@ class _Flow:
         self.op, self.remaining, self.nbytes = op, nbytes, nbytes
         self.rate = 0.0
         self.out, self.into, self.transfer = out, into, transfer
+
+    def pair(self) -> Tuple[int, int]:
+        return self.transfer.src, self.transfer.dst
 
 
 class _Simulator:
@@ -414,21 +419,39 @@ class _Simulator:
         self.net_version += 1
         if not self.flows:
             return
-        _max_min_rates(self.flows, self.cost.inter.bandwidth)
+        free, cost = self.cost.pair_duplex_bytes, self.cost
+        _max_min_rates(self.flows, cost.inter.bandwidth, free, cost.pair_bandwidth or cost.inter.bandwidth)
         nxt = min(t + max(f.remaining, 0.0) / f.rate for f in self.flows)
+        if free != INF:     # the next flow to leave its free bytes while its pair sends the other way
+            active = {f.pair() for f in self.flows}
+            for f in self.flows:
+                sent = f.nbytes - f.remaining
+                if sent < free * (1 - 1e-9) and (f.pair()[1], f.pair()[0]) in active:
+                    nxt = min(nxt, t + (free - sent) / f.rate)
         self.push(nxt, "net", self.net_version)
 
 
-def _max_min_rates(flows: List[_Flow], capacity: float) -> None:
+def _max_min_rates(flows: List[_Flow], capacity: float, pair_free: float = INF,
+                   pair_capacity: Optional[float] = None) -> None:
     """Max-min fair rates (progressive filling); each flow uses its source
     node's outgoing and its destination node's incoming link, each of
-    ``capacity`` bytes/s."""
+    ``capacity`` bytes/s; a flow past its first ``pair_free`` bytes while a flow
+    between the same two ranks runs the other way also uses that pair's turn,
+    ``pair_capacity`` bytes/s (default ``capacity``) shared by both directions (gloo)."""
     users: Dict[tuple, List[_Flow]] = {}
+    active = {f.pair() for f in flows} if pair_free != INF else set()
+    uses: Dict[int, tuple] = {}
     for f in flows:
         f.rate = -1.0
-        users.setdefault(("o", f.out), []).append(f)
-        users.setdefault(("i", f.into), []).append(f)
-    remaining = {res: capacity for res in users}
+        res = [("o", f.out), ("i", f.into)]
+        src, dst = f.pair()
+        if (dst, src) in active and f.nbytes - f.remaining >= pair_free * (1 - 1e-9):
+            res.append(("pair", min(src, dst), max(src, dst)))
+        uses[id(f)] = tuple(res)
+        for r in res:
+            users.setdefault(r, []).append(f)
+    turn = capacity if pair_capacity is None else pair_capacity
+    remaining = {res: (turn if res[0] == "pair" else capacity) for res in users}
     unfrozen = {res: len(fs) for res, fs in users.items()}
     while unfrozen:
         best = min(unfrozen, key=lambda res: remaining[res] / unfrozen[res])
@@ -436,7 +459,7 @@ def _max_min_rates(flows: List[_Flow], capacity: float) -> None:
         for f in users[best]:
             if f.rate < 0:
                 f.rate = share
-                for res in (("o", f.out), ("i", f.into)):
+                for res in uses[id(f)]:
                     remaining[res] -= share
                     unfrozen[res] -= 1
         unfrozen = {res: n for res, n in unfrozen.items() if n > 0}

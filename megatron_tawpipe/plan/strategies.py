@@ -302,8 +302,8 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     n1, n2 = (2 * pp, 4 * pp) if not exact else (m, m)
     build = lambda n: _pipeline_plan(D, L, n, pp, V, plan_cache)[0]  # noqa: E731
     inter = Link(cost.inter.bandwidth / dp, cost.inter.latency)
-    sim_cost = replace(cost, inter=inter, replicated_params=0.0, embedding_params=0.0,
-                       optimizer_time_per_param=0.0)
+    sim_cost = replace(cost, inter=inter, pair_bandwidth=cost.pair_bandwidth or cost.inter.bandwidth,
+                       replicated_params=0.0, embedding_params=0.0, optimizer_time_per_param=0.0)
     r = simulate_extended(build, sim_cost, m, n1, n2)
     best = pipeline_memory(cost, P, D, L, total_microbatches, pp, V, plan_cache, min(m, n2))
     w = cost.dtype_bytes
