@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from distributed_harness import run_ranks
 from megatron_tawpipe.bench import emulated_cluster as ec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,3 +186,31 @@ def test_tool_tears_down_on_signal(sig, code):
     assert not _ours(prefix)
     time.sleep(0.1)
     assert not any(ec._pid_alive(p) for p in pids)
+
+
+def _link_duplex_rank(rank):
+    import contextlib
+    import io
+
+    from megatron_tawpipe.bench import link_duplex
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        link_duplex.main(["--sizes", "65536,262144", "--messages", "2", "--repeats", "1"])
+    return out.getvalue()
+
+
+def test_link_duplex_times_every_pattern_on_four_ranks():
+    """The gloo duplex measurement runs its four patterns (here on one machine's loopback) and
+    reports rates and their ratios to one way alone."""
+    from megatron_tawpipe.bench.link_duplex import patterns
+
+    assert patterns(4)["both ways, two pairs"] == [(0, 2), (2, 0), (1, 3), (3, 1)]
+    assert set(patterns(2)) == {"one way", "both ways, one pair"}
+    printed = run_ranks(_link_duplex_rank, 4)
+    report = json.loads(printed[0])
+    assert set(report["bytes_per_s"]) == set(patterns(4))
+    for name, rates in report["bytes_per_s"].items():
+        assert set(rates) == {"65536", "262144"} and all(v > 0 for v in rates.values())
+    assert report["over_one_way"]["one way"] == {"65536": 1.0, "262144": 1.0}
+    assert printed[1:] == ["", "", ""]      # rank 0 reports
