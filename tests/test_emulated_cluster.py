@@ -214,3 +214,24 @@ def test_link_duplex_times_every_pattern_on_four_ranks():
         assert set(rates) == {"65536", "262144"} and all(v > 0 for v in rates.values())
     assert report["over_one_way"]["one way"] == {"65536": 1.0, "262144": 1.0}
     assert printed[1:] == ["", "", ""]      # rank 0 reports
+
+
+def _fsdp_overhead_rank(rank):
+    import contextlib
+    import io
+
+    from megatron_tawpipe.bench import fsdp_overhead
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        fsdp_overhead.main(["--layers", "2", "--layer-params", "16384", "--repeats", "2"])
+    return out.getvalue()
+
+
+def test_fsdp_overhead_compares_fsdp2_with_its_bare_collectives():
+    printed = run_ranks(_fsdp_overhead_rank, 2)
+    report = json.loads(printed[0])
+    assert report["ranks"] == 2 and report["layer_params"] == 16384 and report["layer_bytes"] == 4 * 16384
+    assert report["fsdp_s_per_layer_and_microbatch"] > 0 and report["bare_collectives_s"] > 0
+    assert report["extra_s"] == pytest.approx(report["fsdp_s_per_layer_and_microbatch"] - report["bare_collectives_s"])
+    assert printed[1] == ""
