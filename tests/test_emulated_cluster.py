@@ -188,15 +188,15 @@ def test_tool_tears_down_on_signal(sig, code):
     assert not any(ec._pid_alive(p) for p in pids)
 
 
-def _link_duplex_rank(rank):
+def _printed_by_tool(rank, module, argv):
+    """What a bench tool's main prints on this rank."""
     import contextlib
+    import importlib
     import io
-
-    from megatron_tawpipe.bench import link_duplex
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        link_duplex.main(["--sizes", "65536,262144", "--messages", "2", "--repeats", "1"])
+        importlib.import_module(f"megatron_tawpipe.bench.{module}").main(argv)
     return out.getvalue()
 
 
@@ -207,7 +207,8 @@ def test_link_duplex_times_every_pattern_on_four_ranks():
 
     assert patterns(4)["both ways, two pairs"] == [(0, 2), (2, 0), (1, 3), (3, 1)]
     assert set(patterns(2)) == {"one way", "both ways, one pair"}
-    printed = run_ranks(_link_duplex_rank, 4)
+    printed = run_ranks(_printed_by_tool, 4, "link_duplex", ["--sizes", "65536,262144", "--messages", "2",
+                                                             "--repeats", "1"])
     report = json.loads(printed[0])
     assert set(report["bytes_per_s"]) == set(patterns(4))
     for name, rates in report["bytes_per_s"].items():
@@ -216,20 +217,9 @@ def test_link_duplex_times_every_pattern_on_four_ranks():
     assert printed[1:] == ["", "", ""]      # rank 0 reports
 
 
-def _fsdp_overhead_rank(rank):
-    import contextlib
-    import io
-
-    from megatron_tawpipe.bench import fsdp_overhead
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        fsdp_overhead.main(["--layers", "2", "--layer-params", "16384", "--repeats", "2"])
-    return out.getvalue()
-
-
 def test_fsdp_overhead_compares_fsdp2_with_its_bare_collectives():
-    printed = run_ranks(_fsdp_overhead_rank, 2)
+    printed = run_ranks(_printed_by_tool, 2, "fsdp_overhead", ["--layers", "2", "--layer-params", "16384",
+                                                               "--repeats", "2"])
     report = json.loads(printed[0])
     assert report["ranks"] == 2 and report["layer_params"] == 16384 and report["layer_bytes"] == 4 * 16384
     assert report["fsdp_s_per_layer_and_microbatch"] > 0 and report["bare_collectives_s"] > 0
