@@ -183,6 +183,13 @@ class _Flow:
     def pair(self) -> Tuple[int, int]:
         return self.transfer.src, self.transfer.dst
 
+    def reverse_in(self, active: set) -> bool:
+        """Whether a flow between the same two ranks runs the other way (``active``: their pairs)."""
+        return (self.transfer.dst, self.transfer.src) in active
+
+    def has_sent(self, nbytes: float) -> bool:
+        return self.nbytes - self.remaining >= nbytes * (1 - 1e-9)
+
 
 class _Simulator:
     def __init__(self, plan: Plan, cost: CostModel, record: bool):
@@ -419,15 +426,14 @@ class _Simulator:
         self.net_version += 1
         if not self.flows:
             return
-        free, cost = self.cost.pair_duplex_bytes, self.cost
-        _max_min_rates(self.flows, cost.inter.bandwidth, free, cost.pair_bandwidth or cost.inter.bandwidth)
+        free = self.cost.pair_duplex_bytes
+        _max_min_rates(self.flows, self.cost.inter.bandwidth, free, self.cost.pair_bandwidth)
         nxt = min(t + max(f.remaining, 0.0) / f.rate for f in self.flows)
         if free != INF:     # the next flow to leave its free bytes while its pair sends the other way
             active = {f.pair() for f in self.flows}
             for f in self.flows:
-                sent = f.nbytes - f.remaining
-                if sent < free * (1 - 1e-9) and (f.pair()[1], f.pair()[0]) in active:
-                    nxt = min(nxt, t + (free - sent) / f.rate)
+                if not f.has_sent(free) and f.reverse_in(active):
+                    nxt = min(nxt, t + (free - (f.nbytes - f.remaining)) / f.rate)
         self.push(nxt, "net", self.net_version)
 
 
@@ -444,9 +450,8 @@ def _max_min_rates(flows: List[_Flow], capacity: float, pair_free: float = INF,
     for f in flows:
         f.rate = -1.0
         res = [("o", f.out), ("i", f.into)]
-        src, dst = f.pair()
-        if (dst, src) in active and f.nbytes - f.remaining >= pair_free * (1 - 1e-9):
-            res.append(("pair", min(src, dst), max(src, dst)))
+        if f.reverse_in(active) and f.has_sent(pair_free):
+            res.append(("pair",) + tuple(sorted(f.pair())))
         uses[id(f)] = tuple(res)
         for r in res:
             users.setdefault(r, []).append(f)
@@ -468,6 +473,23 @@ def _max_min_rates(flows: List[_Flow], capacity: float, pair_free: float = INF,
 _STARTS = frozenset(A.STARTS)
 
 
+def memory_fields(plan: Plan, cost: CostModel, peak_stash: int) -> Dict[str, float]:
+    """A plan's per-rank memory fields of :class:`SimResult` (buffers, activations of
+    ``peak_stash`` stored micro-batch inputs, state), the largest over its ranks."""
+    lps = plan.layers_per_shard
+    per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
+    working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
+    held = max(len(plan.shards_held_by(r)) for r in range(plan.num_ranks))
+    # fp32 master + Adam moments + fp32 main grad (16 B/param) for held layers
+    # and the replicated parts, plus the replicated parts' compute copy.
+    state = 16 * (held * lps * cost.params_per_layer + cost.replicated_params) + \
+        cost.dtype_bytes * cost.replicated_params
+    return dict(weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
+                weight_buffer_bytes=plan.max_weight_buffers * cost.shard_bytes(plan),
+                grad_buffer_bytes=plan.max_grad_buffers * cost.grad_shard_bytes(plan),
+                activation_bytes=peak_stash * per_stash + working, state_bytes=state)
+
+
 def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
     """Simulate one iteration of ``plan`` (which should be validated first)."""
     sim = _Simulator(plan, cost, record)
@@ -476,26 +498,12 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
     iteration = max(sim.finish) if P else 0.0
     compute = sum(sim.busy)
     tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
-    sb = cost.shard_bytes(plan)
-    gsb = cost.grad_shard_bytes(plan)
-    lb = link_bytes(plan, sb, cost.activation_bytes, gsb)
+    lb = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan))
     rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.grad_bytes)
-    lps = plan.layers_per_shard
-    per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
-    working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
-    owned = max(len(plan.shards_held_by(r)) for r in range(P))
-    # fp32 master + Adam moments + fp32 main grad (16 B/param) for owned layers
-    # and the replicated parts, plus the replicated parts' compute copy.
-    state = 16 * (owned * lps * cost.params_per_layer + cost.replicated_params) + \
-        cost.dtype_bytes * cost.replicated_params
     return SimResult(
         schedule=plan.schedule, num_ranks=P, iteration_time=iteration,
         tokens_per_sec_per_rank=(tokens / iteration / P) if iteration > 0 else INF,
         bubble_ratio=(1.0 - compute / (P * iteration)) if iteration > 0 else 0.0,
         link_bytes=lb, replicated_allreduce_bytes=rep["intra"] + rep["inter"],
-        weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
-        weight_buffer_bytes=plan.max_weight_buffers * sb,
-        grad_buffer_bytes=plan.max_grad_buffers * gsb,
-        activation_bytes=max(sim.peak_stash) * per_stash + working,
-        state_bytes=state, compute_time=sim.busy, finish_time=sim.finish,
+        **memory_fields(plan, cost, max(sim.peak_stash)), compute_time=sim.busy, finish_time=sim.finish,
         spans=sim.spans, transfers=sim.transfers, options=dict(plan.options))

@@ -45,7 +45,7 @@ from .costmodel import CostModel, Link
 from .memory import (MemoryBreakdown, gb, generic_breakdown, logits_bytes, native_activations,
                      replicated_state, weight_passing_breakdown, _logits_note)
 from .planners import build_plan
-from .simulate import SimResult, simulate
+from .simulate import SimResult, memory_fields, simulate
 
 INF = float("inf")
 
@@ -394,18 +394,7 @@ def plan_memory_fields(plan, cost: CostModel):
     ``activation_bytes``, ``state_bytes`` as :func:`plan.simulate.simulate` sets them."""
     from types import SimpleNamespace
 
-    sb = cost.shard_bytes(plan)
-    lps = plan.layers_per_shard
-    per = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
-    working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
-    owned = max(len(plan.shards_held_by(r)) for r in range(plan.num_ranks))
-    state = 16 * (owned * lps * cost.params_per_layer + cost.replicated_params) + \
-        cost.dtype_bytes * cost.replicated_params
-    return SimpleNamespace(
-        weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
-        weight_buffer_bytes=plan.max_weight_buffers * sb,
-        grad_buffer_bytes=plan.max_grad_buffers * cost.grad_shard_bytes(plan),
-        activation_bytes=max(peak_stash(plan)) * per + working, state_bytes=state)
+    return SimpleNamespace(**memory_fields(plan, cost, max(peak_stash(plan))))
 
 
 def plan_memory(result: SimResult, cost: CostModel, plan) -> MemoryBreakdown:
