@@ -426,19 +426,12 @@ class SymbolicExecutor:
                 st.agrad.add(snap)
         elif t is A.BroadcastStart and r != a.root:
             st.w[a.buf] = self.posted[w.tag][a.root]
-        elif t is A.ReduceStart and r == a.root:
+        elif (t is A.ReduceStart and r == a.root) or t is A.AllReduceStart:
+            what = "reduction" if t is A.ReduceStart else "all-reduce"
             total = 0
             for member, snap in self.posted[w.tag].items():
                 if total & snap:
-                    self._err(f"reduction counts contributions {self._describe_mask(total & snap)}"
-                              f" twice (member {member})", r, i, w)
-                total |= snap
-            st.g[a.buf] = [a.shard, total]
-        elif t is A.AllReduceStart:
-            total = 0
-            for member, snap in sorted(self.posted[w.tag].items()):
-                if total & snap:
-                    self._err(f"all-reduce counts contributions {self._describe_mask(total & snap)}"
+                    self._err(f"{what} counts contributions {self._describe_mask(total & snap)}"
                               f" twice (member {member})", r, i, w)
                 total |= snap
             st.g[a.buf] = [a.shard, total]

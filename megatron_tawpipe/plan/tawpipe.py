@@ -215,9 +215,9 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                 keys = ((tau, AFTER, 0), done) if overlap else ((tau, AFTER, 0), (tau, AFTER, 1))
                 b.collective(A.ReduceStart, root, members, gbuf, "grad", s, *keys)
                 ready = done[:-1] + (done[-1] + 1,) if overlap else (tau, AFTER, 2)
+                after_ready = ready[:-1] + (ready[-1] + 1,)
             else:
-                ready = (tau, AFTER, 2)
-            after_ready = ready[:-1] + (ready[-1] + 1,) if len(ready) > 3 else (ready[0], ready[1], 2)
+                ready = after_ready = (tau, AFTER, 2)
             if replicated:
                 if last_b_visit[s] == v:
                     replica_ready[g] = ready
