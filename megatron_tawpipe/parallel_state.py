@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from megatron_tawpipe.plan.plan import shards_held_by
+
 
 @dataclass(frozen=True)
 class WeightPipeTopology:
@@ -59,9 +61,7 @@ class WeightPipeTopology:
 
     def held_shards(self, rank: Optional[int] = None) -> List[int]:
         """Owned shards and the shards ``rank`` holds a replica of (``Plan.replicas``)."""
-        rank = self.rank if rank is None else rank
-        replicas = dict(self.shard_replicas)
-        return [s for s, owner in enumerate(self.shard_owners) if owner == rank or rank in replicas.get(s, ())]
+        return shards_held_by(self.shard_owners, dict(self.shard_replicas), self.rank if rank is None else rank)
 
 
 def default_num_groups(world_size: int) -> int:

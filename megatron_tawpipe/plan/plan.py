@@ -14,6 +14,11 @@ from . import actions as A
 FORMAT_VERSION = 1
 
 
+def shards_held_by(owners: Sequence[int], replicas: Dict[int, Sequence[int]], rank: int) -> List[int]:
+    """The shards ``rank`` keeps a master of, given each shard's owner and other holders."""
+    return [s for s, o in enumerate(owners) if o == rank or rank in replicas.get(s, ())]
+
+
 @dataclass
 class Plan:
     """A complete schedule for one training iteration.
@@ -75,7 +80,7 @@ class Plan:
     def shards_held_by(self, rank: int) -> List[int]:
         """Shards whose master weights, optimizer state and ``main`` gradient ``rank`` keeps:
         the ones it owns and the ones it holds a replica of."""
-        return [s for s, o in enumerate(self.owners) if o == rank or rank in self.replicas.get(s, ())]
+        return shards_held_by(self.owners, self.replicas, rank)
 
     def holders(self, shard: int) -> Tuple[int, ...]:
         """The ranks that hold ``shard``: its owner, then its replicas."""
