@@ -70,9 +70,8 @@ def main(argv=None) -> int:
         args.groups = args.ranks // args.ranks_per_node
     if args.advise:
         return advise_main(args, argv)
-    names = [x.strip() for x in args.schedule.split(",")]
-    if args.schedule == "all":     # every schedule this cluster can run
-        names = [n for n in ALL if n != "tawpipe-rep" or replicable(n, args)]
+    names = ([n for n in ALL if n != "tawpipe-rep" or replicable(n, args)]   # all this cluster can run
+             if args.schedule == "all" else [x.strip() for x in args.schedule.split(",")])
     for n in names:
         if n not in ANALYTIC and n not in SCHEDULES:
             p.error(f"unknown schedule {n!r}; known: {', '.join(list(SCHEDULES) + list(ANALYTIC))}")
