@@ -3,6 +3,7 @@
 
     python tools/check_plans.py                       # P = 2..16, every D dividing P, N = 1..6
     python tools/check_plans.py --ranks 2-8 --microbatches 1-3 --workers 2
+    python tools/check_plans.py --write-plans plans.jsonl    # build only; compare two such files byte for byte
 
 TawPipe's options are checked as a whole product for P <= --full-product-max-ranks
 and one at a time (plus the named variants) above.  Prints the count of plans checked
@@ -20,7 +21,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_tawpipe.plan.sweep import run_sweep  # noqa: E402
+from megatron_tawpipe.plan.sweep import plan_cases, run_sweep  # noqa: E402
+from megatron_tawpipe.plan import build_plan  # noqa: E402
 
 
 def _range(text: str):
@@ -39,6 +41,18 @@ def _one(args):
     return P, run_sweep([P], microbatches, full)
 
 
+def write_plans(path: str, ranks, microbatches, full_product_max_ranks: int) -> int:
+    """Every plan of the sweep, built (not validated), one line each: schedule, arguments, its JSON.
+    Two such files compare byte for byte when the planners are unchanged."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks):
+            plan = build_plan(schedule, **kwargs)
+            f.write(json.dumps([schedule, kwargs], sort_keys=True) + "\t" + plan.to_json() + "\n")
+            count += 1
+    return count
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=_range, default=_range("2-16"), help="P range (default 2-16)")
@@ -47,8 +61,14 @@ def main(argv=None) -> int:
                    help="check TawPipe's whole option product up to this P (default 8)")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write the counts and failures as JSON")
+    p.add_argument("--write-plans", metavar="PATH",
+                   help="only build the sweep's plans and write them, one JSON line each, to PATH (no validation)")
     args = p.parse_args(argv)
     start = time.time()
+    if args.write_plans:
+        count = write_plans(args.write_plans, args.ranks, args.microbatches, args.full_product_max_ranks)
+        print(f"wrote {count} plans to {args.write_plans} in {time.time() - start:.0f} s")
+        return 0
     jobs = [(P, args.microbatches, args.full_product_max_ranks) for P in sorted(args.ranks, reverse=True)]
     if args.workers > 1:
         with mp.Pool(args.workers) as pool:
