@@ -17,9 +17,10 @@ import sys
 
 
 def main(argv=None) -> int:
-    from megatron_tawpipe.launch import run_training
+    from megatron_tawpipe.cli.pretrain import run_training
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
 
-    return run_training(argv, prog="pretrain_llama.py")
+    return run_training(argv, prog="pretrain_llama.py", forward_step_func=gpt_forward_step)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ import sys
 
 import pytest
 
-from megatron_tawpipe.plan import CostModel, Link, build_plan, simulate
-from megatron_tawpipe.plan.advisor import PRESETS, Advisor, Cluster, ModelSpec, advise, enumerate_configs
-from megatron_tawpipe.plan.memory import TERMS, parse_size, weight_passing_breakdown
-from megatron_tawpipe.plan.strategies import (pipeline_memory, plan_memory_fields, run_strategy,
+from megatron_tawpipe.plan import build_plan
+from megatron_tawpipe.cli.plan_args import check_command
+from megatron_tawpipe.sim import CostModel, Link, simulate
+from megatron_tawpipe.sim.advisor import Advisor, advise
+from megatron_tawpipe.sim.advisor_configs import PRESETS, Cluster, ModelSpec, enumerate_configs
+from megatron_tawpipe.sim.memory import TERMS, parse_size, weight_passing_breakdown
+from megatron_tawpipe.sim.strategies import (pipeline_memory, plan_memory_fields, run_strategy,
                                               simulate_distopt, simulate_extended, simulate_hfsdp,
                                               simulate_hsdp, simulate_pipeline, total_params)
 
@@ -80,7 +83,7 @@ def test_hsdp_exposes_what_the_last_backward_cannot_hide():
 def test_gloo_backend_blocks_fsdp_and_partial_dp_but_not_one_instance():
     from dataclasses import replace
 
-    from megatron_tawpipe.plan.fsdp import simulate_fsdp
+    from megatron_tawpipe.sim.fsdp import simulate_fsdp
 
     nccl = small_cost(intra_bw="1GB/s", inter_bw="100MB/s")
     gloo = replace(nccl, backend="gloo")
@@ -246,10 +249,11 @@ def test_tensor_parallel_configurations_run_over_virtual_ranks():
     """T = 2: the strategy over 4 virtual ranks of 2 GPUs; per GPU half the virtual rank's tokens/s and
     memory; the tensor-parallel collectives add to compute; the command carries the flags, and
     pretrain_llama.py accepts it for weight passing and megatron, refuses it for FSDP2."""
-    from megatron_tawpipe.plan.advisor import Advisor, Config
-    from megatron_tawpipe.plan.tensor_parallel import all_reduce_time, tensor_parallel_problem
+    from megatron_tawpipe.sim.advisor import Advisor
+    from megatron_tawpipe.sim.advisor_configs import Config
+    from megatron_tawpipe.sim.tensor_parallel import all_reduce_time, tensor_parallel_problem
 
-    adv = Advisor(TINY, tiny_cluster(), 16)
+    adv = Advisor(TINY, tiny_cluster(), 16, check_command=check_command)
     one = adv.evaluate(Config("weipipe", 1, True, {}))
     two = adv.evaluate(Config("weipipe", 1, True, {"tp": 2}))
     sub = adv.virtual(2)
@@ -274,7 +278,7 @@ def test_tensor_parallel_configurations_run_over_virtual_ranks():
 
 
 def test_advisor_ranks_and_prunes_consistently():
-    s = advise(TINY, tiny_cluster(), 16)
+    s = advise(TINY, tiny_cluster(), 16, check_command=check_command)
     ranked = s["ranked"]
     assert ranked and s["best"] == ranked[0]
     tps = [r["tokens_per_sec_per_gpu"] for r in ranked]
@@ -283,13 +287,13 @@ def test_advisor_ranks_and_prunes_consistently():
         assert r["memory_bytes"] <= s["cluster"]["usable_memory_bytes"]
         assert r["tokens_per_sec_per_gpu"] <= r["compute_bound_tokens_per_sec_per_gpu"] * (1 + 1e-9)
     # pruning only skips what cannot change the answer
-    top2 = advise(TINY, tiny_cluster(), 16, prune="top2")
+    top2 = advise(TINY, tiny_cluster(), 16, prune="top2", check_command=check_command)
     assert top2["best"]["tokens_per_sec_per_gpu"] == pytest.approx(s["best"]["tokens_per_sec_per_gpu"])
 
 
 def test_advisor_refuses_what_does_not_fit_and_names_the_limit():
     model = ModelSpec(seq_length=8192, **PRESETS["70b"])
-    s = advise(model, tiny_cluster(ranks=16, nodes=2, gpu_memory=40e9, memory_reserve=0), 16)
+    s = advise(model, tiny_cluster(ranks=16, nodes=2, gpu_memory=40e9, memory_reserve=0), 16, check_command=check_command)
     assert s["best"] is None and s["ranked"] == []
     assert "nothing fits in 40.00 GB" in s["error"] and "dominated by" in s["error"]
     assert s["rejected"] and all("needs" in r["reason"] and "largest term" in r["reason"]
@@ -300,10 +304,11 @@ def test_advisor_refuses_what_does_not_fit_and_names_the_limit():
 @pytest.mark.parametrize("strategy", ["tawpipe", "1f1b", "pp-nodes", "weipipe", "hsdp", "distopt",
                                       "distopt-node", "fsdp", "interleaved"])
 def test_commands_parse_with_the_projects_arguments(strategy, recompute):
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     cl = tiny_cluster()
-    adv = Advisor(TINY, cl, 16)
+    adv = Advisor(TINY, cl, 16, check_command=check_command)
     configs, _ = enumerate_configs(TINY, cl, 16)
     cfg = next(c for c in configs if c.strategy == strategy and c.recompute == recompute)
     adv.evaluate(cfg)
@@ -321,10 +326,11 @@ def test_commands_parse_with_the_projects_arguments(strategy, recompute):
 def test_replicated_first_shard_is_a_tawpipe_knob_with_its_memory_and_flag():
     """The advisor tries TawPipe with shard 0 in every group (two or more nodes): its state counts on
     the ranks holding two shards, and its command carries --tawpipe-replicate-first-shard."""
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     cl = tiny_cluster()
-    adv = Advisor(TINY, cl, 16)
+    adv = Advisor(TINY, cl, 16, check_command=check_command)
     configs, _ = enumerate_configs(TINY, cl, 16)
     pick = {c.knobs["replicate_first"]: c for c in configs if c.strategy == "tawpipe" and c.micro_batch_size == 1
             and c.recompute and c.knobs["chunk"] == 1 and c.knobs["cache"] and "tp" not in c.knobs}
@@ -346,7 +352,7 @@ def test_replicated_first_shard_is_a_tawpipe_knob_with_its_memory_and_flag():
 def test_hfsdp_is_marked_simulator_only():
     cl = tiny_cluster()
     configs, _ = enumerate_configs(TINY, cl, 16)
-    cfg = Advisor(TINY, cl, 16).evaluate(next(c for c in configs if c.strategy == "hfsdp"))
+    cfg = Advisor(TINY, cl, 16, check_command=check_command).evaluate(next(c for c in configs if c.strategy == "hfsdp"))
     assert not cfg.trainable and "Megatron-LM" in cfg.command and "--use-megatron-fsdp" in cfg.argv
 
 
@@ -386,7 +392,7 @@ def test_advise_error_when_nothing_fits():
 
 
 def test_model_preset_and_overrides():
-    from megatron_tawpipe.plan.cli import advisor_inputs
+    from megatron_tawpipe.cli.plan_args import advisor_inputs
 
     class A:
         pass

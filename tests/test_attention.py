@@ -13,10 +13,10 @@ def _compare(rank, heads, groups, with_mask, seq):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_tawpipe import cpu_compat
+    from megatron_tawpipe.compat import cpu as cpu_compat
     from megatron_tawpipe.arguments import parse_args
-    from megatron_tawpipe.attention import SDPAttention
-    from megatron_tawpipe.model import llama_config
+    from megatron_tawpipe.models.attention import SDPAttention
+    from megatron_tawpipe.models.llama import llama_config
 
     cpu_compat.apply()
     dist.init_process_group("gloo")
@@ -62,8 +62,8 @@ def test_unsupported_options_are_refused():
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_tawpipe.arguments import parse_args
-    from megatron_tawpipe.attention import SDPAttention
-    from megatron_tawpipe.model import llama_config
+    from megatron_tawpipe.models.attention import SDPAttention
+    from megatron_tawpipe.models.llama import llama_config
 
     config = llama_config(parse_args(["--train-iters", "1"]))
     config.window_size = (16, 0)

@@ -74,7 +74,8 @@ def test_bf16_fsdp_and_hsdp_follow_megatron_bf16():
     (["--pipeline-schedule", "tawpipe", "--use-torch-fsdp2"], "do not apply to --pipeline-schedule tawpipe"),
 ])
 def test_data_parallel_flag_errors_name_the_flag(extra, message):
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     with pytest.raises(ArgumentError) as info:
         validate_args(parse_args(tiny_args(*extra)), world_size=4)
@@ -83,7 +84,8 @@ def test_data_parallel_flag_errors_name_the_flag(extra, message):
 
 
 def test_weight_passing_notes_that_distributed_optimizer_flags_change_nothing(capsys):
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     args = validate_args(parse_args(tiny_args("--pipeline-schedule", "tawpipe", *DISTRIBUTED_OPTIMIZER)),
                          world_size=4)

@@ -7,8 +7,9 @@ import pytest
 from distributed_harness import run_ranks
 from training_helpers import assert_close_rel, losses, tiny_args, train_rank
 
-from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
-from megatron_tawpipe.training import batch_schedule
+from megatron_tawpipe.arguments import ArgumentError, parse_args
+from megatron_tawpipe.training.validate_args import validate_args
+from megatron_tawpipe.data import batch_schedule
 
 # Sequences of 32 tokens: 192 tokens = 6 samples. Batches of 4 until 6 samples are consumed, then 8:
 # the iterations consume 4, 4, 8, 8 (0 -> 4 -> 8 -> 16 -> 24).

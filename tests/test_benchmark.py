@@ -75,7 +75,8 @@ def test_benchmark_two_schedules_two_repetitions(tmp_path):
 def test_schedule_commands_are_valid_pretrain_flags():
     """Every strategy's command line passes the project's own argument checks for 2 nodes x 2 ranks,
     with the data-parallel flags its users would pass."""
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
     from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkConfig, schedule_command
 
     model = [a if a != "4" else "16" for a in BENCH_MODEL]  # global batch 16
@@ -176,7 +177,7 @@ def test_simulator_matrix_calibrates_the_model_it_measures(tmp_path):
     (SwiGLU, its FFN size), at the configuration's device speed."""
     from megatron_tawpipe.arguments import llama_ffn_hidden_size
     from megatron_tawpipe.bench.matrix import HIDDEN, MATRIX, calibrate
-    from megatron_tawpipe.plan.costmodel import CostModel
+    from megatron_tawpipe.sim.costmodel import CostModel
 
     c = MATRIX[0]
     path = str(tmp_path / "times.json")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
+from megatron_tawpipe.common.checkpointable import CheckpointDefaults
 from training_helpers import assert_close_rel, losses, tiny_args, train_rank
 
 ITERS = 6
@@ -82,7 +83,7 @@ def test_truncated_shard_is_refused_naming_the_file(tmp_path, ckpt_format, victi
         run_ranks(train_rank, 1, tiny_args("--load", save, train_iters=2))
 
 
-class _OwnerOf:
+class _OwnerOf(CheckpointDefaults):
     """A trainer holding only ``names`` (as a weight-passing rank holds its own shard)."""
 
     def __init__(self, names):

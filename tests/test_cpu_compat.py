@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_tawpipe import cpu_compat
+from megatron_tawpipe.compat import cpu as cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is only applied without CUDA")
 

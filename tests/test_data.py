@@ -25,7 +25,7 @@ except ImportError:  # source checkout without installation
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_tawpipe import data  # noqa: E402
-from megatron_tawpipe import default_data  # noqa: E402
+from megatron_tawpipe.data import default_corpus as default_data  # noqa: E402
 from training_helpers import data_args_error  # noqa: E402
 
 

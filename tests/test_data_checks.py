@@ -13,7 +13,9 @@ import numpy
 import pytest
 import torch.distributed as dist
 
-from megatron_tawpipe import data, data_checks
+from megatron_tawpipe import data
+
+from megatron_tawpipe.data import checks as data_checks
 
 from training_helpers import data_args_error, tiny_args
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from distributed_harness import run_ranks
-from megatron_tawpipe.bench.emulated_compute import ComputeTimes, load_compute_times
+from megatron_tawpipe.emulation.compute import ComputeTimes, load_compute_times
 from training_helpers import tiny_args, train_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,8 @@ def test_compute_times_file_errors_name_flag_and_file(tmp_path):
 
 
 def test_bad_times_file_is_a_flag_error(tmp_path):
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     path = tmp_path / "t.json"
     path.write_text('{"layer_forward": "fast", "layer_backward": 1}')
@@ -133,7 +134,7 @@ def test_emulated_hsdp_moves_what_real_compute_moves(times_file):
 def test_calibration_from_cost_model_and_measured(tmp_path):
     from megatron_tawpipe.arguments import LLAMA_FLAGS
     from megatron_tawpipe.bench.calibrate import main
-    from megatron_tawpipe.plan.costmodel import CostModel
+    from megatron_tawpipe.sim.costmodel import CostModel
 
     shape = list(LLAMA_FLAGS) + [
         "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads", "4", "--seq-length", "64",

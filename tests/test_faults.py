@@ -65,10 +65,11 @@ def test_survivors_report_a_dead_or_stalled_rank(schedule, fault):
 
 def _faulty_native_rank(rank, argv, victim, fault, after_calls):
     """Native megatron schedule; on ``victim`` the ``after_calls``-th micro-batch forward kills or stalls it."""
-    from megatron_tawpipe.baselines import native
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
 
+    forward_step_func = gpt_forward_step
     if rank == victim:
-        original = native.gpt_forward_step
+        original = gpt_forward_step
         calls = {"n": 0}
 
         def forward_step(data_iterator, model):
@@ -79,14 +80,14 @@ def _faulty_native_rank(rank, argv, victim, fault, after_calls):
                 time.sleep(3600)
             return original(data_iterator, model)
 
-        native.gpt_forward_step = forward_step
-    return train_rank(rank, argv)
+        forward_step_func = forward_step
+    return train_rank(rank, argv, forward_step_func)
 
 
 @pytest.mark.parametrize("fault", ["stall", "kill"])
 def test_native_pipeline_does_not_hang_on_a_stalled_or_dead_rank(fault):
     """megatron's own pipeline transfers wait without a bound: the progress watchdog bounds them."""
-    from megatron_tawpipe.progress import hang_limit_s
+    from megatron_tawpipe.monitor.progress import hang_limit_s
 
     argv = tiny_args("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "4",
                      "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=3)

@@ -257,8 +257,8 @@ def test_tool_hides_gpus_for_device_cpu(monkeypatch):
 
 def test_every_check_end_to_end_on_cpu(tmp_path):
     """The command as users run it, with --device cpu and tiny sizes: all five checks, table and JSON."""
-    from megatron_tawpipe.bench.emulated_compute import load_compute_times
-    from megatron_tawpipe.plan.costmodel import CostModel
+    from megatron_tawpipe.emulation.compute import load_compute_times
+    from megatron_tawpipe.sim.costmodel import CostModel
 
     report_path = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, TOOL] + TINY + ["--json", str(report_path)], capture_output=True,

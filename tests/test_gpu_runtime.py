@@ -31,7 +31,7 @@ class _Float64Outputs(TorchDispatchMode):
 
 
 def test_squared_norm_matches_fp64_without_fp64_copies_of_gradients():
-    from megatron_tawpipe.runtime.trainer import squared_l2_norm
+    from megatron_tawpipe.optimizer.clip import squared_l2_norm
 
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(5000, generator=generator), torch.randn(64, 33, generator=generator) * 1e-3,
@@ -52,7 +52,7 @@ def test_squared_norm_matches_fp64_without_fp64_copies_of_gradients():
 
 def _clip_on_two_ranks(rank):
     from megatron_tawpipe.arguments import parse_args
-    from megatron_tawpipe.initialize import destroy, initialize_distributed
+    from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed
     from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
     initialize_distributed(parse_args(["--train-iters", "1"]))
@@ -120,7 +120,7 @@ ALL_KERNELS = dict(swiglu=True, rope=True, masked_softmax=True, wgrad_accumulati
 
 
 def test_fusions_need_cuda_and_their_kernel():
-    from megatron_tawpipe.model import FusionKernels, fusion_settings
+    from megatron_tawpipe.models.llama import FusionKernels, fusion_settings
 
     everything = FusionKernels(**ALL_KERNELS)
     assert not any(fusion_settings(False, everything, main_grad_buffers=True).values())
@@ -137,7 +137,7 @@ def test_fusions_need_cuda_and_their_kernel():
 def test_kernel_probe_finds_only_what_is_installed():
     import importlib.util
 
-    from megatron_tawpipe.model import FusionKernels
+    from megatron_tawpipe.models.llama import FusionKernels
 
     # No Transformer Engine or Apex extensions on the CPU machines; megatron's SwiGLU fusion is
     # compiled by Triton, which only a CUDA build of torch brings along (none in CI's CPU build).
@@ -146,7 +146,7 @@ def test_kernel_probe_finds_only_what_is_installed():
 
 
 def test_config_with_cuda_faked_turns_importable_fusions_on(monkeypatch):
-    from megatron_tawpipe import model
+    from megatron_tawpipe.models import llama as model
     from megatron_tawpipe.arguments import LLAMA_FLAGS, parse_args
 
     kernels = model.FusionKernels(swiglu=True, masked_softmax=True, wgrad_accumulation=True)
@@ -233,7 +233,7 @@ def _get_0_19(pp_size=None, vp_size=None, schedule_pg_collection=None):
 
 
 def test_layout_keywords_follow_the_installed_signature():
-    from megatron_tawpipe.runtime.schedules import layout_keywords
+    from megatron_tawpipe.distributed.megatron_schedules import layout_keywords
 
     assert layout_keywords(_get_0_15, 2, None) == {}
     assert _get_0_16(**layout_keywords(_get_0_16, 2, 3)) == ("0.16", 2, 3)
@@ -244,7 +244,7 @@ def test_layout_keywords_follow_the_installed_signature():
 def test_installed_megatron_schedules_are_picked_from_explicit_sizes():
     from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
-    from megatron_tawpipe.runtime.schedules import megatron_forward_backward_func
+    from megatron_tawpipe.distributed.megatron_schedules import megatron_forward_backward_func
 
     # No parallel state initialised here: the sizes must have been passed.
     assert megatron_forward_backward_func(1, None) is megatron_schedules.forward_backward_no_pipelining

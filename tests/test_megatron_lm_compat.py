@@ -127,7 +127,8 @@ def test_unimplemented_script_flags_are_refused(extra, message, capsys, monkeypa
 
 
 def test_notices_say_what_has_no_effect(capsys, monkeypatch, tmp_path):
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     monkeypatch.setenv("RANK", "0")
     args = validate_args(parse_args(gpt3_175b_script(tmp_path) + ["--pipeline-schedule", "tawpipe",
@@ -216,7 +217,8 @@ def test_installed_megatron_lm_parser_settles_the_flags_this_project_lacks(extra
     monkeypatch.setenv("RANK", "0")
     argv = llama3_8b_script(tmp_path) + ["--pipeline-schedule", "tawpipe"] + extra
     if outcome.startswith("notice"):
-        from megatron_tawpipe.arguments import parse_args, validate_args
+        from megatron_tawpipe.arguments import parse_args
+        from megatron_tawpipe.training.validate_args import validate_args
 
         validate_args(parse_args(argv), world_size=4)
         assert outcome in capsys.readouterr().out
@@ -251,7 +253,8 @@ def test_defaults_are_megatron_lms():
 
 def test_sample_based_schedule_is_megatron_lms():
     """--train-samples: floor(samples / batch) iterations; LR spans in samples, as Megatron-LM counts them."""
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     base = tiny_args(train_iters=1, global_batch=8)
     base = base[:base.index("--train-iters")] + base[base.index("--train-iters") + 2:]
@@ -294,10 +297,11 @@ def _build_and_count(rank, argv):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_tawpipe import cpu_compat
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.compat import cpu as cpu_compat
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
     from megatron_tawpipe.data import pad_vocab_size
-    from megatron_tawpipe.model import build_llama_model, llama_config
+    from megatron_tawpipe.models.llama import build_llama_model, llama_config
 
     cpu_compat.apply()
     dist.init_process_group("gloo")
@@ -410,12 +414,14 @@ def _signalled_rank(rank, argv, signal_rank, at_iteration):
     import os
     import signal
 
-    from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.initialize import destroy
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+    from megatron_tawpipe.distributed.initialize import destroy
     from megatron_tawpipe.training import build_trainer, pretrain
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
 
-    def factory(args):
-        trainer = build_trainer(args)
+    def factory(args, forward_step_func):
+        trainer = build_trainer(args, forward_step_func)
         step, calls = trainer.train_step, []
 
         def train_step(iterators):
@@ -429,7 +435,7 @@ def _signalled_rank(rank, argv, signal_rank, at_iteration):
 
     args = validate_args(parse_args(argv))
     try:
-        return [record.to_json() for record in pretrain(args, trainer_factory=factory)]
+        return [record.to_json() for record in pretrain(args, gpt_forward_step, trainer_factory=factory)]
     finally:
         destroy()
 
@@ -542,7 +548,8 @@ def test_wandb_logs_megatron_lms_scalars_offline(tmp_path, monkeypatch):
 def test_wandb_without_the_package_is_one_line(monkeypatch):
     import importlib.util
 
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

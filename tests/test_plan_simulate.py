@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_tawpipe.plan import (CostModel, Link, Plan, build_plan, link_bytes,
-                                   params_per_layer, parse_rate, parse_time, simulate)
+from megatron_tawpipe.plan import Plan, build_plan, link_bytes
+from megatron_tawpipe.sim import CostModel, Link, params_per_layer, parse_rate, parse_time, simulate
 from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.plan.fsdp import simulate_fsdp
+from megatron_tawpipe.sim.fsdp import simulate_fsdp
 
 # Equal stage times, free communication, no head/optimizer/copy costs.
 FREE = CostModel(layer_forward=1.0, layer_backward=2.0)
@@ -195,7 +195,7 @@ def test_gloo_pair_takes_turns_beyond_its_socket_buffers(nbytes):
     GLOO_PAIR_DUPLEX_BYTES of each at the link rate, the rest at half of it (measured by
     bench/link_duplex.py: 0.60 of one direction's rate per direction for 12.6 MB, full for 2 MB);
     NCCL's are full duplex."""
-    from megatron_tawpipe.plan.costmodel import GLOO_PAIR_DUPLEX_BYTES as B
+    from megatron_tawpipe.sim.costmodel import GLOO_PAIR_DUPLEX_BYTES as B
 
     rate = 125e6
     cost = CostModel(layer_forward=1.0, layer_backward=1.0, params_per_layer=nbytes, dtype_bytes=1,

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from megatron_tawpipe import progress
-from megatron_tawpipe.progress import KEY_PREFIX, ProgressBoard, describe_records, hang_limit_s
+from megatron_tawpipe.monitor import progress
+from megatron_tawpipe.monitor.progress import KEY_PREFIX, ProgressBoard, describe_records, hang_limit_s
 
 
 class DictStore:

@@ -62,7 +62,8 @@ def test_checkpoints_cross_tensor_parallel_layouts_and_schedules(tmp_path):
     (["--use-torch-fsdp2"], "--tensor-model-parallel-size 2 with --use-torch-fsdp2"),
 ])
 def test_unsupported_tensor_parallel_combinations_are_refused(monkeypatch, extra, message):
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):

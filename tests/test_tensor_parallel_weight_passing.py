@@ -149,7 +149,8 @@ def test_bf16_resume_with_tensor_parallelism_continues_exactly(tmp_path):
                "31"], "--seq-length 31 must be divisible by --tensor-model-parallel-size 2"),
 ])
 def test_unsupported_layouts_are_refused_before_any_process_group(monkeypatch, world, local, extra, message):
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     if local:

@@ -73,19 +73,21 @@ def _load_with_megatron_core(rank, argv, directory):
     dist_checkpointing.load (strict), then the model's and the optimizer's load_state_dict."""
     from megatron.core import dist_checkpointing
 
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
     from megatron_tawpipe.baselines.native import NativeTrainer
     from megatron_tawpipe.checkpoint import load_checkpoint
     from megatron_tawpipe.data import build_tokenizer
-    from megatron_tawpipe.initialize import destroy, initialize_distributed, initialize_model_parallel
-    from megatron_tawpipe.model import unwrap_model
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
+    from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
+    from megatron_tawpipe.models.parameters import unwrap_model
 
     args = validate_args(parse_args(argv))
     initialize_distributed(args)
     initialize_model_parallel(args)
     try:
         build_tokenizer(args)
-        by_megatron, by_us = NativeTrainer(args), NativeTrainer(args)
+        by_megatron, by_us = NativeTrainer(args, gpt_forward_step), NativeTrainer(args, gpt_forward_step)
         model = unwrap_model(by_megatron.model[0])
         state = {"model": model.sharded_state_dict()}
         state["optimizer"] = by_megatron.optimizer.sharded_state_dict(state, is_loading=True)

@@ -158,7 +158,7 @@ def _dispatch(rank):
     from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
     from megatron_tawpipe.arguments import parse_args
-    from megatron_tawpipe.initialize import destroy, initialize_distributed
+    from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed
     from megatron_tawpipe.runtime.schedules import (forward_backward_tawpipe, forward_backward_weipipe,
                                                     get_forward_backward_func)
 

@@ -37,15 +37,18 @@ def data_args(prefix: str, tokenizer_flags: List[str], train_iters: int = 2) -> 
     return argv + list(tokenizer_flags)
 
 
-def train_rank(rank: int, argv: List[str]) -> List[dict]:
-    """Body of one rank: parse, validate, train, tear down; return the iteration records."""
-    from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.initialize import destroy
+def train_rank(rank: int, argv: List[str], forward_step_func=None) -> List[dict]:
+    """Body of one rank: parse, validate, train (with the GPT forward step unless ``forward_step_func`` is
+    given), tear down; return the iteration records."""
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+    from megatron_tawpipe.distributed.initialize import destroy
     from megatron_tawpipe.training import pretrain
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
 
     args = validate_args(parse_args(argv))
     try:
-        return [record.to_json() for record in pretrain(args)]
+        return [record.to_json() for record in pretrain(args, forward_step_func or gpt_forward_step)]
     finally:
         destroy()
 

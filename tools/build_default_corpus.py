@@ -15,7 +15,7 @@ try:
 except ImportError:  # running from a source checkout without installation
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.default_data import (  # noqa: E402
+from megatron_tawpipe.data.default_corpus import (  # noqa: E402
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEED,
     DEFAULT_VOCAB_SIZE,

@@ -28,7 +28,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_tawpipe.plan import SCHEDULES
-from megatron_tawpipe.plan.cli import add_model_args, cost_model, run_one
+from megatron_tawpipe.cli.plan_args import add_model_args, cost_model, run_one
 
 COMPUTE_COLOURS = {"F": "#4C72B0", "B": "#55A868", "Bi": "#8FD19E", "Bw": "#2D6A3E",
                    "load": "#B0B0B0", "acc": "#909090", "zero": "#D0D0D0", "opt": "#606060"}
@@ -110,7 +110,7 @@ def load_timeline(path: str):
     import json
     from types import SimpleNamespace
 
-    from megatron_tawpipe.plan.simulate import Span, Transfer
+    from megatron_tawpipe.sim.simulate import Span, Transfer
 
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)

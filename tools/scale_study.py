@@ -34,7 +34,9 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.plan.advisor import PRESETS, Cluster, ModelSpec, advise  # noqa: E402
+from megatron_tawpipe.cli.plan_args import check_command  # noqa: E402
+from megatron_tawpipe.sim.advisor import advise  # noqa: E402
+from megatron_tawpipe.sim.advisor_configs import PRESETS, Cluster, ModelSpec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLOURS = {"tawpipe": "#d62728", "hsdp": "#1f77b4", "hfsdp": "#9467bd", "distopt-node": "#2ca02c",
@@ -47,7 +49,8 @@ def cell(model_name, gpus, gbit, seq, plan_cache, per_node=8, peak=989.0, eff=0.
     cluster = Cluster(ranks=gpus, nodes=gpus // per_node, intra_bw=450e9, inter_bw=gbit * 1e9 / 8,
                       peak_tflops=peak, efficiency=eff, gpu_memory=80e9, memory_reserve=5e9)
     gbs = max(2 ** 22 // seq, gpus)
-    s = advise(model, cluster, gbs, prune="top2", plan_cache=plan_cache, runtime_knobs_only=True)
+    s = advise(model, cluster, gbs, prune="top2", plan_cache=plan_cache, runtime_knobs_only=True,
+               check_command=check_command)
     ranked = s["ranked"]
     out = {"model": model_name, "gpus": gpus, "inter_gbit": gbit, "seq_length": seq,
            "global_batch": gbs, "winner": None, "runner_up": None, "margin": None,

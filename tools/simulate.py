@@ -34,7 +34,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_tawpipe.plan import SCHEDULES
-from megatron_tawpipe.plan.cli import (ALL, ANALYTIC, add_advisor_args, add_model_args, replicable,
+from megatron_tawpipe.cli.plan_args import (ALL, ANALYTIC, add_advisor_args, check_command, add_model_args, replicable,
                                        advisor_inputs, cost_model, run_one,
                                        tensor_parallel_for)
 
@@ -100,11 +100,12 @@ def main(argv=None) -> int:
 
 
 def advise_main(args, argv) -> int:
-    from megatron_tawpipe.plan.advisor import advise
-    from megatron_tawpipe.plan.advisor_report import format_report
+    from megatron_tawpipe.sim.advisor import advise
+    from megatron_tawpipe.sim.advisor_report import format_report
 
     model, cluster, gbs = advisor_inputs(args, argv)
-    summary = advise(model, cluster, gbs, prune=args.prune, trainable_only=args.trainable_only)
+    summary = advise(model, cluster, gbs, prune=args.prune, trainable_only=args.trainable_only,
+                     check_command=check_command)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

@@ -1,8 +1,10 @@
-"""Command-line arguments of ``pretrain_llama.py`` (Megatron-LM's flags) and their validation.
+"""Command-line arguments of ``pretrain_llama.py``: Megatron-LM's flags and this project's.
 
 * :mod:`.flags` — the parser: Megatron-LM's flag names, meanings and defaults, this project's
   schedule flags, and the derived defaults Megatron-LM fills in;
-* :mod:`.validate` — checks before any process group exists, one line per problem.
+* :mod:`.layout` — the data-parallel and virtual pipeline sizes the flags imply.
+
+Their validation, which reads checkpoints and calibration files, is :mod:`megatron_tawpipe.training.validate_args`.
 """
 
 from megatron_tawpipe.arguments.flags import (ATTENTION_BACKENDS, LLAMA_FLAGS, NORMALIZATIONS,
@@ -11,11 +13,10 @@ from megatron_tawpipe.arguments.flags import (ATTENTION_BACKENDS, LLAMA_FLAGS, N
                                               WEIGHT_PASSING_SCHEDULES, ArgumentError, add_tawpipe_args, build_parser,
                                               default_ffn_hidden_size, fill_defaults, llama_ffn_hidden_size,
                                               parse_args, plain_arguments)
-from megatron_tawpipe.arguments.validate import (data_parallel_size, notice, validate_args, virtual_pipeline_size,
-                                                 weight_passing_runtime_available, world_size_from_env)
+from megatron_tawpipe.arguments.layout import data_parallel_size, virtual_pipeline_size
 
 __all__ = ["ATTENTION_BACKENDS", "LLAMA_FLAGS", "NORMALIZATIONS", "PIPELINE_SCHEDULES",
            "POSITION_EMBEDDING_TYPES", "SUPPORTED_TOKENIZERS", "TOKENIZER_TYPES", "TOOL_FLAGS", "TRANSFORMER_IMPLS",
            "WEIGHT_PASSING_SCHEDULES", "ArgumentError", "add_tawpipe_args", "build_parser", "data_parallel_size",
-           "default_ffn_hidden_size", "fill_defaults", "llama_ffn_hidden_size", "notice", "parse_args", "plain_arguments",
-           "validate_args", "virtual_pipeline_size", "weight_passing_runtime_available", "world_size_from_env"]
+           "default_ffn_hidden_size", "fill_defaults", "llama_ffn_hidden_size", "parse_args", "plain_arguments",
+           "virtual_pipeline_size"]

@@ -12,14 +12,10 @@ import argparse
 from typing import List, Optional
 
 from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown, settle_megatron_lm_flags
-from megatron_tawpipe.data import SUPPORTED_TOKENIZERS
+from megatron_tawpipe.common.errors import ArgumentError
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
 WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
-
-
-class ArgumentError(ValueError):
-    """A bad flag or flag combination; the message names the flag."""
 
 
 def _positive_int(text: str) -> int:
@@ -312,6 +308,15 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "world/N consecutive ranks (a node), replicated across the N groups")
 
 
+# Megatron-LM's tokenizers on a SentencePiece model: SentencePieceTokenizer through megatron-core;
+# GPTSentencePieceTokenizer and Llama2Tokenizer as Megatron-LM defines them (the model's own pieces,
+# eod = its end-of-sentence id; Llama2Tokenizer starts every document with the model's bos id).
+SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# Megatron-LM's other text tokenizers: HuggingFaceTokenizer and TikTokenizer through megatron-core (which needs
+# the transformers / tiktoken packages), GPT2BPETokenizer (GPT-2's byte-level BPE from --vocab-file and
+# --merge-file) on Hugging Face's tokenizers library, offline.
+FILE_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
+SUPPORTED_TOKENIZERS = SENTENCEPIECE_TOKENIZERS + FILE_TOKENIZERS + ("NullTokenizer",)
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "BertWordPieceLowerCase",
                    "BertWordPieceCase", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
@@ -411,7 +416,6 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="iteration-time (and throughput with --log-throughput) every --log-interval")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--exit-interval", type=_positive_int, default=None, help="stop after this iteration")
-
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -48,18 +48,21 @@ import copy
 import math
 import time
 import warnings
-from typing import Dict, Iterator, List, Tuple
+from typing import Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.bench import emulated_compute
-from megatron_tawpipe.metrics import mean_over_ranks
-from megatron_tawpipe.initialize import current_device
+from megatron_tawpipe.common.checkpointable import CheckpointDefaults
+from megatron_tawpipe.common.step import StepResult
+from megatron_tawpipe.emulation.compute import EmulatedCompute
+from megatron_tawpipe.monitor.metrics import mean_over_ranks
+from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.baselines.sharded_state import fsdp_target, gather_fsdp
-from megatron_tawpipe.model import build_llama_model, global_parameter_names, llama_config
-from megatron_tawpipe.param_groups import megatron_param_groups
-from megatron_tawpipe.runtime.trainer import squared_l2_norm
+from megatron_tawpipe.models.llama import build_llama_model, llama_config
+from megatron_tawpipe.models.parameters import global_parameter_names
+from megatron_tawpipe.optimizer.clip import clip_gradients_, squared_l2_norm
+from megatron_tawpipe.optimizer.param_groups import megatron_param_groups
 
 
 def build_mesh(replicas: int):
@@ -90,26 +93,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class FsdpTrainer:
+class FsdpTrainer(CheckpointDefaults):
     """One FSDP2-sharded model with ``train_step`` / ``eval_step`` like the other trainers."""
 
-    def __init__(self, args, reshard_after_forward: bool = True):
+    def __init__(self, args, forward_step_func, reshard_after_forward: bool = True):
         from torch.distributed.fsdp import fully_shard
 
         self.args = args
+        self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
         self.replicas = args.num_distributed_optimizer_instances
         # fp32 parameters (FSDP's sharded masters); --bf16 is FSDP's mixed-precision policy below.
         fp32_args = copy.copy(args)
         fp32_args.bf16 = False
         self.config = llama_config(fp32_args, 1, None)
-        model = build_llama_model(fp32_args, self.config)
+        self.emulation = EmulatedCompute.from_args(args, recompute=args.recompute_granularity == "full")
+        model = build_llama_model(fp32_args, self.config, compute=self.emulation)
         if args.bf16:
             with torch.no_grad():
                 for param in model.parameters():
                     param.copy_(param.to(torch.bfloat16))
-        times = emulated_compute.maybe_load(args)
-        if times is not None:
-            emulated_compute.emulate_gpt_model(model, times, recompute=args.recompute_granularity == "full")
         self.mesh = build_mesh(self.replicas)
         policy = mixed_precision_policy(args)
         layers = list(model.decoder.layers)
@@ -143,14 +145,14 @@ class FsdpTrainer:
         self.model.train(training)
 
     def _micro_batch_loss(self, data_iterator: Iterator) -> Tuple[torch.Tensor, torch.Tensor]:
-        from megatron_tawpipe.data import get_batch
+        """(loss summed over the micro-batch's loss tokens, their count) from the forward step's loss function."""
+        output, loss_func = self.forward_step_func(data_iterator, self.model)
+        loss_sum, num_tokens, _ = loss_func(output)
+        return loss_sum, num_tokens.to(loss_sum.dtype)
 
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, current_device())
-        losses = self.model(tokens, position_ids, attention_mask, labels=labels)
-        mask = loss_mask.float().view(-1)
-        return torch.sum(losses.float().view(-1) * mask), mask.sum()
-
-    def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
+    def train_step(self, data_iterators: List[Iterator]) -> StepResult:
+        if self.emulation is not None:
+            self.emulation.start_step()
         self.set_train(True)
         self.optimizer.zero_grad(set_to_none=True)
         totals = torch.zeros(2, dtype=torch.float64, device=current_device())
@@ -170,9 +172,10 @@ class FsdpTrainer:
         dist.all_reduce(totals)
         # Forward/backward time including FSDP's blocking collectives: an upper bound on busy time.
         fraction = mean_over_ranks(self.last_forward_backward_s / max(time.perf_counter() - start, 1e-9))
-        return {"loss_sum": float(totals[0]), "num_tokens": float(totals[1]), "grad_norm": grad_norm,
-                "skipped": False, "loss_scale": None,
-                "extra": {"schedule": self.schedule_name, "forward_backward_fraction": fraction}}
+        return StepResult(loss_sum=float(totals[0]), num_tokens=float(totals[1]), grad_norm=grad_norm,
+                          skipped=False, loss_scale=None,
+                          slept_s=self.emulation.take_slept_s() if self.emulation is not None else None,
+                          extra={"schedule": self.schedule_name, "forward_backward_fraction": fraction})
 
     @property
     def schedule_name(self) -> str:
@@ -188,12 +191,7 @@ class FsdpTrainer:
         sq = squared_l2_norm([_local(g) for g in grads], current_device())
         dist.all_reduce(sq, group=self.shard_group)
         norm = float(sq.sqrt())
-        clip = self.args.clip_grad
-        if clip and clip > 0:
-            coeff = clip / (norm + 1.0e-6)
-            if coeff < 1.0:
-                for g in grads:
-                    _local(g).mul_(coeff)
+        clip_gradients_([_local(g) for g in grads], self.args.clip_grad, norm)
         return norm
 
     @torch.no_grad()
@@ -220,6 +218,11 @@ class FsdpTrainer:
     def gathered_masters(self):
         """Whole parameters and AdamW state (every rank calls this; the first rank keeps them)."""
         return gather_fsdp(self._named_parameters(), self.optimizer, keep=self.writes_checkpoint())
+
+    def optimizer_state_for(self, master):
+        """Not used: FSDP2's masters and Adam state are sharded, so checkpoints always take them whole from
+        :meth:`gathered_masters`."""
+        raise TypeError("FSDP2 writes checkpoints from gathered_masters(); a shard has no whole optimizer state")
 
     def set_optimizer_state(self, master, state) -> None:
         master.store_state(state)

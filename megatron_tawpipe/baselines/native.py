@@ -10,7 +10,6 @@ expects, see :mod:`megatron_tawpipe.runtime.schedules`) followed by ``optimizer.
 from __future__ import annotations
 
 import itertools
-from functools import partial
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -20,40 +19,18 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megatron_tawpipe import progress
+from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.baselines.sharded_state import (SliceTarget, distributed_optimizer_target,
                                                       gather_distributed_optimizer)
-from megatron_tawpipe.bench import emulated_compute
+from megatron_tawpipe.common.checkpointable import CheckpointDefaults
+from megatron_tawpipe.common.step import StepResult
+from megatron_tawpipe.emulation.compute import EmulatedCompute
 from megatron_tawpipe.arguments import virtual_pipeline_size
-from megatron_tawpipe.data import get_batch
-from megatron_tawpipe.initialize import current_device
-from megatron_tawpipe.model import (build_llama_model, global_parameter_names, global_shape, llama_config,
-                                    tensor_parallel_slice, unwrap_model)
-from megatron_tawpipe.runtime.executor import PeerFailure, first_line
-from megatron_tawpipe.runtime.schedules import megatron_forward_backward_func
-
-
-def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron's GPT loss: per-token losses summed under the loss mask.
-
-    Returns ``(loss_sum, num_tokens, report)``: megatron divides the loss by
-    the token count and by the number of micro-batches, so the gradient is the
-    mean over micro-batches of each micro-batch's mean token loss; the report
-    ``[loss_sum, num_tokens]`` is summed over micro-batches and ranks.
-    """
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.float().view(-1)
-    loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.cat([loss_sum.detach().clone().view(1), num_tokens.detach().float().view(1)])
-    return loss_sum, num_tokens, {"lm loss": report}
-
-
-def gpt_forward_step(data_iterator: Iterator, model: torch.nn.Module):
-    """megatron-core forward_step_func: one micro-batch through one model chunk."""
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, current_device())
-    output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, partial(lm_loss_func, loss_mask)
+from megatron_tawpipe.common.device import current_device
+from megatron_tawpipe.models.llama import build_llama_model, llama_config
+from megatron_tawpipe.models.parameters import global_parameter_names, global_shape, tensor_parallel_slice, unwrap_model
+from megatron_tawpipe.common.errors import PeerFailure, first_line
+from megatron_tawpipe.distributed.megatron_schedules import megatron_forward_backward_func
 
 
 def report_pipeline_waits() -> None:
@@ -138,11 +115,13 @@ def ddp_config(args) -> DistributedDataParallelConfig:
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
 
 
-class NativeTrainer:
+class NativeTrainer(CheckpointDefaults):
     """Model chunks, optimizer and one-iteration step for megatron's own schedules."""
 
-    def __init__(self, args):
+    def __init__(self, args, forward_step_func):
         self.args = args
+        self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
+        self.emulation = EmulatedCompute.from_args(args, recompute=args.recompute_granularity == "full")
         vpp = virtual_pipeline_size(args)
         # megatron's DDP gives every parameter an fp32 ``main_grad``: fused wgrad accumulation fits.
         self.config = llama_config(args, args.pipeline_model_parallel_size, vpp, main_grad_buffers=True,
@@ -164,7 +143,6 @@ class NativeTrainer:
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:
         config = ddp_config(self.args)
-        times = emulated_compute.maybe_load(self.args)
         chunks = []
         for vp_stage in range(vpp or 1):
             stage = vp_stage if vpp else None
@@ -174,9 +152,8 @@ class NativeTrainer:
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 vp_stage=stage,
+                compute=self.emulation,
             )
-            if times is not None:
-                emulated_compute.emulate_gpt_model(model, times, recompute=self.args.recompute_granularity == "full")
             if self.args.bf16 or self.args.fp16:
                 from megatron.core.transformer.module import Float16Module
 
@@ -192,8 +169,10 @@ class NativeTrainer:
         for chunk in self.model:
             chunk.train(training)
 
-    def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
+    def train_step(self, data_iterators: List[Iterator]) -> StepResult:
         """One iteration: forward/backward over all micro-batches, then the optimizer step."""
+        if self.emulation is not None:
+            self.emulation.start_step()
         self.set_train(True)
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -201,13 +180,14 @@ class NativeTrainer:
         reports = self._forward_backward(data_iterators, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         loss_sum, tokens = self._reduce_reports(reports)
-        return {
-            "loss_sum": loss_sum,
-            "num_tokens": tokens,
-            "grad_norm": None if grad_norm is None else float(grad_norm),
-            "skipped": not update_successful,
-            "loss_scale": float(self.optimizer.get_loss_scale()) if (self.args.fp16 or self.args.bf16) else None,
-        }
+        return StepResult(
+            loss_sum=loss_sum,
+            num_tokens=tokens,
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            skipped=not update_successful,
+            loss_scale=float(self.optimizer.get_loss_scale()) if (self.args.fp16 or self.args.bf16) else None,
+            slept_s=self.emulation.take_slept_s() if self.emulation is not None else None,
+        )
 
     @torch.no_grad()
     def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
@@ -222,7 +202,7 @@ class NativeTrainer:
 
         def forward_step(data_iterator, model):
             board.at(f"native schedule, forward number {next(forwards)} of this step")
-            return gpt_forward_step(data_iterator, model)
+            return self.forward_step_func(data_iterator, model)
 
         return self.forward_backward(
             forward_step_func=forward_step,

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
+from megatron_tawpipe.common.errors import BenchmarkError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
@@ -56,10 +57,6 @@ DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--overlap-grad-reduce",
 def _distributed_optimizer(config: "BenchmarkConfig") -> List[str]:
     bucket = [] if config.ddp_bucket_size is None else ["--ddp-bucket-size", str(config.ddp_bucket_size)]
     return DISTRIBUTED_OPTIMIZER + bucket
-
-
-class BenchmarkError(RuntimeError):
-    pass
 
 
 @dataclass

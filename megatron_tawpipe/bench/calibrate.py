@@ -32,8 +32,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_tawpipe.bench.emulated_compute import TIME_KEYS
-from megatron_tawpipe.initialize import current_device
+from megatron_tawpipe.emulation.compute import TIME_KEYS
+from megatron_tawpipe.common.device import current_device
+from megatron_tawpipe.common.atomic import atomic_write_json
 
 
 def uses_cuda_events(device: torch.device) -> bool:
@@ -91,18 +92,14 @@ def device_description(device: torch.device) -> str:
 
 def write_times(result: Dict[str, object], path: str) -> None:
     """Write a times JSON atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, result, indent=1, newline=True)
 
 
 def _model_times(args, num_layers: int, repeats: int, warmup: int) -> Dict[str, float]:
     """Forward (no autograd), forward with autograd, and backward of a ``num_layers`` model."""
     import copy
 
-    from megatron_tawpipe.model import build_llama_model, llama_config
+    from megatron_tawpipe.models.llama import build_llama_model, llama_config
 
     layer_args = copy.copy(args)
     layer_args.num_layers = num_layers
@@ -143,7 +140,7 @@ def _model_times(args, num_layers: int, repeats: int, warmup: int) -> Dict[str, 
 def measure_compute_times(args, repeats: int = 5, warmup: int = 2, base_layers: int = 1,
                           extra_layers: int = 4) -> Dict[str, object]:
     """Measure per-layer and head times of the model ``args`` describes (see the module docstring)."""
-    from megatron_tawpipe.model import resolve_attention_backend
+    from megatron_tawpipe.models.llama import resolve_attention_backend
 
     small = _model_times(args, base_layers, repeats, warmup)
     large = _model_times(args, base_layers + extra_layers, repeats, warmup)
@@ -166,7 +163,7 @@ def measure_compute_times(args, repeats: int = 5, warmup: int = 2, base_layers: 
 
 
 def cost_model_times(args, peak_tflops: float, efficiency: float) -> Dict[str, object]:
-    from megatron_tawpipe.plan.costmodel import CostModel
+    from megatron_tawpipe.sim.costmodel import CostModel
 
     cost = CostModel.from_flops(hidden_size=args.hidden_size, seq_length=args.seq_length,
                                 micro_batch_size=args.micro_batch_size, ffn_hidden_size=args.ffn_hidden_size,
@@ -228,7 +225,7 @@ def main(argv=None) -> int:
     if tool.from_cost_model:
         result = cost_model_times(args, tool.peak_tflops, tool.efficiency)
     else:
-        from megatron_tawpipe.initialize import destroy, initialize_distributed, initialize_model_parallel
+        from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
 
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("RANK", "0")

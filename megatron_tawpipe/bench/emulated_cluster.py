@@ -61,6 +61,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from megatron_tawpipe.common.errors import ClusterError
+
 __all__ = [
     "ClusterError",
     "EmulatedCluster",
@@ -90,10 +92,6 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _STALE_RE = re.compile(r"^%s(\d+)(?:c\d+)?(?:n\d+|sw|probe)$" % NAME_PREFIX)
 _counter = itertools.count()
-
-
-class ClusterError(RuntimeError):
-    """The emulated cluster could not be created or used."""
 
 
 def parse_rate(rate: Optional[str]) -> Optional[float]:

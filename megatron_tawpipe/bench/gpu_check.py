@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -34,6 +33,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_tawpipe.bench.one_rank import LlamaRun
+from megatron_tawpipe.common.atomic import atomic_write_json
 
 PROG = "gpu_check.py"
 CHECKS = ("te", "losses", "wait", "timings", "memory")
@@ -155,7 +155,8 @@ def _flag_problem(tool: argparse.Namespace) -> Optional[str]:
 
 def _model_flag_problem(tool: argparse.Namespace) -> Optional[str]:
     """What pretrain_llama.py's own validation says about the two models (flag names are shared)."""
-    from megatron_tawpipe.arguments import ArgumentError, parse_args, validate_args
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
     from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS
 
     try:
@@ -290,7 +291,7 @@ def check_losses(session: Session) -> List[CheckRow]:
 def check_wait(session: Session) -> List[CheckRow]:
     from megatron_tawpipe.bench.one_rank import one_rank_process_group, parsed_args
     from megatron_tawpipe.bench.waits import probe_wait_behind_compute
-    from megatron_tawpipe.model import params_dtype
+    from megatron_tawpipe.models.llama import params_dtype
 
     tool = session.tool
     if session.tawpipe_waits is None:  # --checks without losses
@@ -396,7 +397,7 @@ def format_table(rows: List[CheckRow]) -> str:
 
 def environment(tool) -> Dict[str, object]:
     from megatron_tawpipe.bench.calibrate import device_description
-    from megatron_tawpipe.cpu_compat import megatron_version
+    from megatron_tawpipe.compat.cpu import megatron_version
 
     try:
         import transformer_engine
@@ -411,11 +412,7 @@ def environment(tool) -> Dict[str, object]:
 def write_report(path: str, tool, rows: List[CheckRow]) -> None:
     report = {"tool": PROG, "environment": environment(tool), "flags": dict(vars(tool)),
               "checks": [r.to_json() for r in rows], "failed": any(r.failed for r in rows)}
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, report, indent=1, newline=True)
 
 
 def _make_output_directories(tool) -> None:

@@ -123,7 +123,7 @@ class SpecComparison:
 
 
 def _build(args, attention_backend: str, device: torch.device) -> torch.nn.Module:
-    from megatron_tawpipe.model import construct_llama_model, llama_config
+    from megatron_tawpipe.models.llama import construct_llama_model, llama_config
 
     spec_args = copy.copy(args)
     spec_args.attention_backend = attention_backend
@@ -134,7 +134,8 @@ def _build(args, attention_backend: str, device: torch.device) -> torch.nn.Modul
 
 def _initialise_reference(model: torch.nn.Module, args, seed: int) -> None:
     """Megatron-style initial weights, with norm weights moved away from 1."""
-    from megatron_tawpipe.model import init_llama_weights, llama_config
+    from megatron_tawpipe.models.initialization import init_llama_weights
+    from megatron_tawpipe.models.llama import llama_config
 
     init_llama_weights(model, seed, llama_config(args))
     generator = torch.Generator().manual_seed(seed + 1)

@@ -37,7 +37,8 @@ from typing import Dict, List, Optional, Sequence
 from megatron_tawpipe.arguments import LLAMA_FLAGS, TOOL_FLAGS, llama_ffn_hidden_size
 from megatron_tawpipe.bench.benchmark import (SCHEDULES, BenchmarkConfig, interleaved_layers_per_virtual_stage,
                                               run_benchmark)
-from megatron_tawpipe.plan.costmodel import parse_rate
+from megatron_tawpipe.sim.costmodel import parse_rate
+from megatron_tawpipe.common.atomic import atomic_write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, HEADS, VOCAB, RANKS, NODES, GLOBAL_BATCH = 256, 4, 2047, 4, 2, 16
@@ -140,9 +141,8 @@ def simulate_command(c: MatrixConfig, times: str, backend: str = "gloo") -> List
 
 def simulate(c: MatrixConfig, outdir: str, backend: str = "gloo") -> list:
     path = os.path.join(outdir, "simulated.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         _python(*simulate_command(c, os.path.join(outdir, "times.json"), backend), stdout=f)
-    os.replace(path + ".tmp", path)
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 

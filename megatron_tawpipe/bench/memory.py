@@ -1,6 +1,6 @@
 """One rank's memory against the simulator's prediction.
 
-Prediction: :func:`plan.simulate.simulate` on the one-rank TawPipe plan of the
+Prediction: :func:`megatron_tawpipe.sim.simulate.simulate` on the one-rank TawPipe plan of the
 run, with the FLOP cost model of the same shapes; its memory fields are
 ``weight_buffer_bytes``, ``grad_buffer_bytes``, ``activation_bytes`` and
 ``state_bytes`` (fp32 master, Adam moments and fp32 gradient of the owned
@@ -32,8 +32,8 @@ SIM_FIELDS = ("weight_buffer_bytes", "grad_buffer_bytes", "activation_bytes", "s
 def predicted_memory(args, num_microbatches: int) -> Dict[str, float]:
     """The simulator's memory fields for one rank of ``--pipeline-schedule tawpipe`` with world size 1."""
     from megatron_tawpipe.plan import build_plan
-    from megatron_tawpipe.plan.costmodel import CostModel
-    from megatron_tawpipe.plan.simulate import simulate
+    from megatron_tawpipe.sim.costmodel import CostModel
+    from megatron_tawpipe.sim.simulate import simulate
     from megatron_tawpipe.runtime.weight_pipe_model import plan_name, plan_options
 
     plan = build_plan(plan_name(args), num_ranks=1, num_groups=1, num_layers=args.num_layers,

@@ -101,7 +101,8 @@ def parsed_args(run: LlamaRun, *schedule_flags: str):
     ``padded_vocab_size`` is set by the tokenizer, as in training (NullTokenizer: the
     vocabulary plus an end-of-document id, padded).
     """
-    from megatron_tawpipe.arguments import parse_args, validate_args
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
     from megatron_tawpipe.data import build_tokenizer
 
     args = validate_args(parse_args(run.argv(*schedule_flags)), world_size=1)
@@ -112,7 +113,7 @@ def parsed_args(run: LlamaRun, *schedule_flags: str):
 @contextlib.contextmanager
 def one_rank_process_group(args) -> Iterator[None]:
     """A world of one (NCCL on a GPU, gloo on the CPU) and megatron's parallel state, torn down after."""
-    from megatron_tawpipe.initialize import destroy, initialize_distributed, initialize_model_parallel
+    from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
 
     with single_rank_environment():
         initialize_distributed(args)
@@ -125,14 +126,16 @@ def one_rank_process_group(args) -> Iterator[None]:
 
 def train_one_rank(argv: List[str], trainer_factory: Optional[Callable] = None) -> List[Dict[str, object]]:
     """Train a world of one with pretrain_llama.py's flags ``argv``; return the iteration records."""
-    from megatron_tawpipe.arguments import parse_args, validate_args
-    from megatron_tawpipe.initialize import destroy
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+    from megatron_tawpipe.distributed.initialize import destroy
     from megatron_tawpipe.training import pretrain
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
 
     args = validate_args(parse_args(argv), world_size=1)
     with single_rank_environment():
         try:
-            return [record.to_json() for record in pretrain(args, trainer_factory=trainer_factory)]
+            return [record.to_json() for record in pretrain(args, gpt_forward_step, trainer_factory=trainer_factory)]
         finally:
             destroy()
 
@@ -147,10 +150,10 @@ class TrainerCapture:
     def __init__(self):
         self.trainer = None
 
-    def __call__(self, args):
+    def __call__(self, args, forward_step_func):
         from megatron_tawpipe.training import build_trainer
 
-        self.trainer = build_trainer(args)
+        self.trainer = build_trainer(args, forward_step_func)
         return self.trainer
 
 

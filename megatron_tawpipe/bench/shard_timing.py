@@ -40,7 +40,7 @@ def _shard_inputs(args, device: torch.device, dtype: torch.dtype):
 def measure_shard_times(args, layers_per_shard: int, device: torch.device, repeats: int,
                         warmup: int) -> Dict[str, float]:
     """Seconds per shard (``shard_forward``, ``shard_recompute``, ``shard_backward``) and head."""
-    from megatron_tawpipe.model import params_dtype
+    from megatron_tawpipe.models.llama import params_dtype
     from megatron_tawpipe.runtime.shard_model import ShardTemplate
 
     shard_args = copy.copy(args)
@@ -95,7 +95,7 @@ def measure_shard_times(args, layers_per_shard: int, device: torch.device, repea
 def calibration_record(args, shard_times: Dict[str, float], layers_per_shard: int, device: torch.device,
                        repeats: int, warmup: int) -> Dict[str, object]:
     """The calibration JSON (``tools/calibrate.py``'s keys) from per-shard times."""
-    from megatron_tawpipe.model import resolve_attention_backend
+    from megatron_tawpipe.models.llama import resolve_attention_backend
 
     return {
         "layer_forward": shard_times["shard_forward"] / layers_per_shard,

@@ -15,10 +15,13 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_tawpipe.checkpoint import per_parameter
-from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, CheckpointError,
-                                                CheckpointSetupError, iteration_dir, latest_iteration, model_signature)
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, iteration_dir,
+                                                latest_iteration, model_signature)
+from megatron_tawpipe.common.checkpointable import Checkpointable
+from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 
-def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args) -> str:
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer: Checkpointable, scheduler,
+                    args) -> str:
     """Collectively write a checkpoint of ``trainer`` in ``--ckpt-format`` (every rank must call it)."""
     if getattr(args, "ckpt_format", "torch_dist") == "tawpipe":
         return per_parameter.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
@@ -37,7 +40,7 @@ def checkpoint_format(directory: str) -> str:
                           "per-parameter format (common.pt)")
 
 
-def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+def load_checkpoint(root: str, trainer: Checkpointable, scheduler, args) -> Tuple[int, int]:
     """Load the latest checkpoint under ``root`` in whichever format it was written;
     returns ``(iteration, consumed_samples)``, ``(0, 0)`` when there is none."""
     iteration = latest_iteration(root)

@@ -34,8 +34,9 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.checkpoint.state import (CheckpointError, CheckpointSetupError, atomic_torch_save,
-                                                atomic_write_text, barrier, check_signature, iteration_dir,
+from megatron_tawpipe.common.atomic import atomic_torch_save, atomic_write_text
+from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
+from megatron_tawpipe.checkpoint.state import (barrier, check_signature, iteration_dir,
                                                 latest_iteration, load_scheduler, model_signature, rank,
                                                 promote_checkpoint_dir, restore_optimizer_state, rng_state, set_rng_state,
                                                 start_checkpoint_dir, tied_alias, world, writer_entries)
@@ -104,7 +105,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         atomic_torch_save(common, os.path.join(tmp_dir, "common.pt"))
         summary = {k: v for k, v in common.items() if k not in ("scheduler", "grad_scaler", "index")}
         summary["num_parameters"] = len(index)
-        atomic_write_text(os.path.join(tmp_dir, "metadata.json"), json.dumps(summary, indent=1))
+        atomic_write_text(os.path.join(tmp_dir, "metadata.json"), json.dumps(summary, indent=1), durable=True)
         promote_checkpoint_dir(tmp_dir, final_dir, root, iteration)
     barrier()
     return final_dir
@@ -139,21 +140,20 @@ def _load_parameters_from(path: str, targets: List[_Target], trainer, restore_op
     contents = _load(path)
     directory, filename = os.path.split(path)
     # A tensor-parallel rank (native schedules) holds a slice of each whole tensor.
-    whole_shape = getattr(trainer, "checkpoint_shape", None)
-    local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     for source, param, master in targets:
         tensor = contents["params"].get(source)
         if tensor is None:
             raise CheckpointError(f"{path}: parameter {source} is missing")
-        expected = list(whole_shape(source, param) if whole_shape else master.shape)
+        whole = trainer.checkpoint_shape(source, param)
+        expected = list(master.shape if whole is None else whole)
         if list(tensor.shape) != expected:
             raise CheckpointError(f"{directory}: parameter {source} has shape {list(tensor.shape)}, the model {expected}")
-        master.copy_(local(source, param, tensor))
+        master.copy_(trainer.checkpoint_slice(source, param, tensor))
         if param is not master:
-            param.copy_(local(source, param, tensor))
+            param.copy_(trainer.checkpoint_slice(source, param, tensor))
         if restore_optimizer:
             saved = contents["optimizer"].get(source, {})
-            restore_optimizer_state(trainer, master, {key: local(source, param, value) if value.dim() else value
+            restore_optimizer_state(trainer, master, {key: trainer.checkpoint_slice(source, param, value) if value.dim() else value
                                                       for key, value in saved.items()})
 
 

@@ -19,50 +19,14 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron_tawpipe.common.atomic import atomic_write_text, fsync_dir
+from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the model."""
-
-
-class CheckpointSetupError(CheckpointError):
-    """The flags do not fit the checkpoint (retrying the same command cannot help: exit status 2)."""
-
-
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def fsync_file(path: str) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_torch_save(obj, path: str) -> None:
-    tmp = path + ".partial"
-    torch.save(obj, tmp)
-    fsync_file(tmp)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".partial"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def rng_state() -> dict:
@@ -120,8 +84,7 @@ def writer_entries(trainer):
     ``gathered_masters()``: every rank calls it (collectives), the writing rank gets the whole
     tensors. Otherwise the writing ranks read their own masters.
     """
-    gather = getattr(trainer, "gathered_masters", None)
-    gathered = gather() if gather is not None else None
+    gathered = trainer.gathered_masters()
     if gathered is not None:
         return gathered if trainer.writes_checkpoint() else []
     if not trainer.writes_checkpoint():
@@ -240,4 +203,4 @@ def promote_checkpoint_dir(tmp_dir: str, final_dir: str, root: str, iteration: i
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(tmp_dir, final_dir)
     fsync_dir(root)
-    atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n")
+    atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n", durable=True)

@@ -42,9 +42,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_tawpipe.arguments import plain_arguments
-from megatron_tawpipe.initialize import current_device
-from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, CheckpointError, CheckpointSetupError,
-                                                barrier, check_signature, fsync_file, iteration_dir,
+from megatron_tawpipe.common.device import current_device
+from megatron_tawpipe.common.atomic import fsync_file
+from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS,
+                                                barrier, check_signature, iteration_dir,
                                                 latest_iteration, load_scheduler, model_signature,
                                                 promote_checkpoint_dir, rank, restore_optimizer_state, rng_state,
                                                 set_rng_state, start_checkpoint_dir, tied_alias, world,
@@ -65,7 +67,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 def layer_keys_map(args) -> Dict[str, str]:
     """The decoder layer spec's renames for checkpoints (megatron-core's local layer stores its norms
     under Transformer Engine's names, ``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``)."""
-    from megatron_tawpipe.model import llama_layer_spec
+    from megatron_tawpipe.models.llama import llama_layer_spec
 
     spec = llama_layer_spec(args.attention_backend, args)
     return dict(getattr(spec.submodules, "sharded_state_dict_keys_map", None) or {})
@@ -187,15 +189,13 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
                if tied_alias(entry[0], tied) is None and not trainer.skip_in_checkpoint(entry[0])]
     model, masters, moments, layers = {}, {}, {}, set()
     keys_map = layer_keys_map(args)
-    fragments_of = getattr(trainer, "checkpoint_fragments", lambda _name, _tensor: None)
-    replica_of = getattr(trainer, "checkpoint_replica", lambda _name, _tensor: 0)
     for name, master, state in entries:
         key, layer = model_space_key(name, keys_map)
         if layer is not None:
             layers.add(layer)
         # A tensor-parallel rank writes its slice of the whole tensor, and a copy of what tensor
         # parallelism does not split only from the group's first rank (replica 0).
-        fragments, replica = fragments_of(name, master), replica_of(name, master)
+        fragments, replica = trainer.checkpoint_fragments(name, master), trainer.checkpoint_replica(name, master)
         master = master.detach()
 
         def pieces(prefix: str, tensor: torch.Tensor, where: dict, entry: str) -> None:
@@ -211,9 +211,9 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
         for moment in MOMENTS:
             if moment in state:
                 pieces(f"optimizer.state.{moment}.", state[moment].detach(), moments[name], moment)
-    layer_module = getattr(trainer, "checkpoint_layer_module", lambda: None)()
+    layer_module = trainer.checkpoint_layer_module()
     if layer_module is not None:
-        replica = replica_of("", None)   # extra state: like a tensor that tensor parallelism does not split
+        replica = trainer.checkpoint_replica("", None)   # extra state: like a tensor that tensor parallelism does not split
         for layer in sorted(layers):
             model.update(layer_extra_states(layer_module, layer, args.num_layers, replica))
     result = {"model": model}
@@ -260,8 +260,9 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
 
     tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
     with_optimizer = not args.no_save_optim
-    native = getattr(trainer, "megatron_sharded_state_dict", None)
-    state = native(with_optimizer) if native is not None else whole_parameter_state(trainer, args, with_optimizer)
+    state = trainer.megatron_sharded_state_dict(with_optimizer)
+    if state is None:
+        state = whole_parameter_state(trainer, args, with_optimizer)
     state.update({
         "args": _saved_args(args, consumed_samples),
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -379,19 +380,18 @@ def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer:
     targets = []
     keys_map = layer_keys_map(args)
     # A tensor-parallel rank holds a slice of each whole tensor read (native schedules).
-    whole_shape = getattr(trainer, "checkpoint_shape", None)
-    fragments_of = getattr(trainer, "checkpoint_fragments", lambda _name, _tensor: None)
     for name, param, master in trainer.named_master_parameters():
         source = tied_alias(name, tied) or name
         key, layer = model_space_key(source, keys_map)
         if key not in metadata:
             raise CheckpointError(f"{directory}: parameter {source} ({key}) is missing from the checkpoint")
         saved_shape = list(metadata[key].global_shape[1:] if layer is not None else metadata[key].global_shape)
-        model_shape = list(whole_shape(name, param) if whole_shape else master.shape)
+        whole = trainer.checkpoint_shape(name, param)
+        model_shape = list(master.shape if whole is None else whole)
         if saved_shape != model_shape:
             raise CheckpointError(f"{directory}: parameter {source} has shape {saved_shape}, the model {model_shape}")
         # A weight-passing rank with tensor parallelism reads just its slice (pieces of the whole tensor).
-        fragments = fragments_of(name, master)
+        fragments = trainer.checkpoint_fragments(name, master)
         # fp32 masters: the non-distributed optimizers' fp32_param, the distributed optimizer's param.
         value = (request.ask("optimizer.state.fp32_param." + key, layer, fragments)
                  or request.ask("optimizer.state.param." + key, layer, fragments) or request.ask(key, layer, fragments))
@@ -453,15 +453,14 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     except (Exception, CheckpointException) as exc:  # a truncated or missing tensor file
         raise CheckpointError(f"{directory}: reading its tensors failed: {_last_line(exc)}") from exc
     step = _saved_step(common.get("optimizer")) if restore_optimizer else None
-    local = getattr(trainer, "checkpoint_slice", lambda _name, _param, whole: whole)
     with torch.no_grad():
         for name, param, master, value, moments in targets:
-            whole = _value(loaded, value, name, param, local)
+            whole = _value(loaded, value, name, param, trainer.checkpoint_slice)
             master.copy_(whole.to(device=master.device, dtype=torch.float32))
             if param is not master:
                 param.copy_(whole.to(device=param.device, dtype=param.dtype))
             if restore_optimizer:
-                state = {moment: _value(loaded, ident, name, param, local).float()
+                state = {moment: _value(loaded, ident, name, param, trainer.checkpoint_slice).float()
                          for moment, ident in moments.items()}
                 if step is not None:
                     state["step"] = step

@@ -9,11 +9,12 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy
 
-from megatron_tawpipe.data_checks import (tokenizer_fingerprint, write_tokenizer_record)
+from megatron_tawpipe.data.checks import (tokenizer_fingerprint, write_tokenizer_record)
 
 logger = logging.getLogger(__name__)
 
 from megatron_tawpipe.data.tokenizers import load_tokenizer, tokenizer_files
+from megatron_tawpipe.common.atomic import atomic_write_bytes
 
 # ---------------------------------------------------------------------------------------
 # Tokenizer training and preprocessing (used by tools/ and the default corpus)
@@ -131,10 +132,7 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
     for path, payload in ((model_prefix + ".vocab", vocab.encode("utf-8")),
                           (model_prefix + ".model", proto)):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, payload)
     return model_prefix + ".model"
 
 

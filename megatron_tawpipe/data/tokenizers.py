@@ -11,17 +11,11 @@ import tempfile
 from collections import OrderedDict
 from typing import List, Optional
 
+from megatron_tawpipe.arguments.flags import SENTENCEPIECE_TOKENIZERS, SUPPORTED_TOKENIZERS
+from megatron_tawpipe.common.atomic import atomic_write_json
+
 logger = logging.getLogger(__name__)
 
-# Megatron-LM's tokenizers on a SentencePiece model: SentencePieceTokenizer through megatron-core;
-# GPTSentencePieceTokenizer and Llama2Tokenizer as Megatron-LM defines them (the model's own pieces,
-# eod = its end-of-sentence id; Llama2Tokenizer starts every document with the model's bos id).
-SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-# Megatron-LM's other text tokenizers: HuggingFaceTokenizer and TikTokenizer through megatron-core (which needs
-# the transformers / tiktoken packages), GPT2BPETokenizer (GPT-2's byte-level BPE from --vocab-file and
-# --merge-file) on Hugging Face's tokenizers library, offline.
-FILE_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
-SUPPORTED_TOKENIZERS = SENTENCEPIECE_TOKENIZERS + FILE_TOKENIZERS + ("NullTokenizer",)
 
 # ---------------------------------------------------------------------------------------
 # Tokenizers
@@ -273,10 +267,7 @@ def _core_tokenizer(tokenizer_path: Optional[str], library: str, **kwargs):
     meta_dir = os.path.join(tempfile.gettempdir(), "megatron_tawpipe_tokenizers", key)
     os.makedirs(meta_dir, exist_ok=True)
     meta_file = os.path.join(meta_dir, "tokenizer_metadata.json")
-    tmp = f"{meta_file}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(metadata, f)
-    os.replace(tmp, meta_file)
+    atomic_write_json(meta_file, metadata)
     return MegatronTokenizer.from_pretrained(
         tokenizer_path=tokenizer_path, metadata_path=meta_file, **kwargs
     )

@@ -1,20 +1,19 @@
-"""Schedules as data: build, validate, simulate and print pipeline plans.
+"""Schedules as data: build, validate and print pipeline plans (the simulator is :mod:`megatron_tawpipe.sim`).
 
     plan = build_plan("tawpipe", num_ranks=8, num_groups=2, num_layers=16, num_microbatches=4)
     validate_plan(plan)                      # raises PlanError if unsound
-    result = simulate(plan, CostModel.from_flops(...))
 
 Pure Python (no torch): usable on a laptop to plan a cluster run.
 """
 
-from . import actions
-from .actions import (Forward, Backward, BackwardInput, BackwardWeight, LoadWeights, ZeroGrad,
+from megatron_tawpipe.plan import actions
+from megatron_tawpipe.plan.actions import (Forward, Backward, BackwardInput, BackwardWeight, LoadWeights, ZeroGrad,
                       AccumulateToOwner, SendStart, RecvStart, BroadcastStart, ReduceStart,
                       AllReduceStart, ReplicatedAllReduceStart, Wait, OptimizerStep, MAIN)
-from .plan import Plan
-from .errors import PlanError
-from .validate import ValidationReport, validate_plan
-from .planners import SCHEDULES, build_plan, split_backward
+from megatron_tawpipe.plan.plan import Plan
+from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.validate import ValidationReport, validate_plan
+from megatron_tawpipe.plan.planners import SCHEDULES, build_plan, split_backward
 
 __all__ = [
     "actions", "Plan", "PlanError", "ValidationReport", "validate_plan", "build_plan",
@@ -22,8 +21,6 @@ __all__ = [
     "LoadWeights", "ZeroGrad", "AccumulateToOwner", "SendStart", "RecvStart", "BroadcastStart",
     "ReduceStart", "AllReduceStart", "ReplicatedAllReduceStart", "Wait", "OptimizerStep", "MAIN",
 ]
-from .costmodel import CostModel, Link, params_per_layer, parse_rate, parse_time
-from .simulate import SimResult, Span, Transfer, link_bytes, replicated_allreduce_bytes, simulate
+from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes, ring_share
 
-__all__ += ["CostModel", "Link", "params_per_layer", "parse_rate", "parse_time", "SimResult",
-            "Span", "Transfer", "link_bytes", "replicated_allreduce_bytes", "simulate"]
+__all__ += ["link_bytes", "replicated_allreduce_bytes", "ring_share"]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from . import actions as A
-from .builder import PlanBuilder
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.builder import PlanBuilder
 
 END = 10 ** 9
 Op = Tuple[str, int, int]   # ("F"|"B", micro-batch, shard)

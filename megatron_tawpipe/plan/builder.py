@@ -21,8 +21,8 @@ import heapq
 import itertools
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-from . import actions as A
-from .plan import Plan
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.plan import Plan
 
 _BUF_FIELDS = ("wbuf", "gbuf", "buf")
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import actions as A
+from megatron_tawpipe.plan import actions as A
 
 FORMAT_VERSION = 1
 

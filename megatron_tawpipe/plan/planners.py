@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import actions as A
-from .plan import Plan
-from .activation import plan_activation
-from .tawpipe import plan_tawpipe
-from .weipipe import plan_weipipe
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.plan import Plan
+from megatron_tawpipe.plan.activation import plan_activation
+from megatron_tawpipe.plan.tawpipe import plan_tawpipe
+from megatron_tawpipe.plan.weipipe import plan_weipipe
 
 
 def _weipipe(**kw):

@@ -11,9 +11,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from .errors import PlanError
-from .planners import build_plan
-from .validate import validate_plan
+from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.planners import build_plan
+from megatron_tawpipe.plan.validate import validate_plan
 
 # Every TawPipe option with the values worth checking (chunk and prefetch are
 # capped by N in ``_tawpipe_options``).

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from . import actions as A
-from .errors import PlanError
-from .plan import Plan
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.plan import Plan
 
 
 class _RankState:

@@ -57,8 +57,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from . import actions as A
-from .builder import PlanBuilder
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.builder import PlanBuilder
 
 WAIT, POST, COMP, AFTER = range(4)
 START, END = -(10 ** 9), 10 ** 9

@@ -34,11 +34,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict
 
-from . import actions as A
-from .errors import PlanError
-from .nccl import MODES, check_nccl_order
-from .plan import Plan
-from .symbolic import SymbolicExecutor
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.nccl import MODES, check_nccl_order
+from megatron_tawpipe.plan.plan import Plan
+from megatron_tawpipe.plan.symbolic import SymbolicExecutor
 
 
 @dataclass

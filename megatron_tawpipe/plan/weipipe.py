@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from . import actions as A
-from .builder import PlanBuilder
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.builder import PlanBuilder
 
 # Phases inside a turn (second element of the sort key).
 WAIT, POST, FWD, GWAIT, BWD, GPOST = range(6)

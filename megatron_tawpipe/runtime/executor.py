@@ -14,7 +14,7 @@ Weight and gradient buffers are allocated once, from the plan's bounds.
 Compute time (the busy fraction, timelines) is measured with CUDA events on
 CUDA, where kernels are asynchronous, and with the wall clock on CPU.
 
-Bytes are counted per link class the way :func:`plan.simulate.link_bytes`
+Bytes are counted per link class the way :func:`megatron_tawpipe.plan.traffic.link_bytes`
 does: each send, each non-root broadcast copy and each non-root reduction
 input, with the real tensor sizes.
 """
@@ -29,22 +29,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe import progress
+from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import entries_of
-from megatron_tawpipe.plan.simulate import ring_share
+from megatron_tawpipe.plan.traffic import ring_share
 from megatron_tawpipe.runtime.timing import ComputeTimer
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
+from megatron_tawpipe.common.errors import ExecutionError, PeerFailure, first_line
 
 __all__ = ["Communicators", "ExecutionError", "PeerFailure", "PlanExecutor", "first_line"]
-
-
-class ExecutionError(RuntimeError):
-    """A plan action could not run on this rank; names rank, step and action."""
-
-
-class PeerFailure(ExecutionError):
-    """A transfer failed or timed out: a peer stopped, stalled or is unreachable."""
 
 
 @dataclass
@@ -381,9 +374,3 @@ class _PlanPosition:
 
     def __str__(self) -> str:
         return f"plan step {self.step} of {self.length}, {self.action}"
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-

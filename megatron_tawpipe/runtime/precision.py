@@ -19,14 +19,6 @@ import torch
 import torch.distributed as dist
 
 
-class NonFiniteGradientError(RuntimeError):
-    """A NaN/Inf gradient; ``where`` names the shards (or replicated parts) it was found in."""
-
-    def __init__(self, where: str):
-        super().__init__(f"NaN/Inf gradient in {where}")
-        self.where = where
-
-
 def find_non_finite(groups: List[List[torch.Tensor]], device: torch.device) -> List[int]:
     """Indices of the gradient groups holding a NaN/Inf on *any* rank (one all-reduced flag vector).
 

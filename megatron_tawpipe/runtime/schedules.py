@@ -10,7 +10,7 @@ return the ``loss_func`` reports; the optimizer step is the caller's. The
 ``forward_step_func`` is megatron's: ``(data_iterator, model) -> (output, loss_func)``.
 
 Compatibility with megatron-core releases (checked against their sources, see
-:func:`megatron_forward_backward_func`):
+:mod:`megatron_tawpipe.distributed.megatron_schedules`):
 
 * ``get_forward_backward_func`` takes ``(pp_size=None, vp_size=None)`` from 0.16
   through 0.18 and adds ``schedule_pg_collection=None`` in 0.19 (used there only
@@ -25,10 +25,10 @@ Compatibility with megatron-core releases (checked against their sources, see
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Iterator, List, Optional, Union
 
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.distributed.megatron_schedules import megatron_forward_backward_func
 
 
 def _forward_backward_weight_passing(expected: str, *, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
@@ -65,28 +65,6 @@ def forward_backward_weipipe(**kwargs) -> list:
 def forward_backward_tawpipe(**kwargs) -> list:
     """TawPipe: device-bound storage, group-based scheduling, comm/compute overlap."""
     return _forward_backward_weight_passing("tawpipe", **kwargs)
-
-
-def layout_keywords(megatron_get: Callable, pp_size: Optional[int], vp_size: Optional[int]) -> dict:
-    """The keywords to pass to megatron's ``get_forward_backward_func`` for a pipeline layout.
-
-    Sizes go in explicitly where the function takes ``pp_size`` and ``vp_size`` (0.16 and
-    later); otherwise, or when no size is given, it reads them from ``parallel_state``.
-    ``schedule_pg_collection`` (0.19+) is left out: it only selects the multi-module schedule.
-    """
-    if pp_size is None and vp_size is None:
-        return {}
-    parameters = inspect.signature(megatron_get).parameters
-    if "pp_size" in parameters and "vp_size" in parameters:
-        return {"pp_size": pp_size, "vp_size": vp_size}
-    return {}
-
-
-def megatron_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None) -> Callable:
-    """megatron-core's schedule function for a pipeline of ``pp_size`` stages (``vp_size`` virtual)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get
-
-    return megatron_get(**layout_keywords(megatron_get, pp_size, vp_size))
 
 
 def get_forward_backward_func(pipeline_schedule: str, pp_size: Optional[int] = None,

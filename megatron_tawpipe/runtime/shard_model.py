@@ -18,7 +18,9 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from megatron_tawpipe.model import construct_llama_model, init_parameter, llama_config, mark_tensor_parallel_weights
+from megatron_tawpipe.models.initialization import init_parameter
+from megatron_tawpipe.models.llama import construct_llama_model, llama_config
+from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights
 
 
 @dataclasses.dataclass(frozen=True)

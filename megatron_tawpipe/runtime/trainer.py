@@ -13,7 +13,6 @@ the summed gradient equals data-parallel training's averaged one.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -23,13 +22,17 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.bench import emulated_compute
-from megatron_tawpipe.metrics import mean_over_ranks
-from megatron_tawpipe.model import global_shape, is_gated_fc1, tensor_parallel_slice
-from megatron_tawpipe.param_groups import megatron_param_groups
-from megatron_tawpipe.baselines.native import gpt_forward_step
-from megatron_tawpipe.plan import link_bytes
-from megatron_tawpipe.runtime.precision import GradScaling, NonFiniteGradientError, find_non_finite
+from megatron_tawpipe.common.atomic import atomic_write_json
+from megatron_tawpipe.common.checkpointable import CheckpointDefaults
+from megatron_tawpipe.common.step import StepResult
+from megatron_tawpipe.emulation.compute import EmulatedCompute
+from megatron_tawpipe.monitor.metrics import mean_over_ranks
+from megatron_tawpipe.models.parameters import global_shape, is_gated_fc1, tensor_parallel_slice
+from megatron_tawpipe.optimizer.clip import clip_gradients_, squared_l2_norm
+from megatron_tawpipe.optimizer.param_groups import megatron_param_groups
+from megatron_tawpipe.plan.traffic import link_bytes
+from megatron_tawpipe.common.errors import NonFiniteGradientError
+from megatron_tawpipe.runtime.precision import GradScaling, find_non_finite
 from megatron_tawpipe.runtime.schedules import get_forward_backward_func
 from megatron_tawpipe.runtime.weight_pipe_model import WeightPipeModel
 
@@ -44,21 +47,6 @@ def adamw_kernel_options(params: Sequence[torch.Tensor]) -> Dict[str, bool]:
     if params and all(p.is_cuda and p.dtype == torch.float32 for p in params):
         return {"fused": True}
     return {"foreach": True} if any(p.is_cuda for p in params) else {}
-
-
-def squared_l2_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of the squared L2 norms of ``grads``, as a one-element fp64 tensor on ``device``.
-
-    Each gradient's norm is taken in fp32 by ``torch._foreach_norm`` (one kernel per device and
-    dtype, no copy of any gradient; 16-bit gradients are read as fp32); only the per-tensor norms
-    are widened to fp64 before they are squared and summed.
-    """
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    if grads:
-        widen = {"dtype": torch.float32} if any(g.dtype in (torch.float16, torch.bfloat16) for g in grads) else {}
-        norms = torch._foreach_norm(list(grads), 2, **widen)
-        total += torch.stack(norms).to(torch.float64).square().sum()
-    return total
 
 
 def single_connection_warning(environ: Mapping[str, str], device_type: str, pipeline_schedule: str) -> Optional[str]:
@@ -89,15 +77,14 @@ class _ParamGroupsView:
         return self.optimizer.param_groups
 
 
-class WeightPassingTrainer:
+class WeightPassingTrainer(CheckpointDefaults):
     """One rank of a ``weipipe`` / ``tawpipe`` run."""
 
-    def __init__(self, args):
+    def __init__(self, args, forward_step_func):
         self.args = args
-        self.model = WeightPipeModel(args)
-        times = emulated_compute.maybe_load(args)
-        if times is not None:
-            emulated_compute.emulate_weight_pipe_model(self.model, times)
+        self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
+        self.emulation = EmulatedCompute.from_args(args, recompute=not args.tawpipe_no_recompute)
+        self.model = WeightPipeModel(args, compute=self.emulation.shard_compute if self.emulation else None)
         # Global rank and size (the plan's virtual ranks are the model's: model.rank, model.world).
         self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), self.model.device
         self.scaling = GradScaling.from_args(args, self.device)
@@ -137,7 +124,9 @@ class WeightPassingTrainer:
     def num_data_iterators(self) -> int:
         return 1
 
-    def train_step(self, data_iterators: List[Iterator]) -> Dict[str, object]:
+    def train_step(self, data_iterators: List[Iterator]) -> StepResult:
+        if self.emulation is not None:
+            self.emulation.start_step()
         self.model.train()
         self.model.zero_grads()
         if self.args.timeline_file:
@@ -152,12 +141,13 @@ class WeightPassingTrainer:
         sent = self._reduce_bytes()
         planned = self._planned_bytes.get(self.plan.num_microbatches) or self._planned_bytes.setdefault(
             self.plan.num_microbatches, self.planned_link_bytes())
-        return {"loss_sum": loss_sum, "num_tokens": tokens, "grad_norm": grad_norm,
-                "skipped": skipped, "loss_scale": self.scaling.loss_scale(),
-                "extra": {"inter_group_bytes": sent["inter"], "intra_group_bytes": sent["intra"],
-                          "planned_inter_group_bytes": planned["inter"],
-                          "planned_intra_group_bytes": planned["intra"],
-                          "compute_busy_fraction": mean_over_ranks(busy)}}
+        return StepResult(loss_sum=loss_sum, num_tokens=tokens, grad_norm=grad_norm, skipped=skipped,
+                          loss_scale=self.scaling.loss_scale(),
+                          slept_s=self.emulation.take_slept_s() if self.emulation is not None else None,
+                          extra={"inter_group_bytes": sent["inter"], "intra_group_bytes": sent["intra"],
+                                 "planned_inter_group_bytes": planned["inter"],
+                                 "planned_intra_group_bytes": planned["intra"],
+                                 "compute_busy_fraction": mean_over_ranks(busy)})
 
     @torch.no_grad()
     def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
@@ -166,7 +156,7 @@ class WeightPassingTrainer:
 
     def _forward_backward(self, data_iterators: List[Iterator], forward_only: bool) -> list:
         return self.forward_backward(
-            forward_step_func=gpt_forward_step, data_iterator=data_iterators[0], model=self.model,
+            forward_step_func=self.forward_step_func, data_iterator=data_iterators[0], model=self.model,
             num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
 
@@ -203,11 +193,7 @@ class WeightPassingTrainer:
                "max_weight_buffers": plan.max_weight_buffers, "max_grad_buffers": plan.max_grad_buffers,
                "spans": [s for t in traces for s in t["spans"]],
                "transfers": [x for t in traces for x in t["transfers"]]}
-        path = self.args.timeline_file
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
+        atomic_write_json(self.args.timeline_file, doc)
 
     def _check_finite(self) -> None:
         """Every rank checks what it holds; one all-reduced flag per shard makes all ranks agree."""
@@ -270,10 +256,7 @@ class WeightPassingTrainer:
 
     def _clip_gradients(self, norm: float) -> None:
         """Megatron's global-norm clipping: scale every gradient by clip / (norm + 1e-6) when below 1."""
-        if self.args.clip_grad > 0:
-            coeff = self.args.clip_grad / (norm + 1.0e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_(self.model.shard_grads() + self.model.replicated_grads(), coeff)
+        clip_gradients_(self.model.shard_grads() + self.model.replicated_grads(), self.args.clip_grad, norm)
 
     # ---- checkpoint support ---------------------------------------------------------
 

@@ -5,32 +5,31 @@ its gradient accumulator stay on the owner; only compute-dtype weight copies
 and fp32 partial gradients travel, as the plan says. The replicated parts
 (embedding, final norm, output layer) live on every rank with fp32 masters.
 
-This object is the ``model`` that :func:`runtime.schedules.forward_backward_tawpipe`
+This object is the ``model`` that :func:`megatron_tawpipe.runtime.schedules.forward_backward_tawpipe`
 takes, and the ``compute`` side of the plan executor: the executor calls
 :meth:`forward` / :meth:`backward` for each (micro-batch, shard) action.
 
 Micro-batches enter through megatron's ``forward_step_func(data_iterator, model)``
-contract: at a micro-batch's first shard the function is called with a
-:class:`_MicroBatchRecorder` standing in for the model; it records the inputs and
-returns a placeholder, and the ``loss_func`` it returns is applied to the real
-per-token losses when the last shard has run.
+contract (:class:`megatron_tawpipe.runtime.microbatches.MicroBatches`); the compute
+that runs each action is given to the model (:class:`LayerCompute`, or emulated compute).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe import parallel_state
-from megatron_tawpipe.initialize import current_device
-from megatron_tawpipe.model import params_dtype
+from megatron_tawpipe.distributed import parallel_state
+from megatron_tawpipe.common.device import current_device
+from megatron_tawpipe.models.llama import params_dtype
 from megatron_tawpipe.plan import build_plan, validate_plan
-from megatron_tawpipe.training import batch_schedule
+from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
-from megatron_tawpipe.runtime.precision import RngSnapshot
+from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
+from megatron_tawpipe.runtime.microbatches import MicroBatches
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
 
 
@@ -66,31 +65,12 @@ def planned_microbatch_counts(args) -> List[int]:
     return sorted(counts)
 
 
-class _MicroBatchRecorder:
-    """Stands in for the model inside ``forward_step_func``: records one micro-batch's inputs."""
-
-    def __init__(self):
-        self.inputs: Optional[dict] = None
-
-    def __call__(self, input_ids, position_ids, attention_mask, labels=None, **unused):
-        self.inputs = dict(tokens=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                           labels=labels)
-        return None  # the real output (per-token losses) reaches loss_func after the last shard
-
-
-def _normalised_loss(outputs, num_microbatches: int) -> Tuple[torch.Tensor, object]:
-    """Megatron's normalisation of a loss_func result (see schedules.forward_step_calc_loss)."""
-    if len(outputs) == 3:
-        loss, num_tokens, report = outputs
-        return loss / torch.clamp(num_tokens, min=1) / num_microbatches, report
-    loss, report = outputs
-    return loss / num_microbatches, report
-
-
 class WeightPipeModel:
     """One rank's weight-pipeline model: the plan, its executor and the compute callbacks."""
 
-    def __init__(self, args):
+    def __init__(self, args, compute: Optional[Callable[["WeightPipeModel"], ShardCompute]] = None):
+        """``compute(model)`` makes what runs the (micro-batch, shard) forward and backward actions
+        (a :class:`ShardCompute`): the real layers (:class:`LayerCompute`, the default) or emulated compute."""
         self.args = args
         # With --tensor-model-parallel-size T the plan runs over P / T virtual ranks, one per
         # tensor-parallel group (T consecutive ranks, megatron-core's layout): ``rank`` and
@@ -133,6 +113,7 @@ class WeightPipeModel:
                                            self.tensor_parallel_rank)
         self._create_megatron_communicators()
         self.executor = self._executor(self.plan)
+        self.compute: ShardCompute = (compute or LayerCompute)(self)
         self._reset(None, None, 1, forward_only=True)
 
     def _create_megatron_communicators(self) -> None:
@@ -265,32 +246,13 @@ class WeightPipeModel:
                              f"got num_microbatches={num_microbatches}")
         self._reset(forward_step_func, data_iterator, num_microbatches, forward_only)
         self.executor.run(self.plan.actions[self.rank], forward_only=forward_only)
-        return [self._reports[mb] for mb in sorted(self._reports)]
+        return self.microbatches.ordered_reports()
 
     def _reset(self, forward_step_func, data_iterator, num_microbatches: int, forward_only: bool) -> None:
-        self._forward_step_func = forward_step_func
-        self._data_iterator = data_iterator
-        self._num_microbatches = num_microbatches
-        self._forward_only = forward_only
-        self._batches: Dict[int, dict] = {}
-        self._loss_funcs: Dict[int, Callable] = {}
-        self._reports: Dict[int, object] = {}
-        self._inputs: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._outputs: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._output_grads: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._losses: Dict[int, torch.Tensor] = {}
-        needs_rng = self.args.hidden_dropout > 0 or self.args.attention_dropout > 0
-        self._rng: Optional[Dict[Tuple[int, int], RngSnapshot]] = {} if needs_rng and self.recompute else None
-        self._rotary = self.template.rotary(self.args.seq_length)
+        self.microbatches = MicroBatches(forward_step_func, data_iterator, num_microbatches, forward_only)
+        self.compute.reset()
         self.executor.reset_counters()
 
-    def _start_microbatch(self, mb: int) -> None:
-        recorder = _MicroBatchRecorder()
-        _, loss_func = self._forward_step_func(self._data_iterator, recorder)
-        if recorder.inputs is None:
-            raise RuntimeError("forward_step_func must call the model once per micro-batch")
-        self._batches[mb] = recorder.inputs
-        self._loss_funcs[mb] = loss_func
 
     # ---- executor callbacks ---------------------------------------------------------
 
@@ -312,81 +274,11 @@ class WeightPipeModel:
         """The plan's last action: every gradient has reached its owner. The step itself
         is the caller's (megatron convention: forward_backward_func does not step)."""
 
-    def _bind(self, weights: torch.Tensor) -> None:
-        if self.recompute:
-            self.template.bind(weights)
-        else:
-            self.template.bind_by_copy(weights)
-
     def forward(self, mb: int, shard: int, weights: torch.Tensor) -> None:
-        if shard == 0:
-            self._start_microbatch(mb)
-        batch = self._batches[mb]
-        self._bind(weights)
-        keep_graph = not self.recompute and not self._forward_only
-        if self._rng is not None and not self._forward_only:
-            self._rng[(mb, shard)] = RngSnapshot.capture()
-        with torch.set_grad_enabled(keep_graph):
-            if shard == 0:
-                hidden = self.template.embed(batch["tokens"], batch["position_ids"])
-                if not keep_graph:
-                    self._inputs[(mb, 0)] = hidden
-            else:
-                hidden = self._inputs[(mb, shard)]
-                if keep_graph:
-                    hidden = hidden.detach().requires_grad_(True)
-                    self._inputs[(mb, shard)] = hidden
-            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"])
-            if keep_graph:
-                self._outputs[(mb, shard)] = out
-            if shard + 1 < self.plan.num_shards:
-                self._inputs[(mb, shard + 1)] = out.detach() if keep_graph else out
-            else:
-                loss, report = self._loss(mb, out)
-                self._reports[mb] = report
-                if keep_graph:
-                    self._losses[mb] = loss
-                if self._forward_only:
-                    self._batches.pop(mb)
-
-    def _loss(self, mb: int, out: torch.Tensor) -> Tuple[torch.Tensor, object]:
-        """loss_func on the per-token losses, normalised like megatron and averaged over ranks."""
-        batch = self._batches[mb]
-        per_token = self.template.head_loss(out, batch["labels"])
-        loss, report = _normalised_loss(self._loss_funcs[mb](per_token), self._num_microbatches)
-        return self.loss_scale_func(loss / self.world), report
+        self.compute.forward(mb, shard, weights)
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
-        self._bind(weights)
-        if self.recompute:
-            hidden, out = self._recompute(mb, shard)
-        else:
-            hidden, out = self._inputs.pop((mb, shard), None), self._outputs.pop((mb, shard))
-        if shard + 1 == self.plan.num_shards:
-            loss = self._loss(mb, out)[0] if self.recompute else self._losses.pop(mb)
-            loss.backward()
-        else:
-            out.backward(self._output_grads.pop((mb, shard)))
-        if shard > 0:
-            self._output_grads[(mb, shard - 1)] = hidden.grad
-        self.template.layer_grads_into(grad_buffer)
-        self.template.replicated_grads_into(self.replicated_grads())
-        if shard == 0:
-            self._batches.pop(mb)
-            self._loss_funcs.pop(mb)
-
-    def _recompute(self, mb: int, shard: int):
-        """Full recompute of (mb, shard), replaying the forward's RNG state (dropout)."""
-        batch = self._batches[mb]
-        snapshot = self._rng.pop((mb, shard)) if self._rng is not None else None
-        with RngSnapshot.replay(snapshot), torch.enable_grad():
-            if shard == 0:  # recompute the embedding so that its weights get gradients
-                hidden = self.template.embed(batch["tokens"], batch["position_ids"])
-                self._inputs.pop((mb, 0))
-            else:
-                hidden = self._inputs.pop((mb, shard)).detach().requires_grad_(True)
-            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"])
-        return hidden, out
+        self.compute.backward(mb, shard, weights, grad_buffer)
 
     def close(self) -> None:
         self.executor.close()

@@ -1,8 +1,8 @@
-"""Training: the pre-training loop (:mod:`.loop`) and the global batch over a run (:mod:`.batch_schedule`).
+"""Training: the pre-training loop (:mod:`.loop`), the GPT forward step it is given (:mod:`.forward_step`) and
+the validation of the flags (:mod:`.validate_args`).
 
 The loop's names (``pretrain``, ``build_trainer``, ``evaluate``, ``TrainingError``) are loaded on first
-use, so that argument validation can read the batch schedule without importing megatron-core's
-training parts.
+use, so that validating flags does not import megatron-core's training parts.
 """
 
 _LOOP_NAMES = ("TrainingError", "build_scheduler", "build_trainer", "evaluate", "pretrain")

@@ -1,6 +1,6 @@
 """The pre-training loop on megatron-core parts.
 
-``pretrain(args)`` is what ``pretrain_llama.py`` runs on every rank: it sets
+``pretrain(args, forward_step_func)`` is what ``pretrain_llama.py`` runs on every rank: it sets
 up process groups, tokenizer, datasets, the trainer of the chosen
 ``--pipeline-schedule``, the LR schedule and checkpoints, then iterates. It
 returns the per-iteration records so that tests can call it in-process.
@@ -17,36 +17,35 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_tawpipe import cpu_compat, exits, progress
-from megatron_tawpipe.bench import emulated_compute
+from megatron_tawpipe.compat import cpu as cpu_compat
+
+from megatron_tawpipe.monitor import exits
+
+from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
-from megatron_tawpipe.initialize import initialize_distributed, initialize_model_parallel
-from megatron_tawpipe.metrics import (IterationRecord, MetricsWriter, held_memory_bytes, max_over_ranks, mean_over_ranks,
+from megatron_tawpipe.distributed.initialize import initialize_distributed, initialize_model_parallel
+from megatron_tawpipe.monitor.metrics import (IterationRecord, MetricsWriter, held_memory_bytes, max_over_ranks, mean_over_ranks,
                                       peak_memory_bytes)
-from megatron_tawpipe.runtime.executor import PeerFailure, first_line
-from megatron_tawpipe.runtime.precision import NonFiniteGradientError
-from megatron_tawpipe.tensorboard_log import TensorboardLog
-from megatron_tawpipe.training import batch_schedule
+from megatron_tawpipe.monitor.tensorboard_log import TensorboardLog
+from megatron_tawpipe.data import batch_schedule
+from megatron_tawpipe.common.errors import NonFiniteGradientError, PeerFailure, TrainingError, first_line
 
 
-class TrainingError(RuntimeError):
-    """Training cannot go on (non-finite loss, unsupported schedule, ...)."""
-
-
-def build_trainer(args):
+def build_trainer(args, forward_step_func):
+    """The trainer of ``--pipeline-schedule`` (FSDP2 with ``--use-torch-fsdp2``), running ``forward_step_func``."""
     if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
-        return WeightPassingTrainer(args)
+        return WeightPassingTrainer(args, forward_step_func)
     if getattr(args, "use_torch_fsdp2", False):
         from megatron_tawpipe.baselines.fsdp import FsdpTrainer
 
-        return FsdpTrainer(args)
+        return FsdpTrainer(args, forward_step_func)
     from megatron_tawpipe.baselines.native import NativeTrainer
 
-    return NativeTrainer(args)
+    return NativeTrainer(args, forward_step_func)
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
@@ -112,10 +111,13 @@ def _current_lr(scheduler: OptimizerParamScheduler) -> float:
     return float(scheduler.optimizer.param_groups[0]["lr"])
 
 
-def pretrain(args, trainer_factory=None) -> List[IterationRecord]:
-    """Train; ``trainer_factory(args)`` replaces the schedule's trainer (tests use it to substitute their own)."""
+def pretrain(args, forward_step_func, trainer_factory=None) -> List[IterationRecord]:
+    """Train with megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)`` (this project's
+    is :func:`megatron_tawpipe.training.forward_step.gpt_forward_step`); ``trainer_factory(args, forward_step_func)``
+    replaces the schedule's trainer (tests use it to substitute their own)."""
+    factory = trainer_factory or build_trainer
     with cpu_compat.explain_cuda_errors():
-        return _pretrain(args, trainer_factory or build_trainer)
+        return _pretrain(args, lambda run_args: factory(run_args, forward_step_func))
 
 
 def _pretrain(args, trainer_factory) -> List[IterationRecord]:
@@ -181,7 +183,6 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
         while iteration < args.train_iters:
             batch = batch_schedule.apply(args, consumed_samples)
             start = time.perf_counter()
-            emulated_compute.reset_slept()
             try:
                 with progress.board().step(iteration + 1, "training step"):
                     step = trainer.train_step(train_iterators)
@@ -191,13 +192,13 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             elapsed = time.perf_counter() - start
             iteration += 1
             consumed_samples += batch
-            if not step["skipped"]:
+            if not step.skipped:
                 scheduler.step(increment=batch)
-            loss = step["loss_sum"] / max(step["num_tokens"], 1.0)
+            loss = step.loss_sum / max(step.num_tokens, 1.0)
             if not math.isfinite(loss) and not args.fp16 and args.check_for_nan_in_loss_and_grad:
                 raise TrainingError(f"lm loss is {loss} at iteration {iteration}; stopping "
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
-            extra = dict(step.get("extra", {}))
+            extra = dict(step.extra)
             extra["global_batch_size"] = batch
             peak, held = peak_memory_bytes(), held_memory_bytes()
             held = -1 if held is None or held_before_model is None else held - held_before_model
@@ -206,9 +207,9 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             extra["memory_since_model_bytes_max_rank"] = int(growth_max)
             if held_max >= 0:  # what the model, optimizer and buffers hold between iterations
                 extra["memory_held_since_model_bytes_max_rank"] = int(held_max)
-            if getattr(args, "emulated_compute_times", None):  # busy = slept compute time, the same measure for every schedule
+            if step.slept_s is not None:  # emulated: busy = slept compute time, the same measure for every schedule
                 extra["compute"] = "emulated"
-                extra["compute_busy_fraction"] = mean_over_ranks(emulated_compute.slept_seconds() / elapsed)
+                extra["compute_busy_fraction"] = mean_over_ranks(step.slept_s / elapsed)
             reason = stop.reason(iteration)
             # Validation every --eval-interval iterations and, as Megatron-LM does, once after the last
             # iteration (not after an early exit).
@@ -218,8 +219,8 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
                 if validation is not None:
                     extra["validation_lm_loss"] = validation
             records.append(writer.record(
-                iteration, consumed_samples, elapsed, loss, step["grad_norm"], _current_lr(scheduler),
-                skipped=step["skipped"], loss_scale=step["loss_scale"], extra=extra))
+                iteration, consumed_samples, elapsed, loss, step.grad_norm, _current_lr(scheduler),
+                skipped=step.skipped, loss_scale=step.loss_scale, extra=extra))
             board.iteration(records[-1], batch)
             board.validation(extra.get("validation_lm_loss"), iteration, consumed_samples)
             if args.save and args.save_interval and iteration % args.save_interval == 0:

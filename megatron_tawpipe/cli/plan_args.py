@@ -1,0 +1,247 @@
+"""Command-line plumbing shared by ``tools/simulate.py`` and
+``tools/plot_schedule.py``: cluster/model arguments, cost model and plan
+construction."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_defaults, llama_ffn_hidden_size
+
+from megatron_tawpipe.common.units import parse_rate, parse_time
+from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
+from megatron_tawpipe.sim.fsdp import simulate_fsdp
+from megatron_tawpipe.plan.planners import build_plan
+from megatron_tawpipe.sim.simulate import simulate
+from megatron_tawpipe.sim.strategies import STRATEGIES, plan_memory, run_strategy
+from megatron_tawpipe.sim.tensor_parallel import per_gpu_result, virtual_rank_cost
+from megatron_tawpipe.plan.validate import validate_plan
+from megatron_tawpipe.training.validate_args import validate_args
+
+ACTIVATION = ("gpipe", "1f1b", "interleaved")
+ANALYTIC = ("fsdp",) + tuple(STRATEGIES)      # not plan schedules
+ALL = ("tawpipe", "tawpipe-rep", "tawpipe-paper", "tawpipe-nooverlap", "tawpipe-flat", "weipipe",
+       "weipipe-naive", "gpipe", "1f1b", "interleaved", "fsdp") + tuple(STRATEGIES)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--ranks", type=int, default=8, help="total ranks P")
+    g.add_argument("--groups", type=int, default=2, help="groups (nodes) D; ranks of a group "
+                   "are consecutive")
+    g.add_argument("--intra-bw", default="200GB/s", help="bandwidth inside a group")
+    g.add_argument("--inter-bw", default="12.5GB/s", help="bandwidth of a node's link to "
+                   "other groups (per direction, shared by its ranks)")
+    g.add_argument("--intra-latency", default="5us")
+    g.add_argument("--inter-latency", default="20us")
+    g.add_argument("--peak-tflops", type=float, default=312.0)
+    g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached")
+    g.add_argument("--backend", choices=sorted(BACKENDS), default="nccl", help="library collectives: "
+                   + "; ".join(f"{k}: {v}" for k, v in BACKENDS.items()))
+    g.add_argument("--measured-times", metavar="JSON", help="per-layer forward/backward/"
+                   "recompute times measured on a GPU (overrides the FLOP model)")
+    m = p.add_argument_group("model and batch")
+    m.add_argument("--num-layers", type=int, default=16)
+    m.add_argument("--hidden-size", type=int, default=4096)
+    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 12*H^2 "
+                   "parameters per layer (ffn = 8H/3)")
+    m.add_argument("--num-attention-heads", type=int, default=None)
+    m.add_argument("--num-query-groups", type=int, default=None)
+    m.add_argument("--vocab-size", type=int, default=32000)
+    m.add_argument("--seq-length", type=int, default=16384)
+    m.add_argument("--micro-batch-size", type=int, default=1)
+    m.add_argument("--num-microbatches", type=int, default=8, help="per rank")
+    m.add_argument("--no-recompute", action="store_true", help="keep all activations instead "
+                   "of recomputing shards in backward")
+    m.add_argument("--dtype-bytes", type=int, default=2, help="compute dtype size (bf16: 2)")
+    s = p.add_argument_group("schedule options")
+    s.add_argument("--no-overlap", action="store_true", help="tawpipe/weipipe without "
+                   "comm/compute overlap")
+    s.add_argument("--flat", action="store_true", help="tawpipe with one flat group")
+    s.add_argument("--no-cache", action="store_true", help="tawpipe: fetch foreign shards "
+                   "every visit instead of keeping them for the iteration")
+    s.add_argument("--drain", action="store_true", help="tawpipe: re-align groups after each "
+                   "micro-batch round")
+    s.add_argument("--chunk", type=int, default=None, help="tawpipe: micro-batches per visit")
+    s.add_argument("--prefetch", type=int, default=None, help="tawpipe: slots of look-ahead for "
+                   "inter-group fetches")
+    s.add_argument("--replicate-first-shard", action="store_true", help="tawpipe: shard 0 held by one "
+                   "rank in every group (--tawpipe-replicate-first-shard)")
+    s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
+    s.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
+                   help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
+                        "virtual ranks (--num-microbatches is then per virtual rank); see "
+                        "megatron_tawpipe/sim/tensor_parallel.py")
+
+
+def cost_model(args) -> CostModel:
+    cost = CostModel.from_flops(
+        hidden_size=args.hidden_size, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.vocab_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, peak_tflops=args.peak_tflops,
+        efficiency=args.efficiency, recompute=not args.no_recompute,
+        intra_bw=parse_rate(args.intra_bw), intra_latency=parse_time(args.intra_latency),
+        inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
+        dtype_bytes=args.dtype_bytes)
+    cost = replace(cost, backend=args.backend)
+    if args.measured_times:
+        cost = cost.with_measured(args.measured_times)
+    return cost
+
+
+def planner_options(name: str, args) -> dict:
+    kw = {}
+    if name.startswith("tawpipe"):
+        if args.no_overlap:
+            kw["overlap"] = False
+        if args.flat:
+            kw["groups"] = 1
+        if args.no_cache:
+            kw["cache"] = False
+        if args.drain:
+            kw["drain"] = True
+        if args.chunk:
+            kw["chunk"] = args.chunk
+        if args.prefetch:
+            kw["prefetch"] = args.prefetch
+        if args.replicate_first_shard and replicable(name, args):
+            kw["replicate_first"] = True
+    elif name.startswith("weipipe") and args.no_overlap:
+        kw["overlap"] = False
+    elif name == "interleaved" and args.virtual_stages:
+        kw["virtual_stages"] = args.virtual_stages
+    return kw
+
+
+def replicable(name: str, args) -> bool:
+    """Whether TawPipe schedule ``name`` can hold shard 0 in every group: at
+    least 2 groups, not the flat variant."""
+    return name.startswith("tawpipe") and name != "tawpipe-flat" and not args.flat and args.groups >= 2
+
+
+def make_plan(name: str, args, validate: bool = True):
+    n = args.num_microbatches * (args.ranks if name in ACTIVATION else 1)
+    plan = build_plan(name, num_ranks=args.ranks // tensor_parallel_for(name, args), num_groups=args.groups,
+                      num_layers=args.num_layers, num_microbatches=n,
+                      **planner_options(name, args))
+    if validate:
+        validate_plan(plan)
+    return plan
+
+
+def run_one(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
+    """(plan or None, SimResult); the result's ``options["memory_breakdown"]`` is
+    the per-GPU memory by term (:mod:`plan.memory`)."""
+    tp = tensor_parallel_for(name, args)
+    if name in STRATEGIES:
+        return None, run_strategy(name, cost, args.ranks, args.groups, args.num_layers,
+                                  args.num_microbatches)
+    if tp > 1:
+        virtual = virtual_rank_cost(cost, tp)
+        plan = make_plan(name, args, validate)
+        result = simulate(plan, virtual, record=record)
+        result.options["memory_breakdown"] = plan_memory(result, virtual, plan).as_dict()
+        return plan, per_gpu_result(result, tp, cost, args.num_layers, args.num_microbatches)
+    if name == "fsdp":
+        result = simulate_fsdp(cost, args.ranks, args.groups, args.num_layers,
+                               args.num_microbatches)
+        plan = None
+    else:
+        plan = make_plan(name, args, validate)
+        result = simulate(plan, cost, record=record)
+    result.options["memory_breakdown"] = plan_memory(result, cost, plan).as_dict()
+    return plan, result
+
+
+def tensor_parallel_for(name: str, args) -> int:
+    """T for a weight-passing schedule (1 for the others; refused for them when T > 1)."""
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp == 1:
+        return 1
+    if not name.startswith(("tawpipe", "weipipe")):
+        raise ValueError(f"--tensor-model-parallel-size {tp} is modelled for tawpipe/weipipe only, not {name}")
+    per_node = args.ranks // args.groups
+    if per_node % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide the {per_node} ranks of a group")
+    return tp
+
+
+
+
+# ----------------------------------------------------------------- the advisor
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "num_query_groups", "vocab_size")
+
+
+def add_advisor_args(p: argparse.ArgumentParser) -> None:
+    from megatron_tawpipe.sim.advisor_configs import PRESETS
+
+    a = p.add_argument_group("advisor (--advise)")
+    a.add_argument("--advise", action="store_true", help="rank every strategy and its knobs for this "
+                   "cluster, model and global batch; print the best command")
+    a.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (sets --groups)")
+    a.add_argument("--gpu-memory", default="80GB", help="memory per GPU (80GB = 80e9 bytes, 80GiB)")
+    a.add_argument("--memory-reserve", default="5GB", help="kept free for the CUDA context, NCCL "
+                   "buffers and fragmentation, which the memory model does not count")
+    a.add_argument("--model", choices=sorted(PRESETS), default=None, help="Llama-shaped preset "
+                   "(Llama-2 7B/13B/70B, Code Llama 34B); explicit model flags override it")
+    a.add_argument("--global-batch-size", type=int, default=None, help="sequences per iteration "
+                   "(default: micro-batch size x num-microbatches x ranks)")
+    a.add_argument("--prune", choices=("strategy", "top2"), default="strategy",
+                   help="which simulations to skip (see megatron_tawpipe/sim/advisor.py)")
+    a.add_argument("--trainable-only", action="store_true", help="leave out what only the "
+                   "simulator models (HFSDP, TawPipe cache settings the runtime does not offer)")
+    a.add_argument("--top", type=int, default=15, help="rows of the ranking to print")
+
+
+def _given(argv, name: str) -> bool:
+    flag = "--" + name.replace("_", "-")
+    return any(x == flag or x.startswith(flag + "=") for x in argv)
+
+
+def advisor_inputs(args, argv):
+    """(ModelSpec, Cluster, global batch) from the parsed flags."""
+    from megatron_tawpipe.sim.advisor_configs import PRESETS, Cluster, ModelSpec
+    from megatron_tawpipe.sim.memory import parse_size
+
+    values = {}
+    preset = PRESETS[args.model] if args.model else {}
+    for name in MODEL_FLAGS:
+        given = getattr(args, name)
+        values[name] = given if (_given(argv, name) or name not in preset) else preset[name]
+    H = values["hidden_size"]
+    if values["ffn_hidden_size"] is None:
+        values["ffn_hidden_size"] = llama_ffn_hidden_size(H)
+    if values["num_attention_heads"] is None:
+        values["num_attention_heads"] = max(1, H // 128)
+    if values["num_query_groups"] is None:
+        values["num_query_groups"] = values["num_attention_heads"]
+    model = ModelSpec(seq_length=args.seq_length, **values)
+    groups = args.ranks // args.ranks_per_node if args.ranks_per_node else args.groups
+    if args.ranks % groups:
+        raise ValueError(f"--ranks {args.ranks} is not a multiple of the node size")
+    cluster = Cluster(ranks=args.ranks, nodes=groups, intra_bw=parse_rate(args.intra_bw),
+                      inter_bw=parse_rate(args.inter_bw), peak_tflops=args.peak_tflops,
+                      efficiency=args.efficiency, gpu_memory=parse_size(args.gpu_memory),
+                      memory_reserve=parse_size(args.memory_reserve),
+                      intra_latency=parse_time(args.intra_latency),
+                      inter_latency=parse_time(args.inter_latency))
+    gbs = args.global_batch_size or args.micro_batch_size * args.num_microbatches * args.ranks
+    return model, cluster, gbs
+
+
+def check_command(argv, world_size: int) -> str:
+    """Why ``pretrain_llama.py`` would refuse ``argv`` on ``world_size`` ranks ("" when it accepts it): the
+    trainer's own argument validation. The advisor is given this check (``Advisor(check_command=...)``)."""
+    args, unknown = build_parser().parse_known_args(
+        list(argv) + ["--train-iters", "1", "--distributed-backend", "nccl", "--lr", "1e-4",
+                      "--tokenizer-type", "NullTokenizer"])
+    if unknown:
+        return "unknown flags " + " ".join(x for x in unknown if x.startswith("--"))
+    try:
+        validate_args(fill_defaults(args), world_size=world_size)
+    except ArgumentError as exc:
+        return str(exc)
+    return ""

@@ -1,0 +1,305 @@
+"""Run megatron-core on a machine without CUDA.
+
+megatron-core assumes a GPU in a few dozen places: factory calls with
+``device=torch.cuda.current_device()`` or ``device="cuda"``, ``torch.cuda``
+RNG and synchronisation calls, and type checks against ``torch.cuda.FloatTensor``.
+This module makes those places run on the CPU, and nothing else:
+
+* a :class:`~torch.overrides.TorchFunctionMode` rewrites CUDA device arguments
+  of torch calls to ``cpu`` (``device=0`` included, since that is what
+  ``torch.cuda.current_device()`` now returns);
+* ``torch.cuda.current_device/synchronize/manual_seed/get_rng_state/...`` are
+  replaced with CPU equivalents (the "CUDA" RNG *is* the CPU generator, so
+  megatron's RNG tracker forks the generator that CPU dropout really uses);
+* megatron's own CUDA-RNG helpers are redirected, and fp32 CPU tensors
+  report the CUDA type name that megatron's optimizer asserts on.
+
+It is applied only when CUDA is unavailable (:func:`apply` is a no-op on a GPU
+machine), it can be removed again (:func:`remove`), and it refuses to run on
+a megatron-core whose patch targets moved: it raises :class:`CpuCompatError`
+naming the installed version instead of letting anything run half-patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from megatron_tawpipe.common.errors import CpuCompatError
+
+__all__ = ["CpuCompatError", "apply", "remove", "is_applied", "explain_cuda_errors", "megatron_version"]
+
+
+def megatron_version() -> str:
+    try:
+        from megatron.core.package_info import __version__
+    except Exception:  # pragma: no cover - megatron-core always has package_info
+        return "unknown"
+    return __version__
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare integer device index means a CUDA device to torch factories.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CPU = torch.device("cpu")
+
+
+def _map_device(device: Any) -> Any:
+    return _CPU if _is_cuda_device(device) else device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU in every torch call made under it.
+
+    Torch pops the mode while its handler runs, and ``Tensor.backward`` /
+    ``torch.autograd.backward`` are dispatched through the handler, so the
+    autograd engine (recompute, gradient hooks) would run without it:
+    :func:`_engine_with_mode` re-enters it around the engine call.
+    ``Tensor.type()`` of an fp32 CPU tensor reports the CUDA type name, because
+    megatron's optimizer and gradient clipping assert on that string.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        if func is torch.Tensor.type:
+            return _tensor_type(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _tensor_type(func, args, kwargs):
+    tensor = args[0]
+    target = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if target is None:
+        name = func(tensor)
+        return name.replace("torch.", "torch.cuda.", 1) if tensor.device.type == "cpu" else name
+    if isinstance(target, str) and target.startswith("torch.cuda."):
+        target = target.replace("torch.cuda.", "torch.", 1)
+    return func(tensor, target, *args[2:], **{k: v for k, v in kwargs.items() if k != "dtype"})
+
+
+def _engine_with_mode(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def run_backward(*args, **kwargs):
+        if _mode is not None and _mode not in _current_modes():
+            with _mode:
+                return original(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return run_backward
+
+
+def _current_modes():
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
+# --------------------------------------------------------------------------------------
+# Function replacements
+# --------------------------------------------------------------------------------------
+
+
+def _current_device() -> int:
+    return 0
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def _manual_seed(seed: int) -> None:
+    # torch.manual_seed would call back into torch.cuda.manual_seed_all.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
+def _megatron_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    return torch.get_rng_state()
+
+
+def _megatron_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _null_stream_context(*args, **kwargs):
+    # Reusable: megatron enters one stream context more than once.
+    return contextlib.nullcontext()
+
+
+class _FakeStream:
+    """Enough of torch.cuda.Stream for code that only records and waits."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _memory_zero(*args, **kwargs) -> int:
+    return 0
+
+
+# (module, attribute, replacement); the module/attribute must exist, otherwise
+# this megatron-core (or torch) is not the one the layer was written for.
+def _patch_table() -> List[Tuple[str, str, Any]]:
+    return [
+        ("torch.cuda", "current_device", _current_device),
+        ("torch.cuda", "synchronize", _noop),
+        ("torch.cuda", "manual_seed", _manual_seed),
+        ("torch.cuda", "manual_seed_all", _manual_seed),
+        ("torch.cuda", "get_rng_state", _get_rng_state),
+        ("torch.cuda", "set_rng_state", _set_rng_state),
+        ("torch.cuda", "empty_cache", _noop),
+        ("torch.cuda", "current_stream", _FakeStream),
+        ("torch.cuda", "default_stream", _FakeStream),
+        # megatron's partial data parallelism (--num-distributed-optimizer-instances > 1) runs its
+        # reductions on a side stream; on the CPU they run in order on the host instead.
+        ("torch.cuda", "Stream", _FakeStream),
+        ("torch.cuda", "stream", _null_stream_context),
+        ("torch.cuda", "memory_allocated", _memory_zero),
+        ("torch.cuda", "max_memory_allocated", _memory_zero),
+        ("torch.cuda", "reset_peak_memory_stats", _noop),
+        ("torch.cuda.random", "get_rng_state", _get_rng_state),
+        ("torch.cuda.random", "set_rng_state", _set_rng_state),
+        ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _megatron_get_rng_state),
+        ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _megatron_set_rng_state),
+        ("torch.autograd", "_engine_run_backward", _engine_with_mode),
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# apply / remove
+# --------------------------------------------------------------------------------------
+
+_saved: Dict[Tuple[str, str], Any] = {}
+_mode: _CudaToCpuMode | None = None
+
+
+def is_applied() -> bool:
+    return _mode is not None
+
+
+def _resolve(module_name: str, attr: str):
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CpuCompatError(
+            f"megatron-core {megatron_version()}: CPU compatibility layer cannot import "
+            f"{module_name} ({exc}); this megatron-core version is not supported on CPU"
+        ) from exc
+    if not hasattr(module, attr):
+        raise CpuCompatError(
+            f"megatron-core {megatron_version()}: CPU compatibility layer expected "
+            f"{module_name}.{attr}, which this version does not have; "
+            "it is not supported on CPU (supported: megatron-core 0.14-0.16)"
+        )
+    return module
+
+
+def apply(force: bool = False) -> bool:
+    """Make megatron-core run on the CPU. Returns True if the layer is active.
+
+    A no-op (returns False) when CUDA is available, unless ``force``.
+    Must be called before models are built, in every process.
+    """
+    global _mode
+    if _mode is not None:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    resolved = []
+    for module_name, attr, replacement in _patch_table():
+        module = _resolve(module_name, attr)
+        original = getattr(module, attr)
+        if replacement is _engine_with_mode:
+            replacement = _engine_with_mode(original)
+        resolved.append((module, module_name, attr, original, replacement))
+    for module, module_name, attr, original, replacement in resolved:
+        _saved[(module_name, attr)] = original
+        setattr(module, attr, replacement)
+    _mode = _CudaToCpuMode()
+    _mode.__enter__()
+    _self_check()
+    return True
+
+
+def remove() -> None:
+    """Undo :func:`apply` (for tests and for code that later moves to a GPU)."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    for (module_name, attr), original in _saved.items():
+        setattr(importlib.import_module(module_name), attr, original)
+    _saved.clear()
+
+
+def _self_check() -> None:
+    probe = torch.empty(1, device=torch.cuda.current_device())
+    literal = torch.ones(1, device="cuda")
+    if probe.device.type != "cpu" or literal.device.type != "cpu":  # pragma: no cover
+        remove()
+        raise CpuCompatError(
+            f"megatron-core {megatron_version()}: CPU compatibility layer failed its self-check"
+        )
+
+
+_CUDA_ERROR_MARKERS = (
+    "Torch not compiled with CUDA",
+    "Found no NVIDIA driver",
+    "CUDA driver",
+    "No CUDA GPUs are available",
+)
+
+
+@contextlib.contextmanager
+def explain_cuda_errors():
+    """Turn a stray CUDA call on a CPU-only machine into a clear error.
+
+    A megatron-core release may add a CUDA call site that the layer does not
+    cover; torch then fails deep inside megatron with a terse message. We name
+    the megatron-core version so that the cause is obvious.
+    """
+    try:
+        yield
+    except (AssertionError, RuntimeError) as exc:
+        if is_applied() and any(marker in str(exc) for marker in _CUDA_ERROR_MARKERS):
+            raise CpuCompatError(
+                f"megatron-core {megatron_version()} made a CUDA call that the CPU compatibility "
+                f"layer does not cover ({exc}); this megatron-core version is not supported on CPU"
+            ) from exc
+        raise

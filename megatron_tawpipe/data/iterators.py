@@ -1,0 +1,161 @@
+"""Micro-batches: Megatron's pretraining samplers, the data iterator and :func:`get_batch`.
+
+Step ``k`` covers the global sample indices ``[consumed + k*mbs*dp, consumed + (k+1)*mbs*dp)`` and
+data-parallel rank ``d`` takes the slice ``[d*mbs, (d+1)*mbs)`` of each step (``--dataloader-type
+cyclic``: Megatron-LM's random sampler instead).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, Iterator, List, Optional
+
+
+class MicroBatchSampler:
+    """Megatron's pretraining sampler: consecutive global indices, sliced per DP rank.
+
+    Step ``k`` covers global sample indices ``[consumed + k*M*D, consumed + (k+1)*M*D)``
+    (M = micro batch size, D = data-parallel size); rank ``d`` yields the slice
+    ``[d*M, (d+1)*M)`` of that step.  The last partial step is dropped.  With ``cyclic``
+    the index wraps around the dataset (index mod len) and the iteration never ends.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, cyclic: bool = False) -> None:
+        if total_samples <= 0:
+            raise ValueError(f"the dataset is empty (total samples {total_samples})")
+        if micro_batch_size <= 0:
+            raise ValueError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+        if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(
+                f"data-parallel rank {data_parallel_rank} is outside data-parallel size {data_parallel_size}"
+            )
+        if consumed_samples < 0:
+            raise ValueError(f"consumed samples must be >= 0, got {consumed_samples}")
+        if not cyclic and consumed_samples >= total_samples:
+            raise ValueError(
+                f"all {total_samples} samples of the dataset are consumed (consumed samples {consumed_samples})"
+            )
+        self.total_samples = int(total_samples)
+        self.consumed_samples = int(consumed_samples)
+        self.micro_batch_size = int(micro_batch_size)
+        self.data_parallel_rank = int(data_parallel_rank)
+        self.data_parallel_size = int(data_parallel_size)
+        self.cyclic = bool(cyclic)
+
+    @property
+    def step(self) -> int:
+        return self.micro_batch_size * self.data_parallel_size
+
+    def __len__(self) -> int:
+        if self.cyclic:
+            raise TypeError("a cyclic sampler has no length")
+        return (self.total_samples - self.consumed_samples) // self.step
+
+    def __iter__(self) -> Iterator[List[int]]:
+        start = self.consumed_samples
+        lo = self.data_parallel_rank * self.micro_batch_size
+        while self.cyclic or start + self.step <= self.total_samples:
+            first = start + lo
+            yield [(first + i) % self.total_samples for i in range(self.micro_batch_size)]
+            start += self.step
+
+
+class RandomMicroBatchSampler:
+    """Megatron-LM's ``--dataloader-type cyclic`` sampler: epochs over the dataset, each in its own random
+    order (a permutation seeded by the epoch number), endless.
+
+    The dataset is cut to a multiple of ``M*D`` samples (the rest is never seen); each data-parallel rank
+    owns a contiguous bucket of ``1/D`` of it and walks that bucket in the epoch's order, ``M`` samples per
+    micro-batch. Resuming after ``consumed_samples`` (global samples) continues exactly where an
+    uninterrupted run would be.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int) -> None:
+        self.step = int(micro_batch_size) * int(data_parallel_size)
+        self.active = int(total_samples) - int(total_samples) % self.step
+        if self.active <= 0:
+            raise ValueError(f"the dataset has {total_samples} samples, fewer than one micro-batch on every "
+                             f"data-parallel rank ({self.step})")
+        self.consumed_samples = int(consumed_samples)
+        self.micro_batch_size = int(micro_batch_size)
+        self.data_parallel_rank = int(data_parallel_rank)
+        self.data_parallel_size = int(data_parallel_size)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        import torch
+
+        bucket = self.active // self.data_parallel_size
+        start = self.data_parallel_rank * bucket
+        consumed = self.consumed_samples
+        while True:
+            epoch, in_epoch = divmod(consumed, self.active)
+            generator = torch.Generator()
+            generator.manual_seed(epoch)
+            order = torch.randperm(bucket, generator=generator).tolist()
+            offset = in_epoch // self.data_parallel_size
+            for first in range(offset, bucket - self.micro_batch_size + 1, self.micro_batch_size):
+                yield [start + x for x in order[first:first + self.micro_batch_size]]
+            consumed = (epoch + 1) * self.active
+
+
+def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
+                        consumed_samples: int, *, num_workers: int = 0, cyclic: bool = False,
+                        pin_memory: bool = False, ignore_signal: Optional[int] = None,
+                        dataloader_type: str = "single") -> Optional[Iterator[Dict[str, "object"]]]:
+    """Iterator over this data-parallel rank's micro-batches (dicts of batched CPU tensors).
+
+    Deterministic and resumable: the batches after ``consumed_samples`` (global samples,
+    i.e. iterations * global batch size) are those an uninterrupted run would see.
+    Finite (until the dataset is used up) unless ``cyclic``; ``dataloader_type`` ``cyclic`` is Megatron-LM's
+    random sampler (:class:`RandomMicroBatchSampler`), endless.  Returns None for a None
+    dataset (ranks that build no data).  Worker processes ignore ``ignore_signal`` (the signal
+    ``--exit-signal-handler`` leaves to the training process).
+    """
+    if dataset is None:
+        return None
+    import torch
+
+    if dataloader_type == "cyclic":  # Megatron-LM's random sampler
+        sampler = RandomMicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    else:
+        sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank,
+                                    dp_size, cyclic=cyclic)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=int(num_workers),
+        pin_memory=bool(pin_memory),
+        persistent_workers=int(num_workers) > 0,
+        worker_init_fn=(functools.partial(_ignore_signal_in_worker, ignore_signal)
+                        if ignore_signal is not None and int(num_workers) > 0 else None),
+    )
+    return iter(loader)
+
+
+def _ignore_signal_in_worker(signum: int, _worker_id: int) -> None:
+    import signal
+
+    signal.signal(signum, signal.SIG_IGN)
+
+
+def get_batch(data_iterator, device):
+    """Next micro-batch on ``device``: (tokens, labels, loss_mask, attention_mask|None, position_ids).
+
+    Returns five Nones for a None iterator (pipeline stages that take no data).
+    """
+    if data_iterator is None:
+        return None, None, None, None, None
+    batch = next(data_iterator)
+
+    def move(t):
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return (
+        move(batch["tokens"]),
+        move(batch["labels"]),
+        move(batch["loss_mask"]),
+        move(batch.get("attention_mask")),
+        move(batch["position_ids"]),
+    )

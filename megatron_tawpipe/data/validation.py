@@ -1,0 +1,238 @@
+"""Checks of the data and tokenizer flags, and the parsers of ``--data-path`` and ``--split``.
+
+:func:`validate_data_args` runs before any process group exists and builds nothing: it checks the
+tokenizer flags and that each ``--data-path`` prefix is an intact Megatron ``.bin``/``.idx`` pair whose
+token ids fit the tokenizer (:func:`check_data_files`) and whose ``--split`` shares are not empty.
+Errors are ValueErrors of one line naming the flag and the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import List, Optional, Sequence, Tuple
+
+from megatron_tawpipe.data.checks import (check_indexed_dataset, check_token_ids, check_tokenizer_record,
+                                          tokenizer_fingerprint)
+from megatron_tawpipe.data.tokenizers import (SENTENCEPIECE_TOKENIZERS, SUPPORTED_TOKENIZERS, _arg, load_tokenizer,
+                                              tokenizer_files)
+
+DEFAULT_SPLIT = "969,30,1"
+
+
+def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Tuple[List[str], Optional[List[float]]]]:
+    """Megatron blend syntax -> (prefixes, weights or None).
+
+    ``["prefix"]`` or ``["p1", "p2"]`` -> weights None (proportional to dataset sizes);
+    ``["w1", "p1", "w2", "p2"]`` -> explicit weights.  Items may also hold several
+    whitespace-separated tokens (``["0.3 p1 0.7 p2"]``).
+    """
+    if data_path is None:
+        return None
+    if isinstance(data_path, str):
+        data_path = [data_path]
+    items = [tok for item in data_path for tok in str(item).split()]
+    if not items:
+        return None
+
+    def as_float(s):
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    if len(items) % 2 == 1:
+        return items, None
+    weights = [as_float(w) for w in items[0::2]]
+    if all(w is None for w in weights):
+        return items, None
+    if any(w is None for w in weights):
+        raise ValueError(
+            f"--data-path {' '.join(items)!r} mixes weights and prefixes; use 'prefix ...' or 'w1 prefix1 w2 prefix2 ...'"
+        )
+    if any(w <= 0 or not math.isfinite(w) for w in weights):
+        raise ValueError(f"--data-path weights must be positive numbers, got {items[0::2]}")
+    return list(items[1::2]), weights
+
+
+def parse_split(split: str) -> List[float]:
+    """'969,30,1' -> normalized [train, valid, test] fractions (missing entries are 0)."""
+    # Megatron-LM reads the numbers and ignores the rest, so a script's quoted "'99,1,0'" works.
+    text = str(split).strip().strip("'\"")
+    parts = [p.strip() for p in re.split(r"[,/]", text)] if text else []
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = None
+    if (not values or len(values) > 3 or any(not math.isfinite(v) or v < 0 for v in values)
+            or sum(values) <= 0):
+        raise ValueError(
+            f"--split {split!r} is invalid: expected 1-3 non-negative comma-separated weights "
+            f"with a positive sum, e.g. {DEFAULT_SPLIT}"
+        )
+    values = values + [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def _split_bookends(split: List[float]) -> List[Optional[Tuple[float, float]]]:
+    ends, acc = [], 0.0
+    for v in split:
+        ends.append(None if v == 0 else (acc, acc + v))
+        acc += v
+    return ends
+
+
+def _idx_counts(prefix: str) -> Tuple[int, int]:
+    """(sequence count, document count) of a Megatron .idx, after checking the .bin/.idx pair."""
+    info = check_indexed_dataset(prefix, "--data-path")
+    return info.sequence_count, info.document_count
+
+
+def _tokenizer_vocab(args, vocab_size: Optional[int] = None) -> Optional[Tuple[int, str, str]]:
+    """(number of token ids, message start naming the flag, hint) for the tokenizer of ``args``.
+
+    ``vocab_size`` is the built tokenizer's size when there is one; otherwise it is read
+    from the flags (SentencePiece: pieces in the model; NullTokenizer: --vocab-size ids
+    plus the eod id --vocab-size).  None when neither gives a size.
+    """
+    if getattr(args, "tokenizer_type", None) in SENTENCEPIECE_TOKENIZERS:
+        model = getattr(args, "tokenizer_model", None)
+        if vocab_size is None:
+            import sentencepiece
+
+            vocab_size = sentencepiece.SentencePieceProcessor(model_file=model).get_piece_size()
+        return (int(vocab_size), f"--tokenizer-model {model} has {int(vocab_size)} tokens",
+                "the data was tokenized with another tokenizer")
+    null_vocab = getattr(args, "vocab_size", None)
+    if getattr(args, "tokenizer_type", None) != "NullTokenizer" or null_vocab is None:
+        if vocab_size is None:
+            return None
+        return (int(vocab_size), f"the tokenizer has {int(vocab_size)} tokens",
+                "the data was tokenized with another tokenizer")
+    null_vocab = int(null_vocab)
+    # megatron-core's null tokenizer: --vocab-size ids plus the eod --vocab-size up to 0.18,
+    # --vocab-size ids with the eod --vocab-size - 1 from 0.19 (as Megatron-LM of each release).
+    null = load_tokenizer("NullTokenizer", None, null_vocab)
+    if vocab_size is None:
+        vocab_size = null.vocab_size
+    return (int(vocab_size),
+            f"--vocab-size {null_vocab} gives the NullTokenizer {int(vocab_size)} token ids "
+            f"(0..{int(vocab_size) - 1}, eod {null.eod})",
+            "the data was tokenized with another tokenizer or a larger --vocab-size")
+
+
+def check_data_files(args, vocab_size: Optional[int] = None) -> None:
+    """Check each --data-path prefix: an intact .bin/.idx pair whose ids fit the tokenizer.
+
+    Raises ValueError with one line naming the flag and file (see ``data_checks``).  A
+    no-op for --mock-data.  ``vocab_size`` overrides the tokenizer size read from the flags.
+    """
+    if getattr(args, "mock_data", False):
+        return
+    blend = parse_data_path(getattr(args, "data_path", None))
+    if blend is None:
+        return
+    infos = [check_indexed_dataset(prefix, "--data-path") for prefix in dict.fromkeys(blend[0])]
+    vocab = _tokenizer_vocab(args, vocab_size)
+    if vocab is not None:
+        tokenizer_type = getattr(args, "tokenizer_type", None)
+        files = tokenizer_files(tokenizer_type, getattr(args, "tokenizer_model", None),
+                                getattr(args, "vocab_file", None), getattr(args, "merge_file", None))
+        fingerprint = tokenizer_fingerprint(tokenizer_type, files, vocab[0])
+        flag = (f"--vocab-file {args.vocab_file}" if tokenizer_type == "GPT2BPETokenizer" else
+                f"--tokenizer-model {args.tokenizer_model}" if files else
+                f"--vocab-size {args.vocab_size}" if tokenizer_type == "NullTokenizer" else "the tokenizer")
+        for info in infos:
+            check_token_ids(info, *vocab)  # the most concrete message first: an id the tokenizer lacks
+            check_tokenizer_record(info.prefix, fingerprint, flag)  # also catches a larger tokenizer
+
+
+def _check_splits_nonempty(prefixes: Sequence[str], split_text: str) -> None:
+    """Refuse a split that has a share in --split but no documents.
+
+    megatron-core's GPTDataset never terminates when asked for samples from an empty
+    document range (it keeps adding epochs of zero tokens), so catch it here.
+    """
+    split = parse_split(split_text)
+    for prefix in prefixes:
+        num_sequences, _ = _idx_counts(prefix)
+        for name, bookend in zip(("train", "valid", "test"), _split_bookends(split)):
+            if bookend is None:
+                continue
+            beg = int(round(bookend[0] * num_sequences))
+            end = int(round(bookend[1] * num_sequences))
+            if end <= beg:
+                raise ValueError(
+                    f"--split {split_text!r} leaves the {name} split of {prefix} empty "
+                    f"({num_sequences} documents); give it a larger share or 0"
+                )
+
+
+def validate_data_args(args) -> None:
+    """Check the data/tokenizer flags; raise ValueError with one line naming the flag/file.
+
+    Runs without torch.distributed and without building anything.  Each --data-path
+    prefix must be an intact .bin/.idx pair whose token ids fit the tokenizer
+    (``check_data_files``); --mock-data skips the data checks.
+    """
+    ttype = getattr(args, "tokenizer_type", None)
+    if ttype not in SUPPORTED_TOKENIZERS:
+        raise ValueError(
+            f"--tokenizer-type {ttype!r} is not supported; use one of {', '.join(SUPPORTED_TOKENIZERS)}"
+        )
+    if ttype in SENTENCEPIECE_TOKENIZERS:
+        model = getattr(args, "tokenizer_model", None)
+        if not model:
+            raise ValueError(f"--tokenizer-model is required with --tokenizer-type {ttype}")
+        if not os.path.isfile(model):
+            raise ValueError(f"--tokenizer-model: file not found: {model}")
+        if not os.access(model, os.R_OK):
+            raise ValueError(f"--tokenizer-model: file is not readable: {model}")
+        try:
+            import sentencepiece
+
+            sentencepiece.SentencePieceProcessor(model_file=model)
+        except Exception:
+            raise ValueError(f"--tokenizer-model: not a valid SentencePiece model: {model}") from None
+    elif ttype == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", getattr(args, "vocab_file", None)),
+                           ("--merge-file", getattr(args, "merge_file", None))):
+            if not path:
+                raise ValueError(f"{flag} is required with --tokenizer-type GPT2BPETokenizer")
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag}: file not found: {path}")
+    elif ttype in ("HuggingFaceTokenizer", "TikTokenizer"):
+        model = getattr(args, "tokenizer_model", None)
+        if not model:
+            raise ValueError(f"--tokenizer-model is required with --tokenizer-type {ttype}")
+        if not os.path.exists(model):
+            raise ValueError(f"--tokenizer-model: not found: {model} (tokenizers are read from local files)")
+    else:
+        vocab = getattr(args, "vocab_size", None)
+        if vocab is None:
+            raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
+        if int(vocab) <= 0:
+            raise ValueError(f"--vocab-size must be positive, got {vocab}")
+
+    if getattr(args, "mock_data", False):
+        return
+    blend = parse_data_path(getattr(args, "data_path", None))
+    if blend is None:
+        raise ValueError("no training data: give --data-path PREFIX (Megatron .bin/.idx) or --mock-data")
+    parse_split(_arg(args, "split", DEFAULT_SPLIT))
+    for prefix in blend[0]:
+        for ext in (".bin", ".idx"):
+            if prefix.endswith(ext):
+                raise ValueError(
+                    f"--data-path takes the prefix without {ext}: use {prefix[: -len(ext)]}"
+                )
+        for ext in (".bin", ".idx"):
+            path = prefix + ext
+            if not os.path.isfile(path):
+                raise ValueError(f"--data-path: {path} not found")
+            if not os.access(path, os.R_OK):
+                raise ValueError(f"--data-path: {path} is not readable")
+    check_data_files(args)
+    _check_splits_nonempty(blend[0], _arg(args, "split", DEFAULT_SPLIT))

@@ -1,0 +1,260 @@
+"""Emulated compute: real tensors on the real links, compute replaced by calibrated sleeps.
+
+``--emulated-compute-times FILE`` turns any schedule (tawpipe, weipipe, native
+1f1b/interleaved, FSDP and HSDP, megatron's distributed optimizer) into a measurement of schedule and
+overlap quality alone: every tensor that the schedule communicates keeps its
+real size and crosses the real (possibly shaped) links, while each forward,
+backward and recompute of a decoder layer, and of the output layer, becomes a
+sleep of the time in FILE. On a CPU machine where four ranks share two cores,
+real compute contends for the cores and hides schedule effects; sleeps do not.
+
+FILE is the JSON that ``tools/calibrate.py`` writes and ``tools/simulate.py
+--measured-times`` reads (seconds per layer and micro-batch)::
+
+    {"layer_forward": 0.02, "layer_backward": 0.04, "layer_recompute": 0.02,
+     "head_forward": 0.01, "head_backward": 0.02, "device": "...", ...}
+
+What stays real: the data pipeline, every weight, gradient and activation
+transfer, collectives, the optimizer step on the real parameter sizes.
+Losses are not computed (reported as 0); the metrics record
+``compute_busy_fraction`` as slept time over iteration time on every schedule.
+
+:class:`EmulatedCompute` is the object a trainer makes from the flags and gives to its model: to
+megatron-core's ``GPTModel`` as its decoder-layer spec and model class (:mod:`.gpt`), to a weight-pipeline
+model as its shard compute (:meth:`EmulatedCompute.shard_compute`). It counts the time it slept; each
+trainer reports that in its step result.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_tawpipe.sim.costmodel import MEASURED_INFO_KEYS as INFO_KEYS
+from megatron_tawpipe.sim.costmodel import MEASURED_TIME_KEYS as TIME_KEYS
+
+
+@dataclass(frozen=True)
+class ComputeTimes:
+    """Seconds per layer (or output layer) and micro-batch."""
+
+    layer_forward: float
+    layer_backward: float
+    layer_recompute: float = 0.0
+    head_forward: float = 0.0
+    head_backward: float = 0.0
+
+    def forward_s(self, layers: int, head: bool) -> float:
+        return layers * self.layer_forward + (self.head_forward if head else 0.0)
+
+    def backward_s(self, layers: int, head: bool, recompute: bool) -> float:
+        per_layer = self.layer_backward + (self.layer_recompute if recompute else 0.0)
+        return layers * per_layer + (self.head_backward if head else 0.0)
+
+    def to_json(self) -> Dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def load_compute_times(path: str, flag: str = "--emulated-compute-times") -> ComputeTimes:
+    """Read and check FILE; errors name the flag and the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} {path}: expected a JSON object with {', '.join(TIME_KEYS)}")
+    unknown = sorted(set(data) - set(TIME_KEYS) - set(INFO_KEYS))
+    if unknown:
+        raise ValueError(f"{flag} {path}: unknown keys {unknown}; allowed: {', '.join(TIME_KEYS + INFO_KEYS)}")
+    missing = [k for k in ("layer_forward", "layer_backward") if k not in data]
+    if missing:
+        raise ValueError(f"{flag} {path}: missing {', '.join(missing)}")
+    values = {}
+    for key in TIME_KEYS:
+        if key in data:
+            value = data[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{flag} {path}: {key} must be a number of seconds >= 0, got {value!r}")
+            values[key] = float(value)
+    return ComputeTimes(**values)
+
+
+# ---- the object a model is given ---------------------------------------------------------------------------
+
+class EmulatedCompute:
+    """Calibrated sleeps in place of compute, and the seconds slept since the last :meth:`take_slept_s`."""
+
+    def __init__(self, times: ComputeTimes, recompute: bool):
+        self.times = times
+        self.recompute = recompute   # whether each backward also recomputes the forward (full recompute)
+        self.slept_s = 0.0
+
+    @classmethod
+    def from_args(cls, args, recompute: bool) -> Optional["EmulatedCompute"]:
+        """The emulation ``--emulated-compute-times`` asks for; None without the flag (real compute)."""
+        path = getattr(args, "emulated_compute_times", None)
+        return cls(load_compute_times(path), recompute) if path else None
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+            self.slept_s += seconds
+
+    def start_step(self) -> None:
+        """A training step starts: forget what was slept before it (evaluation, set-up)."""
+        self.slept_s = 0.0
+
+    def take_slept_s(self) -> float:
+        """Seconds slept since the last call (one training step's compute time)."""
+        slept, self.slept_s = self.slept_s, 0.0
+        return slept
+
+    def block(self, x: torch.Tensor, out_shape: Sequence[int], forward_s: float, backward_s: float,
+              params: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """A block of layers that sleeps ``forward_s`` forward and ``backward_s`` backward (see
+        :class:`_SleepingCompute`); without autograd it only sleeps the forward."""
+        trainable = [p for p in params if p.requires_grad]
+        if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
+            self.sleep(forward_s)
+            return x.clone() if tuple(x.shape) == tuple(out_shape) else x.new_zeros(out_shape)
+        return _SleepingCompute.apply(self, forward_s, backward_s, tuple(out_shape), x, *trainable)
+
+    # ---- megatron-core's GPTModel (one pipeline chunk, or the whole model under FSDP) ------------------------
+
+    def layer_spec(self, spec):
+        """megatron-core's decoder-layer spec (or block spec) with every layer emulated (:mod:`.gpt`)."""
+        from megatron_tawpipe.emulation.gpt import emulated_layer_spec
+
+        return emulated_layer_spec(spec, self)
+
+    def gpt_model_class(self):
+        """The GPTModel class whose forward sleeps its output layer's time (:mod:`.gpt`)."""
+        from megatron_tawpipe.emulation.gpt import EmulatedGPTModel
+
+        return EmulatedGPTModel
+
+    # ---- a weight-pipeline rank --------------------------------------------------------------------------
+
+    def shard_compute(self, model) -> "EmulatedShardCompute":
+        """The shard compute of a weight-pipeline ``model`` (what ``WeightPipeModel(args, compute=...)`` takes)."""
+        return EmulatedShardCompute(model, self)
+
+
+class _SleepingCompute(torch.autograd.Function):
+    """A stand-in for a block of layers: sleeps in forward and backward.
+
+    Output: a new tensor of ``out_shape``, allocated but not written when the
+    shapes match (a layer's hidden state: what it holds does not matter, its
+    size does), zeros otherwise (the per-token losses). Gradients: ``x`` gets
+    the incoming gradient when the shapes match (zeros otherwise), every
+    parameter gets zeros of its own size, so that gradient traffic (DDP, FSDP
+    reduce-scatter) keeps its real size. What the CPU does besides sleeping is
+    therefore one parameter-sized gradient per layer and micro-batch, which the
+    library then accumulates; the weight-passing emulation below does the same.
+    """
+
+    @staticmethod
+    def forward(ctx, clock: EmulatedCompute, forward_s: float, backward_s: float, out_shape: Tuple[int, ...], x,
+                *params):
+        ctx.clock = clock
+        ctx.backward_s = backward_s
+        ctx.same_shape = tuple(x.shape) == tuple(out_shape)
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        ctx.param_meta = [(p.shape, p.dtype, p.device) for p in params]
+        clock.sleep(forward_s)
+        return x.new_empty(out_shape) if ctx.same_shape else x.new_zeros(out_shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.clock.sleep(ctx.backward_s)
+        shape, dtype, device = ctx.x_meta
+        grad_x = grad_out if ctx.same_shape else torch.zeros(shape, dtype=dtype, device=device)
+        grads = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.param_meta]
+        return (None, None, None, None, grad_x, *grads)
+
+
+class EmulatedShardCompute:
+    """A weight-pipeline rank's forward/backward actions as sleeps (the model's ``ShardCompute``).
+
+    The executor still moves every weight and gradient buffer of real size; the
+    data pipeline and ``forward_step_func`` still run, and the last shard
+    reports a zero loss over the micro-batch's real token count. Each backward
+    does the CPU work the native emulation leaves to autograd and megatron's
+    gradient hooks: a zero gradient of the shard's size (and of the embedding
+    on shard 0, of the head on the last shard) accumulated into the gradient
+    buffer, so that no strategy is spared the other's memory traffic.
+
+    With tensor parallelism (T > 1) each rank sleeps 1/T of the times (the layer's
+    matrix work split T ways) and runs megatron's tensor-parallel collectives for
+    real, with their real sizes, on the tensor-parallel group: per decoder layer two
+    all-reduces of the hidden state in the forward, two in the backward and two in
+    a recompute (under --sequence-parallel, an all-gather and a reduce-scatter for
+    each), and one for the output layer's forward and backward.
+    """
+
+    PER_LAYER = 2   # tensor-parallel hidden-state collectives per decoder layer and pass
+
+    def __init__(self, model, clock: EmulatedCompute):
+        self.model, self.clock = model, clock
+        self.layers = model.plan.layers_per_shard
+        self.last = model.plan.num_shards - 1
+        self.tp = model.tensor_parallel_size
+        self._exchange = _tensor_parallel_exchange(model) if self.tp > 1 else (lambda count: None)
+
+    def reset(self) -> None:
+        """Nothing is held between runs."""
+
+    def forward(self, mb: int, shard: int, weights: torch.Tensor) -> None:
+        batches, last = self.model.microbatches, shard == self.last
+        if shard == 0:
+            batches.start(mb)
+        self.clock.sleep(self.clock.times.forward_s(self.layers, last) / self.tp)
+        self._exchange(self.PER_LAYER * self.layers + (1 if last else 0))
+        if last:
+            labels = batches.inputs[mb]["labels"]
+            per_token = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+            batches.finish_forward(mb, batches.loss(mb, per_token)[1])
+
+    def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        model, last = self.model, shard == self.last
+        self.clock.sleep(self.clock.times.backward_s(self.layers, last, model.recompute) / self.tp)
+        self._exchange(self.PER_LAYER * self.layers * (2 if model.recompute else 1) + (1 if last else 0))
+        grad_buffer.add_(torch.zeros_like(grad_buffer))
+        parts = (["embedding"] if shard == 0 else []) + (["head"] if last else [])
+        for part in parts:
+            for grad in model.replicated_grads(part):
+                grad.add_(torch.zeros_like(grad))
+        if shard == 0:
+            model.microbatches.release(mb)
+
+
+def _tensor_parallel_exchange(model):
+    """``exchange(count)``: ``count`` of megatron's tensor-parallel hidden-state collectives on the
+    group, of the real size (``seq x micro-batch x hidden`` in the compute dtype): all-reduces, or
+    under --sequence-parallel all-gather + reduce-scatter pairs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    args, tp = model.args, model.tensor_parallel_size
+    group = parallel_state.get_tensor_model_parallel_group()
+    full = torch.zeros(args.seq_length * args.micro_batch_size * args.hidden_size, dtype=model.compute_dtype,
+                       device=model.device)
+    part = full[: full.numel() // tp].clone()
+    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
+
+    def exchange(count: int) -> None:
+        for _ in range(count):
+            if sequence_parallel:
+                dist.all_gather_into_tensor(full, part, group=group)
+                dist.reduce_scatter_tensor(part, full, group=group)
+            else:
+                dist.all_reduce(full, group=group)
+
+    return exchange

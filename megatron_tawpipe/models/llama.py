@@ -1,0 +1,385 @@
+"""The GPT model on megatron-core, built from Megatron-LM's flags: config, layer spec, builder.
+
+The model is megatron-core's ``GPTModel`` as Megatron-LM builds it from the same
+flags: LayerNorm or RMSNorm (zero-centred with ``--apply-layernorm-1p``), a GELU,
+SwiGLU or squared-ReLU MLP, linear biases unless ``--disable-bias-linear``,
+learned absolute, rotary or no position embeddings, grouped-query attention,
+tied or untied embeddings, dropout. With Megatron-LM's defaults that is GPT;
+Llama is ``LLAMA_FLAGS`` in :mod:`megatron_tawpipe.arguments`. Layer spec:
+Transformer Engine's when TE is importable with a GPU (or ``--transformer-impl
+transformer_engine``), otherwise megatron-core's local spec with our SDPA core
+attention (megatron's local attention materialises the S x S score matrix).
+
+Initial weights are a pure function of ``(seed, global parameter name)``
+(:mod:`megatron_tawpipe.models.initialization`; names, shapes and tensor-parallel
+slices: :mod:`megatron_tawpipe.models.parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.activations import squared_relu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_tawpipe.models.attention import SDPAttention
+from megatron_tawpipe.models.initialization import init_llama_weights
+from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights
+
+ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local", "flash", "fused", "unfused")
+TE_ATTENTION_BACKENDS = ("flash", "fused", "unfused")
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # missing, or built for another torch / CUDA
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionKernels:
+    """Which of megatron-core's fused kernels can run here (each is optional)."""
+
+    swiglu: bool = False               # megatron's bias-SwiGLU, jit-fused by torch.compile (Triton on GPUs)
+    rope: bool = False                 # Transformer Engine's fused RoPE (>= 1.4)
+    masked_softmax: bool = False       # the scaled (upper-triangular) masked softmax CUDA extensions (Apex)
+    wgrad_accumulation: bool = False   # fused_weight_gradient_mlp_cuda (Apex): wgrad GEMM into main_grad
+
+    @classmethod
+    def probe(cls) -> "FusionKernels":
+        return cls(swiglu=_swiglu_fusion_importable(), rope=_rope_fusion_importable(),
+                   masked_softmax=(_importable("scaled_upper_triang_masked_softmax_cuda")
+                                   and _importable("scaled_masked_softmax_cuda")),
+                   wgrad_accumulation=_importable("fused_weight_gradient_mlp_cuda"))
+
+
+def _swiglu_fusion_importable() -> bool:
+    if not _importable("megatron.core.fusions.fused_bias_swiglu"):
+        return False
+    from megatron.core import jit
+
+    # megatron's jit_fuser is torch.compile on current torch: its GPU code generator is Triton.
+    return jit.jit_fuser is not torch.compile or _importable("triton")
+
+
+def _rope_fusion_importable() -> bool:
+    try:
+        from megatron.core.models.common.embeddings import rope_utils
+    except Exception:
+        return False
+    return getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None
+
+
+@functools.lru_cache(maxsize=1)
+def available_fusion_kernels() -> FusionKernels:
+    """The fused kernels importable in this process (probed once; only asked for with CUDA)."""
+    return FusionKernels.probe()
+
+
+def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bool,
+                    args=None) -> Dict[str, bool]:
+    """TransformerConfig fusion flags: each on only with CUDA, its kernel importable, and not
+    turned off by Megatron-LM's ``--no-*-fusion`` flag in ``args``.
+
+    ``gradient_accumulation_fusion`` also needs every weight to carry an fp32 ``main_grad``
+    that the wgrad GEMM accumulates into (megatron's backward reads ``weight.main_grad``
+    unconditionally once the flag is on). megatron's DDP provides one (native schedules:
+    ``main_grad_buffers=True``); the weight-passing shard template does not: its gradients
+    come out of autograd into ``param.grad`` and are added into the plan's gradient buffers
+    (see :meth:`runtime.shard_model.ShardTemplate.layer_grads_into`), so it stays off there.
+    The bias-activation fusion is megatron's jit-fused SwiGLU, or its bias-GELU, which needs
+    linear biases; squared ReLU has none. Bias-dropout-add fusion stays off: its compiled
+    dropout is a second random-number path that the recompute-replays-dropout tests (on CPU)
+    could not check.
+    """
+    if not on_cuda:
+        kernels = FusionKernels()
+
+    def wants(flag: str) -> bool:  # not turned off by a --no-*-fusion flag (no args: SwiGLU, all wanted)
+        return bool(getattr(args, flag, True))
+
+    if getattr(args, "swiglu", True):
+        activation = kernels.swiglu and wants("bias_swiglu_fusion")
+    else:  # bias-GELU; squared ReLU has no fused kernel
+        activation = (kernels.swiglu and wants("bias_gelu_fusion") and not getattr(args, "squared_relu", False)
+                      and getattr(args, "add_bias_linear", False))
+    position = getattr(args, "position_embedding_type", "rope")
+    return {
+        "bias_activation_fusion": activation,
+        "apply_rope_fusion": kernels.rope and position == "rope" and wants("apply_rope_fusion"),
+        "masked_softmax_fusion": kernels.masked_softmax and wants("masked_softmax_fusion"),
+        "gradient_accumulation_fusion": (kernels.wgrad_accumulation and main_grad_buffers
+                                         and wants("gradient_accumulation_fusion")),
+    }
+
+
+def _mlp_activation(args):
+    """(activation, gated) of the MLP: SwiGLU, squared ReLU or (Megatron-LM's default) GELU."""
+    if getattr(args, "swiglu", False):
+        return F.silu, True
+    if getattr(args, "squared_relu", False):
+        return squared_relu, False
+    return F.gelu, False
+
+
+def params_dtype(args) -> torch.dtype:
+    if args.bf16:
+        return torch.bfloat16
+    if args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def llama_config(args, pipeline_model_parallel_size: int = 1,
+                 virtual_pipeline_model_parallel_size: Optional[int] = None,
+                 main_grad_buffers: bool = False, tensor_model_parallel_size: int = 1,
+                 sequence_parallel: bool = False) -> TransformerConfig:
+    """A megatron-core TransformerConfig for a Llama-style model from parsed arguments.
+
+    ``main_grad_buffers``: the model's parameters will get fp32 ``main_grad`` buffers (megatron
+    DDP), which fused gradient accumulation needs (see :func:`fusion_settings`).
+    """
+    on_gpu = torch.cuda.is_available()
+    dtype = params_dtype(args)
+    fusions = fusion_settings(on_gpu, available_fusion_kernels() if on_gpu else FusionKernels(), main_grad_buffers,
+                              args)
+    activation, gated = _mlp_activation(args)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        layernorm_epsilon=args.norm_epsilon,
+        qk_layernorm=args.qk_layernorm,
+        gated_linear_unit=gated,
+        activation_func=activation,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        # Initialisation is ours (init_llama_weights): skip megatron's.
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        sequence_parallel=sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
+        # Fused kernels: with CUDA, where importable (fusion_settings); all off on CPU.
+        **fusions,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,  # Apex's persistent LayerNorm kernel is not used
+        cross_entropy_loss_fusion=bool(args.cross_entropy_loss_fusion and on_gpu),
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        **_te_attention_backend(args),
+        deallocate_pipeline_outputs=on_gpu,
+        variable_seq_lengths=False,
+        # With pp = 2, interleaving needs overlapped, unbatched p2p (a megatron restriction).
+        overlap_p2p_comm=virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=virtual_pipeline_model_parallel_size is None,
+    )
+
+
+def _te_attention_backend(args) -> Dict[str, object]:
+    """Megatron-LM's --attention-backend flash/fused/unfused: Transformer Engine's kernel choice."""
+    if args.attention_backend not in TE_ATTENTION_BACKENDS:
+        return {}
+    from megatron.core.transformer.enums import AttnBackend
+
+    return {"attention_backend": AttnBackend[args.attention_backend]}
+
+
+def resolve_attention_backend(requested: str, args=None) -> str:
+    """te, sdpa or local (megatron-core's unfused attention); flash/fused/unfused are TE's kernels."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    impl = getattr(args, "transformer_impl", None)
+    if impl == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized is for inference; train with transformer_engine "
+                         "or local")
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError("--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU; "
+                         "on this machine use --transformer-impl local")
+    use_te = impl == "transformer_engine" or (impl is None and transformer_engine_available())
+    if requested in TE_ATTENTION_BACKENDS or requested == "te":
+        if not transformer_engine_available():
+            raise ValueError(f"--attention-backend {requested} needs Transformer Engine and a CUDA GPU; "
+                             "use auto or local")
+        if impl == "local":
+            raise ValueError(f"--attention-backend {requested} is Transformer Engine's: it needs --transformer-impl "
+                             "transformer_engine, not local")
+        return "te"
+    if requested == "auto":
+        if use_te:
+            return "te"
+        # megatron's query-key layer scaling lives in its own softmax: keep its attention then.
+        return "local" if getattr(args, "apply_query_key_layer_scaling", False) else "sdpa"
+    if requested == "sdpa" and getattr(args, "apply_query_key_layer_scaling", False):
+        raise ValueError("--apply-query-key-layer-scaling needs --attention-backend local or auto (not sdpa)")
+    return requested
+
+
+def _beyond_torch_norm(args, backend: str) -> bool:
+    """Whether the layers get a norm other than megatron-core's torch norm (which has neither zero-centred
+    weights nor sequence parallelism): Transformer Engine's, or Apex's LayerNorm on a GPU."""
+    return backend == "te" or (args.normalization == "LayerNorm" and torch.cuda.is_available()
+                               and _importable("apex"))
+
+
+def check_model_support(args) -> None:
+    """Raise ValueError for an architecture this machine cannot build (before any process group)."""
+    backend = resolve_attention_backend(args.attention_backend, args)
+    if args.apply_layernorm_1p and not _beyond_torch_norm(args, backend):
+        raise ValueError("--apply-layernorm-1p needs Transformer Engine (GPU), or Apex on a GPU with --normalization "
+                         "LayerNorm: megatron-core's torch norm has no zero-centred weights")
+    if (args.apply_query_key_layer_scaling and backend == "te"
+            and os.environ.get("NVTE_APPLY_QK_LAYER_SCALING") != "1"):
+        raise ValueError("--apply-query-key-layer-scaling with Transformer Engine's attention needs "
+                         "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (or --attention-backend local)")
+
+
+def check_sequence_parallel_support(args) -> None:
+    """Raise ValueError where --sequence-parallel cannot run: the norms take it (Transformer Engine's, Apex's,
+    or :class:`TorchNorm` in megatron-core's local layer), but zero-centred norms need TE or Apex."""
+    if args.apply_layernorm_1p and not _beyond_torch_norm(args, resolve_attention_backend(args.attention_backend,
+                                                                                           args)):
+        raise ValueError("--sequence-parallel with --apply-layernorm-1p needs Transformer Engine's layers (GPU), or "
+                         "Apex's LayerNorm on a GPU")
+
+
+class TorchNorm:
+    """torch's LayerNorm or RMSNorm for megatron-core's local layer, also under --sequence-parallel.
+
+    Under sequence parallelism a norm sees 1/T of the tokens on each tensor-parallel rank, so its
+    weight gradients are partial sums: its parameters are marked ``sequence_parallel``, as
+    megatron-core's own norms mark theirs, and the gradients are all-reduced over the
+    tensor-parallel group (megatron-core's ``finalize_model_grads`` for the native schedules, the
+    weight-passing trainer for its own). Used in place of megatron-core's torch norm, which refuses
+    sequence parallelism, when --sequence-parallel is on without Transformer Engine or Apex.
+    """
+
+    marks_sequence_parallel = True
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("torch's norms have no zero-centred weights (--apply-layernorm-1p)")
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ValueError(f"--normalization {config.normalization}: LayerNorm or RMSNorm")
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel and cls.marks_sequence_parallel)
+        return norm
+
+
+class TorchQKNorm(TorchNorm):
+    """:class:`TorchNorm` for the per-head query/key norms: they see every token (attention gathers the
+    sequence first), so their gradients are not sequence-parallel partial sums."""
+
+    marks_sequence_parallel = False
+
+
+def _uses_torch_norm_with_sequence_parallel(args, backend: str) -> bool:
+    return bool(getattr(args, "sequence_parallel", False)) and not _beyond_torch_norm(args, backend)
+
+
+def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
+    """The decoder-layer spec the flags describe: TE's fused layer, or megatron's local layer with
+    SDPA or megatron's own attention."""
+    backend = resolve_attention_backend(attention_backend, args)
+    normalization = getattr(args, "normalization", "RMSNorm")
+    qk_layernorm = bool(getattr(args, "qk_layernorm", False))
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    if _uses_torch_norm_with_sequence_parallel(args, backend):
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
+        if qk_layernorm:
+            layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = TorchQKNorm
+    if backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def construct_llama_model(args, config: TransformerConfig, pre_process: bool = True,
+                          post_process: bool = True, vp_stage: Optional[int] = None, compute=None) -> GPTModel:
+    """The megatron-core GPTModel the flags describe, not yet initialised, on the host.
+
+    ``compute`` replaces the layers' and the model's compute (emulated compute): it gives the decoder-layer
+    spec (``compute.layer_spec(spec)``) and the model class (``compute.gpt_model_class()``), which it is
+    built with; the parameters are the same."""
+    spec = llama_layer_spec(args.attention_backend, args)
+    model_class, extra = GPTModel, {}
+    if compute is not None:
+        spec = compute.layer_spec(spec)
+        model_class, extra = compute.gpt_model_class(), {"emulated_compute": compute}
+    if _uses_torch_norm_with_sequence_parallel(args, resolve_attention_backend(args.attention_backend, args)):
+        # The block's final norm is megatron-core's module default unless the block spec names it.
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                          layer_norm=TorchNorm)
+    return model_class(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        vp_stage=vp_stage,
+        **extra,
+    )
+
+
+def build_llama_model(args, config: TransformerConfig, pre_process: bool = True,
+                      post_process: bool = True, vp_stage: Optional[int] = None, compute=None) -> GPTModel:
+    """Build one (stage of a) Llama model and initialise it deterministically from ``args.seed``
+    (``compute``: see :func:`construct_llama_model`)."""
+    model = construct_llama_model(args, config, pre_process, post_process, vp_stage, compute)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if config.tensor_model_parallel_size > 1:
+        mark_tensor_parallel_weights(model)
+    init_llama_weights(model, args.seed, config)
+    return model

@@ -1,0 +1,59 @@
+"""Traffic arithmetic of a plan: the bytes it moves per link class, exactly as its actions say.
+
+The executor counts its transfers the same way, so a run's measured bytes per link class equal
+:func:`link_bytes` of its plan; the simulator prices the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.plan import Plan
+
+
+def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float = 0.0,
+               bytes_per_grad: Optional[float] = None) -> Dict[str, float]:
+    """Bytes moved per link class in one iteration, exactly as the plan says.
+
+    Point-to-point: ``size`` units from sender to receiver.  Broadcast/reduce:
+    ``size`` units between the root and each other member (a member in the
+    root's group counts as intra, otherwise inter).  A gradient unit is
+    ``bytes_per_grad`` (default ``bytes_per_shard``).  An executor that counts
+    the same way (per send, per received broadcast copy, per contributed
+    reduction input) measures the same numbers.  The replicated all-reduce is
+    not included (see ``replicated_allreduce_bytes``)."""
+    out = {"intra": 0.0, "inter": 0.0}
+    G = plan.ranks_per_group
+    units = {"weight": bytes_per_shard, "grad": bytes_per_shard if bytes_per_grad is None else bytes_per_grad,
+             "act": bytes_per_activation, "actgrad": bytes_per_activation}
+    for r, acts in enumerate(plan.actions):
+        for a in acts:
+            t = type(a)
+            if t is A.SendStart:
+                out[a.link] += a.size * units[a.kind]
+            elif (t is A.BroadcastStart or t is A.ReduceStart) and r != a.root:
+                out["intra" if r // G == a.root // G else "inter"] += a.size * units[a.kind]
+            elif t is A.AllReduceStart:
+                successor, share = ring_share(a.ranks, r)
+                out["intra" if r // G == successor // G else "inter"] += share * a.size * units[a.kind]
+    return out
+
+
+def ring_share(ranks, rank: int):
+    """``rank``'s successor in a ring all-reduce over ``ranks`` and the fraction of the buffer it
+    sends there: 2(n-1)/n (reduce-scatter, then all-gather)."""
+    n = len(ranks)
+    return ranks[(ranks.index(rank) + 1) % n], (2 * (n - 1) / n if n > 1 else 0.0)
+
+
+def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float) -> Dict[str, float]:
+    """Ring all-reduce estimate: each rank sends 2(P-1)/P of the data to its
+    ring successor; with groups of consecutive ranks D of the P hops cross
+    groups (none when D = 1)."""
+    P, D = plan.num_ranks, plan.num_groups
+    if P == 1 or not any(isinstance(a, A.ReplicatedAllReduceStart) for a in plan.actions[0]):
+        return {"intra": 0.0, "inter": 0.0}
+    per_hop = 2 * (P - 1) / P * replicated_bytes
+    inter_hops = D if D > 1 else 0
+    return {"intra": (P - inter_hops) * per_hop, "inter": inter_hops * per_hop}

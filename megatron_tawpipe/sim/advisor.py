@@ -1,0 +1,329 @@
+"""Which strategy to run on a cluster: enumerate every strategy with its knobs,
+keep what divides the global batch and fits in GPU memory, rank the rest by
+predicted tokens/s per GPU, and print the command line of the best
+(``tools/simulate.py --advise``).
+
+Strategies: the weight-passing ``tawpipe`` (micro-batches per visit 1/2/4,
+cache on/off, shard 0 replicated in every group or not) and ``weipipe``;
+megatron pipelines (``pp-nodes``: one stage per node; ``1f1b`` /
+``interleaved`` with larger pipelines, every stage inside one node, data
+parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
+``distopt-node``, ``distopt`` and ``hfsdp`` (simulator only).  Every strategy
+is tried with micro-batch sizes 1/2/4 and recompute on/off.
+
+Plan-based strategies cost a plan simulation each (more than 4 visits' worth
+of micro-batches per rank, or 4 x pipeline size per pipeline, are simulated as
+2x and 4x and extended linearly: :func:`plan.strategies.simulate_extended`); a
+configuration is not
+simulated when its ceiling (tokens/s with free communication and the ideal
+bubble, or what its inter-node bytes allow at full link speed, whichever is
+lower) cannot beat what it would need to beat: its strategy's best so
+far (``prune="strategy"``: every strategy's best is exact) or also the
+runner-up across strategies and the best configuration this project can run
+(``prune="top2"``: winner, runner-up, margin and best runnable exact; what the
+scale study uses).  The candidates and their enumeration:
+:mod:`megatron_tawpipe.sim.advisor_configs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional
+
+from megatron_tawpipe.sim.advisor_configs import Cluster, Config, ModelSpec, enumerate_configs
+from megatron_tawpipe.sim.costmodel import CostModel
+from megatron_tawpipe.sim.advisor_report import command, summarize
+from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
+from megatron_tawpipe.plan.planners import build_plan
+from megatron_tawpipe.plan.traffic import link_bytes
+from megatron_tawpipe.sim.fsdp import simulate_fsdp
+from megatron_tawpipe.sim.strategies import (pipeline_memory, plan_memory_fields, simulate_distopt, simulate_extended,
+                         simulate_hfsdp, simulate_hsdp, simulate_pipeline)
+from megatron_tawpipe.sim.memory import generic_breakdown
+from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
+
+ORDER = ("distopt-node", "distopt", "hsdp", "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved",
+         "tawpipe", "weipipe")
+PLAN_BASED = ("pp-nodes", "1f1b", "interleaved", "tawpipe", "weipipe")
+
+
+# ------------------------------------------------------------------- evaluate
+class Advisor:
+    def __init__(self, model: ModelSpec, cluster: Cluster, global_batch: int,
+                 plan_cache: Optional[Dict] = None, grad_bytes: int = 4,
+                 check_command: Optional[Callable[[List[str], int], str]] = None):
+        """``check_command(argv, world_size)`` says why ``pretrain_llama.py`` would refuse a command ("" when it
+        accepts it); the command line passes the trainer's validation (``cli.plan_args.check_command``).
+        Without it every configuration's command is taken as accepted."""
+        self.model, self.cluster, self.G = model, cluster, global_batch
+        self.check_command = check_command
+        self.plan_cache = {} if plan_cache is None else plan_cache
+        self.costs: Dict = {}
+        self.grad_bytes = grad_bytes
+        self._virtual: Dict[int, "Advisor"] = {}
+
+    def cost(self, b: int, recompute: bool) -> CostModel:
+        key = (b, recompute)
+        if key not in self.costs:
+            m, c = self.model, self.cluster
+            self.costs[key] = CostModel.from_flops(
+                hidden_size=m.hidden_size, seq_length=m.seq_length, micro_batch_size=b,
+                ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size,
+                num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                peak_tflops=c.peak_tflops, efficiency=c.efficiency, recompute=recompute,
+                intra_bw=c.intra_bw, intra_latency=c.intra_latency, inter_bw=c.inter_bw,
+                inter_latency=c.inter_latency)
+        return self.costs[key]
+
+    # ---- tensor parallelism: the same strategy over P / T virtual ranks -----------------
+
+    def virtual(self, tp: int) -> "Advisor":
+        """The advisor of the P / ``tp`` virtual ranks (tensor-parallel groups) of this cluster."""
+        if tp == 1:
+            return self
+        if tp not in self._virtual:
+            self._virtual[tp] = _VirtualRankAdvisor(self, tp)
+        return self._virtual[tp]
+
+    def _split(self, cfg: Config):
+        """(advisor, configuration, T): a tensor-parallel configuration as the virtual ranks' one."""
+        tp = cfg.knobs.get("tp", 1)
+        if tp == 1:
+            return self, cfg, 1
+        inner = Config(cfg.strategy, cfg.micro_batch_size, cfg.recompute,
+                       {k: v for k, v in cfg.knobs.items() if k != "tp"})
+        return self.virtual(tp), inner, tp
+
+    def bound(self, cfg: Config) -> float:
+        """Tokens/s per GPU with free communication: compute only, times the
+        pipeline bubble of equal stages where the schedule has one (1F1B
+        ``m/(m+p-1)``, interleaved ``Vm/(Vm+p-1)``, WeiPipe ``NP/(NP+P-1)``)."""
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            return sub.bound(inner) / tp
+        c = self.cost(cfg.micro_batch_size, cfg.recompute)
+        L, P = self.model.num_layers, self.cluster.ranks
+        t = L * (c.layer_forward + c.layer_backward + c.layer_recompute) + c.head_forward + c.head_backward
+        mbs = self.G // cfg.micro_batch_size
+        k = cfg.knobs
+        if "pipeline_size" in k:
+            p, v = k["pipeline_size"], k.get("virtual_stages", 1)
+            m = mbs // (P // p)
+            t *= (v * m + p - 1) / (v * m)
+        elif cfg.strategy == "weipipe":
+            t *= (mbs + P - 1) / mbs
+        return c.tokens_per_microbatch / t
+
+    def comm_bound(self, cfg: Config) -> float:
+        """Tokens/s per GPU that the node links allow: an iteration takes at least
+        the bytes a node sends over its link (on average) / inter bandwidth.
+        Pipelines: every boundary between nodes carries each micro-batch's
+        activation once per virtual stage (and its gradient back); weight
+        passing: the plan's inter-node bytes (exact, linear in N)."""
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            return sub.comm_bound(inner) / tp
+        cl, k = self.cluster, cfg.knobs
+        if cl.nodes == 1:
+            return float("inf")
+        cost = self.cost(cfg.micro_batch_size, cfg.recompute)
+        mbs = self.G // cfg.micro_batch_size
+        if "pipeline_size" in k:
+            node_bytes = k.get("virtual_stages", 1) * mbs * cost.activation_bytes
+        else:
+            N, c = mbs // cl.ranks, k.get("chunk", 1)
+            n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
+            opts = _wp_options(cfg)
+            plan = self._plan(cfg.strategy, n2, **opts)
+            weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
+            b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), weight, bytes_per_grad=grad)["inter"]
+                      for n in (n1, n2))
+            node_bytes = (b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes
+        t = node_bytes / cl.inter_bw
+        return self.G * self.model.seq_length / (cl.ranks * t) if t > 0 else float("inf")
+
+    def _plan(self, name, N, **opts):
+        P, D, L = self.cluster.ranks, self.cluster.nodes, self.model.num_layers
+        key = (name, P, D, L, N, tuple(sorted(opts.items())))
+        if key not in self.plan_cache:
+            self.plan_cache[key] = build_plan(name, num_ranks=P, num_groups=D, num_layers=L,
+                                              num_microbatches=N, **opts)
+        return self.plan_cache[key]
+
+    def memory_only(self, cfg: Config) -> MemoryBreakdown:
+        """Memory of a plan-based config without simulating it.  Weight passing:
+        a plan with 2c micro-batches per rank has the buffers and the stored
+        boundaries of the full one (peak = c visits' worth)."""
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            return per_gpu_breakdown(sub.memory_only(inner), tp)
+        cost = self.cost(cfg.micro_batch_size, cfg.recompute)
+        cl = self.cluster
+        if cfg.strategy in ("tawpipe", "weipipe"):
+            N = self.G // cfg.micro_batch_size // cl.ranks
+            c = cfg.knobs.get("chunk", 1)
+            probe = self._plan(cfg.strategy, min(N, 2 * c), **_wp_options(cfg))
+            return weight_passing_breakdown(plan_memory_fields(probe, cost), cost, probe, c)
+        pp = cfg.knobs["pipeline_size"]
+        m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
+        return pipeline_memory(cost, cl.ranks, cl.nodes, self.model.num_layers,
+                               self.G // cfg.micro_batch_size, pp, cfg.knobs.get("virtual_stages", 1),
+                               self.plan_cache, min(m, 4 * pp))
+
+    def evaluate(self, cfg: Config) -> Config:
+        """Simulate ``cfg``; its figures per GPU, whether it fits, and its command line."""
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            sub.measure(inner)
+            cfg.tokens_per_sec_per_gpu = inner.tokens_per_sec_per_gpu / tp
+            cfg.iteration_time, cfg.bubble = inner.iteration_time, inner.bubble
+            cfg.inter_bytes_per_node = inner.inter_bytes_per_node
+            cfg.memory = per_gpu_breakdown(inner.memory, tp)
+            cfg.trainable, cfg.note = inner.trainable, inner.note
+        else:
+            self.measure(cfg)
+        cfg.status = "ok" if cfg.memory.total <= self.cluster.usable_memory else "no-fit"
+        cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
+        if cfg.trainable and cfg.strategy != "hfsdp" and self.check_command is not None:
+            problem = self.check_command(cfg.argv, self.cluster.ranks)
+            if problem:
+                cfg.trainable = False
+                cfg.note = "pretrain_llama.py refuses it: " + problem
+        return cfg
+
+    def measure(self, cfg: Config) -> Config:
+        """The simulation of ``cfg`` on this advisor's (possibly virtual) ranks: tokens/s, time,
+        bubble, bytes per node, memory; what only the simulator models is marked not trainable."""
+        cl, model = self.cluster, self.model
+        P, D, L = cl.ranks, cl.nodes, model.num_layers
+        b = cfg.micro_batch_size
+        cost = self.cost(b, cfg.recompute)
+        N = self.G // b // P
+        s = cfg.strategy
+        if s in ("tawpipe", "weipipe"):
+            opts, c = _wp_options(cfg), cfg.knobs.get("chunk", 1)
+            res = simulate_extended(lambda n: self._plan(s, n, **opts), cost, N, 2 * c, 4 * c)
+            plan = self._plan(s, min(N, 2 * c), **opts)
+            mem = weight_passing_breakdown(res, cost, plan, c)
+            if s == "tawpipe" and cfg.knobs["cache"] != (D <= 4):
+                cfg.trainable = False
+                cfg.note = (f"cache {'on' if cfg.knobs['cache'] else 'off'} with {D} groups: the runtime "
+                            f"keeps fetched shards only for <= 4 groups and has no flag for it (simulator only)")
+            res_inter = res.link_bytes["inter"] / D
+        elif s in ("pp-nodes", "1f1b", "interleaved"):
+            res = simulate_pipeline(cost, P, D, L, self.G // b, cfg.knobs["pipeline_size"],
+                                    cfg.knobs.get("virtual_stages", 1), self.grad_bytes,
+                                    self.plan_cache, name=s, exact=False)
+            mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
+            res_inter = res.options["inter_bytes_per_node"]
+        else:
+            if s == "fsdp":
+                # one unit per layer, as the FSDP2 baseline wraps every decoder layer
+                res = simulate_fsdp(cost, P, D, L, N, unit_layers=1, grad_bytes=self.grad_bytes)
+                mem = generic_breakdown(res, cost)
+                res_inter = res.link_bytes["inter"] / D if D > 1 else 0.0
+            else:
+                fn = {"hsdp": lambda: simulate_hsdp(cost, P, D, L, N, self.grad_bytes),
+                      "distopt-node": lambda: simulate_distopt(cost, P, D, L, N, D, self.grad_bytes),
+                      "distopt": lambda: simulate_distopt(cost, P, D, L, N, 1, self.grad_bytes),
+                      "hfsdp": lambda: simulate_hfsdp(cost, P, D, L, N, self.grad_bytes)}[s]
+                res = fn()
+                mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
+                res_inter = res.options["inter_bytes_per_node"]
+                if s == "hfsdp":
+                    cfg.trainable = False
+                    cfg.note = res.options["note"]
+        cfg.tokens_per_sec_per_gpu = res.tokens_per_sec_per_rank
+        cfg.iteration_time = res.iteration_time
+        cfg.bubble = res.bubble_ratio
+        cfg.inter_bytes_per_node = res_inter
+        cfg.memory = mem
+        return cfg
+
+    def run(self, prune: str = "strategy", trainable_only: bool = False,
+            runtime_knobs_only: bool = False):
+        """Evaluate every configuration (pruned as described in the module doc);
+        returns (configs, not_applicable).  Analytic strategies first (cheap),
+        then plan-based ones by decreasing ceiling."""
+        configs, na = enumerate_configs(self.model, self.cluster, self.G,
+                                        runtime_knobs_only or trainable_only)
+        for c in configs:
+            c.bound = self.bound(c)
+        rank = {s: i for i, s in enumerate(ORDER)}
+        configs.sort(key=lambda c: (c.strategy in PLAN_BASED,
+                                    -c.bound if c.strategy in PLAN_BASED else rank[c.strategy]))
+        best: Dict[str, float] = {}
+        best_runnable = 0.0
+        for cfg in configs:
+            if trainable_only and cfg.strategy == "hfsdp":
+                cfg.status = "skipped"
+                continue
+            if cfg.strategy in PLAN_BASED:
+                vals = sorted(best.values(), reverse=True)
+                need = best.get(cfg.strategy, 0.0)
+                if prune == "top2" and len(vals) >= 2:
+                    # plan-based configurations are runnable unless a knob says
+                    # otherwise: the best runnable one stays exact too
+                    sim_only = cfg.strategy == "tawpipe" and cfg.knobs["cache"] != (self.cluster.nodes <= 4)
+                    need = max(need, vals[1] if sim_only else min(vals[1], best_runnable))
+                if cfg.bound <= need:
+                    cfg.status = "pruned"
+                    continue
+                cfg.bound = min(cfg.bound, self.comm_bound(cfg))
+                if cfg.bound <= need:
+                    cfg.status = "pruned"
+                    continue
+                probe = self.memory_only(cfg)        # no simulation for what does not fit
+                if probe.total > self.cluster.usable_memory:
+                    cfg.memory, cfg.status = probe, "no-fit"
+                    cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
+                    continue
+            self.evaluate(cfg)
+            if trainable_only and not cfg.trainable:
+                cfg.status = "skipped"
+                continue
+            if cfg.status == "ok":
+                best[cfg.strategy] = max(best.get(cfg.strategy, 0.0), cfg.tokens_per_sec_per_gpu)
+                if cfg.trainable:
+                    best_runnable = max(best_runnable, cfg.tokens_per_sec_per_gpu)
+        return configs, na
+
+
+class _VirtualRankAdvisor(Advisor):
+    """The advisor of a cluster's P / T tensor-parallel groups, each one *virtual rank*: T GPUs' memory,
+    and the cost model of :func:`megatron_tawpipe.sim.tensor_parallel.virtual_rank_cost` (1/T compute plus the
+    tensor-parallel collectives, T GPUs' links inside the node, the node's link between nodes)."""
+
+    def __init__(self, parent: Advisor, tp: int):
+        cl = parent.cluster
+        cluster = replace(cl, ranks=cl.ranks // tp, gpu_memory=cl.gpu_memory * tp,
+                          memory_reserve=cl.memory_reserve * tp)
+        super().__init__(parent.model, cluster, parent.G, parent.plan_cache, parent.grad_bytes,
+                         check_command=parent.check_command)
+        self.parent, self.tp = parent, tp
+
+    def cost(self, b: int, recompute: bool) -> CostModel:
+        key = (b, recompute)
+        if key not in self.costs:
+            self.costs[key] = virtual_rank_cost(self.parent.cost(b, recompute), self.tp)
+        return self.costs[key]
+
+
+def _wp_options(cfg: Config) -> dict:
+    if cfg.strategy == "tawpipe":
+        options = {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
+        if cfg.knobs.get("replicate_first"):
+            options["replicate_first"] = True
+        return options
+    return {}
+
+
+def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",
+           plan_cache: Optional[Dict] = None, trainable_only: bool = False,
+           runtime_knobs_only: bool = False,
+           check_command: Optional[Callable[[List[str], int], str]] = None) -> dict:
+    """Run the advisor; returns the summary dict (``--json`` prints it)."""
+    adv = Advisor(model, cluster, global_batch, plan_cache, check_command=check_command)
+    configs, na = adv.run(prune=prune, trainable_only=trainable_only,
+                          runtime_knobs_only=runtime_knobs_only)
+    return summarize(model, cluster, global_batch, configs, na, prune)

@@ -1,0 +1,169 @@
+"""The advisor's command lines and its report (table, memory arithmetic,
+what does not fit and why); see :mod:`megatron_tawpipe.sim.advisor`."""
+
+from __future__ import annotations
+
+import shlex
+from megatron_tawpipe.sim.memory import MemoryBreakdown, gb
+
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]
+DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+
+
+def command(cfg, model, cluster, global_batch: int):
+    """(argv of pretrain_llama.py, full command line with torchrun and a comment)."""
+    D, d = cluster.nodes, cluster.per_node
+    s, k = cfg.strategy, cfg.knobs
+    argv = model.flags() + ["--micro-batch-size", str(cfg.micro_batch_size),
+                            "--global-batch-size", str(global_batch), "--bf16"]
+    if k.get("tp", 1) > 1:   # tensor parallelism inside the nodes, as Megatron users run it: with sequence parallelism
+        argv += ["--tensor-model-parallel-size", str(k["tp"]), "--sequence-parallel"]
+    native_rc = RECOMPUTE if cfg.recompute else []
+    comment = ("add data and training flags (--train-iters, --data-path or --mock-data, --tokenizer-type, "
+               "--lr, ...)")
+    script = "pretrain_llama.py"
+    if s == "tawpipe":
+        argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D),
+                 "--tawpipe-microbatches-per-visit", str(k["chunk"])]
+        argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
+        argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
+        if k["cache"] == (D <= 4):
+            comment = (f"cache {'on' if k['cache'] else 'off'}: the runtime's choice for {D} groups "
+                       "(cache when <= 4; no flag); " + comment)
+        else:
+            comment = cfg.note + "; " + comment
+    elif s == "weipipe":
+        argv += ["--pipeline-schedule", "weipipe"] + ([] if cfg.recompute else ["--tawpipe-no-recompute"])
+    elif s in ("pp-nodes", "1f1b", "interleaved"):
+        pp = k["pipeline_size"]
+        argv += ["--pipeline-schedule", "interleaved" if s == "interleaved" else "1f1b",
+                 "--pipeline-model-parallel-size", str(pp)]
+        if s == "interleaved":
+            argv += ["--num-layers-per-virtual-pipeline-stage",
+                     str(model.num_layers // (pp * k["virtual_stages"]))]
+        argv += (DISTOPT if cluster.ranks // (pp * k.get("tp", 1)) > 1 else []) + native_rc
+    elif s == "fsdp":
+        argv += ["--use-torch-fsdp2"] + native_rc
+    elif s == "hsdp":
+        argv += ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", str(D)] + native_rc
+    elif s in ("distopt", "distopt-node"):
+        argv += DISTOPT + ["--overlap-param-gather"]
+        argv += ["--num-distributed-optimizer-instances", str(D)] if s == "distopt-node" else []
+        argv += native_rc
+    elif s == "hfsdp":
+        script = "pretrain_gpt.py"
+        argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--outer-dp-sharding-strategy", "optim",
+                 "--num-distributed-optimizer-instances", str(D)] + native_rc
+        comment = "Megatron-FSDP HFSDP runs in Megatron-LM (pretrain_gpt.py), not in this project"
+    line = f"torchrun --nnodes {D} --nproc-per-node {d} {script} " + " ".join(shlex.quote(a) for a in argv)
+    return argv, line + f"   # {comment}"
+
+
+# ---------------------------------------------------------------------- report
+def summarize(model, cluster, global_batch: int, configs, na, prune: str = "strategy") -> dict:
+    # ties (to 0.1 tok/s: several strategies at the compute bound) go to what this
+    # project can train, then to the smaller memory requirement
+    ok = sorted((c for c in configs if c.status == "ok"),
+                key=lambda c: (-round(c.tokens_per_sec_per_gpu, 1), not c.trainable, c.memory.total))
+    nofit = [c for c in configs if c.status == "no-fit"]
+    rejected = {}
+    for c in sorted(nofit, key=lambda c: c.memory.total):
+        rejected.setdefault(c.strategy, c)         # the smallest requirement per strategy
+    out = {
+        "cluster": {"ranks": cluster.ranks, "nodes": cluster.nodes, "ranks_per_node": cluster.per_node,
+                    "intra_bw_bytes_per_s": cluster.intra_bw, "inter_bw_bytes_per_s": cluster.inter_bw,
+                    "peak_tflops": cluster.peak_tflops, "efficiency": cluster.efficiency,
+                    "gpu_memory_bytes": cluster.gpu_memory, "usable_memory_bytes": cluster.usable_memory},
+        "model": dict(vars(model), params=model.params),
+        "global_batch_sequences": global_batch,
+        "global_batch_tokens": global_batch * model.seq_length,
+        "ranked": [c.row() for c in ok],
+        "rejected": [dict(c.row(), reason=no_fit_reason(c, cluster)) for c in rejected.values()],
+        "not_applicable": na,
+        "pruned": sum(c.status == "pruned" for c in configs),
+        "prune": prune,
+        "evaluated": sum(c.status in ("ok", "no-fit") for c in configs),
+        "best": ok[0].row() if ok else None,
+    }
+    if not ok:
+        smallest = min(nofit, key=lambda c: c.memory.total) if nofit else None
+        out["error"] = nothing_fits_message(smallest, cluster, na)
+    return out
+
+
+def no_fit_reason(c, cluster) -> str:
+    term, value = c.memory.dominant()
+    over = c.memory.total - cluster.usable_memory
+    return (f"needs {gb(c.memory.total)} > {gb(cluster.usable_memory)} usable by {gb(over)}; "
+            f"largest term {term} {gb(value)} ({c.memory.notes.get(term, '')})")
+
+
+def nothing_fits_message(smallest, cluster, na) -> str:
+    if smallest is None:
+        return "no strategy applies: " + "; ".join(na)
+    return (f"nothing fits in {gb(cluster.gpu_memory)} per GPU ({gb(cluster.usable_memory)} usable): "
+            f"the smallest requirement is {smallest.strategy} {smallest.label()} at "
+            f"{gb(smallest.memory.total)}, dominated by {smallest.memory.dominant()[0]} "
+            f"({gb(smallest.memory.dominant()[1])})")
+
+
+def format_report(summary: dict, top_memory: int = 3, rows: int = 15) -> str:
+    cl, md = summary["cluster"], summary["model"]
+    lines = [
+        f"cluster: {cl['ranks']} GPUs = {cl['nodes']} nodes x {cl['ranks_per_node']}, intra "
+        f"{cl['intra_bw_bytes_per_s'] / 1e9:g} GB/s, inter {cl['inter_bw_bytes_per_s'] / 1e9:g} GB/s "
+        f"({cl['inter_bw_bytes_per_s'] * 8 / 1e9:g} Gbit/s), {cl['peak_tflops']:g} TFLOP/s x "
+        f"{cl['efficiency']:g}, {gb(cl['gpu_memory_bytes'])} per GPU ({gb(cl['usable_memory_bytes'])} usable)",
+        f"model: L={md['num_layers']} H={md['hidden_size']} ffn={md['ffn_hidden_size']} heads "
+        f"{md['num_attention_heads']}/{md['num_query_groups']} vocab {md['vocab_size']} "
+        f"({md['params'] / 1e9:.2f}e9 params), S={md['seq_length']}, global batch "
+        f"{summary['global_batch_sequences']} sequences ({summary['global_batch_tokens'] / 1e6:.2f}M tokens)",
+        f"{summary['evaluated']} configurations evaluated, {summary['pruned']} not simulated (their "
+        "ceiling cannot beat " + ("their strategy's best" if summary["prune"] == "strategy"
+                                                else "their strategy's best or the runner-up") + ")", ""]
+    ranked = summary["ranked"]
+    if ranked:
+        top = ranked[0]["tokens_per_sec_per_gpu"]
+        head = ("#", "strategy", "knobs", "tok/s/GPU", "vs best", "iter s", "bubble", "inter GB/node",
+                "mem GB", "")
+        body, seen, notes = [], set(), []
+        for i, r in enumerate(ranked, 1):
+            first = r["strategy"] not in seen
+            seen.add(r["strategy"])
+            if i > rows and not first:
+                continue
+            body.append((str(i), r["strategy"], r["label"], f"{r['tokens_per_sec_per_gpu']:.0f}",
+                         f"{100 * (r['tokens_per_sec_per_gpu'] / top - 1):+.1f}%",
+                         f"{r['iteration_time_s']:.2f}", f"{r['bubble_ratio']:.3f}",
+                         f"{r['inter_bytes_per_node'] / 1e9:.1f}", f"{r['memory_bytes'] / 1e9:.1f}",
+                         "" if r["trainable"] else "not runnable here (note)"))
+            if not r["trainable"] and r["note"] not in notes:
+                notes.append(r["note"])
+        widths = [max(len(h), *(len(x[i]) for x in body)) for i, h in enumerate(head)]
+        fmt = lambda cells: "  ".join(c.ljust(w) if i in (1, 2, 9) else c.rjust(w)  # noqa: E731
+                                      for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        lines += [fmt(head), fmt(["-" * w for w in widths])] + [fmt(x) for x in body]
+        if len(ranked) > len(body):
+            lines.append(f"... {len(ranked) - len(body)} more that fit (below #{rows}: only each "
+                         "strategy's best is listed)")
+        lines += ["notes:"] + [f"  {n}" for n in notes] if notes else []
+    if summary["rejected"]:
+        lines += ["", "does not fit (smallest configuration of each strategy):"]
+        for r in summary["rejected"]:
+            lines.append(f"  {r['strategy']} {r['label']}: {r['reason']}")
+    if summary["not_applicable"]:
+        lines += ["", "not applicable:"] + [f"  {x}" for x in summary["not_applicable"]]
+    for i, r in enumerate(ranked[:top_memory], 1):
+        m = MemoryBreakdown.from_dict(r["memory_breakdown"])
+        lines += ["", f"memory per GPU, #{i} {r['strategy']} {r['label']}:"] + m.lines()
+    if ranked:
+        lines += ["", "best:", "  " + ranked[0]["command"]]
+        if not ranked[0]["trainable"]:
+            best_here = next((r for r in ranked if r["trainable"]), None)
+            if best_here:
+                lines += ["best trainable with this project:", "  " + best_here["command"]]
+    return "\n".join(lines)
+
+

@@ -1,0 +1,230 @@
+"""Cost model: how long compute takes and how fast links are.
+
+Compute times are per layer and per micro-batch, either derived from FLOPs
+(``CostModel.from_flops``) or measured (``CostModel.with_measured`` reading a
+JSON file).  A shard's time is ``layers_per_shard`` layer times; the last shard
+also runs the head (final norm + output layer + loss).
+
+Links come in two classes: ``intra`` (inside a group/node, e.g. NVLink) and
+``inter`` (between groups, e.g. Ethernet/IB).  Each node has one inter-group
+link per direction, shared by all concurrent flows of its ranks.
+
+Weight/gradient transfers move one shard in the compute dtype:
+``bytes_per_shard = params_per_layer * layers_per_shard * dtype_bytes`` with
+``params_per_layer = 12 H^2`` (Llama-style layer with ffn = 8H/3, no norms) or,
+when the FFN size is given, ``4 H^2 + 3 H ffn + 2 H`` exactly (the latter with
+grouped-query attention shrinking the K/V projections when ``num_query_groups``
+is given).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+# Rates and times as text (``--inter-bw 25Gbit/s``, ``--inter-latency 20us``); megatron_tawpipe.sim exports them.
+from megatron_tawpipe.common.units import parse_rate, parse_time
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float          # bytes/s (inf = free)
+    latency: float = 0.0      # s per message
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + (0.0 if self.bandwidth == float("inf") else nbytes / self.bandwidth)
+
+
+# The measured-times JSON (tools/calibrate.py writes it): seconds per layer and micro-batch,
+# plus descriptive keys that say where the figures come from.
+MEASURED_TIME_KEYS = ("layer_forward", "layer_backward", "layer_recompute", "head_forward", "head_backward")
+MEASURED_INFO_KEYS = ("comment", "device", "source", "attention", "dtype", "hidden_size", "seq_length",
+                      "micro_batch_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+#: --backend of the simulator: what the analytic strategies assume of the library collectives.
+BACKENDS = {
+    "nccl": "GPUs: FSDP2's gathers and reductions and megatron's bucket reductions run on side CUDA "
+            "streams and overlap compute as the strategy models say",
+    "gloo": "the CPU (the emulated cluster): FSDP2 issues every all-gather, reduce-scatter and HSDP "
+            "all-reduce as a blocking call (its overlap lives in CUDA streams), and its gloo "
+            "reduce-scatter moves an all-reduce's bytes; megatron with more than one distributed-"
+            "optimizer instance reduces each bucket synchronously; one instance's reductions are "
+            "asynchronous gloo work and still overlap; two ranks exchanging large messages both ways "
+            "at once take turns beyond the first 4 MiB of each (GLOO_PAIR_DUPLEX_BYTES)",
+}
+
+#: gloo point-to-point between two ranks in both directions at once (a pipeline boundary's
+#: activations one way and gradients the other): the first 4 MiB of a message (the kernel's socket
+#: buffers, tcp_wmem's maximum on the machines measured) flow both ways at the link rate, the rest
+#: takes turns with the reverse message -- each direction at half the rate.  Measured with
+#: ``megatron_tawpipe.bench.link_duplex`` on the emulated cluster (1 Gbit/s, 2026-11-24,
+#: ``examples/results/link_duplex_1gbit.json``): both ways over one pair of ranks, per direction,
+#: 1.0 of one way alone for 1-3 MB messages, 0.72 for 6.3 MB, 0.65 for 8.4 MB and 0.62 for 12.6 MB
+#: (the model: 0.75, 0.67, 0.60); 0.54-0.63 for 12.6 MB from 200 Mbit/s to 2 Gbit/s.  Different
+#: pairs in opposite directions do not interfere; NCCL's connections do not take turns (no limit
+#: on that backend).
+GLOO_PAIR_DUPLEX_BYTES = 4 * 2 ** 20
+
+
+@dataclass(frozen=True)
+class CostModel:
+    layer_forward: float                  # s per layer per micro-batch
+    layer_backward: float                 # s, backward proper
+    layer_recompute: float = 0.0          # s, forward recompute before backward (0 = none)
+    head_forward: float = 0.0             # s per micro-batch (last shard)
+    head_backward: float = 0.0
+    params_per_layer: float = 0.0
+    dtype_bytes: int = 2                  # compute dtype on the wire (weights, activations)
+    grad_bytes: int = 4                   # partial gradients travel and accumulate in fp32
+    activation_bytes: float = 0.0         # one boundary activation of one micro-batch
+    layer_activation_bytes: float = 0.0   # everything one layer keeps for backward, one mb
+    tokens_per_microbatch: int = 0
+    replicated_params: float = 0.0        # embedding + final norm + output layer
+    embedding_params: float = 0.0         # the embedding's share of them (its all-reduce part)
+    intra: Link = field(default_factory=lambda: Link(float("inf")))
+    inter: Link = field(default_factory=lambda: Link(float("inf")))
+    copy_bandwidth: float = float("inf")  # bytes/s of local copies (load, accumulate)
+    optimizer_time_per_param: float = 0.0
+    recompute: bool = True
+    # How library collectives (FSDP2's, megatron's data-parallel reductions) behave: "nccl" runs them
+    # on side CUDA streams, overlapping compute; "gloo" (the CPU) has no streams (see BACKENDS).
+    backend: str = "nccl"
+    # The rate two ranks' opposite messages take turns on (gloo; see GLOO_PAIR_DUPLEX_BYTES): the node
+    # link's (None) unless ``inter`` is a share of it (pp-nodes' pipelines share a node's link).
+    pair_bandwidth: Optional[float] = None
+
+    @property
+    def library_collectives_block(self) -> bool:
+        """Whether FSDP2's collectives and megatron's partial-DP reductions block compute (gloo)."""
+        return self.backend == "gloo"
+
+    @property
+    def pair_duplex_bytes(self) -> float:
+        """Bytes of a message that flow at full rate while its pair sends the other way (see
+        :data:`GLOO_PAIR_DUPLEX_BYTES`); beyond them the two directions share the rate."""
+        return GLOO_PAIR_DUPLEX_BYTES if self.backend == "gloo" else float("inf")
+
+    @property
+    def reduce_scatter_factor(self) -> float:
+        """A library reduce-scatter's cost in ring reduce-scatters: gloo's moves an all-reduce's bytes."""
+        return 2.0 if self.backend == "gloo" else 1.0
+
+    # ------------------------------------------------------------ builders
+    @classmethod
+    def from_flops(cls, *, hidden_size: int, seq_length: int, micro_batch_size: int = 1,
+                   ffn_hidden_size: Optional[int] = None, vocab_size: int = 32000,
+                   num_attention_heads: Optional[int] = None,
+                   num_query_groups: Optional[int] = None, peak_tflops: float = 312.0,
+                   efficiency: float = 0.5, recompute: bool = True, causal: bool = True,
+                   intra_bw="200GB/s", intra_latency="5us", inter_bw="12.5GB/s",
+                   inter_latency="20us", dtype_bytes: int = 2,
+                   hbm_bandwidth="2TB/s", untied_embeddings: bool = True) -> "CostModel":
+        H, S, B = hidden_size, seq_length, micro_batch_size
+        tokens = S * B
+        ppl = params_per_layer(H, ffn_hidden_size, num_attention_heads, num_query_groups)
+        matmul_params = ppl - (2 * H if ffn_hidden_size else 0)
+        attn = 4 * B * S * S * H * (0.5 if causal else 1.0)   # QK^T and AV
+        fwd_flops = 2 * tokens * matmul_params + attn
+        rate = peak_tflops * 1e12 * efficiency
+        fwd = fwd_flops / rate
+        head = 2 * tokens * H * vocab_size / rate
+        hbm = parse_rate(hbm_bandwidth)
+        return cls(layer_forward=fwd, layer_backward=2 * fwd,
+                   layer_recompute=fwd if recompute else 0.0,
+                   head_forward=head, head_backward=2 * head, params_per_layer=ppl,
+                   dtype_bytes=dtype_bytes, activation_bytes=tokens * H * dtype_bytes,
+                   # ~34 bytes per token and hidden unit for a bf16 layer with flash
+                   # attention (no S^2 score matrix kept).
+                   layer_activation_bytes=34 * tokens * H * dtype_bytes / 2,
+                   tokens_per_microbatch=tokens,
+                   replicated_params=(2 if untied_embeddings else 1) * vocab_size * H + H,
+                   embedding_params=vocab_size * H,
+                   intra=Link(parse_rate(intra_bw), parse_time(intra_latency)),
+                   inter=Link(parse_rate(inter_bw), parse_time(inter_latency)),
+                   copy_bandwidth=hbm / 2,
+                   # Adam on fp32 master: ~16 B read + 16 B written per parameter
+                   optimizer_time_per_param=32 / hbm, recompute=recompute)
+
+    def with_measured(self, path_or_dict) -> "CostModel":
+        """Override compute times with measured ones.  JSON keys (seconds per
+        layer per micro-batch unless noted): ``layer_forward``,
+        ``layer_backward`` (backward proper), ``layer_recompute``,
+        ``head_forward``, ``head_backward`` (per micro-batch); any subset."""
+        if isinstance(path_or_dict, dict):
+            data = path_or_dict
+        else:
+            with open(path_or_dict) as f:
+                data = json.load(f)
+        unknown = set(data) - set(MEASURED_TIME_KEYS) - set(MEASURED_INFO_KEYS)
+        if unknown:
+            raise ValueError(f"unknown keys in measured times: {sorted(unknown)}")
+        times = {k: float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS}
+        if not self.recompute:  # a measured recompute time does not bring recompute back
+            times.pop("layer_recompute", None)
+        return replace(self, **times)
+
+    def with_links(self, intra: Link = None, inter: Link = None) -> "CostModel":
+        return replace(self, intra=intra or self.intra, inter=inter or self.inter)
+
+    # ---------------------------------------------------------- per plan
+    def replicated_part_params(self, part: str) -> float:
+        """Parameters of one part of the replicated all-reduce ("all", "head", "embedding")."""
+        if part == "embedding":
+            return self.embedding_params
+        if part == "head":
+            return self.replicated_params - self.embedding_params
+        return self.replicated_params
+
+    def shard_bytes(self, plan) -> float:
+        """One shard's weights in the compute dtype (a weight buffer, a weight transfer)."""
+        return self.params_per_layer * plan.layers_per_shard * self.dtype_bytes
+
+    def grad_shard_bytes(self, plan) -> float:
+        """One shard's partial gradient (a gradient buffer, a gradient transfer): fp32, as the
+        runtime's gradient buffers are."""
+        return self.params_per_layer * plan.layers_per_shard * self.grad_bytes
+
+    def unit_bytes(self, plan, kind: str) -> float:
+        if kind == "weight":
+            return self.shard_bytes(plan)
+        return self.grad_shard_bytes(plan) if kind == "grad" else self.activation_bytes
+
+    def forward_time(self, plan, shard: int) -> float:
+        t = self.layer_forward * plan.layers_per_shard
+        return t + (self.head_forward if shard == plan.num_shards - 1 else 0.0)
+
+    def backward_time(self, plan, shard: int) -> float:
+        t = (self.layer_backward + self.layer_recompute) * plan.layers_per_shard
+        return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
+
+    def backward_input_time(self, plan, shard: int) -> float:
+        # Input and weight gradients cost about the same; recompute goes first.
+        lps = plan.layers_per_shard
+        t = (self.layer_recompute + self.layer_backward / 2) * lps
+        return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
+
+    def backward_weight_time(self, plan, shard: int) -> float:
+        return self.layer_backward / 2 * plan.layers_per_shard
+
+    def copy_time(self, plan) -> float:
+        bw = self.copy_bandwidth
+        return 0.0 if bw == float("inf") else self.shard_bytes(plan) / bw
+
+    def optimizer_time(self, plan, rank: int) -> float:
+        n = len(plan.shards_held_by(rank)) * plan.layers_per_shard * self.params_per_layer
+        return (n + self.replicated_params) * self.optimizer_time_per_param
+
+
+def params_per_layer(hidden_size: int, ffn_hidden_size: Optional[int] = None,
+                     num_attention_heads: Optional[int] = None,
+                     num_query_groups: Optional[int] = None) -> float:
+    """Weights of one Llama decoder layer (no biases)."""
+    H = hidden_size
+    if ffn_hidden_size is None:
+        return 12.0 * H * H
+    kv = H
+    if num_attention_heads and num_query_groups:
+        kv = H * num_query_groups // num_attention_heads
+    return float(2 * H * H + 2 * H * kv + 3 * H * ffn_hidden_size + 2 * H)

@@ -1,0 +1,462 @@
+"""Run a plan against a cost model: a discrete-event simulation.
+
+Each rank executes its list in order.  Compute and local actions (load, zero,
+accumulate, optimizer) occupy the rank for their duration; starts are posted
+instantly; a wait blocks until its operation completed.  Starts join their
+communicator's FIFO as NCCL runs them (:mod:`plan.nccl`, one FIFO per rank and
+process group; a ``batch`` is one entry): an operation begins once every
+participant posted it *and* has it in the head entry of its FIFO, so a posted
+transfer holds its stream until its partner runs.  Then it moves its bytes:
+
+* intra-group flows get the full intra bandwidth each (a switched fabric with
+  bandwidth-optimal collectives: an intra-group broadcast or reduce takes
+  ``latency + bytes/bandwidth``);
+* inter-group flows share each node's outgoing and incoming link max-min
+  fairly with every other flow of that node, after the link latency; on
+  ``gloo``, two flows between the same two ranks in opposite directions also
+  share one link's rate once each has sent ``CostModel.pair_duplex_bytes``;
+* broadcasts and reductions are star-shaped (root to/from each member); a
+  collective spanning several groups therefore sends one copy per remote
+  member over the slow links, which is what a topology-unaware flat group
+  costs;
+* the replicated all-reduce is a ring over all ranks, timed analytically on
+  the slowest link class it crosses.
+
+Results: iteration time, tokens/s per rank, bubble ratio (idle compute
+fraction), bytes per link class, buffer counts and memory, and the per-rank
+timeline (compute spans and transfers).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from collections import deque
+
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.sim.costmodel import CostModel
+from megatron_tawpipe.plan.nccl import batch_entries
+from megatron_tawpipe.plan.plan import Plan
+from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes, ring_share
+
+INF = float("inf")
+
+
+@dataclass
+class Span:
+    rank: int
+    start: float
+    end: float
+    kind: str        # F, B, Bi, Bw, load, zero, acc, opt
+    mb: int = -1
+    shard: int = -1
+
+
+@dataclass
+class Transfer:
+    tag: int
+    src: int
+    dst: int
+    kind: str
+    link: str
+    nbytes: float
+    posted: float     # when the last participant posted (transfer may begin)
+    end: float = 0.0
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    num_ranks: int
+    iteration_time: float
+    tokens_per_sec_per_rank: float
+    bubble_ratio: float
+    link_bytes: Dict[str, float]
+    replicated_allreduce_bytes: float
+    weight_buffers: int
+    grad_buffers: int
+    weight_buffer_bytes: float
+    grad_buffer_bytes: float
+    activation_bytes: float
+    state_bytes: float
+    compute_time: List[float]
+    finish_time: List[float]
+    spans: List[Span] = field(default_factory=list, repr=False)
+    transfers: List[Transfer] = field(default_factory=list, repr=False)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> float:
+        return (self.weight_buffer_bytes + self.grad_buffer_bytes + self.activation_bytes +
+                self.state_bytes)
+
+    def row(self) -> dict:
+        """Flat summary (what ``tools/simulate.py --json`` prints)."""
+        return {
+            "schedule": self.schedule,
+            "iteration_time_s": self.iteration_time,
+            "tokens_per_sec_per_rank": self.tokens_per_sec_per_rank,
+            "bubble_ratio": self.bubble_ratio,
+            "inter_group_bytes": self.link_bytes.get("inter", 0.0),
+            "intra_group_bytes": self.link_bytes.get("intra", 0.0),
+            "replicated_allreduce_bytes": self.replicated_allreduce_bytes,
+            "weight_buffers": self.weight_buffers,
+            "grad_buffers": self.grad_buffers,
+            "weight_buffer_bytes": self.weight_buffer_bytes,
+            "grad_buffer_bytes": self.grad_buffer_bytes,
+            "activation_bytes": self.activation_bytes,
+            "state_bytes": self.state_bytes,
+            "memory_bytes": self.memory_bytes,
+        }
+
+
+# ----------------------------------------------------------------- simulator
+class _Op:
+    __slots__ = ("tag", "need", "posted", "done", "waiters", "flows_left", "start", "began")
+
+    def __init__(self, tag: int, need: int, start):
+        self.tag, self.need, self.start = tag, need, start
+        self.posted = 0
+        self.began = False
+        self.done: Optional[float] = None
+        self.waiters: List[int] = []
+        self.flows_left = 0
+
+
+class _Flow:
+    __slots__ = ("op", "remaining", "rate", "out", "into", "transfer", "nbytes")
+
+    def __init__(self, op, nbytes, out, into, transfer):
+        self.op, self.remaining, self.nbytes = op, nbytes, nbytes
+        self.rate = 0.0
+        self.out, self.into, self.transfer = out, into, transfer
+
+    def pair(self) -> Tuple[int, int]:
+        return self.transfer.src, self.transfer.dst
+
+    def reverse_in(self, active: set) -> bool:
+        """Whether a flow between the same two ranks runs the other way (``active``: their pairs)."""
+        return (self.transfer.dst, self.transfer.src) in active
+
+    def has_sent(self, nbytes: float) -> bool:
+        return self.nbytes - self.remaining >= nbytes * (1 - 1e-9)
+
+
+class _Simulator:
+    def __init__(self, plan: Plan, cost: CostModel, record: bool):
+        self.plan, self.cost, self.record = plan, cost, record
+        self.G = plan.ranks_per_group
+        self.events: list = []
+        self.seq = 0
+        self.ops: Dict[int, _Op] = {}
+        self.pc = [0] * plan.num_ranks
+        self.finish = [0.0] * plan.num_ranks
+        self.busy = [0.0] * plan.num_ranks
+        self.spans: List[Span] = []
+        self.transfers: List[Transfer] = []
+        self.flows: List[_Flow] = []
+        self.net_time = 0.0
+        self.net_version = 0
+        self.stash = [0] * plan.num_ranks
+        self.peak_stash = [0] * plan.num_ranks
+        need = {}
+        for r, acts in enumerate(plan.actions):
+            for a in acts:
+                if type(a) in _STARTS:
+                    need[a.tag] = need.get(a.tag, 0) + 1
+        self.need = need
+        self.starts: Dict[int, Dict[int, object]] = {}
+        # NCCL streams: entries (lists of tags, a batch is one entry) per (rank, communicator).
+        self.entry_of: Dict[tuple, list] = {}          # (rank, tag) -> [key, tags, left]
+        for r in range(plan.num_ranks):
+            for key, ops in batch_entries(plan, r, "group"):
+                entry = [key, [a.tag for _, a in ops], len(ops)]
+                for _, a in ops:
+                    self.entry_of[(r, a.tag)] = entry
+        self.fifo: Dict[tuple, deque] = {}
+        self.unit = {kind: cost.unit_bytes(plan, kind) for kind in ("weight", "grad", "act", "actgrad")}
+        self.fwd = [cost.forward_time(plan, s) for s in range(plan.num_shards)]
+        self.bwd = [cost.backward_time(plan, s) for s in range(plan.num_shards)]
+        self.bwd_i = [cost.backward_input_time(plan, s) for s in range(plan.num_shards)]
+        self.bwd_w = [cost.backward_weight_time(plan, s) for s in range(plan.num_shards)]
+        self.copy = cost.copy_time(plan)
+
+    def push(self, t, kind, payload):
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    # ------------------------------------------------------------- main loop
+    def run(self):
+        for r in range(self.plan.num_ranks):
+            self.push(0.0, "rank", r)
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            if kind == "rank":
+                self.step(payload, t)
+            elif kind == "done":
+                self.complete(payload, t)
+            elif kind == "flowend":
+                self.flow_end(payload, t)
+            elif kind == "enter":
+                self.advance_net(t)
+                self.flows.append(payload)
+                self.reschedule(t)
+            elif kind == "net" and payload == self.net_version:
+                self.advance_net(t)
+                finished = [f for f in self.flows if f.remaining <= 1e-9 * f.nbytes + 1e-6]
+                if finished:
+                    self.flows = [f for f in self.flows if f not in finished]
+                    for f in finished:
+                        f.transfer.end = t
+                        self.flow_end(f.op, t)
+                self.reschedule(t)
+        stuck = [r for r in range(self.plan.num_ranks) if self.pc[r] < len(self.plan.actions[r])]
+        if stuck:
+            r = stuck[0]
+            raise RuntimeError(f"simulation stalled: rank {r} at step {self.pc[r]} "
+                               f"({A.describe(self.plan.actions[r][self.pc[r]])}); "
+                               "validate the plan first")
+
+    def step(self, r: int, t: float) -> None:
+        acts = self.plan.actions[r]
+        while self.pc[r] < len(acts):
+            a = acts[self.pc[r]]
+            cls = type(a)
+            if cls is A.Wait:
+                op = self._op(a.tag)
+                if op.done is None:
+                    op.waiters.append(r)
+                    return
+                self.pc[r] += 1
+                continue
+            self.pc[r] += 1
+            if cls in _STARTS:
+                self.post(r, a, t)
+                continue
+            dur, kind = self.duration(r, a)
+            if dur > 0:
+                if kind in ("F", "B", "Bi", "Bw"):
+                    self.busy[r] += dur
+                if self.record:
+                    self.spans.append(Span(r, t, t + dur, kind, getattr(a, "mb", -1),
+                                           getattr(a, "shard", -1)))
+                self.push(t + dur, "rank", r)
+                return
+        self.finish[r] = t
+
+    def duration(self, r: int, a):
+        cls = type(a)
+        if cls is A.Forward:
+            self.stash[r] += 1
+            self.peak_stash[r] = max(self.peak_stash[r], self.stash[r])
+            return self.fwd[a.shard], "F"
+        if cls is A.Backward:
+            self.stash[r] -= 1
+            return self.bwd[a.shard], "B"
+        if cls is A.BackwardInput:
+            return self.bwd_i[a.shard], "Bi"
+        if cls is A.BackwardWeight:
+            self.stash[r] -= 1
+            return self.bwd_w[a.shard], "Bw"
+        if cls is A.LoadWeights:
+            return self.copy, "load"
+        if cls is A.AccumulateToOwner:
+            return self.copy, "acc"
+        if cls is A.ZeroGrad:
+            return self.copy / 2, "zero"
+        if cls is A.OptimizerStep:
+            return self.cost.optimizer_time(self.plan, r), "opt"
+        return 0.0, "other"
+
+    # ------------------------------------------------------------------ comm
+    def _op(self, tag: int) -> _Op:
+        op = self.ops.get(tag)
+        if op is None:
+            op = self.ops[tag] = _Op(tag, self.need[tag], {})
+        return op
+
+    def post(self, r: int, a, t: float) -> None:
+        op = self._op(a.tag)
+        op.start[r] = a
+        op.posted += 1
+        entry = self.entry_of[(r, a.tag)]
+        if entry[1][0] == a.tag:        # the first start of its entry: the entry joins the FIFO
+            fifo = self.fifo.setdefault((r, entry[0]), deque())
+            fifo.append(entry)
+        if op.posted == op.need and self._at_heads(op):
+            self.begin(op, t)
+
+    def _at_heads(self, op: _Op) -> bool:
+        for r in op.start:
+            entry = self.entry_of[(r, op.tag)]
+            if self.fifo[(r, entry[0])][0] is not entry:
+                return False
+        return True
+
+    def _leave_fifos(self, op: _Op, t: float) -> None:
+        """``op`` completed: its entries may leave their FIFOs, letting the next ones run."""
+        for r in op.start:
+            entry = self.entry_of[(r, op.tag)]
+            entry[2] -= 1
+            if entry[2]:
+                continue
+            fifo = self.fifo[(r, entry[0])]
+            fifo.popleft()
+            if fifo:
+                for tag in fifo[0][1]:
+                    nxt = self.ops.get(tag)
+                    if nxt is not None and nxt.done is None and not nxt.began and \
+                            nxt.posted == nxt.need and self._at_heads(nxt):
+                        self.begin(nxt, t)
+
+    def begin(self, op: _Op, t: float) -> None:
+        op.began = True
+        a = next(iter(op.start.values()))
+        cls = type(a)
+        if cls is A.ReplicatedAllReduceStart:
+            P = self.plan.num_ranks
+            nbytes = self.cost.replicated_part_params(a.part) * self.cost.grad_bytes
+            link = self.cost.inter if self.plan.num_groups > 1 else self.cost.intra
+            dur = 0.0 if P == 1 else 2 * (P - 1) * link.latency + \
+                (0.0 if link.bandwidth == INF else 2 * (P - 1) / P * nbytes / link.bandwidth)
+            self.push(t + dur, "done", op)
+            return
+        if cls in (A.SendStart, A.RecvStart):
+            send = next(x for x in op.start.values() if type(x) is A.SendStart)
+            src = next(rr for rr, x in op.start.items() if x is send)
+            pairs = [(src, send.peer)]
+        elif cls is A.BroadcastStart:
+            pairs = [(a.root, m) for m in a.ranks if m != a.root]
+        elif cls is A.AllReduceStart:
+            pairs = [(m, ring_share(a.ranks, m)[0]) for m in a.ranks if len(a.ranks) > 1]
+        else:
+            pairs = [(m, a.root) for m in a.ranks if m != a.root]
+        nbytes = a.size * self.unit[a.kind]
+        if cls is A.AllReduceStart:
+            nbytes *= ring_share(a.ranks, a.ranks[0])[1]
+        op.flows_left = len(pairs)
+        if not pairs:
+            self.push(t, "done", op)
+        if cls is A.AllReduceStart and pairs:   # a ring's 2(n-1) steps each pay a latency; the flows pay one
+            crossing = any(src // self.G != dst // self.G for src, dst in pairs)
+            t += (2 * len(pairs) - 3) * (self.cost.inter if crossing else self.cost.intra).latency
+        for src, dst in pairs:
+            link = "intra" if src // self.G == dst // self.G else "inter"
+            tr = Transfer(op.tag, src, dst, a.kind, link, nbytes, t)
+            if self.record:
+                self.transfers.append(tr)
+            if link == "intra" or self.cost.inter.bandwidth == INF:
+                lk = self.cost.intra if link == "intra" else self.cost.inter
+                tr.end = t + lk.time(nbytes)
+                self.push(tr.end, "flowend", op)
+            else:
+                flow = _Flow(op, nbytes, src // self.G, dst // self.G, tr)
+                self.push(t + self.cost.inter.latency, "enter", flow)
+
+    def flow_end(self, op: _Op, t: float) -> None:
+        op.flows_left -= 1
+        if op.flows_left == 0:
+            self.complete(op, t)
+
+    def complete(self, op: _Op, t: float) -> None:
+        op.done = t
+        for r in op.waiters:
+            self.push(t, "rank", r)
+        op.waiters = []
+        self._leave_fifos(op, t)
+
+    # ------------------------------------------------------- shared network
+    def advance_net(self, t: float) -> None:
+        dt = t - self.net_time
+        if dt > 0:
+            for f in self.flows:
+                f.remaining -= f.rate * dt
+        self.net_time = t
+
+    def reschedule(self, t: float) -> None:
+        self.net_version += 1
+        if not self.flows:
+            return
+        free = self.cost.pair_duplex_bytes
+        _max_min_rates(self.flows, self.cost.inter.bandwidth, free, self.cost.pair_bandwidth)
+        nxt = min(t + max(f.remaining, 0.0) / f.rate for f in self.flows)
+        if free != INF:     # the next flow to leave its free bytes while its pair sends the other way
+            active = {f.pair() for f in self.flows}
+            for f in self.flows:
+                if not f.has_sent(free) and f.reverse_in(active):
+                    nxt = min(nxt, t + (free - (f.nbytes - f.remaining)) / f.rate)
+        self.push(nxt, "net", self.net_version)
+
+
+def _max_min_rates(flows: List[_Flow], capacity: float, pair_free: float = INF,
+                   pair_capacity: Optional[float] = None) -> None:
+    """Max-min fair rates (progressive filling); each flow uses its source
+    node's outgoing and its destination node's incoming link, each of
+    ``capacity`` bytes/s; a flow past its first ``pair_free`` bytes while a flow
+    between the same two ranks runs the other way also uses that pair's turn,
+    ``pair_capacity`` bytes/s (default ``capacity``) shared by both directions (gloo)."""
+    users: Dict[tuple, List[_Flow]] = {}
+    active = {f.pair() for f in flows} if pair_free != INF else set()
+    uses: Dict[int, tuple] = {}
+    for f in flows:
+        f.rate = -1.0
+        res = [("o", f.out), ("i", f.into)]
+        if f.reverse_in(active) and f.has_sent(pair_free):
+            res.append(("pair",) + tuple(sorted(f.pair())))
+        uses[id(f)] = tuple(res)
+        for r in res:
+            users.setdefault(r, []).append(f)
+    turn = capacity if pair_capacity is None else pair_capacity
+    remaining = {res: (turn if res[0] == "pair" else capacity) for res in users}
+    unfrozen = {res: len(fs) for res, fs in users.items()}
+    while unfrozen:
+        best = min(unfrozen, key=lambda res: remaining[res] / unfrozen[res])
+        share = remaining[best] / unfrozen[best]
+        for f in users[best]:
+            if f.rate < 0:
+                f.rate = share
+                for res in uses[id(f)]:
+                    remaining[res] -= share
+                    unfrozen[res] -= 1
+        unfrozen = {res: n for res, n in unfrozen.items() if n > 0}
+
+
+_STARTS = frozenset(A.STARTS)
+
+
+def memory_fields(plan: Plan, cost: CostModel, peak_stash: int) -> Dict[str, float]:
+    """A plan's per-rank memory fields of :class:`SimResult` (buffers, activations of
+    ``peak_stash`` stored micro-batch inputs, state), the largest over its ranks."""
+    lps = plan.layers_per_shard
+    per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
+    working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
+    held = max(len(plan.shards_held_by(r)) for r in range(plan.num_ranks))
+    # fp32 master + Adam moments + fp32 main grad (16 B/param) for held layers
+    # and the replicated parts, plus the replicated parts' compute copy.
+    state = 16 * (held * lps * cost.params_per_layer + cost.replicated_params) + \
+        cost.dtype_bytes * cost.replicated_params
+    return dict(weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
+                weight_buffer_bytes=plan.max_weight_buffers * cost.shard_bytes(plan),
+                grad_buffer_bytes=plan.max_grad_buffers * cost.grad_shard_bytes(plan),
+                activation_bytes=peak_stash * per_stash + working, state_bytes=state)
+
+
+def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
+    """Simulate one iteration of ``plan`` (which should be validated first)."""
+    sim = _Simulator(plan, cost, record)
+    sim.run()
+    P = plan.num_ranks
+    iteration = max(sim.finish) if P else 0.0
+    compute = sum(sim.busy)
+    tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
+    lb = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan))
+    rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.grad_bytes)
+    return SimResult(
+        schedule=plan.schedule, num_ranks=P, iteration_time=iteration,
+        tokens_per_sec_per_rank=(tokens / iteration / P) if iteration > 0 else INF,
+        bubble_ratio=(1.0 - compute / (P * iteration)) if iteration > 0 else 0.0,
+        link_bytes=lb, replicated_allreduce_bytes=rep["intra"] + rep["inter"],
+        **memory_fields(plan, cost, max(sim.peak_stash)), compute_time=sim.busy, finish_time=sim.finish,
+        spans=sim.spans, transfers=sim.transfers, options=dict(plan.options))

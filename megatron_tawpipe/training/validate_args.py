@@ -1,0 +1,491 @@
+"""Validation of parsed flags before any process group exists: every inconsistency is one
+:class:`ArgumentError` line that names the flag (Megatron-LM's rules, and this project's)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, SUPPORTED_TOKENIZERS,
+                                              WEIGHT_PASSING_SCHEDULES, ArgumentError)
+from megatron_tawpipe.arguments.layout import data_parallel_size
+from megatron_tawpipe.compat.megatron_lm import compat_notices, compat_refusal
+from megatron_tawpipe.data import batch_schedule
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def weight_passing_runtime_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron_tawpipe.runtime.trainer") is not None
+
+
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Check flags before any process group is created; raise ArgumentError naming the flag."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    if args.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ArgumentError(
+            f"--pipeline-schedule {args.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES and not weight_passing_runtime_available():
+        raise ArgumentError(
+            f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not part of this "
+            "version yet; use --pipeline-schedule 1f1b or interleaved")
+    refusal = compat_refusal(args)
+    if refusal:
+        raise ArgumentError(refusal)
+    if args.use_checkpoint_args:
+        _apply_checkpoint_args(args)
+    _validate_model(args)
+    _validate_required(args)
+    if args.emulated_compute_times:
+        from megatron_tawpipe.emulation.compute import load_compute_times
+
+        try:
+            load_compute_times(args.emulated_compute_times)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+        if args.tensor_model_parallel_size > 1 and args.pipeline_schedule not in WEIGHT_PASSING_SCHEDULES:
+            raise ArgumentError("--emulated-compute-times with --tensor-model-parallel-size > 1 is emulated for "
+                                "--pipeline-schedule tawpipe / weipipe only (the native emulation replaces whole "
+                                "layers and would drop megatron's tensor-parallel collectives)")
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
+    _validate_parallel_layout(args, world_size)
+    _validate_data_parallel(args, world_size)
+    _validate_batch(args, world_size)
+    _validate_schedule_units(args)
+    _validate_batch_layout(args)
+    _validate_logging_and_checkpoints(args)
+    for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
+    for message in compat_notices(args) + list(vars(args).pop("megatron_lm_default_notices", ())):
+        notice(message)
+    return args
+
+
+def _validate_required(args: argparse.Namespace) -> None:
+    """Flags Megatron-LM has no default for, and choices it has that this project does not implement."""
+    if args.lr is None:
+        raise ArgumentError("--lr is required (Megatron-LM has no default learning rate)")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} must not exceed --lr {args.lr}")
+    if args.min_lr < 0:
+        raise ArgumentError(f"--min-lr must be >= 0, got {args.min_lr}")
+    if args.lr_warmup_init > args.lr:
+        raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}")
+    if args.decoupled_lr is not None and (args.decoupled_min_lr or 0.0) > args.decoupled_lr:
+        raise ArgumentError(f"--decoupled-min-lr {args.decoupled_min_lr} must not exceed --decoupled-lr "
+                            f"{args.decoupled_lr}")
+    if args.optimizer != "adam":
+        raise ArgumentError(f"--optimizer {args.optimizer} is not supported; adam (AdamW, Megatron-LM's default) is")
+    if args.tokenizer_type is None:
+        raise ArgumentError("--tokenizer-type is required (Megatron-LM has no default): NullTokenizer --vocab-size N "
+                            "with --mock-data, or SentencePieceTokenizer --tokenizer-model FILE")
+    if args.tokenizer_type not in SUPPORTED_TOKENIZERS:
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} is not supported yet; use "
+                            f"{' or '.join(SUPPORTED_TOKENIZERS)}")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        notice(f"--tiktoken-pattern {args.tiktoken_pattern}: applies to TikTokenizer only; no effect with "
+               f"{args.tokenizer_type}")
+    if args.dataloader_type == "external":
+        raise ArgumentError("--dataloader-type external (a user-supplied iterator) has no place in a command line; "
+                            "single (the default: every sample once, in the dataset's shuffled order) or cyclic "
+                            "(Megatron-LM's random sampler: epochs, each in a random order) are")
+
+
+def _validate_model(args: argparse.Namespace) -> None:
+    """The architecture flags, as Megatron-LM builds them (see model.py)."""
+    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+                            f"{args.num_attention_heads} (or give --kv-channels)")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError(
+            f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups {args.num_query_groups}")
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if args.swiglu and args.squared_relu:
+        raise ArgumentError("--swiglu and --squared-relu are mutually exclusive")
+    kind = args.position_embedding_type
+    if kind in ("yarn", "mrope", "relative"):
+        raise ArgumentError(f"--position-embedding-type {kind} is not supported yet; use learned_absolute, rope "
+                            "or none")
+    if not args.add_position_embedding and kind != "rope":
+        raise ArgumentError(f"--no-position-embedding is only valid with --position-embedding-type rope (got {kind}); "
+                            "use --position-embedding-type none for no position embedding")
+    if (args.use_rope_scaling or args.rotary_seq_len_interpolation_factor) and kind != "rope":
+        raise ArgumentError("--use-rope-scaling / --rotary-seq-len-interpolation-factor need "
+                            "--position-embedding-type rope")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ArgumentError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    from megatron_tawpipe.models.llama import check_model_support
+
+    try:
+        check_model_support(args)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+
+
+def _validate_schedule_units(args: argparse.Namespace) -> None:
+    """--train-iters or --train-samples, and the LR schedule in the same unit (Megatron-LM's rules).
+
+    Sets ``args.train_iters`` in both modes and ``args.lr_warmup_steps``, ``lr_decay_steps``,
+    ``wsd_decay_steps`` and ``wd_incr_steps`` in samples, the unit of megatron-core's scheduler.
+    """
+    schedule = args.batch_schedule
+
+    def samples(iterations: int) -> int:
+        return batch_schedule.samples_after(schedule, iterations)
+
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ArgumentError("give exactly one of --train-iters and --train-samples")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
+        raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+    if args.train_iters is not None:
+        if args.lr_decay_samples is not None or args.lr_warmup_samples or args.lr_wsd_decay_samples:
+            raise ArgumentError("--lr-decay-samples / --lr-warmup-samples / --lr-wsd-decay-samples go with "
+                                "--train-samples; with --train-iters use --lr-decay-iters / --lr-warmup-iters")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+        decay_iters = args.lr_decay_iters or args.train_iters
+        decay = samples(decay_iters)
+        warmup = samples(args.lr_warmup_iters)
+        # The anneal is the decay's last iterations.
+        wsd = decay - samples(max(decay_iters - (args.lr_wsd_decay_iters or 0), 0))
+        total = samples(args.train_iters)
+    else:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters or args.lr_wsd_decay_iters:
+            raise ArgumentError("--lr-decay-iters / --lr-warmup-iters / --lr-wsd-decay-iters go with --train-iters; "
+                                "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
+            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive")
+        args.train_iters = batch_schedule.iterations_for_samples(schedule, args.train_samples)
+        if args.train_iters == 0:
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
+                                f"({schedule[0][1]})")
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples
+        wsd = args.lr_wsd_decay_samples or 0
+        total = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    if warmup >= decay:
+        unit = "iters" if args.train_samples is None else "samples"
+        given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
+                 else f"--lr-warmup-{unit} {getattr(args, 'lr_warmup_' + unit)}")
+        span = decay_iters if unit == "iters" else decay
+        raise ArgumentError(f"{given} must be smaller than --lr-decay-{unit} {span} (default: --train-{unit})")
+    if args.lr_decay_style == "WSD" and not wsd:
+        notice("--lr-decay-style WSD without --lr-wsd-decay-iters / --lr-wsd-decay-samples: the anneal "
+               f"({args.lr_wsd_decay_style}) spans the whole decay (Megatron-LM requires the flag)")
+        wsd = decay
+    args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps = int(warmup), int(decay), int(wsd)
+    args.wd_incr_steps = total
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            raise ArgumentError("--start-weight-decay / --end-weight-decay need --weight-decay-incr-style "
+                                "linear or cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
+                            "and --end-weight-decay")
+    elif not 0.0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ArgumentError(f"--start-weight-decay {args.start_weight_decay} must be >= 0 and at most "
+                            f"--end-weight-decay {args.end_weight_decay}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+                            "mutually exclusive")
+
+
+def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the model flags come from the checkpoint under --load (Megatron-LM's)."""
+    from megatron_tawpipe.checkpoint import checkpoint_arguments
+    from megatron_tawpipe.common.errors import CheckpointError
+
+    if not args.load:
+        raise ArgumentError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model flags from)")
+    try:
+        found = checkpoint_arguments(args.load)
+    except CheckpointError as exc:
+        raise ArgumentError(f"--use-checkpoint-args: {exc}") from None
+    if found is None:
+        raise ArgumentError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
+    directory, saved = found
+    changed = []
+    for key, value in saved.items():
+        if getattr(args, key, None) != value:
+            changed.append(f"--{key.replace('_', '-')} {value}")
+            setattr(args, key, value)
+    if changed:
+        notice(f"--use-checkpoint-args: from {directory}: " + ", ".join(changed))
+
+
+def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
+    if args.tensorboard_dir:
+        from megatron_tawpipe.monitor.tensorboard_log import tensorboard_available
+
+        if not tensorboard_available():
+            raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package "
+                                "(pip install tensorboard)")
+    if args.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
+    elif args.wandb_exp_name or args.wandb_save_dir:
+        notice("--wandb-exp-name / --wandb-save-dir: no effect without --wandb-project")
+    if args.save_interval is not None and not args.save:
+        notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
+    if args.ckpt_format not in CKPT_FORMATS:
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: this project writes torch_dist (Megatron-LM's default, "
+                            "megatron-core's dist_checkpointing) or tawpipe (its own per-parameter files); "
+                            f"Megatron-LM's {args.ckpt_format} format is not supported")
+    if args.ckpt_format == "torch_dist" and args.save:
+        try:
+            import psutil  # noqa: F401  (megatron-core's torch_dist writer needs it)
+        except ImportError:
+            raise ArgumentError("--ckpt-format torch_dist needs the psutil package (pip install psutil), as "
+                                "megatron-core's checkpoint writer does; or --ckpt-format tawpipe") from None
+    if args.exit_on_missing_checkpoint and not args.load:
+        raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
+    import signal
+
+    if args.exit_signal_handler and (
+            not isinstance(getattr(signal, str(args.exit_signal), None), signal.Signals)
+            or args.exit_signal in ("SIGKILL", "SIGSTOP", "SIGCHLD")):
+        raise ArgumentError(f"--exit-signal {args.exit_signal}: give a signal that can be caught and is not "
+                            "SIGCHLD (SIGTERM, SIGUSR1, SIGUSR2, SIGINT, ...)")
+    if args.calculate_per_token_loss and args.eod_mask_loss:
+        raise ArgumentError("--calculate-per-token-loss with --eod-mask-loss is not supported yet (micro-batches "
+                            "with different numbers of loss tokens)")
+    if args.calculate_per_token_loss:
+        notice("--calculate-per-token-loss: every micro-batch has the same number of loss tokens without "
+               "--eod-mask-loss, so the mean over the global batch's tokens is the mean over micro-batches")
+
+
+def _validate_tensor_parallel(args: argparse.Namespace) -> None:
+    """megatron-core's tensor parallelism (native schedules, and inside weight passing: see _validate_weight_pipeline_ranks)."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        if args.sequence_parallel:
+            notice("--sequence-parallel: no effect with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")
+            args.sequence_parallel = False
+        return
+    if args.use_torch_fsdp2:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} with --use-torch-fsdp2: the FSDP2 baseline shards "
+                            "whole layers over all ranks; leave tensor parallelism at 1")
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups), ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value % tp:
+            raise ArgumentError(f"{flag} {value} must be divisible by --tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
+                            f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
+    if args.sequence_parallel:
+        from megatron_tawpipe.models.llama import check_sequence_parallel_support
+
+        try:
+            check_sequence_parallel_support(args)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+    if args.ckpt_format == "tawpipe" and args.save:
+        raise ArgumentError(f"--ckpt-format tawpipe stores whole parameters, which a tensor-parallel rank does not "
+                            f"hold: with --tensor-model-parallel-size {tp} use --ckpt-format torch_dist (the default)")
+
+
+def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
+    if args.context_parallel_size != 1:
+        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: context parallelism needs "
+                            "Transformer Engine on GPUs and is not supported yet; leave it at 1")
+    _validate_tensor_parallel(args)
+    pp = args.pipeline_model_parallel_size
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        if pp != 1:
+            tp = args.tensor_model_parallel_size
+            owners = world_size // tp
+            who = ("every rank is a data-parallel rank and owns" if tp == 1 else
+                   f"every tensor-parallel group of {tp} ranks is a data-parallel rank and owns")
+            notice(f"--pipeline-schedule {args.pipeline_schedule}: the {pp} ranks of each "
+                   "--pipeline-model-parallel-size pipeline join the weight pipeline, which runs over all "
+                   f"{world_size} ranks ({who} 1/{owners} of the layers)")
+            args.pipeline_model_parallel_size = pp = 1
+        _validate_weight_pipeline_ranks(args, world_size)
+        if args.recompute_granularity == "selective":
+            raise ArgumentError(
+                f"--recompute-granularity selective is not supported with --pipeline-schedule "
+                f"{args.pipeline_schedule} (it recomputes whole shards; --tawpipe-no-recompute turns that off)")
+        if args.timeline_file and os.path.isdir(args.timeline_file):
+            raise ArgumentError(f"--timeline-file {args.timeline_file} is a directory; give a file name")
+        if args.tawpipe_microbatches_per_visit != 1 and args.pipeline_schedule != "tawpipe":
+            raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
+        if args.tawpipe_replicate_first_shard:
+            _validate_replicated_first_shard(args, world_size)
+        backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
+        if args.tawpipe_nccl_faithful and backend != "gloo":
+            raise ArgumentError("--tawpipe-nccl-faithful runs NCCL's rules on gloo: it needs "
+                                "--distributed-backend gloo (on NCCL the rules are NCCL's own)")
+        return
+    if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
+            or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful
+            or args.tawpipe_replicate_first_shard):
+        raise ArgumentError(
+            "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
+            "--tawpipe-microbatches-per-visit / --tawpipe-replicate-first-shard / --tawpipe-nccl-faithful / "
+            "--timeline-file need --pipeline-schedule tawpipe or weipipe")
+    tp = args.tensor_model_parallel_size
+    if world_size % (tp * pp):
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
+                            f"the number of ranks {world_size}")
+    if args.num_layers % pp:
+        raise ArgumentError(
+            f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if args.pipeline_schedule == "interleaved":
+        if per_virtual is None:
+            raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage")
+        if pp < 2:
+            raise ArgumentError("--pipeline-schedule interleaved needs --pipeline-model-parallel-size >= 2")
+        if (args.num_layers // pp) % per_virtual or args.num_layers // pp == per_virtual:
+            raise ArgumentError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual} must divide the {args.num_layers // pp} "
+                "layers of a pipeline stage into at least two virtual stages")
+    elif per_virtual is not None:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
+
+
+def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -> None:
+    """Groups (nodes), tensor-parallel groups and layers for a weight-passing schedule: the plan runs over
+    world / T virtual ranks, each a tensor-parallel group of T ranks inside one node."""
+    schedule, tp = args.pipeline_schedule, args.tensor_model_parallel_size
+    groups = args.tawpipe_num_groups
+    if groups is not None and world_size % groups:
+        raise ArgumentError(f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
+    if tp > 1:
+        if world_size % tp:
+            raise ArgumentError(f"--tensor-model-parallel-size {tp} must divide the number of ranks {world_size}")
+        per_node = world_size // groups if groups is not None else _ranks_per_node(world_size)
+        if per_node % tp:
+            where = (f"--tawpipe-num-groups {groups} gives {per_node} ranks per group" if groups is not None
+                     else f"{per_node} ranks per node (LOCAL_WORLD_SIZE)")
+            raise ArgumentError(f"--tensor-model-parallel-size {tp} with --pipeline-schedule {schedule}: {where}, "
+                                f"which {tp} does not divide, so a tensor-parallel group would span nodes; "
+                                "tensor-parallel groups must stay inside a node")
+    virtual = world_size // tp
+    if args.num_layers % virtual:
+        ranks = (f"the number of tensor-parallel groups {virtual} ({world_size} ranks / "
+                 f"--tensor-model-parallel-size {tp})" if tp > 1 else f"the number of ranks {world_size}")
+        raise ArgumentError(f"--num-layers {args.num_layers} must be divisible by {ranks} "
+                            f"for --pipeline-schedule {schedule}")
+
+
+def _validate_replicated_first_shard(args: argparse.Namespace, world_size: int) -> None:
+    """--tawpipe-replicate-first-shard: tawpipe (with overlap) over two or more groups."""
+    if args.pipeline_schedule != "tawpipe" or args.tawpipe_no_overlap:
+        raise ArgumentError("--tawpipe-replicate-first-shard applies to --pipeline-schedule tawpipe (without "
+                            "--tawpipe-no-overlap) only")
+    groups = args.tawpipe_num_groups or world_size // _ranks_per_node(world_size)
+    if groups < 2:
+        raise ArgumentError("--tawpipe-replicate-first-shard needs two or more groups (nodes, or "
+                            f"--tawpipe-num-groups); this run has {groups}")
+
+
+def _ranks_per_node(world_size: int) -> int:
+    """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE; all ranks when unset)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return local if local > 0 and world_size % local == 0 else world_size
+
+
+def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
+    """Megatron-LM's rules for its data-parallel flags, plus what FSDP2 and weight passing allow."""
+    instances = args.num_distributed_optimizer_instances
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        if args.use_torch_fsdp2 or instances != 1:
+            raise ArgumentError(
+                f"--use-torch-fsdp2 / --num-distributed-optimizer-instances do not apply to --pipeline-schedule "
+                f"{args.pipeline_schedule} (it already spreads weights, gradients and optimizer state over all ranks)")
+        if args.use_distributed_optimizer or args.overlap_grad_reduce or args.overlap_param_gather:
+            notice(f"--pipeline-schedule {args.pipeline_schedule}: every rank already owns 1/P of the optimizer "
+                   "state and transfers overlap compute; --use-distributed-optimizer / --overlap-grad-reduce / "
+                   "--overlap-param-gather change nothing")
+        return
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+    dp = data_parallel_size(args, world_size)
+    if args.use_torch_fsdp2:
+        if args.pipeline_schedule != "1f1b" or args.pipeline_model_parallel_size != 1:
+            raise ArgumentError("--use-torch-fsdp2 shards over all ranks: leave --pipeline-schedule at 1f1b and "
+                                "--pipeline-model-parallel-size at 1")
+        if args.use_distributed_optimizer or args.overlap_grad_reduce or args.overlap_param_gather:
+            raise ArgumentError("--use-torch-fsdp2 replaces megatron's DDP: it always shards the optimizer and "
+                                "overlaps its gathers and reductions; drop --use-distributed-optimizer / "
+                                "--overlap-grad-reduce / --overlap-param-gather")
+        if args.fp16:
+            raise ArgumentError("--use-torch-fsdp2 trains in fp32 or --bf16 (fp16 needs a loss scaler FSDP2 "
+                                "does not have)")
+    if args.ddp_bucket_size is not None and (args.use_torch_fsdp2 or not args.overlap_grad_reduce):
+        notice("--ddp-bucket-size changes nothing without --overlap-grad-reduce (megatron's DDP reduces all "
+               "gradients at once then) or with --use-torch-fsdp2 (it reduces per layer)")
+    if instances != 1 and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        raise ArgumentError("--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer "
+                            "(or --use-torch-fsdp2 for HSDP)")
+    if dp % instances:
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances} must divide the data-parallel "
+                            f"size {dp}")
+
+
+def notice(message: str) -> None:
+    """A one-line notice about a flag that has no effect, printed once by the first rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"notice: {message}", flush=True)
+
+
+def _validate_batch(args: argparse.Namespace, world_size: int) -> None:
+    """The global batch over the run: --global-batch-size (default: one micro-batch per data-parallel
+    rank) or --step-batch-size-schedule, kept as ``args.batch_schedule``."""
+    dp = data_parallel_size(args, world_size)
+    args.data_parallel_size = dp
+    if args.step_batch_size_schedule is not None:
+        if args.global_batch_size is not None:
+            raise ArgumentError("--step-batch-size-schedule and --global-batch-size are mutually exclusive "
+                                "(as in Megatron-LM): the schedule gives the global batch")
+        try:
+            args.batch_schedule = batch_schedule.parse_step_schedule(args.step_batch_size_schedule,
+                                                                     args.seq_length)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+    else:
+        if args.global_batch_size is None:
+            args.global_batch_size = args.micro_batch_size * dp
+        args.batch_schedule = batch_schedule.constant(args.global_batch_size)
+    args.global_batch_size = batch_schedule.batch_at(args.batch_schedule, 0)
+
+
+def _validate_batch_layout(args: argparse.Namespace) -> None:
+    """Every global batch the run reaches is a whole number of micro-batches per data-parallel rank
+    (a multiple of the pipeline size for the interleaved schedule). A run that resumes (--load) may
+    start past entries that do not fit this layout: the check then waits for the checkpoint."""
+    try:
+        counts = batch_schedule.check_layout(args, 0)
+    except ValueError as exc:
+        if args.load and len(args.batch_schedule) > 1:
+            args.num_microbatches = None
+            return
+        raise ArgumentError(str(exc)) from None
+    if args.pipeline_schedule == "interleaved":
+        for count in counts:
+            if count % args.pipeline_model_parallel_size:
+                raise ArgumentError(
+                    f"--pipeline-schedule interleaved needs the number of micro-batches ({count}) "
+                    f"to be a multiple of --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.num_microbatches = batch_schedule.micro_batches(args.global_batch_size, args.micro_batch_size,
+                                                         args.data_parallel_size)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
