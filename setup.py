@@ -33,6 +33,7 @@ setup(
         # Megatron-LM's HuggingFaceTokenizer / TikTokenizer (through megatron-core) and GPT2BPETokenizer.
         "tokenizers": ["transformers", "tiktoken", "tokenizers"],
         "wandb": ["wandb"],
-        "test": ["pytest>=7", "matplotlib", "tensorboard", "transformers", "tiktoken", "tokenizers", "wandb"],
+        "test": ["pytest>=7", "import-linter>=2.1", "matplotlib", "tensorboard", "transformers", "tiktoken", "tokenizers",
+                 "wandb"],
     },
 )

@@ -159,10 +159,10 @@ def _wait_probe_case(rank, args):
     from megatron_tawpipe.bench.waits import probe_wait_behind_compute
     from megatron_tawpipe.runtime.executor import PlanExecutor
 
-    original = PlanExecutor._wait
+    original = PlanExecutor.wait_observer
     with one_rank_process_group(args):
         probe = probe_wait_behind_compute(torch.device("cpu"), torch.float32, 64, 0.003, repeats=3)
-    return probe, PlanExecutor._wait is original
+    return probe, PlanExecutor.wait_observer is original
 
 
 def test_wait_probe_runs_through_the_executor_and_restores_it(fp32_args):

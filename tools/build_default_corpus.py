@@ -15,12 +15,15 @@ try:
 except ImportError:  # running from a source checkout without installation
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_tawpipe.compat.extensions import ignore_missing_extension_warnings  # noqa: E402
 from megatron_tawpipe.data.default_corpus import (  # noqa: E402
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEED,
     DEFAULT_VOCAB_SIZE,
     build_default_corpus,
 )
+
+ignore_missing_extension_warnings()   # megatron-core's dataset writer imports its optimizers: irrelevant here
 
 
 def main(argv=None):

@@ -68,9 +68,12 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.bench.emulated_cluster import (  # noqa: E402
-    DEFAULT_BURST, DEFAULT_MASTER_PORT, DEFAULT_SUBNET, ClusterError, EmulatedCluster,
-    check_prerequisites, cleanup_stale, format_rate, measure_throughput, parse_rate)
+from megatron_tawpipe.bench.emulated_cluster import DEFAULT_MASTER_PORT, EmulatedCluster  # noqa: E402
+from megatron_tawpipe.bench.link_probe import format_rate, measure_throughput  # noqa: E402
+from megatron_tawpipe.bench.netns import check_prerequisites, cleanup_stale  # noqa: E402
+from megatron_tawpipe.bench.node_network import DEFAULT_BURST, DEFAULT_SUBNET  # noqa: E402
+from megatron_tawpipe.common.errors import ClusterError  # noqa: E402
+from megatron_tawpipe.common.units import parse_tc_rate  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torchrun --nproc-per-node (default 1)")
     p.add_argument("--rate", default="1gbit",
                    help="link rate of each node, each direction, as tc writes it: 100mbit, "
-                        "1gbit, ...; 'none' for unshaped links (default 1gbit)")
+                        "1gbit, ... (tc's 'bps' is BYTES/s: 10mbps = 80mbit); 'none' for "
+                        "unshaped links (default 1gbit)")
     p.add_argument("--burst", default=DEFAULT_BURST,
                    help=f"htb burst and cburst (default {DEFAULT_BURST})")
     p.add_argument("--egress-only", action="store_true",
@@ -117,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _measure(cluster: EmulatedCluster) -> None:
-    bps = cluster.rate_bps
+    bits = cluster.rate_bits_per_s
     if cluster.nodes >= 2:
-        nbytes = int(min(bps * 2 / 8, 500e6)) + (4 << 20) if bps else 500_000_000
+        nbytes = int(min(bits * 2 / 8, 500e6)) + (4 << 20) if bits else 500_000_000
         r = measure_throughput(cluster, 0, 1, nbytes)
         print(f"node 0 -> node 1: {format_rate(r['bits_per_s'])} "
-              f"(configured {format_rate(bps)}; {r['bytes'] / 1e6:.0f} MB in {r['seconds']:.2f} s)",
+              f"(configured {format_rate(bits)}; {r['bytes'] / 1e6:.0f} MB in {r['seconds']:.2f} s)",
               flush=True)
     r = measure_throughput(cluster, 0, 0, 500_000_000)
     print(f"inside node 0 (lo): {format_rate(r['bits_per_s'])}", flush=True)
@@ -139,7 +143,7 @@ def main(argv=None) -> int:
     if args.only_nodes and not args.each_node:
         parser.error("--node only goes with --each-node")
     try:
-        parse_rate(args.rate)
+        parse_tc_rate(args.rate)
     except ValueError as e:
         parser.error(str(e))
     try:

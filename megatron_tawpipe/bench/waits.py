@@ -23,7 +23,6 @@ executor:
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,38 +77,34 @@ def _pending(works: list, on_cuda: bool) -> Optional[bool]:
 
 
 class WaitTimer:
-    """Context manager: times every ``PlanExecutor._wait`` call made while it is active."""
+    """Context manager: times every plan ``Wait`` of every executor while it is active
+    (:meth:`PlanExecutor.observing_waits`)."""
 
     def __init__(self, on_cuda: bool = False):
         self.on_cuda = on_cuda
         self.samples: List[WaitSample] = []
-        self._original = None
+        self._observing = None
+
+    def _timed_wait(self, executor, action, wait) -> None:
+        op = executor.in_flight.get(action.tag)
+        what = getattr(op, "what", f"transfer {action.tag}")
+        works = _c10d_works(getattr(op, "work", None))
+        pending = _pending(works, self.on_cuda)
+        start = time.perf_counter()
+        try:
+            wait()
+        finally:
+            self.samples.append(WaitSample(time.perf_counter() - start, what, bool(works), pending))
 
     def __enter__(self) -> "WaitTimer":
         from megatron_tawpipe.runtime.executor import PlanExecutor
 
-        original = self._original = PlanExecutor._wait
-        timer = self
-
-        @functools.wraps(original)
-        def timed_wait(executor, action):
-            op = getattr(executor, "in_flight", {}).get(action.tag)
-            what = getattr(op, "what", f"transfer {action.tag}")
-            works = _c10d_works(getattr(op, "work", None))
-            pending = _pending(works, timer.on_cuda)
-            start = time.perf_counter()
-            try:
-                return original(executor, action)
-            finally:
-                timer.samples.append(WaitSample(time.perf_counter() - start, what, bool(works), pending))
-
-        PlanExecutor._wait = timed_wait
+        self._observing = PlanExecutor.observing_waits(self._timed_wait)
+        self._observing.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        from megatron_tawpipe.runtime.executor import PlanExecutor
-
-        PlanExecutor._wait = self._original
+        self._observing.__exit__(*exc)
 
     def stats(self) -> Optional[WaitStats]:
         return WaitStats.of(self.samples)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -45,94 +44,15 @@ from megatron_tawpipe.arguments import plain_arguments
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.common.atomic import fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
+from megatron_tawpipe.checkpoint.model_space import (CHECKPOINT_VERSION, CONTENT_METADATA, MOMENTS, RECORD_KEY,
+                                                      RNG_KEY, SAVE_STRATEGY, layer_extra_states, layer_keys_map,
+                                                      model_space_key, rng_object, sharded_pieces, sharded_tensor)
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS,
                                                 barrier, check_signature, iteration_dir,
                                                 latest_iteration, load_scheduler, model_signature,
                                                 promote_checkpoint_dir, rank, restore_optimizer_state, rng_state,
                                                 set_rng_state, start_checkpoint_dir, tied_alias, world,
                                                 writer_entries)
-
-CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version for torch_dist checkpoints
-RECORD_KEY = "tawpipe"
-RNG_KEY = "tawpipe_rng_state"
-SAVE_STRATEGY = ("torch_dist", 1)
-# How Megatron-LM reads the optimizer part back (it records the same when it saves).
-CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
-                    "singleton_local_shards": False}
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def layer_keys_map(args) -> Dict[str, str]:
-    """The decoder layer spec's renames for checkpoints (megatron-core's local layer stores its norms
-    under Transformer Engine's names, ``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``)."""
-    from megatron_tawpipe.models.llama import llama_layer_spec
-
-    spec = llama_layer_spec(args.attention_backend, args)
-    return dict(getattr(spec.submodules, "sharded_state_dict_keys_map", None) or {})
-
-
-def model_space_key(name: str, keys_map: Dict[str, str]) -> Tuple[str, Optional[int]]:
-    """A global parameter name's megatron-core checkpoint key and decoder layer (None outside the decoder):
-    ``decoder.layers.5.mlp.linear_fc1.weight`` -> (``decoder.layers.mlp.linear_fc1.weight``, 5)."""
-    match = _LAYER.match(name)
-    if not match:
-        return name, None
-    rest = match.group(2)
-    for old, new in keys_map.items():  # the first matching prefix, as megatron-core applies them
-        if rest.startswith(old):
-            rest = new + rest[len(old):]
-            break
-    return "decoder.layers." + rest, int(match.group(1))
-
-
-def _sharded(key: str, tensor: torch.Tensor, layer: Optional[int], num_layers: int, replica_id: int = 0,
-             fragment: Optional[Tuple[int, int, int]] = None):
-    """A whole parameter (one layer's, for a stacked decoder key) as a megatron-core ShardedTensor; with
-    ``fragment = (axis, index, count)``, piece ``index`` of ``count`` equal pieces along ``axis`` of it
-    (a tensor-parallel slice)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    prepend = 0 if layer is None else 1
-    offsets = [] if layer is None else [(0, layer, num_layers)]
-    if fragment is not None:
-        axis, index, count = fragment
-        offsets.append((prepend + axis, index, count))
-    return ShardedTensor.from_rank_offsets(key, tensor, *offsets, replica_id=replica_id, prepend_axis_num=prepend)
-
-
-def _pieces(key: str, tensor: torch.Tensor, layer: Optional[int], num_layers: int, fragments, replica_id: int = 0):
-    """``tensor`` as ShardedTensors: one for a whole tensor or a plain tensor-parallel slice, one per piece
-    where the slice is several pieces of the whole (SwiGLU's [gate; up] rows), keyed by piece."""
-    if not fragments:
-        return {"": _sharded(key, tensor, layer, num_layers, replica_id)}
-    chunks = tensor.chunk(len(fragments), dim=fragments[0][0]) if len(fragments) > 1 else (tensor,)
-    return {f"#{i}" if len(fragments) > 1 else "": _sharded(key, chunk, layer, num_layers, replica_id, fragment)
-            for i, (chunk, fragment) in enumerate(zip(chunks, fragments))}
-
-
-def layer_extra_states(layer_module, layer: int, num_layers: int, replica_id: int = 0) -> Dict[str, object]:
-    """megatron-core's extra-state objects of decoder layer ``layer`` (Transformer Engine's metadata,
-    None for megatron's own layers), read from any module built from the same layer spec."""
-    from dataclasses import replace
-
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-
-    local = "decoder.layers.0."
-    state = layer_module.sharded_state_dict(local, [(0, layer, num_layers)], None)
-    replace_prefix_for_sharding(state, local, "decoder.layers.")
-    return {f"{obj.key}@{layer}": replace(obj, replica_id=replica_id)
-            for obj in nested_values(state) if isinstance(obj, ShardedObject)}
-
-
-def _rng_object(state):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    return ShardedObject(RNG_KEY, state, (world(),), (rank(),), replica_id=0)
-
 
 # ---- saving ---------------------------------------------------------------------------------
 
@@ -199,7 +119,7 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
         master = master.detach()
 
         def pieces(prefix: str, tensor: torch.Tensor, where: dict, entry: str) -> None:
-            for suffix, sharded in _pieces(prefix + key, tensor, layer, args.num_layers, fragments, replica).items():
+            for suffix, sharded in sharded_pieces(prefix + key, tensor, layer, args.num_layers, fragments, replica).items():
                 where[entry + suffix] = sharded
 
         pieces("", master.to(model_dtype).clone() if low_precision else master, model, name)
@@ -282,7 +202,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     if with_optimizer and scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
-        state[RNG_KEY] = _rng_object(rng_state())
+        state[RNG_KEY] = rng_object(rng_state())
     dist_checkpointing.save(state, tmp_dir, sharded_strategy=SAVE_STRATEGY, content_metadata=dict(CONTENT_METADATA),
                             preprocess_common_before_consistancy_check=_comparable_common)
     barrier()
@@ -358,8 +278,8 @@ class _Request:
                 piece = list(shape)
                 if fragment is not None:
                     piece[fragment[0]] //= fragment[2]
-                self.items[ident] = _sharded(key, torch.empty(piece, dtype=meta.dtype), layer, self.num_layers,
-                                             fragment=fragment)
+                self.items[ident] = sharded_tensor(key, torch.empty(piece, dtype=meta.dtype), layer, self.num_layers,
+                                                   fragment=fragment)
             idents.append(ident)
         return tuple(idents) if fragments else idents[0]
 
@@ -447,7 +367,7 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
                    and record.get("tensor_model_parallel_size", 1) == args.tensor_model_parallel_size)
     load_rng = same_layout and not args.no_load_rng and not args.finetune and RNG_KEY in metadata_objects(directory)
     if load_rng:
-        request.items[RNG_KEY] = _rng_object(None)
+        request.items[RNG_KEY] = rng_object(None)
     try:
         loaded = dist_checkpointing.load(request.items, directory, validate_access_integrity=False)
     except (Exception, CheckpointException) as exc:  # a truncated or missing tensor file

@@ -18,6 +18,9 @@ def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.p
     import time
 
     started = time.time()  # --exit-duration-in-mins counts start-up, as Megatron-LM does
+    from megatron_tawpipe.compat.extensions import missing_extension_warnings_once
+
+    missing_extension_warnings_once()
     from megatron_tawpipe.arguments import parse_args
     from megatron_tawpipe.common.errors import ArgumentError
     from megatron_tawpipe.data import validate_data_args

@@ -6,12 +6,13 @@
   copy (``LoadWeights`` once) from which it serves every request.
 * Group-based scheduling: the G ranks of a group work on the same shard at the
   same time, each on its own micro-batches.  A *visit* is one (phase, shard,
-  micro-batches) step of a group.  The shard arrives at the group's *root* --
-  the owner if the group owns it, else the *staging* rank with the owner's local
-  index, which fetches it from the owner over the inter-group link -- and is
-  broadcast inside the group.  After a backward visit the partial gradients are
-  reduced to the root, which sends them (once, inter-group) to the owner, who
-  accumulates.
+  micro-batches) step of a group; a group's visits are the forwards of shards
+  0..P-1 then the backwards of P-1..0, once per round of micro-batches.  The
+  shard arrives at the group's *root* -- the owner if the group owns it, else
+  the *staging* rank with the owner's local index, which fetches it from the
+  owner over the inter-group link -- and is broadcast inside the group.  After
+  a backward visit the partial gradients are reduced to the root, which sends
+  them (once, inter-group) to the owner, who accumulates.
 * Comm/compute overlap (``overlap=True``): the inter-group fetch for a visit is
   posted ``prefetch`` slots ahead and the broadcast one slot ahead, into other
   buffers than the one being computed with; reductions and gradient sends are
@@ -31,6 +32,8 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   back and only stagger once per iteration.
 * ``chunk``: micro-batches each rank runs per visit (weights fetched once per
   chunk instead of once per micro-batch; more boundary activations kept).
+* ``prefetch``: how many slots ahead of its visit an inter-group fetch is
+  posted (with ``overlap``); more hides a slow link, at one more weight buffer.
 * ``cache``: a staging rank keeps each fetched foreign shard for the whole
   iteration and accumulates its group's reduced gradient of that shard, sending
   it to the owner once at the end.  Costs up to ``D-1`` weight and ``D-1``
@@ -51,31 +54,279 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   simulator finds it faster for D = 2 and not for more groups.
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
   is the flat-group ablation (one group of all ranks, no GWPS).
+
+Ordering: every action gets a :class:`Key` ``(slot, phase, step, sub)``; the
+builder runs each rank's actions in key order (builder.py).  ``slot`` is the
+group's visit slot (visit v of group g runs in slot ``v``, plus ``g`` with
+``stagger``, plus ``D-1`` per earlier round with ``drain``); ``phase`` splits a
+slot into WAIT (transfers the compute needs), POST (transfers for later slots),
+COMP (the micro-batches, ``step`` = index in the visit) and AFTER (the
+gradients' way out); ``step`` and ``sub`` order actions inside a phase.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.builder import PlanBuilder
 
+START, END = -(10 ** 9), 10 ** 9    # slots before and after every visit
+UNSET = -1                          # an empty key position: before every step placed there
+# Phases of a slot (Key.phase).
 WAIT, POST, COMP, AFTER = range(4)
-START, END = -(10 ** 9), 10 ** 9
+# Steps of a shard's way in: in POST (overlap; fetch ``prefetch`` slots ahead,
+# the rest one slot ahead) or in WAIT of its own slot (no overlap).
+FETCH, FETCHED, BROADCAST, BROADCASTED = range(4)
+ZERO = 3            # POST: the visit's gradient buffers zeroed
+WAITED = 0          # WAIT with overlap: the broadcast and gradient transfers waited
+# Steps of the gradients' way out in AFTER without overlap (with overlap the
+# reduction is waited at REDUCE of the next slot, see _gradient_keys).
+REDUCE, REDUCED, READY, SEND, SENT = range(5)
+LATE = 5            # AFTER: a shard no compute can hide arrives after all of the above
+ALL_REDUCE = 9      # AFTER: the replicated (embedding, head) gradients' all-reduce starts
+# Phases of the END slot, and the steps of its first one.
+OPEN, ALL_REDUCED, STEP = range(3)   # open transfers waited; replicated all-reduce; optimizer
+CACHED, REPLICA = 0, 5               # OPEN: cached gradients sent; shard 0's all-reduce waited
+
+
+class Key(NamedTuple):
+    """Where an action goes in its rank's list (compared as a tuple)."""
+    slot: int           # visit slot of the rank's group; START or END
+    phase: int          # WAIT, POST, COMP or AFTER (at END: OPEN, ALL_REDUCED or STEP)
+    step: int = UNSET   # order inside the phase (COMP: the micro-batch's index in the visit)
+    sub: int = UNSET    # order among actions placed right after ``step``
+
+    def next(self) -> "Key":
+        """The key one further at this key's depth (its last set position plus one)."""
+        if self.sub != UNSET:
+            return Key(self.slot, self.phase, self.step, self.sub + 1)
+        return Key(self.slot, self.phase, self.step + 1)
+
+
+class Visit(NamedTuple):
+    phase: str                  # "F" or "B"
+    shard: int
+    mbs: Tuple[int, ...]        # the micro-batches each rank of the group runs
+    round: int                  # index of the micro-batch chunk
 
 
 def tawpipe_owner(shard: int, num_groups: int, ranks_per_group: int) -> int:
     return (shard % num_groups) * ranks_per_group + shard // num_groups
 
 
-def _visits(P: int, N: int, chunk: int) -> List[Tuple[str, int, Tuple[int, ...], int]]:
-    """(phase, shard, micro-batches, round) of one group, in order."""
+def _visits(P: int, N: int, chunk: int) -> List[Visit]:
+    """One group's visits, in order."""
     out = []
     rounds = [tuple(range(k, min(N, k + chunk))) for k in range(0, N, chunk)]
     for k, mbs in enumerate(rounds):
-        out += [("F", s, mbs, k) for s in range(P)]
-        out += [("B", s, mbs, k) for s in reversed(range(P))]
+        out += [Visit("F", s, mbs, k) for s in range(P)]
+        out += [Visit("B", s, mbs, k) for s in reversed(range(P))]
     return out
+
+
+@dataclass
+class _Layout:
+    """A plan's shape and options, as the helpers below read them."""
+    b: PlanBuilder
+    P: int                              # ranks = shards
+    D: int                              # scheduling groups
+    G: int                              # ranks per scheduling group
+    overlap: bool
+    cache: bool
+    prefetch: int
+    replicate_first: bool
+    slack: int                          # slots a group may run off its nominal stagger
+    owner: List[int]
+    replicas: Dict[int, Tuple[int, ...]]
+    holders: Dict[int, Tuple[int, ...]]
+    visits: List[Visit]
+    first_b: Dict[int, int]             # shard -> its first backward visit
+    last_b: Dict[int, int]              # shard -> its last backward visit
+
+    def root(self, g: int, s: int) -> int:
+        """The rank of group ``g`` at which shard ``s`` arrives: its owner or its staging rank."""
+        return self.owner[s] if self.owner[s] // self.G == g else g * self.G + s // self.D
+
+
+def _slots(t: _Layout, g: int, stagger: bool, drain: bool) -> List[int]:
+    return [(g if stagger else 0) + v + (x.round * (t.D - 1) if drain else 0)
+            for v, x in enumerate(t.visits)]
+
+
+def _weights_in(t: _Layout, g: int, members: List[int], v: int, tau: int, root: int,
+                ahead: bool, prev_wbuf: Optional[dict], fetched: Set[int]) -> dict:
+    """Bring visit ``v``'s shard to every member; returns their weight buffers."""
+    s = t.visits[v].shard
+    if v > 0 and t.visits[v - 1].shard == s:
+        # The same shard as the previous visit (F then B of the last shard,
+        # or B then F of shard 0): the group still has it.
+        return prev_wbuf
+    wbuf = {m: f"~w{v}" for m in members}
+    # The next shard is normally waited for (and broadcast) before the previous
+    # visit's compute, so that the broadcast hides behind it.  If no compute of
+    # this group lies between posting the fetch and that point (the first
+    # visits, or after a drain gap), wait after the previous visit's gradient
+    # work instead, so that the fetch does.
+    if ahead:
+        fetched_key, bcast_key = Key(tau - 1, POST, FETCHED), Key(tau - 1, POST, BROADCAST)
+    else:
+        fetched_key, bcast_key = Key(tau - 1, AFTER, LATE, FETCHED), Key(tau - 1, AFTER, LATE, BROADCAST)
+    if root == t.owner[s]:
+        wbuf[root] = "~wown"
+    elif root in t.holders[s]:
+        wbuf[root] = f"~wrep{s}"
+    else:
+        wbuf[root] = f"~wc{s}" if t.cache else f"~w{v}"
+        if not t.cache or s not in fetched:
+            fetched.add(s)
+            # (start, source's wait, destination's wait)
+            keys = (Key(tau - t.prefetch, POST, FETCH), Key(END, OPEN), fetched_key) if t.overlap \
+                else (Key(tau, WAIT, FETCH), Key(tau, WAIT, FETCHED), Key(tau, WAIT, FETCHED))
+            t.b.p2p(t.owner[s], root, "weight", s, "~wown", wbuf[root], *keys)
+    if t.G > 1:
+        keys = (bcast_key, Key(tau, WAIT, WAITED)) if t.overlap else \
+            (Key(tau, WAIT, BROADCAST), Key(tau, WAIT, BROADCASTED))
+        t.b.collective(A.BroadcastStart, root, members, wbuf, "weight", s, *keys)
+    return wbuf
+
+
+def _compute(t: _Layout, members: List[int], v: int, tau: int, root: int, wbuf: dict) -> dict:
+    """Visit ``v``'s forwards or backwards; returns the gradient buffers of a backward."""
+    phase, s, mbs, _ = t.visits[v]
+    if phase == "F":
+        for j, m in enumerate(mbs):
+            for r in members:
+                t.b.emit(r, Key(tau, COMP, j), A.Forward, m, s, wbuf[r])
+        return {}
+    gbuf = {m: f"~g{v}" for m in members}
+    replicated = s in t.replicas
+    cached = t.cache and root != t.owner[s]
+    if t.G == 1 and root == t.owner[s] and not replicated:
+        gbuf[root] = A.MAIN             # straight into the owner's gradient
+    elif replicated:
+        gbuf[root] = f"~gx{s}"          # the group's gradient, all-reduced among the holders at the end
+    elif cached:
+        gbuf[root] = f"~gc{s}"
+    for r in members:
+        accumulating = r == root and (replicated or cached)
+        if gbuf[r] != A.MAIN and (not accumulating or t.first_b[s] == v):
+            t.b.emit(r, Key(tau, POST, ZERO), A.ZeroGrad, s, gbuf[r])
+        for j, m in enumerate(mbs):
+            t.b.emit(r, Key(tau, COMP, j), A.Backward, m, s, wbuf[r], gbuf[r])
+    return gbuf
+
+
+def _gradient_keys(t: _Layout, v: int, slots: List[int]) -> Tuple[Optional[Key], Key, Key]:
+    """(reduction waited, gradient ready at the root, the key after that) of backward visit ``v``."""
+    tau = slots[v]
+    if t.G == 1:
+        return None, Key(tau, AFTER, READY), Key(tau, AFTER, READY)
+    if not t.overlap:
+        reduced = Key(tau, AFTER, REDUCED)
+    elif (t.replicate_first and v + 2 == len(t.visits) and slots[v + 1] == tau + 1
+          and len(t.visits[v + 1].mbs) > 1):
+        # With replicate_first, when the next visit is the group's last and has
+        # more than one micro-batch: after its first one, so that this gradient
+        # leaves for its owner while the rest of that visit computes instead of
+        # joining shard 0's all-reduce on the node link.  (Not in general:
+        # moving a send ahead of others on the gradient channel can block them
+        # behind a late receiver.)
+        reduced = Key(tau + 1, COMP, 0, 1)
+    else:
+        # After the next visit's compute: a member that finished this visit
+        # early does not wait for the slowest one.
+        reduced = Key(tau + 1, AFTER, REDUCE)
+    ready = reduced.next()
+    return reduced, ready, ready.next()
+
+
+def _gradients_out(t: _Layout, g: int, members: List[int], v: int, slots: List[int],
+                   root: int, gbuf: dict) -> Optional[Key]:
+    """Reduce backward visit ``v``'s gradient to the root and on to the owner; returns the
+    key at which a replicated shard's group gradient is final, else None."""
+    s, tau = t.visits[v].shard, slots[v]
+    reduced, ready, after_ready = _gradient_keys(t, v, slots)
+    if reduced is not None:
+        t.b.collective(A.ReduceStart, root, members, gbuf, "grad", s, Key(tau, AFTER, REDUCE), reduced)
+    if s in t.replicas:
+        return ready if t.last_b[s] == v else None
+    if root == t.owner[s]:
+        t.b.emit(root, ready, A.AccumulateToOwner, s, gbuf[root])
+        return None
+    if t.cache and t.last_b[s] != v:
+        return None
+    if t.overlap and t.cache:
+        # The group's whole gradient of the shard, sent once; nothing reuses
+        # the buffers, so nobody waits before the iteration ends.
+        start, wait = after_ready, Key(END, OPEN, CACHED)
+    elif t.overlap:
+        # Both sides post at the same key (builder._batch_p2p); the one that
+        # may run ahead of its nominal stagger waits ``slack`` slots late.
+        start, wait = after_ready, Key(ready.slot + 1 + t.slack, WAIT, WAITED)
+    else:
+        start, wait = Key(tau, AFTER, SEND), Key(tau, AFTER, SENT)
+    recv = f"~gr{g}.{v}"
+    t.b.p2p(root, t.owner[s], "grad", s, gbuf[root], recv, start_key=start,
+            src_wait_key=wait, dst_wait_key=wait)
+    t.b.emit(t.owner[s], wait.next(), A.AccumulateToOwner, s, recv)
+    return None
+
+
+def _group(t: _Layout, g: int, slots: List[int]) -> Optional[Key]:
+    """Every visit of group ``g``; returns the key at which its gradient of the
+    replicated shard is final (None without replicate_first)."""
+    members = list(range(g * t.G, (g + 1) * t.G))
+    busy = set(slots)
+    fetched: Set[int] = set()
+    wbuf = None
+    replica_ready = None
+    for v, visit in enumerate(t.visits):
+        tau = slots[v]
+        root = t.root(g, visit.shard)
+        ahead = any(x in busy for x in range(tau - t.prefetch, tau - 1))
+        wbuf = _weights_in(t, g, members, v, tau, root, ahead, wbuf, fetched)
+        gbuf = _compute(t, members, v, tau, root, wbuf)
+        if visit.phase == "B" and gbuf[root] != A.MAIN:
+            replica_ready = _gradients_out(t, g, members, v, slots, root, gbuf) or replica_ready
+    return replica_ready
+
+
+def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optional[Key]]) -> int:
+    """Shard 0's all-reduce among its holders, the replicated (embedding, head)
+    gradients' all-reduce and the optimizer step; returns the last slot."""
+    b, P, G = t.b, t.P, t.G
+    last_slot = max(s[-1] for s in slots)
+    for s in t.replicas:
+        members = t.holders[s]
+        # Posted at the same key on every holder, after the last group's gradient is final
+        # and after every rank's embedding all-reduce (one order of collectives on all ranks).
+        start = max([k for k in replica_ready if k is not None] + [Key(last_slot, AFTER, ALL_REDUCE)])
+        b.all_reduce(members, {m: f"~gx{s}" for m in members}, "grad", s,
+                     start.next(), Key(END, OPEN, REPLICA))
+        for m in members:
+            b.emit(m, Key(END, OPEN, REPLICA).next(), A.AccumulateToOwner, s, f"~gx{s}")
+    head = [max(slots[g][v] for v, x in enumerate(t.visits) if x.phase == "B" and x.shard == P - 1)
+            for g in range(t.D)]
+    b.replicated_allreduce_parts({r: Key(head[r // G], AFTER, ALL_REDUCE) for r in range(P)},
+                                 {r: Key(slots[r // G][-1], AFTER, ALL_REDUCE) for r in range(P)},
+                                 Key(END, ALL_REDUCED))
+    for r in range(P):
+        b.emit(r, Key(END, STEP), A.OptimizerStep)
+    return last_slot
+
+
+def _schedule_name(D: int, num_groups: int, overlap: bool, cache: bool, drain: bool,
+                   replicate_first: bool) -> str:
+    name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
+    if replicate_first:
+        name += "-rep"
+    if not overlap:
+        name += "-nooverlap"
+    if not cache and drain and D == num_groups and overlap:
+        name = "tawpipe-paper"
+    return name
 
 
 def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
@@ -114,158 +365,22 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     replicas = {0: tuple(g * G for g in range(D) if g != owner[0] // G)} if replicate_first else {}
     holders = {s: (owner[s],) + replicas.get(s, ()) for s in range(P)}
     visits = _visits(P, N, chunk)
+    backward = [(v, x.shard) for v, x in enumerate(visits) if x.phase == "B"]
+    t = _Layout(b, P, D, G, overlap, cache, prefetch, replicate_first, slack, owner, replicas,
+                holders, visits, first_b={s: v for v, s in reversed(backward)},
+                last_b={s: v for v, s in backward})
 
     for s in range(P):
-        b.emit(owner[s], (START, 0), A.LoadWeights, s, "~wown")
+        b.emit(owner[s], Key(START, 0), A.LoadWeights, s, "~wown")
         for r in replicas.get(s, ()):
-            b.emit(r, (START, 0), A.LoadWeights, s, f"~wrep{s}")
-    replica_ready: Dict[int, tuple] = {}   # group -> key at which its gradient of shard 0 is final
-
-    first_b_visit: Dict[int, int] = {}
-    last_b_visit: Dict[int, int] = {}
-    for v, (phase, s, _, _) in enumerate(visits):
-        if phase == "B":
-            first_b_visit.setdefault(s, v)
-            last_b_visit[s] = v
-    fetched = set()
-    last_slot = {}
-    head_slot = {}      # group -> slot of its last backward of the last shard
-    for g in range(D):
-        members = list(range(g * G, (g + 1) * G))
-        prev_wbuf = None
-        slots = [(g if stagger else 0) + v + (k * (D - 1) if drain else 0)
-                 for v, (_, _, _, k) in enumerate(visits)]
-        busy = set(slots)
-        for v, (phase, s, mbs, k) in enumerate(visits):
-            tau = slots[v]
-            last_slot[g] = tau
-            if phase == "B" and s == P - 1:
-                head_slot[g] = tau
-            # The next shard is normally waited for (and broadcast) before the
-            # previous visit's compute, so that the broadcast hides behind it.
-            # If no compute of this group lies between posting the fetch and
-            # that point (the first visits, or after a drain gap), wait after
-            # the previous visit's compute instead, so that the fetch does.
-            ahead = any(x in busy for x in range(tau - prefetch, tau - 1))
-            ready_key = (tau - 1, POST) if ahead else (tau - 1, AFTER, 5)
-            root = owner[s] if owner[s] // G == g else g * G + s // D
-            wbuf = {m: f"~w{v}" for m in members}
-            # -------------------------------------------------- weights in
-            if v > 0 and visits[v - 1][1] == s:
-                # The same shard as the previous visit (F then B of the last
-                # shard, or B then F of shard 0): the group still has it.
-                wbuf = prev_wbuf
-            elif root == owner[s]:
-                wbuf[root] = "~wown"
-            elif root in holders[s]:
-                wbuf[root] = f"~wrep{s}"
-            else:
-                wbuf[root] = f"~wc{s}" if cache else f"~w{v}"
-                if not cache or (g, s) not in fetched:
-                    fetched.add((g, s))
-                    if overlap:
-                        b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
-                              start_key=(tau - prefetch, POST, 0), src_wait_key=(END, 0),
-                              dst_wait_key=ready_key + (1,))
-                    else:
-                        b.p2p(owner[s], root, "weight", s, "~wown", wbuf[root],
-                              start_key=(tau, WAIT, 0), src_wait_key=(tau, WAIT, 1),
-                              dst_wait_key=(tau, WAIT, 1))
-            if G > 1 and wbuf is not prev_wbuf:
-                keys = (ready_key + (2,), (tau, WAIT, 0)) if overlap else \
-                    ((tau, WAIT, 2), (tau, WAIT, 3))
-                b.collective(A.BroadcastStart, root, members, wbuf, "weight", s, *keys)
-            prev_wbuf = wbuf
-            # ------------------------------------------------------ compute
-            if phase == "F":
-                for j, m in enumerate(mbs):
-                    for r in members:
-                        b.emit(r, (tau, COMP, j), A.Forward, m, s, wbuf[r])
-                continue
-            gbuf = {m: f"~g{v}" for m in members}
-            replicated = s in replicas
-            direct = G == 1 and root == owner[s] and not replicated
-            if direct:
-                gbuf[root] = A.MAIN
-            elif replicated:
-                gbuf[root] = f"~gx{s}"     # the group's gradient, all-reduced among the holders at the end
-            elif cache and root != owner[s]:
-                gbuf[root] = f"~gc{s}"
-            for r in members:
-                accumulating = r == root and (replicated or (cache and root != owner[s]))
-                if gbuf[r] != A.MAIN and (not accumulating or first_b_visit[s] == v):
-                    b.emit(r, (tau, POST, 3), A.ZeroGrad, s, gbuf[r])
-                for j, m in enumerate(mbs):
-                    b.emit(r, (tau, COMP, j), A.Backward, m, s, wbuf[r], gbuf[r])
-            if direct:
-                continue
-            # -------------------------------------------------- gradients out
-            if G > 1:
-                # Waited after the next visit's compute: a member that finished
-                # this visit early does not wait for the slowest one.  With
-                # replicate_first, when the next visit is the group's last and
-                # has more than one micro-batch: after its first one, so that
-                # this gradient leaves for its owner while the rest of that
-                # visit computes instead of joining shard 0's all-reduce on the
-                # node link.  (Not in general: moving a send ahead of others on
-                # the gradient channel can block them behind a late receiver.)
-                split = replicate_first and v + 2 == len(visits) and slots[v + 1] == tau + 1 and \
-                    len(visits[v + 1][2]) > 1
-                done = (tau + 1, COMP, 0, 1) if split else (tau + 1, AFTER, 0)
-                keys = ((tau, AFTER, 0), done) if overlap else ((tau, AFTER, 0), (tau, AFTER, 1))
-                b.collective(A.ReduceStart, root, members, gbuf, "grad", s, *keys)
-                ready = done[:-1] + (done[-1] + 1,) if overlap else (tau, AFTER, 2)
-                after_ready = ready[:-1] + (ready[-1] + 1,)
-            else:
-                ready = after_ready = (tau, AFTER, 2)
-            if replicated:
-                if last_b_visit[s] == v:
-                    replica_ready[g] = ready
-                continue
-            if root == owner[s]:
-                b.emit(root, ready, A.AccumulateToOwner, s, gbuf[root])
-                continue
-            if cache and last_b_visit[s] != v:
-                continue
-            recv = f"~gr{g}.{v}"
-            if overlap and cache:
-                # The group's whole gradient of the shard, sent once; nothing
-                # reuses the buffers, so nobody waits before the iteration ends.
-                start = after_ready
-                src_wait = dst_wait = (END, 0, 0)
-            elif overlap:
-                start = after_ready
-                src_wait = dst_wait = (ready[0] + 1 + slack, WAIT, 0)
-            else:
-                start = (tau, AFTER, 3)
-                src_wait = dst_wait = (tau, AFTER, 4)
-            b.p2p(root, owner[s], "grad", s, gbuf[root], recv, start_key=start,
-                  src_wait_key=src_wait, dst_wait_key=dst_wait)
-            b.emit(owner[s], dst_wait[:2] + (dst_wait[2] + 1,), A.AccumulateToOwner, s, recv)
-
-    for s, members in holders.items():
-        if len(members) > 1:
-            # Posted at the same key on every holder, after the last group's gradient is final
-            # and after every rank's embedding all-reduce (one order of collectives on all ranks).
-            start = max(list(replica_ready.values()) + [(max(last_slot.values()), AFTER, 9)])
-            b.all_reduce(members, {m: f"~gx{s}" for m in members}, "grad", s,
-                         start[:-1] + (start[-1] + 1,), (END, 0, 5))
-            for m in members:
-                b.emit(m, (END, 0, 6), A.AccumulateToOwner, s, f"~gx{s}")
-    b.replicated_allreduce_parts({r: (head_slot[r // G], AFTER, 9) for r in range(P)},
-                                 {r: (last_slot[r // G], AFTER, 9) for r in range(P)}, (END, 1))
-    for r in range(P):
-        b.emit(r, (END, 2), A.OptimizerStep)
-    name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
-    if replicate_first:
-        name += "-rep"
-    if not overlap:
-        name += "-nooverlap"
-    if not cache and drain and D == num_groups and overlap:
-        name = "tawpipe-paper"
-    return b.build(schedule=name, family="weight", num_layers=num_layers, num_microbatches=N,
+            b.emit(r, Key(START, 0), A.LoadWeights, s, f"~wrep{s}")
+    slots = [_slots(t, g, stagger, drain) for g in range(D)]
+    replica_ready = [_group(t, g, slots[g]) for g in range(D)]
+    last_slot = _iteration_end(t, slots, replica_ready)
+    return b.build(schedule=_schedule_name(D, num_groups, overlap, cache, drain, replicate_first),
+                   family="weight", num_layers=num_layers, num_microbatches=N,
                    owners=owner, streams=range(P), replicas=replicas,
                    options={"groups": D, "overlap": overlap, "stagger": stagger,
                             "drain": drain, "chunk": chunk, "cache": cache,
                             "prefetch": prefetch, **({"replicate_first": True} if replicate_first else {}),
-                            "slots": max(last_slot.values()) + 1})
+                            "slots": last_slot + 1})

@@ -21,6 +21,7 @@ input, with the real tensor sizes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass
@@ -333,7 +334,29 @@ class PlanExecutor:
         work = self._collective(a, "allreduce", grads, -1)
         self._start(a, work, "<replicated>")
 
+    # Measurement hook: ``observer(executor, action, wait)`` runs every plan Wait of every executor while
+    # set (``wait()`` does the wait; the observer times it). See :meth:`observing_waits`.
+    wait_observer: Optional[Callable[["PlanExecutor", A.Wait, Callable[[], None]], None]] = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def observing_waits(cls, observer: Callable[["PlanExecutor", A.Wait, Callable[[], None]], None]):
+        """While the block runs, every executor's plan ``Wait`` goes through ``observer(executor, action, wait)``,
+        which must call ``wait()`` once (the transfer is still in ``executor.in_flight`` until then)."""
+        previous, cls.wait_observer = cls.wait_observer, observer
+        try:
+            yield
+        finally:
+            cls.wait_observer = previous
+
     def _wait(self, a: A.Wait) -> None:
+        observer = PlanExecutor.wait_observer
+        if observer is None:
+            self._finish_wait(a)
+        else:
+            observer(self, a, lambda: self._finish_wait(a))
+
+    def _finish_wait(self, a: A.Wait) -> None:
         if a.tag not in self.in_flight:
             raise ExecutionError(f"wait for transfer {a.tag}, which was not started")
         op = self.in_flight.pop(a.tag)
