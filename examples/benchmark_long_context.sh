@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's results: TawPipe and WeiPipe against what practitioners would run instead (each
+# The results in docs/benchmarks-and-results.md: TawPipe and WeiPipe against what practitioners would run instead (each
 # configured as its users would: see tools/benchmark.py --help): native Megatron 1F1B / interleaved
 # over all ranks, 1F1B with one stage per node and the distributed optimizer inside, the distributed
 # optimizer with one instance per node and over all ranks, FSDP2 and HSDP, on an

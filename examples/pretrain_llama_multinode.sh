@@ -45,7 +45,7 @@ else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE")
 fi
 # SCHEDULE is a pipeline schedule or one of the hierarchical strategies practitioners use on such
-# clusters (see README "Results: every strategy"): hsdp, fsdp, distopt-node, pp-nodes.
+# clusters (see docs/benchmarks-and-results.md, "Results: every strategy"): hsdp, fsdp, distopt-node, pp-nodes.
 DISTOPT=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
 PIPELINE_SCHEDULE=1f1b
 case "$SCHEDULE" in

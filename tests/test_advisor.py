@@ -31,7 +31,7 @@ def small_cost(**kw):
     return CostModel.from_flops(**args)
 
 
-# ------------------------------------------------------------ traffic (DESIGN §10)
+# ------------------------------------------------------------ traffic (docs/simulator-and-advisor.md)
 def test_inter_node_bytes_match_the_closed_forms():
     c = small_cost()
     psi = total_params(c, L)

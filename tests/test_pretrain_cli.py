@@ -49,7 +49,7 @@ def test_metrics_file_losses_agree_between_pp1_and_pp2(tmp_path):
 
 
 def test_tawpipe_on_4_ranks_matches_native_on_one(tmp_path):
-    """The README's user-facing proof: same seed, mock data and global batch, 5 iterations."""
+    """The user-facing proof (docs/pretrain-llama-and-megatron-lm.md): same seed, mock data and global batch, 5 iterations."""
     taw = tmp_path / "tawpipe.jsonl"
     ref = tmp_path / "1f1b.jsonl"
     _torchrun(4, tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2",

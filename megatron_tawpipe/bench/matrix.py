@@ -43,7 +43,7 @@ from megatron_tawpipe.common.atomic import atomic_write
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, HEADS, VOCAB, RANKS, NODES, GLOBAL_BATCH = 256, 4, 2047, 4, 2, 16
 WINNER_TIE = 0.02      # a measured lead below this is within the repetitions' spread
-INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on this kind of machine (README: measured)
+INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on this kind of machine (measured: docs/benchmarks-and-results.md)
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def format_summary(summary: Dict[str, object]) -> str:
 
 
 def format_markdown(entries: Sequence[dict], summary: Dict[str, object]) -> str:
-    """One row per configuration (the README's table)."""
+    """One row per configuration (the table in docs/benchmarks-and-results.md)."""
     out = ["| configuration | G·S/12H | link | layers/shard | per visit | measured best (tok/s/rank) | "
            "predicted best | measured/predicted, min-max over strategies | ratios to TawPipe outside 10% |",
            "|---|---|---|---|---|---|---|---|---|"]

@@ -257,6 +257,6 @@ def explain_unknown(unknown: Sequence[str]) -> str:
             return f"{flag}: mixture-of-experts models are not supported (dense decoder layers only)"
         if flag in known:
             origin = "Megatron-DeepSpeed" if known[flag] == "megatron-deepspeed" else "Megatron-LM"
-            return (f"{flag} is a {origin} flag this project does not implement (README, 'Coming from "
-                    "Megatron-LM', lists what carries over)")
+            return (f"{flag} is a {origin} flag this project does not implement (docs/pretrain-llama-and-"
+                    "megatron-lm.md, 'Coming from Megatron-LM', lists what carries over)")
     return f"unrecognized arguments: {' '.join(unknown)}"

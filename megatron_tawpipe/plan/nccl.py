@@ -1,7 +1,7 @@
 """NCCL's ordering rules, as a model a plan must satisfy.
 
 gloo matches point-to-point messages by tag and progresses each one on its
-own; NCCL does neither (DESIGN §9).  This module executes a plan's
+own; NCCL does neither (docs/nccl.md).  This module executes a plan's
 communication the way ProcessGroupNCCL runs it and raises ``PlanError`` where
 a cluster would hang:
 

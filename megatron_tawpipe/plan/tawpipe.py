@@ -6,13 +6,13 @@
   copy (``LoadWeights`` once) from which it serves every request.
 * Group-based scheduling: the G ranks of a group work on the same shard at the
   same time, each on its own micro-batches.  A *visit* is one (phase, shard,
-  micro-batches) step of a group; a group's visits are the forwards of shards
-  0..P-1 then the backwards of P-1..0, once per round of micro-batches.  The
-  shard arrives at the group's *root* -- the owner if the group owns it, else
-  the *staging* rank with the owner's local index, which fetches it from the
-  owner over the inter-group link -- and is broadcast inside the group.  After
-  a backward visit the partial gradients are reduced to the root, which sends
-  them (once, inter-group) to the owner, who accumulates.
+  micro-batches) step of a group: per round of micro-batches, forwards of
+  shards 0..P-1, then backwards of P-1..0.  The shard arrives at the group's
+  *root* -- the owner if the group owns it, else the *staging* rank with the
+  owner's local index, which fetches it from the owner over the inter-group
+  link -- and is broadcast inside the group.  After a backward visit the
+  partial gradients are reduced to the root, which sends them (once,
+  inter-group) to the owner, who accumulates.
 * Comm/compute overlap (``overlap=True``): the inter-group fetch for a visit is
   posted ``prefetch`` slots ahead and the broadcast one slot ahead, into other
   buffers than the one being computed with; reductions and gradient sends are
@@ -20,7 +20,7 @@
   transfer in place (the no-CCO ablation).
 
 Arrangement (choices the papers leave open; the defaults are the fastest
-arrangement the simulator found, see megatron_tawpipe/plan/README.md; ``cache=False,
+arrangement the simulator found, see docs/simulator-and-advisor.md; ``cache=False,
 drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
 
 * ``stagger``: group g runs ``g`` slots behind group 0, so that in a slot the D
@@ -32,8 +32,7 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   back and only stagger once per iteration.
 * ``chunk``: micro-batches each rank runs per visit (weights fetched once per
   chunk instead of once per micro-batch; more boundary activations kept).
-* ``prefetch``: how many slots ahead of its visit an inter-group fetch is
-  posted (with ``overlap``); more hides a slow link, at one more weight buffer.
+* ``prefetch``: how many slots ahead of its visit a fetch is posted (overlap).
 * ``cache``: a staging rank keeps each fetched foreign shard for the whole
   iteration and accumulates its group's reduced gradient of that shard, sending
   it to the owner once at the end.  Costs up to ``D-1`` weight and ``D-1``
@@ -49,19 +48,17 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   stagger unless asked for).  When the last visit has more than one
   micro-batch, the second-to-last visit's gradient leaves for its owner
   during it (after its first micro-batch), not with the iteration's last
-  gradients.  The price is shard 0's master, optimizer state
-  and gradient on D-1 more ranks (``Plan.replicas``).  Needs D >= 2; the
-  simulator finds it faster for D = 2 and not for more groups.
+  gradients.  The price is shard 0's master, optimizer state and gradient on
+  D-1 more ranks (``Plan.replicas``).  Needs D >= 2; the simulator finds it
+  faster for D = 2 and not for more groups.
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
   is the flat-group ablation (one group of all ranks, no GWPS).
 
-Ordering: every action gets a :class:`Key` ``(slot, phase, step, sub)``; the
-builder runs each rank's actions in key order (builder.py).  ``slot`` is the
-group's visit slot (visit v of group g runs in slot ``v``, plus ``g`` with
-``stagger``, plus ``D-1`` per earlier round with ``drain``); ``phase`` splits a
-slot into WAIT (transfers the compute needs), POST (transfers for later slots),
-COMP (the micro-batches, ``step`` = index in the visit) and AFTER (the
-gradients' way out); ``step`` and ``sub`` order actions inside a phase.
+Order: each action gets a :class:`Key` ``(slot, phase, step, sub)`` and the
+builder runs each rank's actions in key order.  Visit v of group g is in slot
+``v`` (``+ g`` with stagger, ``+ (D-1)`` per earlier round with drain); a slot's
+phases are WAIT (what its compute needs), POST (transfers for later slots),
+COMP (``step``: the micro-batch's index in the visit) and AFTER (gradients out).
 """
 
 from __future__ import annotations
@@ -74,27 +71,25 @@ from megatron_tawpipe.plan.builder import PlanBuilder
 
 START, END = -(10 ** 9), 10 ** 9    # slots before and after every visit
 UNSET = -1                          # an empty key position: before every step placed there
-# Phases of a slot (Key.phase).
-WAIT, POST, COMP, AFTER = range(4)
-# Steps of a shard's way in: in POST (overlap; fetch ``prefetch`` slots ahead,
-# the rest one slot ahead) or in WAIT of its own slot (no overlap).
+WAIT, POST, COMP, AFTER = range(4)  # phases of a slot
+# Steps of a shard's way in: in POST with overlap (fetch ``prefetch`` slots
+# ahead, the rest one slot ahead), in WAIT of its own slot without.
 FETCH, FETCHED, BROADCAST, BROADCASTED = range(4)
 ZERO = 3            # POST: the visit's gradient buffers zeroed
 WAITED = 0          # WAIT with overlap: the broadcast and gradient transfers waited
 # Steps of the gradients' way out in AFTER without overlap (with overlap the
 # reduction is waited at REDUCE of the next slot, see _gradient_keys).
 REDUCE, REDUCED, READY, SEND, SENT = range(5)
-LATE = 5            # AFTER: a shard no compute can hide arrives after all of the above
+LATE = 5            # AFTER: a shard no compute can hide is waited for after all of the above
 ALL_REDUCE = 9      # AFTER: the replicated (embedding, head) gradients' all-reduce starts
-# Phases of the END slot, and the steps of its first one.
-OPEN, ALL_REDUCED, STEP = range(3)   # open transfers waited; replicated all-reduce; optimizer
-CACHED, REPLICA = 0, 5               # OPEN: cached gradients sent; shard 0's all-reduce waited
+OPEN, ALL_REDUCED, OPTIMIZER = range(3)  # phases at END: open transfers, replicated all-reduce, step
+CACHED, REPLICA = 0, 5              # OPEN: cached gradients' transfer, shard 0's all-reduce waited
 
 
 class Key(NamedTuple):
     """Where an action goes in its rank's list (compared as a tuple)."""
     slot: int           # visit slot of the rank's group; START or END
-    phase: int          # WAIT, POST, COMP or AFTER (at END: OPEN, ALL_REDUCED or STEP)
+    phase: int          # WAIT, POST, COMP or AFTER (at END: OPEN, ALL_REDUCED or OPTIMIZER)
     step: int = UNSET   # order inside the phase (COMP: the micro-batch's index in the visit)
     sub: int = UNSET    # order among actions placed right after ``step``
 
@@ -128,7 +123,7 @@ def _visits(P: int, N: int, chunk: int) -> List[Visit]:
 
 @dataclass
 class _Layout:
-    """A plan's shape and options, as the helpers below read them."""
+    """A plan's shape, options and shard placement, as the helpers below read them."""
     b: PlanBuilder
     P: int                              # ranks = shards
     D: int                              # scheduling groups
@@ -140,7 +135,7 @@ class _Layout:
     slack: int                          # slots a group may run off its nominal stagger
     owner: List[int]
     replicas: Dict[int, Tuple[int, ...]]
-    holders: Dict[int, Tuple[int, ...]]
+    holders: Dict[int, Tuple[int, ...]]  # shard -> owner and replicas
     visits: List[Visit]
     first_b: Dict[int, int]             # shard -> its first backward visit
     last_b: Dict[int, int]              # shard -> its last backward visit
@@ -150,12 +145,7 @@ class _Layout:
         return self.owner[s] if self.owner[s] // self.G == g else g * self.G + s // self.D
 
 
-def _slots(t: _Layout, g: int, stagger: bool, drain: bool) -> List[int]:
-    return [(g if stagger else 0) + v + (x.round * (t.D - 1) if drain else 0)
-            for v, x in enumerate(t.visits)]
-
-
-def _weights_in(t: _Layout, g: int, members: List[int], v: int, tau: int, root: int,
+def _weights_in(t: _Layout, members: List[int], v: int, tau: int, root: int,
                 ahead: bool, prev_wbuf: Optional[dict], fetched: Set[int]) -> dict:
     """Bring visit ``v``'s shard to every member; returns their weight buffers."""
     s = t.visits[v].shard
@@ -163,16 +153,15 @@ def _weights_in(t: _Layout, g: int, members: List[int], v: int, tau: int, root: 
         # The same shard as the previous visit (F then B of the last shard,
         # or B then F of shard 0): the group still has it.
         return prev_wbuf
-    wbuf = {m: f"~w{v}" for m in members}
-    # The next shard is normally waited for (and broadcast) before the previous
-    # visit's compute, so that the broadcast hides behind it.  If no compute of
-    # this group lies between posting the fetch and that point (the first
-    # visits, or after a drain gap), wait after the previous visit's gradient
-    # work instead, so that the fetch does.
+    # The shard is normally waited for (and broadcast) before the previous visit's compute, so
+    # that the broadcast hides behind it.  If no compute of this group lies between posting the
+    # fetch and that point (the first visits, or after a drain gap), wait after the previous
+    # visit instead, so that the fetch does.
     if ahead:
         fetched_key, bcast_key = Key(tau - 1, POST, FETCHED), Key(tau - 1, POST, BROADCAST)
     else:
         fetched_key, bcast_key = Key(tau - 1, AFTER, LATE, FETCHED), Key(tau - 1, AFTER, LATE, BROADCAST)
+    wbuf = {m: f"~w{v}" for m in members}
     if root == t.owner[s]:
         wbuf[root] = "~wown"
     elif root in t.holders[s]:
@@ -181,7 +170,6 @@ def _weights_in(t: _Layout, g: int, members: List[int], v: int, tau: int, root: 
         wbuf[root] = f"~wc{s}" if t.cache else f"~w{v}"
         if not t.cache or s not in fetched:
             fetched.add(s)
-            # (start, source's wait, destination's wait)
             keys = (Key(tau - t.prefetch, POST, FETCH), Key(END, OPEN), fetched_key) if t.overlap \
                 else (Key(tau, WAIT, FETCH), Key(tau, WAIT, FETCHED), Key(tau, WAIT, FETCHED))
             t.b.p2p(t.owner[s], root, "weight", s, "~wown", wbuf[root], *keys)
@@ -227,11 +215,10 @@ def _gradient_keys(t: _Layout, v: int, slots: List[int]) -> Tuple[Optional[Key],
         reduced = Key(tau, AFTER, REDUCED)
     elif (t.replicate_first and v + 2 == len(t.visits) and slots[v + 1] == tau + 1
           and len(t.visits[v + 1].mbs) > 1):
-        # With replicate_first, when the next visit is the group's last and has
-        # more than one micro-batch: after its first one, so that this gradient
-        # leaves for its owner while the rest of that visit computes instead of
-        # joining shard 0's all-reduce on the node link.  (Not in general:
-        # moving a send ahead of others on the gradient channel can block them
+        # With replicate_first, when the next visit is the group's last and has more than one
+        # micro-batch: after its first one, so that this gradient leaves for its owner while the
+        # rest of that visit computes instead of joining shard 0's all-reduce on the node link.
+        # (Not in general: moving a send ahead of others on the gradient channel can block them
         # behind a late receiver.)
         reduced = Key(tau + 1, COMP, 0, 1)
     else:
@@ -244,8 +231,8 @@ def _gradient_keys(t: _Layout, v: int, slots: List[int]) -> Tuple[Optional[Key],
 
 def _gradients_out(t: _Layout, g: int, members: List[int], v: int, slots: List[int],
                    root: int, gbuf: dict) -> Optional[Key]:
-    """Reduce backward visit ``v``'s gradient to the root and on to the owner; returns the
-    key at which a replicated shard's group gradient is final, else None."""
+    """Reduce backward visit ``v``'s gradient to the root and send it on to the owner;
+    returns the key at which the group's gradient of a replicated shard is final."""
     s, tau = t.visits[v].shard, slots[v]
     reduced, ready, after_ready = _gradient_keys(t, v, slots)
     if reduced is not None:
@@ -262,8 +249,6 @@ def _gradients_out(t: _Layout, g: int, members: List[int], v: int, slots: List[i
         # the buffers, so nobody waits before the iteration ends.
         start, wait = after_ready, Key(END, OPEN, CACHED)
     elif t.overlap:
-        # Both sides post at the same key (builder._batch_p2p); the one that
-        # may run ahead of its nominal stagger waits ``slack`` slots late.
         start, wait = after_ready, Key(ready.slot + 1 + t.slack, WAIT, WAITED)
     else:
         start, wait = Key(tau, AFTER, SEND), Key(tau, AFTER, SENT)
@@ -275,58 +260,52 @@ def _gradients_out(t: _Layout, g: int, members: List[int], v: int, slots: List[i
 
 
 def _group(t: _Layout, g: int, slots: List[int]) -> Optional[Key]:
-    """Every visit of group ``g``; returns the key at which its gradient of the
-    replicated shard is final (None without replicate_first)."""
+    """Every visit of group ``g`` (visit v in ``slots[v]``); returns the key at
+    which its gradient of the replicated shard is final (None without one)."""
     members = list(range(g * t.G, (g + 1) * t.G))
     busy = set(slots)
     fetched: Set[int] = set()
-    wbuf = None
-    replica_ready = None
+    wbuf = replica_ready = None
     for v, visit in enumerate(t.visits):
         tau = slots[v]
         root = t.root(g, visit.shard)
         ahead = any(x in busy for x in range(tau - t.prefetch, tau - 1))
-        wbuf = _weights_in(t, g, members, v, tau, root, ahead, wbuf, fetched)
+        wbuf = _weights_in(t, members, v, tau, root, ahead, wbuf, fetched)
         gbuf = _compute(t, members, v, tau, root, wbuf)
         if visit.phase == "B" and gbuf[root] != A.MAIN:
             replica_ready = _gradients_out(t, g, members, v, slots, root, gbuf) or replica_ready
     return replica_ready
 
 
-def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optional[Key]]) -> int:
+def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optional[Key]]) -> None:
     """Shard 0's all-reduce among its holders, the replicated (embedding, head)
-    gradients' all-reduce and the optimizer step; returns the last slot."""
+    gradients' all-reduce and the optimizer step."""
     b, P, G = t.b, t.P, t.G
-    last_slot = max(s[-1] for s in slots)
     for s in t.replicas:
         members = t.holders[s]
         # Posted at the same key on every holder, after the last group's gradient is final
         # and after every rank's embedding all-reduce (one order of collectives on all ranks).
-        start = max([k for k in replica_ready if k is not None] + [Key(last_slot, AFTER, ALL_REDUCE)])
+        last = Key(max(x[-1] for x in slots), AFTER, ALL_REDUCE)
+        start = max([k for k in replica_ready if k is not None] + [last])
         b.all_reduce(members, {m: f"~gx{s}" for m in members}, "grad", s,
                      start.next(), Key(END, OPEN, REPLICA))
         for m in members:
             b.emit(m, Key(END, OPEN, REPLICA).next(), A.AccumulateToOwner, s, f"~gx{s}")
-    head = [max(slots[g][v] for v, x in enumerate(t.visits) if x.phase == "B" and x.shard == P - 1)
-            for g in range(t.D)]
+    head = [max(x[v] for v, visit in enumerate(t.visits) if visit.phase == "B" and visit.shard == P - 1)
+            for x in slots]     # each group's slot of its last backward of the last shard
     b.replicated_allreduce_parts({r: Key(head[r // G], AFTER, ALL_REDUCE) for r in range(P)},
                                  {r: Key(slots[r // G][-1], AFTER, ALL_REDUCE) for r in range(P)},
                                  Key(END, ALL_REDUCED))
     for r in range(P):
-        b.emit(r, Key(END, STEP), A.OptimizerStep)
-    return last_slot
+        b.emit(r, Key(END, OPTIMIZER), A.OptimizerStep)
 
 
 def _schedule_name(D: int, num_groups: int, overlap: bool, cache: bool, drain: bool,
                    replicate_first: bool) -> str:
-    name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
-    if replicate_first:
-        name += "-rep"
-    if not overlap:
-        name += "-nooverlap"
     if not cache and drain and D == num_groups and overlap:
-        name = "tawpipe-paper"
-    return name
+        return "tawpipe-paper"
+    name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
+    return name + ("-rep" if replicate_first else "") + ("" if overlap else "-nooverlap")
 
 
 def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
@@ -352,12 +331,11 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
         # Keeping foreign shards costs 2(D-1) shard buffers per rank: worth it
         # for a few groups (nodes), not when groups are tiny.
         cache = D <= 4
-    # Groups may run up to D-1 slots ahead of or behind their nominal stagger
-    # (they only stay staggered while links are the bottleneck), so the side
-    # of an inter-group gradient transfer that does not need it soon waits
-    # D-1 slots late.  Both sides *post* a transfer at the same slot: on NCCL
-    # a posted send holds its stream until the receive runs, and equal keys
-    # are what make the builder's batches line up (builder._batch_p2p).
+    # Groups may run up to D-1 slots ahead of or behind their nominal stagger (they only stay
+    # staggered while links are the bottleneck), so the side of an inter-group gradient transfer
+    # that does not need it soon waits D-1 slots late.  Both sides *post* a transfer at the same
+    # slot: on NCCL a posted send holds its stream until the receive runs, and equal keys are
+    # what make the builder's batches line up (builder._batch_p2p).
     slack = D - 1 if stagger or drain else 0
     b = PlanBuilder(P, num_groups)
     owner = [tawpipe_owner(s, D, G) for s in range(P)]
@@ -369,18 +347,18 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     t = _Layout(b, P, D, G, overlap, cache, prefetch, replicate_first, slack, owner, replicas,
                 holders, visits, first_b={s: v for v, s in reversed(backward)},
                 last_b={s: v for v, s in backward})
-
     for s in range(P):
         b.emit(owner[s], Key(START, 0), A.LoadWeights, s, "~wown")
         for r in replicas.get(s, ()):
             b.emit(r, Key(START, 0), A.LoadWeights, s, f"~wrep{s}")
-    slots = [_slots(t, g, stagger, drain) for g in range(D)]
+    slots = [[(g if stagger else 0) + v + (x.round * (D - 1) if drain else 0)
+              for v, x in enumerate(visits)] for g in range(D)]
     replica_ready = [_group(t, g, slots[g]) for g in range(D)]
-    last_slot = _iteration_end(t, slots, replica_ready)
+    _iteration_end(t, slots, replica_ready)
     return b.build(schedule=_schedule_name(D, num_groups, overlap, cache, drain, replicate_first),
                    family="weight", num_layers=num_layers, num_microbatches=N,
                    owners=owner, streams=range(P), replicas=replicas,
                    options={"groups": D, "overlap": overlap, "stagger": stagger,
                             "drain": drain, "chunk": chunk, "cache": cache,
                             "prefetch": prefetch, **({"replicate_first": True} if replicate_first else {}),
-                            "slots": last_slot + 1})
+                            "slots": max(x[-1] for x in slots) + 1})
