@@ -16,36 +16,38 @@ import pytest
 
 from distributed_harness import run_ranks
 from megatron_tawpipe.bench import emulated_cluster as ec
+from megatron_tawpipe.bench import link_probe, netns
+from megatron_tawpipe.common.units import parse_tc_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "emulated_cluster.py")
 MB = 1 << 20
 
-AVAILABLE, REASON = ec.namespaces_available() if sys.platform.startswith("linux") else (False, "not Linux")
+AVAILABLE, REASON = netns.namespaces_available() if sys.platform.startswith("linux") else (False, "not Linux")
 needs_netns = pytest.mark.skipif(not AVAILABLE, reason=f"cannot create network namespaces: {REASON}")
 
 
 def _ours(prefix):
-    return [n for n in ec.list_namespaces() if n.startswith(prefix)]
+    return [n for n in netns.list_namespaces() if n.startswith(prefix)]
 
 
 # ---------------------------------------------------------------- no root needed
 
 def test_parse_rate():
-    assert ec.parse_rate("100mbit") == 100e6
-    assert ec.parse_rate("1gbit") == 1e9
-    assert ec.parse_rate("1.5Gbit") == 1.5e9
-    assert ec.parse_rate("10mbps") == 80e6  # tc: bps = bytes per second
-    assert ec.parse_rate("none") is None and ec.parse_rate(None) is None
+    assert parse_tc_rate("100mbit") == 100e6
+    assert parse_tc_rate("1gbit") == 1e9
+    assert parse_tc_rate("1.5Gbit") == 1.5e9
+    assert parse_tc_rate("10mbps") == 80e6  # tc: bps = bytes per second
+    assert parse_tc_rate("none") is None and parse_tc_rate(None) is None
     for bad in ("fast", "100", "-1mbit", "1 gigabit"):
         with pytest.raises(ValueError):
-            ec.parse_rate(bad)
+            parse_tc_rate(bad)
 
 
 def test_says_it_needs_root(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ec.ClusterError, match=r"needs root \(CAP_NET_ADMIN\) to create network namespaces"):
-        ec.check_prerequisites()
+        netns.check_prerequisites()
     spec = importlib.util.spec_from_file_location("emulated_cluster_tool", TOOL)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -60,19 +62,19 @@ def test_shaped_link_is_slower_than_unshaped_and_intra_node_is_not_shaped():
     rate = "50mbit"
     with ec.EmulatedCluster(nodes=2, ranks_per_node=1, rate=rate) as cluster:
         names = cluster.namespaces
-        assert set(names) <= set(ec.list_namespaces())
-        shaped = ec.measure_throughput(cluster, 0, 1, 8 * MB)["bits_per_s"]
+        assert set(names) <= set(netns.list_namespaces())
+        shaped = link_probe.measure_throughput(cluster, 0, 1, 8 * MB)["bits_per_s"]
         # The switch-side veth is shaped too: node 1 -> node 0 is limited as well.
-        reverse = ec.measure_throughput(cluster, 1, 0, 6 * MB)["bits_per_s"]
+        reverse = link_probe.measure_throughput(cluster, 1, 0, 6 * MB)["bits_per_s"]
         # Ranks of one node talk to the node's own eth0 address: lo, not the shaped eth0.
         before = cluster.link_bytes(0)
-        intra = ec.measure_throughput(cluster, 0, 0, 64 * MB)["bits_per_s"]
+        intra = link_probe.measure_throughput(cluster, 0, 0, 64 * MB)["bits_per_s"]
         after = cluster.link_bytes(0)
         cluster.set_rate(None)
-        unshaped = ec.measure_throughput(cluster, 0, 1, 64 * MB)["bits_per_s"]
-    assert not set(names) & set(ec.list_namespaces())
+        unshaped = link_probe.measure_throughput(cluster, 0, 1, 64 * MB)["bits_per_s"]
+    assert not set(names) & set(netns.list_namespaces())
 
-    configured = ec.parse_rate(rate)
+    configured = parse_tc_rate(rate)
     print(f"shaped {shaped / 1e6:.1f} Mbit/s, reverse {reverse / 1e6:.1f} Mbit/s, "
           f"intra-node {intra / 1e9:.2f} Gbit/s, unshaped {unshaped / 1e9:.2f} Gbit/s")
     # htb counts Ethernet frames, TCP payload is ~95% of them.
@@ -115,7 +117,7 @@ def test_torchrun_ranks_share_node_link_and_use_lo_inside_a_node(tmp_path):
         names = cluster.namespaces
         rc = cluster.run_torchrun([str(script), str(out)], env={"OMP_NUM_THREADS": "1"},
                                   timeout=120)
-    assert not set(names) & set(ec.list_namespaces())
+    assert not set(names) & set(netns.list_namespaces())
     assert rc == 0
     result = json.loads(out.read_text())
     assert [tuple(w) for w in result["where"]] == [(0, 0), (1, 0), (2, 1), (3, 1)]
@@ -130,7 +132,7 @@ def test_teardown_after_failure_and_exception():
         assert cluster.run_each(["sh", "-c", 'exit "$((3 + EMULATED_NODE_RANK))"'],
                                 fail_grace=5) in (3, 4)
         assert cluster.exec(1, "exit 5").returncode == 5
-    assert not set(names) & set(ec.list_namespaces())
+    assert not set(names) & set(netns.list_namespaces())
 
     with pytest.raises(subprocess.CalledProcessError):
         with ec.EmulatedCluster(nodes=2, ranks_per_node=1, rate="10mbit") as cluster:
@@ -138,7 +140,7 @@ def test_teardown_after_failure_and_exception():
             sleeper = cluster.popen(1, ["sleep", "60"])
             cluster.exec(0, ["false"], check=True)
     assert sleeper.poll() is not None
-    assert not set(names) & set(ec.list_namespaces())
+    assert not set(names) & set(netns.list_namespaces())
 
 
 @needs_netns
@@ -151,8 +153,8 @@ def test_teardown_when_setup_fails_half_way(monkeypatch):
     with pytest.raises(ec.ClusterError, match="tc refused"):
         with cluster:
             pass
-    assert not set(cluster.namespaces) & set(ec.list_namespaces())
-    assert not any(os.path.exists(os.path.join(ec.NETNS_ETC, n)) for n in cluster.namespaces)
+    assert not set(cluster.namespaces) & set(netns.list_namespaces())
+    assert not any(os.path.exists(os.path.join(netns.NETNS_ETC, n)) for n in cluster.namespaces)
 
 
 @needs_netns
@@ -177,7 +179,7 @@ def test_tool_tears_down_on_signal(sig, code):
     deadline = time.monotonic() + 20
     pids = []
     while time.monotonic() < deadline and len(pids) < 4:
-        pids = [p for n in _ours(prefix) for p in ec._netns_pids(n)]
+        pids = [p for n in _ours(prefix) for p in netns.netns_pids(n)]
         time.sleep(0.05)
     assert len(pids) >= 4, "the command did not start in both nodes"
     proc.send_signal(sig)
@@ -185,7 +187,7 @@ def test_tool_tears_down_on_signal(sig, code):
     assert proc.returncode == code, err
     assert not _ours(prefix)
     time.sleep(0.1)
-    assert not any(ec._pid_alive(p) for p in pids)
+    assert not any(netns.pid_alive(p) for p in pids)
 
 
 def _printed_by_tool(rank, module, argv):

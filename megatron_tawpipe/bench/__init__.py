@@ -2,10 +2,15 @@
 
 Cluster benchmarks on CPU (``tools/benchmark.py``):
 
-* :mod:`.emulated_cluster` — nodes as network namespaces joined by shaped links;
-* :mod:`.emulated_compute` — layers that sleep for calibrated GPU times;
-* :mod:`.calibrate` — measures those times (``tools/calibrate.py``);
-* :mod:`.benchmark` — every strategy on the emulated cluster, table and chart.
+* :mod:`.emulated_cluster` — nodes as network namespaces joined by shaped links (built on
+  :mod:`.node_network`, :mod:`.netns` for ``ip``/``tc``, :mod:`.subprocesses`, and :mod:`.link_probe`
+  which measures a link);
+* :mod:`.calibrate` — measures the per-layer times that emulated compute
+  (:mod:`megatron_tawpipe.emulation`) sleeps (``tools/calibrate.py``);
+* :mod:`.benchmark` — every strategy on the emulated cluster, table and chart; :mod:`.matrix` — the
+  simulator against measurements over a matrix of configurations;
+* :mod:`.link_duplex`, :mod:`.collective_speed`, :mod:`.fsdp_overhead` — measurements of the links,
+  collectives and FSDP2's own CPU work that the simulator's parameters come from.
 
 One-GPU checks and measurements of one rank (``tools/gpu_check.py``).
 

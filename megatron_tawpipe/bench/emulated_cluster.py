@@ -36,14 +36,6 @@ from megatron_tawpipe.bench.node_network import DEFAULT_BURST, DEFAULT_SUBNET, N
 from megatron_tawpipe.bench.subprocesses import TeardownSignals, pump, set_pdeathsig, terminate_all, wait_all
 from megatron_tawpipe.common.errors import ClusterError
 
-# Only for tests/test_emulated_cluster.py, which reaches them as ``ec.<name>``; their homes are .netns,
-# .link_probe and common.units (``parse_rate`` here is parse_tc_rate: tc's reading, in bits/s).
-from megatron_tawpipe.bench.link_probe import measure_throughput  # noqa: F401
-from megatron_tawpipe.bench.netns import (NETNS_ETC, check_prerequisites, list_namespaces,  # noqa: F401
-                                          namespaces_available)
-from megatron_tawpipe.bench.netns import netns_pids as _netns_pids, pid_alive as _pid_alive  # noqa: F401
-from megatron_tawpipe.common.units import parse_tc_rate as parse_rate  # noqa: F401
-
 __all__ = ["DEFAULT_MASTER_PORT", "EmulatedCluster", "Node"]
 
 DEFAULT_MASTER_PORT = 29500
