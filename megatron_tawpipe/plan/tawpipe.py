@@ -53,12 +53,6 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   faster for D = 2 and not for more groups.
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
   is the flat-group ablation (one group of all ranks, no GWPS).
-
-Order: each action gets a :class:`Key` ``(slot, phase, step, sub)`` and the
-builder runs each rank's actions in key order.  Visit v of group g is in slot
-``v`` (``+ g`` with stagger, ``+ (D-1)`` per earlier round with drain); a slot's
-phases are WAIT (what its compute needs), POST (transfers for later slots),
-COMP (``step``: the micro-batch's index in the visit) and AFTER (gradients out).
 """
 
 from __future__ import annotations
@@ -87,7 +81,10 @@ CACHED, REPLICA = 0, 5              # OPEN: cached gradients' transfer, shard 0'
 
 
 class Key(NamedTuple):
-    """Where an action goes in its rank's list (compared as a tuple)."""
+    """Where an action goes in its rank's list: the builder runs them in key (tuple) order.
+    Visit v of group g is in slot ``v`` (``+ g`` with stagger, ``+ (D-1)`` per earlier round
+    with drain); a slot's phases are WAIT (what its compute needs), POST (transfers for later
+    slots), COMP (the micro-batches) and AFTER (the gradients' way out)."""
     slot: int           # visit slot of the rank's group; START or END
     phase: int          # WAIT, POST, COMP or AFTER (at END: OPEN, ALL_REDUCED or OPTIMIZER)
     step: int = UNSET   # order inside the phase (COMP: the micro-batch's index in the visit)
@@ -135,7 +132,6 @@ class _Layout:
     slack: int                          # slots a group may run off its nominal stagger
     owner: List[int]
     replicas: Dict[int, Tuple[int, ...]]
-    holders: Dict[int, Tuple[int, ...]]  # shard -> owner and replicas
     visits: List[Visit]
     first_b: Dict[int, int]             # shard -> its first backward visit
     last_b: Dict[int, int]              # shard -> its last backward visit
@@ -164,7 +160,7 @@ def _weights_in(t: _Layout, members: List[int], v: int, tau: int, root: int,
     wbuf = {m: f"~w{v}" for m in members}
     if root == t.owner[s]:
         wbuf[root] = "~wown"
-    elif root in t.holders[s]:
+    elif root in t.replicas.get(s, ()):
         wbuf[root] = f"~wrep{s}"
     else:
         wbuf[root] = f"~wc{s}" if t.cache else f"~w{v}"
@@ -282,7 +278,7 @@ def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optio
     gradients' all-reduce and the optimizer step."""
     b, P, G = t.b, t.P, t.G
     for s in t.replicas:
-        members = t.holders[s]
+        members = (t.owner[s],) + t.replicas[s]
         # Posted at the same key on every holder, after the last group's gradient is final
         # and after every rank's embedding all-reduce (one order of collectives on all ranks).
         last = Key(max(x[-1] for x in slots), AFTER, ALL_REDUCE)
@@ -341,12 +337,10 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     owner = [tawpipe_owner(s, D, G) for s in range(P)]
     # A replicated shard's holder in group g is the rank that would otherwise stage it there.
     replicas = {0: tuple(g * G for g in range(D) if g != owner[0] // G)} if replicate_first else {}
-    holders = {s: (owner[s],) + replicas.get(s, ()) for s in range(P)}
     visits = _visits(P, N, chunk)
     backward = [(v, x.shard) for v, x in enumerate(visits) if x.phase == "B"]
-    t = _Layout(b, P, D, G, overlap, cache, prefetch, replicate_first, slack, owner, replicas,
-                holders, visits, first_b={s: v for v, s in reversed(backward)},
-                last_b={s: v for v, s in backward})
+    t = _Layout(b, P, D, G, overlap, cache, prefetch, replicate_first, slack, owner, replicas, visits,
+                first_b={s: v for v, s in reversed(backward)}, last_b={s: v for v, s in backward})
     for s in range(P):
         b.emit(owner[s], Key(START, 0), A.LoadWeights, s, "~wown")
         for r in replicas.get(s, ()):
