@@ -17,6 +17,9 @@ import sys
 
 
 def main(argv=None) -> int:
+    from megatron_tawpipe.compat.extensions import missing_extension_warnings_once
+
+    missing_extension_warnings_once()   # before megatron-core is imported: each such warning once per job
     from megatron_tawpipe.cli.pretrain import run_training
     from megatron_tawpipe.training.forward_step import gpt_forward_step
 

@@ -2,23 +2,46 @@
 
 megatron-core warns at import and at model build when Transformer Engine or Apex is missing (falling back
 to torch's optimizers, norms and multi-tensor kernels: the CPU path, and a supported GPU path). Every rank
-and every module would print its own copy; this shows each distinct message once, on the first rank.
+and every module would print its own copy, several of them the same text; this shows each distinct message
+once, on the first rank. (Python's own "once" action cannot: its registry is cleared whenever a library
+changes the warning filters, which torch and megatron-core do while they import.)
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 MISSING_EXTENSION = r"(Transformer Engine and Apex are|Transformer Engine is|Apex is) not installed"
 
 
+def _is_missing_extension(message, category) -> bool:
+    return issubclass(category, UserWarning) and re.match(MISSING_EXTENSION, str(message), re.I) is not None
+
+
 def missing_extension_warnings_once(rank: int = None) -> None:
-    """Show each missing-Transformer-Engine/Apex warning once on rank 0 (``RANK``), none on other ranks.
-    Call before megatron-core is imported."""
+    """Show each distinct missing-Transformer-Engine/Apex warning once on rank 0 (``RANK``), none on the other
+    ranks. Call before megatron-core is imported; calling it again changes nothing."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    warnings.filterwarnings("once" if rank == 0 else "ignore", message=MISSING_EXTENSION, category=UserWarning)
+    if rank != 0:
+        warnings.filterwarnings("ignore", message=MISSING_EXTENSION, category=UserWarning)
+        return
+    if getattr(warnings.showwarning, "shows_missing_extensions_once", False):
+        return
+    warnings.filterwarnings("always", message=MISSING_EXTENSION, category=UserWarning)
+    shown, show = set(), warnings.showwarning
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        if _is_missing_extension(message, category):
+            if str(message) in shown:
+                return
+            shown.add(str(message))
+        show(message, category, filename, lineno, file, line)
+
+    show_once.shows_missing_extensions_once = True
+    warnings.showwarning = show_once     # the hook Python's warnings module documents for this
 
 
 def ignore_missing_extension_warnings() -> None:
