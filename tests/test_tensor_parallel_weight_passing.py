@@ -62,8 +62,13 @@ def test_matches_single_process_reference(world, extra, layers, global_batch, ar
     for iteration in range(1, ITERS + 1):
         # The key bias's exact gradient is zero (softmax ignores a constant added to every key): its
         # computed gradient is rounding noise, different under tensor parallelism, which Adam scales up
-        # to updates of about --lr. The QKV bias is compared to 2e-3 of its size, the rest to 1e-5.
-        assert_same_parameters(save, ref_save, iteration, rtol_by_suffix={"linear_qkv.bias": 2e-3})
+        # to updates of about --lr. The QKV bias is compared to 2e-3 of its size. A LayerNorm bias's
+        # gradient sums the tensor-parallel ranks' partial products, rounded differently from one
+        # process's; after two Adam steps (each of about --lr) the fc1 LayerNorm bias of the GPT case
+        # differs by 1.3e-5 of its size on an AVX-512 Xeon (the same figure before and after the
+        # package's reorganisation), under 1e-5 elsewhere: 1e-4 for LayerNorm biases, 1e-5 for the rest.
+        assert_same_parameters(save, ref_save, iteration,
+                               rtol_by_suffix={"linear_qkv.bias": 2e-3, "layer_norm_bias": 1e-4})
     for record in per_rank[0]:
         assert record["inter_group_bytes"] == record["planned_inter_group_bytes"]
         assert record["intra_group_bytes"] == record["planned_intra_group_bytes"]

@@ -46,15 +46,8 @@ Command = Union[str, Sequence[str]]
 class EmulatedCluster(NodeNetwork):
     """``nodes`` emulated nodes of ``ranks_per_node`` ranks, links shaped to ``rate``.
 
-    Args:
-        nodes: number of node namespaces (1..253).
+    Args (``nodes``, ``rate``, ``burst``, ``shape_ingress``, ``subnet``: as :class:`NodeNetwork`):
         ranks_per_node: processes per node that ``run_torchrun`` starts.
-        rate: tc rate of each node's link in each direction (``"100mbit"``,
-            ``"1gbit"``); None or ``"none"`` leaves the links unshaped.
-        burst: htb burst/cburst (bytes a link may send at once after being idle).
-        shape_ingress: also shape the switch-side veth toward each node, so the
-            node's incoming traffic is limited too (default True).
-        subnet: first three octets of the /24 the nodes live on.
         master_port: port of torchrun's rendezvous store on node 0.
         prefix: namespace name prefix; default ``twp<pid>`` (``twp<pid>c<i>`` for
             the i-th further cluster of the same process).
