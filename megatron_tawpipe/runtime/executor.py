@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.plan import actions as A

@@ -15,7 +15,7 @@ is about 1/T of the shard; the embedding and output layer are vocabulary-paralle
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from megatron_tawpipe.models.initialization import init_parameter
