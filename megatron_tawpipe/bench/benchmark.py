@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
+
 from megatron_tawpipe.common.errors import BenchmarkError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from megatron_tawpipe.common.atomic import atomic_write_text, fsync_dir
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 

@@ -8,7 +8,6 @@ import argparse
 from dataclasses import replace
 
 from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_defaults, llama_ffn_hidden_size
-
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp

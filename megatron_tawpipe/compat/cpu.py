@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
+
 from megatron_tawpipe.common.errors import CpuCompatError
 
 __all__ = ["CpuCompatError", "apply", "remove", "is_applied", "explain_cuda_errors", "megatron_version"]

@@ -129,7 +129,7 @@ class EmulatedCompute:
     # ---- megatron-core's GPTModel (one pipeline chunk, or the whole model under FSDP) ------------------------
 
     def layer_spec(self, spec):
-        """megatron-core's decoder-layer spec (or block spec) with every layer emulated (:mod:`.gpt`)."""
+        """megatron-core's decoder-layer spec with the layer emulated (:mod:`.gpt`)."""
         from megatron_tawpipe.emulation.gpt import emulated_layer_spec
 
         return emulated_layer_spec(spec, self)

@@ -58,15 +58,9 @@ class EmulatedGPTModel(GPTModel):
         return per_token.float()
 
 
-def _emulated_layer(layer_spec, compute):
+def emulated_layer_spec(layer_spec, compute):
+    """A decoder layer's ``ModuleSpec`` with the layer emulated (same submodules, so the same parameters)."""
     if layer_spec.module is not TransformerLayer:
         raise ValueError(f"emulated compute needs megatron-core's TransformerLayer, the spec has {layer_spec.module}")
     return dataclasses.replace(layer_spec, module=EmulatedTransformerLayer,
                                params={**layer_spec.params, "emulated_compute": compute})
-
-
-def emulated_layer_spec(spec, compute):
-    """``spec`` (a layer ``ModuleSpec`` or a block's ``TransformerBlockSubmodules``) with emulated layers."""
-    if hasattr(spec, "layer_specs"):
-        return dataclasses.replace(spec, layer_specs=[_emulated_layer(s, compute) for s in spec.layer_specs])
-    return _emulated_layer(spec, compute)

@@ -18,6 +18,7 @@ import dataclasses
 from typing import List, Optional, Tuple
 
 import torch
+
 from megatron_tawpipe.models.initialization import init_parameter
 from megatron_tawpipe.models.llama import construct_llama_model, llama_config
 from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights

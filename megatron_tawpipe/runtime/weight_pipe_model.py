@@ -253,7 +253,6 @@ class WeightPipeModel:
         self.compute.reset()
         self.executor.reset_counters()
 
-
     # ---- executor callbacks ---------------------------------------------------------
 
     def master(self, shard: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS
-
 from megatron_tawpipe.sim.costmodel import params_per_layer
 from megatron_tawpipe.sim.memory import MemoryBreakdown
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem

@@ -4,6 +4,7 @@ what does not fit and why); see :mod:`megatron_tawpipe.sim.advisor`."""
 from __future__ import annotations
 
 import shlex
+
 from megatron_tawpipe.sim.memory import MemoryBreakdown, gb
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",

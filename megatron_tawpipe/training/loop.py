@@ -18,9 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_tawpipe.compat import cpu as cpu_compat
-
 from megatron_tawpipe.monitor import exits
-
 from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
