@@ -92,13 +92,24 @@ CASES = [
     (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "4", "--tawpipe-replicate-first-shard"], 4, 8),
     (6, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", "--tawpipe-replicate-first-shard",
          "--tawpipe-no-recompute"], 6, 12),
+    # Shards of different sizes (layers that the ranks do not divide): the default split (the first
+    # L mod P shards one layer more), and Megatron-LM's flags choosing another.
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"], 6, 8),
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "1"], 10, 8),
+    (3, ["--pipeline-schedule", "weipipe"], 5, 6),
+    (4, ["--pipeline-schedule", "weipipe"], 7, 8),
+    (4, ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-no-recompute",
+         "--tawpipe-replicate-first-shard", "--decoder-last-pipeline-num-layers", "3"], 6, 8),
+    (3, ["--pipeline-schedule", "weipipe", "--tawpipe-no-recompute", "--pipeline-model-parallel-layout",
+         "Et|ttt|tL"], 5, 6),
 ]
 
 
 def _case_id(case):
     world, extra, layers, batch = case
-    flags = "-".join(f.replace("--tawpipe-", "") for f in extra[1:])
-    return f"P{world}-{flags}-{layers // world}lps-{batch // world}mb"
+    flags = "-".join(f.replace("--tawpipe-", "").replace("--", "").replace("|", "/") for f in extra[1:])
+    per_shard = f"{layers // world}lps" if layers % world == 0 else f"L{layers}"
+    return f"P{world}-{flags}-{per_shard}-{batch // world}mb"
 
 
 @pytest.mark.parametrize("world,extra,layers,global_batch", CASES, ids=[_case_id(c) for c in CASES])

@@ -4,6 +4,7 @@
     python tools/check_plans.py                       # P = 2..16, every D dividing P, N = 1..6
     python tools/check_plans.py --ranks 2-8 --microbatches 1-3 --workers 2
     python tools/check_plans.py --write-plans plans.jsonl    # build only; compare two such files byte for byte
+    python tools/check_plans.py --splits even         # only shards of equal size (the default: even and uneven)
 
 TawPipe's options are checked as a whole product for P <= --full-product-max-ranks
 and one at a time (plus the named variants) above.  Prints the count of plans checked
@@ -21,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_tawpipe.plan.sweep import plan_cases, run_sweep  # noqa: E402
+from megatron_tawpipe.plan.sweep import SPLITS, plan_cases, run_sweep  # noqa: E402
 from megatron_tawpipe.plan import build_plan  # noqa: E402
 
 
@@ -37,16 +38,24 @@ def _range(text: str):
 
 
 def _one(args):
-    P, microbatches, full = args
-    return P, run_sweep([P], microbatches, full)
+    P, microbatches, full, splits = args
+    return P, run_sweep([P], microbatches, full, splits=splits)
 
 
-def write_plans(path: str, ranks, microbatches, full_product_max_ranks: int) -> int:
+def _splits(text: str):
+    splits = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in splits if x not in SPLITS]
+    if unknown or not splits:
+        raise argparse.ArgumentTypeError(f"--splits takes a comma-separated list of {', '.join(SPLITS)}; got {text!r}")
+    return splits
+
+
+def write_plans(path: str, ranks, microbatches, full_product_max_ranks: int, splits=SPLITS) -> int:
     """Every plan of the sweep, built (not validated), one line each: schedule, arguments, its JSON.
     Two such files compare byte for byte when the planners are unchanged."""
     count = 0
     with open(path, "w", encoding="utf-8") as f:
-        for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks):
+        for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits):
             plan = build_plan(schedule, **kwargs)
             f.write(json.dumps([schedule, kwargs], sort_keys=True) + "\t" + plan.to_json() + "\n")
             count += 1
@@ -59,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", type=_range, default=_range("1-6"), help="N range (default 1-6)")
     p.add_argument("--full-product-max-ranks", type=int, default=8,
                    help="check TawPipe's whole option product up to this P (default 8)")
+    p.add_argument("--splits", type=_splits, default=SPLITS,
+                   help="shard splits: even (every shard the same number of layers), uneven (half of them one "
+                        "layer more); default: both")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write the counts and failures as JSON")
     p.add_argument("--write-plans", metavar="PATH",
@@ -66,10 +78,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     start = time.time()
     if args.write_plans:
-        count = write_plans(args.write_plans, args.ranks, args.microbatches, args.full_product_max_ranks)
+        count = write_plans(args.write_plans, args.ranks, args.microbatches, args.full_product_max_ranks,
+                            args.splits)
         print(f"wrote {count} plans to {args.write_plans} in {time.time() - start:.0f} s")
         return 0
-    jobs = [(P, args.microbatches, args.full_product_max_ranks) for P in sorted(args.ranks, reverse=True)]
+    jobs = [(P, args.microbatches, args.full_product_max_ranks, args.splits) for P in sorted(args.ranks, reverse=True)]
     if args.workers > 1:
         with mp.Pool(args.workers) as pool:
             results = pool.map(_one, jobs, chunksize=1)
@@ -91,7 +104,7 @@ def main(argv=None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"checked": total, "by_schedule": by_schedule, "ranks": args.ranks,
                        "microbatches": args.microbatches,
-                       "full_product_max_ranks": args.full_product_max_ranks,
+                       "full_product_max_ranks": args.full_product_max_ranks, "splits": list(args.splits),
                        "failures": [[s, k, e] for s, k, e in failures]}, f, indent=1)
     return 1 if failures else 0
 

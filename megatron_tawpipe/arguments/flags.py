@@ -240,6 +240,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=_positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None,
+                   help="decoder layers of the first pipeline stage (weight-passing schedules: of the first shard)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None,
+                   help="decoder layers of the last pipeline stage (weight-passing schedules: of the last shard)")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="every stage's layers, megatron-core's layout string, e.g. 'Ettt|(tt|)*2,tL' "
+                        "(weight-passing schedules: one stage per shard)")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl with CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10.0,

@@ -203,7 +203,7 @@ class EmulatedShardCompute:
 
     def __init__(self, model, clock: EmulatedCompute):
         self.model, self.clock = model, clock
-        self.layers = model.plan.layers_per_shard
+        self.layers = model.plan.shard_layers   # per shard
         self.last = model.plan.num_shards - 1
         self.tp = model.tensor_parallel_size
         self._exchange = _tensor_parallel_exchange(model) if self.tp > 1 else (lambda count: None)
@@ -215,8 +215,9 @@ class EmulatedShardCompute:
         batches, last = self.model.microbatches, shard == self.last
         if shard == 0:
             batches.start(mb)
-        self.clock.sleep(self.clock.times.forward_s(self.layers, last) / self.tp)
-        self._exchange(self.PER_LAYER * self.layers + (1 if last else 0))
+        layers = self.layers[shard]
+        self.clock.sleep(self.clock.times.forward_s(layers, last) / self.tp)
+        self._exchange(self.PER_LAYER * layers + (1 if last else 0))
         if last:
             labels = batches.inputs[mb]["labels"]
             per_token = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
@@ -224,8 +225,9 @@ class EmulatedShardCompute:
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         model, last = self.model, shard == self.last
-        self.clock.sleep(self.clock.times.backward_s(self.layers, last, model.recompute) / self.tp)
-        self._exchange(self.PER_LAYER * self.layers * (2 if model.recompute else 1) + (1 if last else 0))
+        layers = self.layers[shard]
+        self.clock.sleep(self.clock.times.backward_s(layers, last, model.recompute) / self.tp)
+        self._exchange(self.PER_LAYER * layers * (2 if model.recompute else 1) + (1 if last else 0))
         grad_buffer.add_(torch.zeros_like(grad_buffer))
         parts = (["embedding"] if shard == 0 else []) + (["head"] if last else [])
         for part in parts:

@@ -107,9 +107,9 @@ def plan_activation(schedule: str, num_ranks: int, num_groups: int, num_layers: 
     else:
         V = 1
     S = P * V
-    if num_layers % S:
-        raise ValueError(f"num_layers ({num_layers}) must be a multiple of {S} "
-                         f"(ranks x virtual stages)")
+    if num_layers < S:
+        raise ValueError(f"num_layers ({num_layers}) must be at least {S} (ranks x virtual stages): "
+                         "one layer per stage")
     if schedule == "gpipe":
         orders = [gpipe_order(P, N, r) for r in range(P)]
     elif schedule == "1f1b":

@@ -113,7 +113,7 @@ class PlanBuilder:
     # ------------------------------------------------------------- finalise
     def build(self, *, schedule: str, family: str, num_layers: int, num_microbatches: int,
               owners: Sequence[int], streams: Sequence[int], options: dict,
-              replicas: Dict[int, Sequence[int]] = None) -> Plan:
+              replicas: Dict[int, Sequence[int]] = None, shard_layers: Sequence[int] = ()) -> Plan:
         lists = []
         weight_slots = grad_slots = 0
         batches = itertools.count()
@@ -128,7 +128,8 @@ class PlanBuilder:
                     num_microbatches=num_microbatches, owners=tuple(owners),
                     streams=tuple(streams), max_weight_buffers=weight_slots,
                     max_grad_buffers=grad_slots, actions=lists, options=dict(options),
-                    replicas={s: tuple(r) for s, r in (replicas or {}).items()})
+                    replicas={s: tuple(r) for s, r in (replicas or {}).items()},
+                    shard_layers=tuple(shard_layers or ()))
 
 
 def _batch_p2p(items: list, counter) -> list:

@@ -168,6 +168,7 @@ class NcclModel:
         """Partners of every operation, as NCCL pairs them: {(rank, tag): [(rank, tag)]}."""
         sends, recvs = defaultdict(list), defaultdict(list)
         members: Dict[int, List[int]] = defaultdict(list)
+        sizes: Dict[int, set] = defaultdict(set)
         for r, entries in enumerate(self.entries):
             for e in entries:
                 comm = e.key      # each communicator (pair or group) pairs its own traffic
@@ -179,6 +180,11 @@ class NcclModel:
                         recvs[(comm, a.peer, r)].append((step, a))
                     else:
                         members[a.tag].append(r)
+                        sizes[a.tag].add(_elements(self.plan, a))
+                        if len(sizes[a.tag]) > 1:
+                            raise PlanError(f"NCCL ({self.mode} mode): the members of collective tag {a.tag} "
+                                            f"name different sizes ({A.describe(a)}: "
+                                            f"{_describe_elements(self.plan, a)})", r, step, a)
         partners: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
         for (comm, src, dst) in set(sends) | set(recvs):
             s_list, r_list = sends.get((comm, src, dst), []), recvs.get((comm, src, dst), [])
@@ -190,6 +196,11 @@ class NcclModel:
                         f"({A.describe(ra)}): they are the {_nth(k)} send and receive between "
                         f"these ranks on the {describe_fifo(comm)}, and NCCL ignores tags",
                         dst, rs, ra)
+                if _elements(self.plan, sa) != _elements(self.plan, ra):
+                    raise PlanError(
+                        f"NCCL ({self.mode} mode): the send at rank {src} step {ss} ({A.describe(sa)}) carries "
+                        f"{_describe_elements(self.plan, sa)} and its receive {_describe_elements(self.plan, ra)}: "
+                        "both sides of a transfer must have the same size", dst, rs, ra)
                 partners[(src, sa.tag)] = [(dst, ra.tag)]
                 partners[(dst, ra.tag)] = [(src, sa.tag)]
             if len(s_list) != len(r_list):
@@ -347,6 +358,22 @@ class NcclModel:
                 return (text + f"; rank {peer} has not issued its partner (step {pstep}) yet: it "
                         f"is stopped at step {self.pc[peer]}"), peer, where
         return text, None, where
+
+
+def _elements(plan: Plan, action) -> tuple:
+    """What a transfer carries, in units both sides know: a weight or gradient shard is its
+    layer count (buffers hold whole layers of one shape); activations are one boundary."""
+    kind = getattr(action, "kind", None)
+    if type(action) is A.ReplicatedAllReduceStart:
+        return ("replicated", action.part)
+    if kind in ("weight", "grad") and 0 <= action.shard < len(plan.shard_layers):
+        return ("layers", plan.shard_layers[action.shard])
+    return (kind, getattr(action, "size", None))
+
+
+def _describe_elements(plan: Plan, action) -> str:
+    what, n = _elements(plan, action)
+    return f"{n} layers (shard {action.shard})" if what == "layers" else f"{what} {n}"
 
 
 def _nth(k: int) -> str:

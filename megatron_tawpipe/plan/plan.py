@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_tawpipe.common.layer_split import default_layer_split, is_even, layer_offsets
 from megatron_tawpipe.plan import actions as A
 
 FORMAT_VERSION = 1
@@ -34,6 +35,10 @@ class Plan:
     among the holders (``AllReduceStart``) before the step.
     ``max_weight_buffers``/``max_grad_buffers`` bound the number of distinct
     weight/gradient buffer names on any rank (``main`` not counted).
+    ``shard_layers[s]`` is the number of decoder layers of shard ``s`` (consecutive
+    layers, in shard order); not given, the default split of ``num_layers`` over the
+    shards (:func:`common.layer_split.default_layer_split`: equal when they divide).
+    Buffers hold the largest shard; a shard uses the first ``shard_layers[s]`` layers' worth.
     """
 
     schedule: str
@@ -49,6 +54,13 @@ class Plan:
     actions: List[List[object]]
     options: Dict[str, object] = field(default_factory=dict)
     replicas: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
+    shard_layers: Tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.shard_layers:
+            self.shard_layers = tuple(int(x) for x in self.shard_layers)
+        elif 1 <= len(self.owners) <= self.num_layers:
+            self.shard_layers = default_layer_split(self.num_layers, len(self.owners))
 
     # ------------------------------------------------------------------ shape
     @property
@@ -60,8 +72,14 @@ class Plan:
         return self.num_ranks // self.num_groups
 
     @property
-    def layers_per_shard(self) -> int:
-        return self.num_layers // self.num_shards
+    def max_layers_per_shard(self) -> int:
+        """Layers of the largest shard: what a weight or gradient buffer holds."""
+        return max(self.shard_layers)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the shards differ in size."""
+        return not is_even(self.shard_layers)
 
     @property
     def num_streams(self) -> int:
@@ -82,13 +100,17 @@ class Plan:
         the ones it owns and the ones it holds a replica of."""
         return shards_held_by(self.owners, self.replicas, rank)
 
+    def layers_held_by(self, rank: int) -> int:
+        """Decoder layers of the shards ``rank`` keeps masters of."""
+        return sum(self.shard_layers[s] for s in self.shards_held_by(rank))
+
     def holders(self, shard: int) -> Tuple[int, ...]:
         """The ranks that hold ``shard``: its owner, then its replicas."""
         return (self.owners[shard],) + tuple(self.replicas.get(shard, ()))
 
     def layers_of_shard(self, shard: int) -> range:
-        n = self.layers_per_shard
-        return range(shard * n, (shard + 1) * n)
+        first = layer_offsets(self.shard_layers)[shard]
+        return range(first, first + self.shard_layers[shard])
 
     def communicators(self) -> List[Tuple[Tuple[int, ...], str]]:
         """Distinct (member ranks, channel) pairs used by collectives, in first
@@ -115,6 +137,7 @@ class Plan:
             "max_weight_buffers": self.max_weight_buffers,
             "max_grad_buffers": self.max_grad_buffers, "options": self.options,
             **({"replicas": {str(s): list(r) for s, r in self.replicas.items()}} if self.replicas else {}),
+            **({"shard_layers": list(self.shard_layers)} if self.uneven else {}),
         }
 
     @classmethod
@@ -129,7 +152,8 @@ class Plan:
                    max_weight_buffers=int(meta["max_weight_buffers"]),
                    max_grad_buffers=int(meta["max_grad_buffers"]),
                    actions=actions, options=dict(meta.get("options", {})),
-                   replicas={int(s): tuple(r) for s, r in meta.get("replicas", {}).items()})
+                   replicas={int(s): tuple(r) for s, r in meta.get("replicas", {}).items()},
+                   shard_layers=tuple(meta.get("shard_layers", ())))
 
     def to_json(self, indent: Optional[int] = None) -> str:
         doc = {"meta": self.meta(),
@@ -200,6 +224,7 @@ class Plan:
 
     def summary(self) -> str:
         return (f"{self.schedule}: P={self.num_ranks} groups={self.num_groups} "
-                f"L={self.num_layers} shards={self.num_shards} N={self.num_microbatches} "
+                f"L={self.num_layers} shards={self.num_shards}"
+                f"{' ' + str(list(self.shard_layers)) if self.uneven else ''} N={self.num_microbatches} "
                 f"actions={self.num_actions()} weight_buffers={self.max_weight_buffers} "
                 f"grad_buffers={self.max_grad_buffers}")

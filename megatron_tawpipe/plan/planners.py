@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional, Sequence
 
+from megatron_tawpipe.common.layer_split import check_layer_split
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.activation import plan_activation
@@ -56,20 +58,24 @@ SCHEDULES = {
 
 
 def build_plan(schedule: str, *, num_ranks: int, num_groups: int = 1, num_layers: int = None,
-               num_microbatches: int = 1, **options) -> Plan:
+               num_microbatches: int = 1, shard_layers: Optional[Sequence[int]] = None, **options) -> Plan:
     """Build the plan of ``schedule`` (a key of ``SCHEDULES``) for ``num_ranks``
     ranks in ``num_groups`` groups (nodes) of consecutive ranks.  ``num_layers``
     defaults to one layer per shard; ``num_microbatches`` is per rank for weight
     passing and per pipeline for activation passing.  Extra keyword options go
-    to the planner."""
+    to the planner.  ``shard_layers`` gives each shard's (stage's) number of layers; by
+    default the layers are split as equally as possible, the larger shards first."""
     try:
         planner = SCHEDULES[schedule]
     except KeyError:
         raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}") from None
     if num_layers is None:
         num_layers = num_ranks
-    return planner(num_ranks=num_ranks, num_groups=num_groups, num_layers=num_layers,
+    plan = planner(num_ranks=num_ranks, num_groups=num_groups, num_layers=num_layers,
                    num_microbatches=num_microbatches, **options)
+    if shard_layers is not None:
+        plan.shard_layers = check_layer_split(shard_layers, num_layers, plan.num_shards)
+    return plan
 
 
 def split_backward(plan: Plan) -> Plan:

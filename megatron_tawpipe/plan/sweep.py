@@ -70,9 +70,27 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
         yield c
 
 
+SPLITS = ("even", "uneven")
+
+
 def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
-               layers_per_shard: int = 1) -> Iterator[Tuple[str, dict]]:
-    """(schedule, build_plan keyword arguments) for every planner, shape and option set."""
+               layers_per_shard: int = 1, splits: Sequence[str] = SPLITS) -> Iterator[Tuple[str, dict]]:
+    """(schedule, build_plan keyword arguments) for every planner, shape, option set and shard split:
+    ``"even"``, every shard (stage) ``layers_per_shard`` layers; ``"uneven"``, half of the shards
+    (rounded up, the first ones) one layer more, the default split of that many layers."""
+    unknown = set(splits) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"unknown shard splits {sorted(unknown)}; known: {', '.join(SPLITS)}")
+    for schedule, kwargs in _even_cases(ranks, microbatches, full_product_max_ranks, layers_per_shard):
+        if "even" in splits:
+            yield schedule, kwargs
+        if "uneven" in splits:
+            stages = kwargs["num_ranks"] * kwargs.get("virtual_stages", 1)
+            yield schedule, dict(kwargs, num_layers=kwargs["num_layers"] + (stages + 1) // 2)
+
+
+def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int,
+                layers_per_shard: int) -> Iterator[Tuple[str, dict]]:
     for P in ranks:
         for D in divisors(P):
             for N in microbatches:
@@ -89,9 +107,9 @@ def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_m
 
 
 def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
-              stop_on_failure: bool = False, progress=None) -> SweepResult:
+              stop_on_failure: bool = False, progress=None, splits: Sequence[str] = SPLITS) -> SweepResult:
     result = SweepResult()
-    for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks):
+    for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits):
         error: Optional[str] = None
         try:
             validate_plan(build_plan(schedule, **kwargs))

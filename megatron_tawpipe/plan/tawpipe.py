@@ -312,8 +312,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     D = num_groups if groups is None else groups
     if D < 1 or P % D:
         raise ValueError(f"scheduling groups ({D}) must divide ranks ({P})")
-    if num_layers % P:
-        raise ValueError(f"num_layers ({num_layers}) must be a multiple of ranks ({P})")
+    if num_layers < P:
+        raise ValueError(f"num_layers ({num_layers}) must be at least the number of ranks ({P}): one shard each")
     if chunk < 1 or prefetch < 1:
         raise ValueError("chunk and prefetch must be >= 1")
     G = P // D

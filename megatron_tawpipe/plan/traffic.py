@@ -22,21 +22,32 @@ def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float =
     ``bytes_per_grad`` (default ``bytes_per_shard``).  An executor that counts
     the same way (per send, per received broadcast copy, per contributed
     reduction input) measures the same numbers.  The replicated all-reduce is
-    not included (see ``replicated_allreduce_bytes``)."""
+    not included (see ``replicated_allreduce_bytes``).
+
+    With shards of different sizes, ``bytes_per_shard`` and ``bytes_per_grad`` are the
+    largest shard's (a buffer's); a transfer of shard ``s`` carries
+    ``shard_layers[s] / max_layers_per_shard`` of that."""
     out = {"intra": 0.0, "inter": 0.0}
     G = plan.ranks_per_group
     units = {"weight": bytes_per_shard, "grad": bytes_per_shard if bytes_per_grad is None else bytes_per_grad,
              "act": bytes_per_activation, "actgrad": bytes_per_activation}
+    largest = plan.max_layers_per_shard
+
+    def unit(a) -> float:
+        if a.kind in ("weight", "grad"):
+            return units[a.kind] * plan.shard_layers[a.shard] / largest
+        return units[a.kind]
+
     for r, acts in enumerate(plan.actions):
         for a in acts:
             t = type(a)
             if t is A.SendStart:
-                out[a.link] += a.size * units[a.kind]
+                out[a.link] += a.size * unit(a)
             elif (t is A.BroadcastStart or t is A.ReduceStart) and r != a.root:
-                out["intra" if r // G == a.root // G else "inter"] += a.size * units[a.kind]
+                out["intra" if r // G == a.root // G else "inter"] += a.size * unit(a)
             elif t is A.AllReduceStart:
                 successor, share = ring_share(a.ranks, r)
-                out["intra" if r // G == successor // G else "inter"] += share * a.size * units[a.kind]
+                out["intra" if r // G == successor // G else "inter"] += share * a.size * unit(a)
     return out
 
 

@@ -34,6 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict
 
+from megatron_tawpipe.common.layer_split import check_layer_split
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.nccl import MODES, check_nccl_order
@@ -76,8 +77,10 @@ def _check_meta(plan: Plan) -> None:
                         f"streams for {P} ranks")
     if plan.num_groups < 1 or P % plan.num_groups:
         raise PlanError(f"{plan.num_groups} groups do not divide {P} ranks")
-    if plan.num_shards < 1 or plan.num_layers % plan.num_shards:
-        raise PlanError(f"{plan.num_layers} layers cannot be cut into {plan.num_shards} shards")
+    try:
+        check_layer_split(plan.shard_layers, plan.num_layers, plan.num_shards)
+    except ValueError as exc:
+        raise PlanError(f"shard sizes: {exc}") from None
     if any(not 0 <= o < P for o in plan.owners):
         raise PlanError(f"shard owners {plan.owners} name ranks outside 0..{P - 1}")
     if plan.family == "weight" and sorted(plan.owners) != list(range(P)):

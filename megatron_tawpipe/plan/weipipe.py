@@ -56,8 +56,8 @@ def _rank_turns(P: int, N: int, interleave: bool):
 def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
                  interleave: bool = True, overlap: bool = True):
     P, N = num_ranks, num_microbatches
-    if num_layers % P:
-        raise ValueError(f"num_layers ({num_layers}) must be a multiple of ranks ({P})")
+    if num_layers < P:
+        raise ValueError(f"num_layers ({num_layers}) must be at least the number of ranks ({P}): one shard each")
     b = PlanBuilder(P, num_groups)
     work = _rank_turns(P, N, interleave)
     last_turn = max(t for _, t in work)

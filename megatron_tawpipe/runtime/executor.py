@@ -64,7 +64,9 @@ class PlanExecutor:
     master weights and gradients (see :class:`runtime.trainer.WeightPassingTrainer`):
     it provides ``forward(mb, shard, weights)``, ``backward(mb, shard, weights, grad)``,
     ``master(shard)``, ``main_grad(shard)``, ``replicated_grads(part="all")``,
-    ``optimizer_step()`` and ``shard_numel``/``compute_dtype``/``device``.
+    ``optimizer_step()`` and ``shard_numel`` (the largest shard's elements: a buffer's)/``compute_dtype``/
+    ``device``. With shards of different sizes (``plan.shard_layers``) every action on shard ``s`` uses the
+    first ``shard_numel * shard_layers[s] / max_layers_per_shard`` elements of its buffer.
 
     ``rank`` is the plan's rank; with tensor parallelism inside the weight pipeline that is
     a virtual rank, and ``communicators`` maps it and its peers to global ranks.
@@ -92,6 +94,10 @@ class PlanExecutor:
             self.transport = DirectTransport(compute.device)
         self.timer = ComputeTimer(compute.device)
         self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
+        per_layer, rest = divmod(compute.shard_numel, plan.max_layers_per_shard)
+        if rest:
+            raise ExecutionError(f"{compute.shard_numel} elements per buffer are not {plan.max_layers_per_shard} layers")
+        self._numel = [per_layer * n for n in plan.shard_layers]   # each shard's elements
         self.in_flight: Dict[int, _InFlight] = {}
         self._entries_cache: Optional[Tuple[list, dict]] = None
         self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
@@ -131,18 +137,19 @@ class PlanExecutor:
                  for n in sorted(names["grad"])}
         return weights, grads
 
-    def _weights(self, name: str, write: bool = False) -> torch.Tensor:
+    def _weights(self, name: str, shard: int, write: bool = False) -> torch.Tensor:
+        """Weight buffer ``name`` as shard ``shard``'s: its first ``shard``-sized part."""
         self._check_not_in_flight(name, write)
-        return self.weight_buffers[name]
+        return self.weight_buffers[name][:self._numel[shard]]
 
     def _grads(self, name: str, shard: int, write: bool = True) -> torch.Tensor:
         if name == A.MAIN:
             return self.compute.main_grad(shard)
         self._check_not_in_flight(name, write)
-        return self.grad_buffers[name]
+        return self.grad_buffers[name][:self._numel[shard]]
 
     def _buffer(self, name: str, kind: str, shard: int, write: bool) -> torch.Tensor:
-        return self._weights(name, write) if kind == "weight" else self._grads(name, shard, write)
+        return self._weights(name, shard, write) if kind == "weight" else self._grads(name, shard, write)
 
     def _check_not_in_flight(self, name: str, write: bool) -> None:
         """Outgoing transfers only read their buffer; anything else in flight forbids all access."""
@@ -237,17 +244,17 @@ class PlanExecutor:
     # ---- compute ------------------------------------------------------------------------
 
     def _forward(self, a: A.Forward) -> None:
-        weights = self._weights(a.wbuf)  # reads only
+        weights = self._weights(a.wbuf, a.shard)  # reads only
         with self.timer.span():
             self.compute.forward(a.mb, a.shard, weights)
 
     def _backward(self, a: A.Backward) -> None:
-        weights, grads = self._weights(a.wbuf), self._grads(a.gbuf, a.shard)
+        weights, grads = self._weights(a.wbuf, a.shard), self._grads(a.gbuf, a.shard)
         with self.timer.span():
             self.compute.backward(a.mb, a.shard, weights, grads)
 
     def _load_weights(self, a: A.LoadWeights) -> None:
-        self._weights(a.buf, write=True).copy_(self.compute.master(a.shard))
+        self._weights(a.buf, a.shard, write=True).copy_(self.compute.master(a.shard))
 
     def _zero_grad(self, a: A.ZeroGrad) -> None:
         self._grads(a.buf, a.shard).zero_()

@@ -45,18 +45,18 @@ class LayerCompute:
         self._rng: Optional[Dict[Tuple[int, int], RngSnapshot]] = {} if needs_rng and self.model.recompute else None
         self._rotary = self.template.rotary(args.seq_length)
 
-    def _bind(self, weights: torch.Tensor) -> None:
+    def _bind(self, weights: torch.Tensor) -> int:
+        """Bind the shard's weights (the executor's view of its layers); returns its layer count."""
         if self.model.recompute:
-            self.template.bind(weights)
-        else:
-            self.template.bind_by_copy(weights)
+            return self.template.bind(weights)
+        return self.template.bind_by_copy(weights)
 
     def forward(self, mb: int, shard: int, weights: torch.Tensor) -> None:
         model, batches = self.model, self.model.microbatches
         if shard == 0:
             batches.start(mb)
         batch = batches.inputs[mb]
-        self._bind(weights)
+        layers = self._bind(weights)
         keep_graph = not model.recompute and not batches.forward_only
         if self._rng is not None and not batches.forward_only:
             self._rng[(mb, shard)] = RngSnapshot.capture()
@@ -70,7 +70,7 @@ class LayerCompute:
                 if keep_graph:
                     hidden = hidden.detach().requires_grad_(True)
                     self._inputs[(mb, shard)] = hidden
-            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"])
+            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"], layers)
             if keep_graph:
                 self._outputs[(mb, shard)] = out
             if shard + 1 < model.plan.num_shards:
@@ -90,9 +90,9 @@ class LayerCompute:
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         model = self.model
-        self._bind(weights)
+        layers = self._bind(weights)
         if model.recompute:
-            hidden, out = self._recompute(mb, shard)
+            hidden, out = self._recompute(mb, shard, layers)
         else:
             hidden, out = self._inputs.pop((mb, shard), None), self._outputs.pop((mb, shard))
         if shard + 1 == model.plan.num_shards:
@@ -107,7 +107,7 @@ class LayerCompute:
         if shard == 0:
             model.microbatches.release(mb)
 
-    def _recompute(self, mb: int, shard: int):
+    def _recompute(self, mb: int, shard: int, layers: int):
         """Full recompute of (mb, shard), replaying the forward's RNG state (dropout)."""
         batch = self.model.microbatches.inputs[mb]
         snapshot = self._rng.pop((mb, shard)) if self._rng is not None else None
@@ -117,5 +117,5 @@ class LayerCompute:
                 self._inputs.pop((mb, 0))
             else:
                 hidden = self._inputs.pop((mb, shard)).detach().requires_grad_(True)
-            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"])
+            out = self.template.run_layers(hidden, self._rotary, batch["attention_mask"], layers)
         return hidden, out

@@ -1,10 +1,13 @@
 """Model adapter for weight passing: one shard's worth of Megatron layers, run for any shard.
 
 Every decoder layer has the same shapes, so a rank builds a single template of
-``layers_per_shard`` megatron-core decoder layers (plus the replicated
+as many megatron-core decoder layers as the largest shard has (plus the replicated
 embedding, final norm and output layer) and runs shard ``s`` by pointing the
 template's parameters at a flat buffer that holds shard ``s``'s weights.
 Flat buffers are what travels between ranks; parameters are views into them.
+The template's parameters lie layer after layer in the flat layout, so a shard of
+``n`` layers is the first ``n`` layers' worth of a buffer and runs the template's
+first ``n`` layers (shards may differ in size: ``Plan.shard_layers``).
 
 With ``--tensor-model-parallel-size T`` the template is built from megatron-core's
 tensor-parallel layers: each rank's flat buffer holds its column- and row-parallel
@@ -15,10 +18,11 @@ is about 1/T of the shard; the embedding and output layer are vocabulary-paralle
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_tawpipe.common.layer_split import layer_offsets
 from megatron_tawpipe.models.initialization import init_parameter
 from megatron_tawpipe.models.llama import construct_llama_model, llama_config
 from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights
@@ -43,12 +47,15 @@ class ParamSlot:
 
 
 class ShardTemplate:
-    """The GPTModel the flags describe with ``layers_per_shard`` decoder layers, rebindable to any shard."""
+    """The GPTModel the flags describe with the largest shard's decoder layers, rebindable to any shard
+    (``shard_layers[s]`` layers of shard ``s``)."""
 
-    def __init__(self, args, num_shards: int, device: torch.device):
+    def __init__(self, args, shard_layers: Sequence[int], device: torch.device):
         self.args = args
-        self.num_shards = num_shards
-        self.layers_per_shard = args.num_layers // num_shards
+        self.shard_layers = tuple(shard_layers)
+        self.num_shards = len(self.shard_layers)
+        self.first_layer = layer_offsets(self.shard_layers)
+        self.max_layers = max(self.shard_layers)
         # The full-model config decides initialisation (output-projection std uses all layers).
         self.full_config = llama_config(args)
         # No fp32 ``main_grad`` on the template's parameters: weights are rebound per shard
@@ -62,7 +69,7 @@ class ShardTemplate:
         template_config = llama_config(args, main_grad_buffers=False,
                                        tensor_model_parallel_size=self.tensor_parallel_size,
                                        sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
-        template_config.num_layers = self.layers_per_shard
+        template_config.num_layers = self.max_layers
         self.config = template_config
         self.model = construct_llama_model(args, template_config).to(device)
         if self.tensor_parallel_size > 1:
@@ -74,8 +81,10 @@ class ShardTemplate:
         self.device = device
         self.layers = self.model.decoder.layers
         self.slots = self._layout()
-        self.shard_numel = sum(slot.numel for slot in self.slots)
+        self.shard_numel = sum(slot.numel for slot in self.slots)   # the largest shard: a buffer
+        self.layer_numel = self.shard_numel // self.max_layers
         self._layer_params = [param for _, param in self.layers.named_parameters()]
+        self._params_per_layer = len(self._layer_params) // self.max_layers
         for param in self._layer_params:
             param.requires_grad_(True)
         # Weight slot for copy-binding (bind_by_copy, no-recompute mode only): allocated on first
@@ -106,12 +115,29 @@ class ShardTemplate:
             return True
         return bool(self.config.qk_layernorm) and ("q_layernorm" in name or "k_layernorm" in name)
 
+    def numel_of(self, shard: int) -> int:
+        """Elements of ``shard``'s flat weights (a prefix of a buffer)."""
+        return self.shard_layers[shard] * self.layer_numel
+
+    def slots_of(self, shard: int) -> List[ParamSlot]:
+        """The slots of ``shard``'s layers: the template's first ``shard_layers[shard]`` layers."""
+        return self.slots[:self.shard_layers[shard] * self._params_per_layer]
+
+    def _slots_for(self, flat: torch.Tensor) -> List[ParamSlot]:
+        """The slots a flat tensor of whole layers covers."""
+        layers, rest = divmod(flat.numel(), self.layer_numel)
+        if rest or not 1 <= layers <= self.max_layers:
+            raise ValueError(f"a flat buffer of {flat.numel()} elements is not 1 to {self.max_layers} layers of "
+                             f"{self.layer_numel}")
+        return self.slots[:layers * self._params_per_layer]
+
     def global_name(self, shard: int, slot: ParamSlot) -> str:
         local_layer, rest = slot.local_name.split(".", 1)
-        return f"decoder.layers.{shard * self.layers_per_shard + int(local_layer)}.{rest}"
+        return f"decoder.layers.{self.first_layer[shard] + int(local_layer)}.{rest}"
 
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        """Parameter-shaped views of ``flat``: one shard's weights or gradients (its first layers' slots)."""
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self._slots_for(flat)]
 
     def tagged_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """:meth:`views` carrying megatron-core's tensor-parallel attributes (``tensor_model_parallel``,
@@ -124,7 +150,7 @@ class ShardTemplate:
 
     def init_shard(self, shard: int, flat: torch.Tensor) -> None:
         """Initial weights of ``shard``: the same values (this rank's slices of them) a whole-model build gets."""
-        for slot, view in zip(self.slots, self.tagged_views(flat)):
+        for slot, view in zip(self.slots_of(shard), self.tagged_views(flat)):
             init_parameter(view, self.global_name(shard, slot), self.args.seed, self.full_config)
 
     # ---- replicated parts -----------------------------------------------------------
@@ -143,16 +169,19 @@ class ShardTemplate:
 
     # ---- binding and running ------------------------------------------------------
 
-    def bind(self, flat: torch.Tensor) -> None:
-        """Point the template's decoder-layer parameters at ``flat`` (no copy).
+    def bind(self, flat: torch.Tensor) -> int:
+        """Point the template's first decoder layers' parameters at ``flat`` (no copy): as many layers
+        as ``flat`` holds, which it returns.
 
         For full recompute: each computation builds and consumes its own graph.
         """
-        for param, view in zip(self._layer_params, self.views(flat)):
+        views = self.views(flat)
+        for param, view in zip(self._layer_params, views):
             param.data = view
             param.grad = None
+        return len(views) // self._params_per_layer
 
-    def bind_by_copy(self, flat: torch.Tensor) -> None:
+    def bind_by_copy(self, flat: torch.Tensor) -> int:
         """Copy ``flat`` into the template's own weight slot.
 
         Without recompute, a forward's autograd graph lives until that
@@ -167,13 +196,17 @@ class ShardTemplate:
             for param, view in zip(self._layer_params, self.views(self._slot)):
                 param.data = view
         with torch.no_grad():
-            self._slot.copy_(flat)
+            self._slot[:flat.numel()].copy_(flat)
+        return flat.numel() // self.layer_numel
 
     def layer_grads_into(self, grad_flat: torch.Tensor) -> None:
-        """Add the template's accumulated layer gradients into ``grad_flat`` and clear them."""
-        for param, view in zip(self._layer_params, self.views(grad_flat)):
+        """Add the template's accumulated layer gradients into ``grad_flat`` (one shard's: its first
+        layers' worth) and clear them all."""
+        views = self.views(grad_flat)
+        for i, param in enumerate(self._layer_params):
             if param.grad is not None:
-                view.add_(param.grad)
+                if i < len(views):
+                    views[i].add_(param.grad)
                 param.grad = None
 
     def replicated_grads_into(self, grads: List[torch.Tensor]) -> None:
@@ -193,8 +226,9 @@ class ShardTemplate:
         return self.model.rotary_pos_emb(seq_len)
 
     def run_layers(self, hidden: torch.Tensor, rotary: Optional[torch.Tensor],
-                   attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        for layer in self.layers:
+                   attention_mask: Optional[torch.Tensor], num_layers: Optional[int] = None) -> torch.Tensor:
+        """The template's first ``num_layers`` decoder layers (default: all) on ``hidden``."""
+        for layer in list(self.layers)[:num_layers]:
             hidden, _ = layer(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
         return hidden
 

@@ -202,10 +202,11 @@ class WeightPassingTrainer(CheckpointDefaults):
         bad = find_non_finite(groups, self.device)
         if not bad:
             return
-        lps, tp = self.plan.layers_per_shard, self.model.tensor_parallel_size
+        tp = self.model.tensor_parallel_size
         owner = (lambda v: f"owner rank {v}") if tp == 1 else (
             lambda v: f"owner ranks {v * tp}-{v * tp + tp - 1}, a tensor-parallel group")
-        names = [f"shard {s} (layers {s * lps}-{(s + 1) * lps - 1}, {owner(self.plan.owners[s])})"
+        layers = self.plan.layers_of_shard
+        names = [f"shard {s} (layers {layers(s)[0]}-{layers(s)[-1]}, {owner(self.plan.owners[s])})"
                  if s < self.plan.num_shards else "the replicated embedding / final norm / output layer"
                  for s in bad]
         raise NonFiniteGradientError(", ".join(names))

@@ -84,7 +84,8 @@ class WeightPipeModel:
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
         self.plans = {count: build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
-                                        num_layers=args.num_layers, num_microbatches=count, **plan_options(args))
+                                        num_layers=args.num_layers, num_microbatches=count,
+                                        shard_layers=args.decoder_layer_split, **plan_options(args))
                       for count in planned_microbatch_counts(args)}
         for plan in self.plans.values():
             validate_plan(plan)
@@ -94,20 +95,24 @@ class WeightPipeModel:
         self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.tensor_parallel_size,
                                                                   self.plan.replicas)
         self.recompute = not args.tawpipe_no_recompute
-        self.template = ShardTemplate(args, self.plan.num_shards, self.device)
-        self.shard_numel = self.template.shard_numel
+        if any(plan.shard_layers != self.plan.shard_layers for plan in self.plans.values()):
+            raise ValueError("the plans for the schedule's micro-batch counts split the layers differently")
+        self.template = ShardTemplate(args, self.plan.shard_layers, self.device)
+        self.shard_numel = self.template.shard_numel   # the largest shard's: the executor's buffers
         self.compute_dtype = params_dtype(args)
         # Every shard whose master this rank keeps and steps (owned or replicated, --tawpipe-replicate-first-shard);
         # ``counted`` are the ones it counts in the global norm and writes to checkpoints (owned).
         self.owned = self.topology.held_shards()
         self.counted = self.topology.owned_shards()
-        self._masters = {s: torch.empty(self.shard_numel, dtype=torch.float32, device=self.device) for s in self.owned}
-        self._main_grads = {s: torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device) for s in self.owned}
+        self._masters = {s: torch.empty(self.template.numel_of(s), dtype=torch.float32, device=self.device)
+                         for s in self.owned}
+        self._main_grads = {s: torch.zeros(self.template.numel_of(s), dtype=torch.float32, device=self.device)
+                            for s in self.owned}
         for shard, flat in self._masters.items():
             self.template.init_shard(shard, flat)
         self._build_replicated_masters()
         self._replica_names = {self.template.global_name(shard, slot) for shard in self.owned
-                               if shard not in self.counted for slot in self.template.slots}
+                               if shard not in self.counted for slot in self.template.slots_of(shard)}
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self.communicators = Communicators(list(self.plans.values()), self.world, self.tensor_parallel_size,
                                            self.tensor_parallel_rank)
@@ -166,7 +171,7 @@ class WeightPipeModel:
         for shard in self.owned:
             views = self.template.tagged_views(self._masters[shard])
             grads = self.template.views(self._main_grads[shard])
-            for slot, view, grad in zip(self.template.slots, views, grads):
+            for slot, view, grad in zip(self.template.slots_of(shard), views, grads):
                 out.append((self.template.global_name(shard, slot), view, grad))
         for (name, _), master in zip(self.replicated, self.replicated_masters):
             out.append((name, master, master.grad))
@@ -178,7 +183,7 @@ class WeightPipeModel:
     def _owned_grad_slots(self, shards: Optional[List[int]] = None) -> Iterator[Tuple[ParamSlot, torch.Tensor]]:
         """``(slot, gradient view)`` of every parameter of ``shards`` (default: every shard held)."""
         for shard in self.owned if shards is None else shards:
-            yield from zip(self.template.slots, self.template.views(self._main_grads[shard]))
+            yield from zip(self.template.slots_of(shard), self.template.views(self._main_grads[shard]))
 
     def is_replica(self, name: str) -> bool:
         """Whether ``name`` is a decoder parameter of a shard this rank holds as a replica (its owner

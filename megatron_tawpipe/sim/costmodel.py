@@ -2,7 +2,7 @@
 
 Compute times are per layer and per micro-batch, either derived from FLOPs
 (``CostModel.from_flops``) or measured (``CostModel.with_measured`` reading a
-JSON file).  A shard's time is ``layers_per_shard`` layer times; the last shard
+JSON file).  A shard's time is its number of layers times the layer time; the last shard
 also runs the head (final norm + output layer + loss).
 
 Links come in two classes: ``intra`` (inside a group/node, e.g. NVLink) and
@@ -10,7 +10,8 @@ Links come in two classes: ``intra`` (inside a group/node, e.g. NVLink) and
 link per direction, shared by all concurrent flows of its ranks.
 
 Weight/gradient transfers move one shard in the compute dtype:
-``bytes_per_shard = params_per_layer * layers_per_shard * dtype_bytes`` with
+``shard_bytes = params_per_layer * shard_layers[s] * dtype_bytes`` (a buffer holds the
+largest shard) with
 ``params_per_layer = 12 H^2`` (Llama-style layer with ffn = 8H/3, no norms) or,
 when the FFN size is given, ``4 H^2 + 3 H ffn + 2 H`` exactly (the latter with
 grouped-query attention shrinking the K/V projections when ``num_query_groups``
@@ -177,44 +178,49 @@ class CostModel:
             return self.replicated_params - self.embedding_params
         return self.replicated_params
 
-    def shard_bytes(self, plan) -> float:
-        """One shard's weights in the compute dtype (a weight buffer, a weight transfer)."""
-        return self.params_per_layer * plan.layers_per_shard * self.dtype_bytes
+    def shard_bytes(self, plan, shard: Optional[int] = None) -> float:
+        """Shard ``shard``'s weights in the compute dtype (a weight transfer); without a shard, the
+        largest shard's: what a weight buffer holds."""
+        return self.params_per_layer * _layers(plan, shard) * self.dtype_bytes
 
-    def grad_shard_bytes(self, plan) -> float:
-        """One shard's partial gradient (a gradient buffer, a gradient transfer): fp32, as the
-        runtime's gradient buffers are."""
-        return self.params_per_layer * plan.layers_per_shard * self.grad_bytes
+    def grad_shard_bytes(self, plan, shard: Optional[int] = None) -> float:
+        """Shard ``shard``'s partial gradient (a gradient transfer; without a shard, the largest
+        shard's: a gradient buffer): fp32, as the runtime's gradient buffers are."""
+        return self.params_per_layer * _layers(plan, shard) * self.grad_bytes
 
-    def unit_bytes(self, plan, kind: str) -> float:
+    def unit_bytes(self, plan, kind: str, shard: Optional[int] = None) -> float:
         if kind == "weight":
-            return self.shard_bytes(plan)
-        return self.grad_shard_bytes(plan) if kind == "grad" else self.activation_bytes
+            return self.shard_bytes(plan, shard)
+        return self.grad_shard_bytes(plan, shard) if kind == "grad" else self.activation_bytes
 
     def forward_time(self, plan, shard: int) -> float:
-        t = self.layer_forward * plan.layers_per_shard
+        t = self.layer_forward * plan.shard_layers[shard]
         return t + (self.head_forward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_time(self, plan, shard: int) -> float:
-        t = (self.layer_backward + self.layer_recompute) * plan.layers_per_shard
+        t = (self.layer_backward + self.layer_recompute) * plan.shard_layers[shard]
         return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_input_time(self, plan, shard: int) -> float:
         # Input and weight gradients cost about the same; recompute goes first.
-        lps = plan.layers_per_shard
-        t = (self.layer_recompute + self.layer_backward / 2) * lps
+        t = (self.layer_recompute + self.layer_backward / 2) * plan.shard_layers[shard]
         return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_weight_time(self, plan, shard: int) -> float:
-        return self.layer_backward / 2 * plan.layers_per_shard
+        return self.layer_backward / 2 * plan.shard_layers[shard]
 
-    def copy_time(self, plan) -> float:
+    def copy_time(self, plan, shard: Optional[int] = None) -> float:
         bw = self.copy_bandwidth
-        return 0.0 if bw == float("inf") else self.shard_bytes(plan) / bw
+        return 0.0 if bw == float("inf") else self.shard_bytes(plan, shard) / bw
 
     def optimizer_time(self, plan, rank: int) -> float:
-        n = len(plan.shards_held_by(rank)) * plan.layers_per_shard * self.params_per_layer
+        n = sum(plan.shard_layers[s] for s in plan.shards_held_by(rank)) * self.params_per_layer
         return (n + self.replicated_params) * self.optimizer_time_per_param
+
+
+def _layers(plan, shard: Optional[int]) -> int:
+    """Layers of ``shard``, or of the largest shard."""
+    return plan.max_layers_per_shard if shard is None else plan.shard_layers[shard]
 
 
 def params_per_layer(hidden_size: int, ffn_hidden_size: Optional[int] = None,

@@ -149,8 +149,7 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
     """Breakdown of a simulated weight-passing plan (tawpipe, weipipe): the same
     figures as the simulator's memory fields (their sum is ``memory_bytes``),
     split by term, plus the logits."""
-    owned = max(len(plan.shards_held_by(r)) for r in range(plan.num_ranks))
-    own = owned * plan.layers_per_shard * cost.params_per_layer
+    own = max(plan.layers_held_by(r) for r in range(plan.num_ranks)) * cost.params_per_layer
     rep = cost.replicated_params
     m = MemoryBreakdown()
     m.weights = cost.dtype_bytes * rep
@@ -163,9 +162,9 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
     m.comm_buffers = result.weight_buffer_bytes + result.grad_buffer_bytes
     m.notes["comm_buffers"] = (f"{result.weight_buffers} weight buffers x {gb(cost.shard_bytes(plan))} + "
                                f"{result.grad_buffers} fp32 grad buffers x {gb(cost.grad_shard_bytes(plan))} "
-                               f"(shards of {plan.layers_per_shard} layers)")
+                               f"({_shard_sizes(plan)})")
     m.activations = result.activation_bytes
-    lps = plan.layers_per_shard
+    lps = plan.max_layers_per_shard
     per = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
     peak = round((result.activation_bytes - working) / per) if per else 0
@@ -176,6 +175,12 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
     m.logits = logits_bytes(cost, visits)
     m.notes["logits"] = _logits_note(cost, visits)
     return m
+
+
+def _shard_sizes(plan) -> str:
+    if not plan.uneven:
+        return f"shards of {plan.max_layers_per_shard} layers"
+    return f"shards of {min(plan.shard_layers)} to {plan.max_layers_per_shard} layers, buffers sized to the largest"
 
 
 def generic_breakdown(result, cost) -> MemoryBreakdown:

@@ -176,12 +176,14 @@ class _Simulator:
                 for _, a in ops:
                     self.entry_of[(r, a.tag)] = entry
         self.fifo: Dict[tuple, deque] = {}
-        self.unit = {kind: cost.unit_bytes(plan, kind) for kind in ("weight", "grad", "act", "actgrad")}
+        # Bytes of one unit of each transfer kind, per shard (shards may differ in size).
+        self.unit = {kind: [cost.unit_bytes(plan, kind, s) for s in range(plan.num_shards)]
+                     for kind in ("weight", "grad", "act", "actgrad")}
         self.fwd = [cost.forward_time(plan, s) for s in range(plan.num_shards)]
         self.bwd = [cost.backward_time(plan, s) for s in range(plan.num_shards)]
         self.bwd_i = [cost.backward_input_time(plan, s) for s in range(plan.num_shards)]
         self.bwd_w = [cost.backward_weight_time(plan, s) for s in range(plan.num_shards)]
-        self.copy = cost.copy_time(plan)
+        self.copy = [cost.copy_time(plan, s) for s in range(plan.num_shards)]
 
     def push(self, t, kind, payload):
         self.seq += 1
@@ -261,11 +263,11 @@ class _Simulator:
             self.stash[r] -= 1
             return self.bwd_w[a.shard], "Bw"
         if cls is A.LoadWeights:
-            return self.copy, "load"
+            return self.copy[a.shard], "load"
         if cls is A.AccumulateToOwner:
-            return self.copy, "acc"
+            return self.copy[a.shard], "acc"
         if cls is A.ZeroGrad:
-            return self.copy / 2, "zero"
+            return self.copy[a.shard] / 2, "zero"
         if cls is A.OptimizerStep:
             return self.cost.optimizer_time(self.plan, r), "opt"
         return 0.0, "other"
@@ -333,7 +335,7 @@ class _Simulator:
             pairs = [(m, ring_share(a.ranks, m)[0]) for m in a.ranks if len(a.ranks) > 1]
         else:
             pairs = [(m, a.root) for m in a.ranks if m != a.root]
-        nbytes = a.size * self.unit[a.kind]
+        nbytes = a.size * self.unit[a.kind][a.shard]
         if cls is A.AllReduceStart:
             nbytes *= ring_share(a.ranks, a.ranks[0])[1]
         op.flows_left = len(pairs)
@@ -429,13 +431,13 @@ _STARTS = frozenset(A.STARTS)
 def memory_fields(plan: Plan, cost: CostModel, peak_stash: int) -> Dict[str, float]:
     """A plan's per-rank memory fields of :class:`SimResult` (buffers, activations of
     ``peak_stash`` stored micro-batch inputs, state), the largest over its ranks."""
-    lps = plan.layers_per_shard
+    lps = plan.max_layers_per_shard    # uneven shards: a stored visit or working set of the largest
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
-    held = max(len(plan.shards_held_by(r)) for r in range(plan.num_ranks))
+    held = max(plan.layers_held_by(r) for r in range(plan.num_ranks))
     # fp32 master + Adam moments + fp32 main grad (16 B/param) for held layers
     # and the replicated parts, plus the replicated parts' compute copy.
-    state = 16 * (held * lps * cost.params_per_layer + cost.replicated_params) + \
+    state = 16 * (held * cost.params_per_layer + cost.replicated_params) + \
         cost.dtype_bytes * cost.replicated_params
     return dict(weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
                 weight_buffer_bytes=plan.max_weight_buffers * cost.shard_bytes(plan),

@@ -12,6 +12,7 @@ from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, 
 from megatron_tawpipe.arguments.layout import data_parallel_size
 from megatron_tawpipe.compat.megatron_lm import compat_notices, compat_refusal
 from megatron_tawpipe.data import batch_schedule
+from megatron_tawpipe.training.layer_split_args import settle_layer_split
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -340,9 +341,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     if world_size % (tp * pp):
         raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
                             f"the number of ranks {world_size}")
-    if args.num_layers % pp:
-        raise ArgumentError(
-            f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
+    settle_layer_split(args, world_size)
     per_virtual = args.num_layers_per_virtual_pipeline_stage
     if args.pipeline_schedule == "interleaved":
         if per_virtual is None:
@@ -374,12 +373,7 @@ def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -
             raise ArgumentError(f"--tensor-model-parallel-size {tp} with --pipeline-schedule {schedule}: {where}, "
                                 f"which {tp} does not divide, so a tensor-parallel group would span nodes; "
                                 "tensor-parallel groups must stay inside a node")
-    virtual = world_size // tp
-    if args.num_layers % virtual:
-        ranks = (f"the number of tensor-parallel groups {virtual} ({world_size} ranks / "
-                 f"--tensor-model-parallel-size {tp})" if tp > 1 else f"the number of ranks {world_size}")
-        raise ArgumentError(f"--num-layers {args.num_layers} must be divisible by {ranks} "
-                            f"for --pipeline-schedule {schedule}")
+    settle_layer_split(args, world_size)
 
 
 def _validate_replicated_first_shard(args: argparse.Namespace, world_size: int) -> None:

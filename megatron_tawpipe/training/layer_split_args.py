@@ -1,0 +1,127 @@
+"""How the decoder layers are cut over the pipeline: Megatron-LM's flags, checked once before any process group.
+
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` fix the first and/or
+last piece; ``--pipeline-model-parallel-layout`` gives every piece (megatron-core's layout string,
+parsed by megatron-core: ``E`` embedding, ``t`` decoder layer, ``L`` loss, ``|`` between stages,
+``(...)*n`` repeats). The pieces are:
+
+* weight-passing schedules: the shards, one per weight-pipeline rank (per tensor-parallel group
+  with ``--tensor-model-parallel-size``). Without the flags, the default split
+  (``common.layer_split.default_layer_split``: the first ``L mod P`` shards one layer more);
+* native schedules: the pipeline stages (``pp x vp`` of them with a layout). Megatron-core's own rules
+  apply: with the first/last flags the middle stages share the rest equally, and without any flag
+  the pipeline size must divide the layers.
+
+The result is ``args.decoder_layer_split``: a tuple of layer counts in layer order, or None where
+megatron-core's even split applies unchanged (native schedules without the flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional, Tuple
+
+from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.common.errors import ArgumentError
+from megatron_tawpipe.common.layer_split import default_layer_split, first_last_layer_split
+
+FIRST, LAST, LAYOUT = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                       "--pipeline-model-parallel-layout")
+
+
+def settle_layer_split(args: argparse.Namespace, world_size: int) -> None:
+    """Check the layer-split flags against the schedule and set ``args.decoder_layer_split``."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    layout = args.pipeline_model_parallel_layout
+    if layout is not None and (first is not None or last is not None):
+        raise ArgumentError(f"{LAYOUT} gives every stage; it cannot be combined with {FIRST} / {LAST}")
+    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+        args.decoder_layer_split = _weight_pipeline_split(args, world_size // args.tensor_model_parallel_size)
+    else:
+        args.decoder_layer_split = _native_split(args)
+
+
+def parse_layout(text: str) -> List[List[str]]:
+    """megatron-core's parse of a layout string: one list of layer kinds (``"embedding"``,
+    ``"decoder"``, ``"loss"``, ``"mtp"``) per stage, in layer order."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    try:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(text)
+    except (AssertionError, ValueError) as exc:
+        raise ArgumentError(f"{LAYOUT} {text!r}: {exc} (layer kinds: E embedding, t decoder layer, L loss; "
+                            "| between stages; (...)*n repeats)") from None
+    return [[kind.name for kind in stage] for stage in stages]
+
+
+def layout_decoder_counts(text: str, num_layers: int, stages_needed: Optional[int], what: str) -> Tuple[int, ...]:
+    """Decoder layers per stage of a layout string, checked: ``E`` only in the first stage, ``L`` only in the
+    last, no ``m`` (multi-token prediction), ``num_layers`` decoder layers in all, and (when given)
+    ``stages_needed`` stages."""
+    stages = parse_layout(text)
+    if stages_needed is not None and len(stages) != stages_needed:
+        raise ArgumentError(f"{LAYOUT} {text!r} has {len(stages)} stages; {what} needs {stages_needed}")
+    for i, stage in enumerate(stages):
+        if "mtp" in stage:
+            raise ArgumentError(f"{LAYOUT}: multi-token prediction layers (m) are not supported")
+        if "embedding" in stage and i != 0:
+            raise ArgumentError(f"{LAYOUT} {text!r}: the embedding (E) belongs to the first stage, not stage {i}")
+        if "loss" in stage and i != len(stages) - 1:
+            raise ArgumentError(f"{LAYOUT} {text!r}: the loss (L) belongs to the last stage, not stage {i}")
+    counts = tuple(stage.count("decoder") for stage in stages)
+    if sum(counts) != num_layers:
+        raise ArgumentError(f"{LAYOUT} {text!r} places {sum(counts)} decoder layers (t); --num-layers is {num_layers}")
+    return counts
+
+
+def _weight_pipeline_split(args: argparse.Namespace, ranks: int) -> Tuple[int, ...]:
+    L = args.num_layers
+    tp = args.tensor_model_parallel_size
+    who = (f"{ranks} weight-pipeline ranks (tensor-parallel groups: ranks / --tensor-model-parallel-size {tp})"
+           if tp > 1 else f"{ranks} weight-pipeline ranks")
+    what = f"--pipeline-schedule {args.pipeline_schedule} over {who}"
+    if args.pipeline_model_parallel_layout is not None:
+        counts = layout_decoder_counts(args.pipeline_model_parallel_layout, L, ranks, f"{what} (one stage per shard)")
+        if 0 in counts:
+            raise ArgumentError(f"{LAYOUT}: stage {counts.index(0)} has no decoder layer (t); with {what} "
+                                "every shard needs one or more")
+        return counts
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    try:
+        if first is not None or last is not None:
+            return first_last_layer_split(L, ranks, first, last)
+        return default_layer_split(L, ranks)
+    except ValueError as exc:
+        flags = ", ".join(f"{f} {v}" for f, v in ((FIRST, first), (LAST, last)) if v is not None)
+        raise ArgumentError(f"--num-layers {L}{' with ' + flags if flags else ''}, {what}: {exc}") from None
+
+
+def _native_split(args: argparse.Namespace) -> Optional[Tuple[int, ...]]:
+    """The stages' layer counts for the native schedules (None: megatron-core's even split)."""
+    pp, L = args.pipeline_model_parallel_size, args.num_layers
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    layout = args.pipeline_model_parallel_layout
+    if layout is not None:
+        if pp < 2:
+            raise ArgumentError(f"{LAYOUT} needs --pipeline-model-parallel-size >= 2")
+        counts = layout_decoder_counts(layout, L, None, "")
+        if len(counts) % pp:
+            raise ArgumentError(f"{LAYOUT} has {len(counts)} stages: a multiple of --pipeline-model-parallel-size "
+                                f"{pp} is needed (pipeline size x virtual stages per rank)")
+        return counts
+    if first is None and last is None:
+        if L % pp:
+            raise ArgumentError(
+                f"--num-layers {L} must be divisible by --pipeline-model-parallel-size {pp}, or the stages "
+                f"given: {FIRST} / {LAST} (the middle stages share the rest equally) or {LAYOUT}")
+        return None
+    if pp < 2:
+        raise ArgumentError(f"{FIRST} / {LAST} need --pipeline-model-parallel-size >= 2")
+    if args.pipeline_schedule == "interleaved":
+        raise ArgumentError(f"{FIRST} / {LAST} with --pipeline-schedule interleaved: give the virtual stages "
+                            f"with {LAYOUT} instead")
+    try:
+        return first_last_layer_split(L, pp, first, last, even_middle=True)
+    except ValueError as exc:
+        raise ArgumentError(f"--num-layers {L} over --pipeline-model-parallel-size {pp} with {FIRST} / {LAST}: "
+                            f"{exc}") from None
