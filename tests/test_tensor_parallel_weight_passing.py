@@ -35,6 +35,8 @@ CASES = [
     (4, WEIPIPE + ["--tawpipe-no-recompute"], 4, 2, GPT),                       # 2 layers/shard, 1 mb
     (6, WEIPIPE + SP, 6, 3, LLAMA_FLAGS),                                       # 2 layers/shard, 1 mb
     (6, WEIPIPE + ["--tawpipe-no-recompute"], 3, 9, QK_NORM),                   # 1 layer/shard, 3 mb
+    (4, TAWPIPE, 3, 4, LLAMA_FLAGS),                                            # shards of 2 and 1 layers, 2 mb
+    (6, WEIPIPE + SP, 5, 3, LLAMA_FLAGS),                                       # shards of 2, 2, 1 layers, 1 mb
 ]
 
 
@@ -44,7 +46,8 @@ def _case_id(case):
                      and f not in ("--pipeline-schedule", "--tawpipe-num-groups"))
     arch = "gpt" if architecture is GPT else ("qknorm" if architecture is QK_NORM else "llama")
     virtual = world // 2
-    return f"{extra[1]}-P{world}-T2-{flags or 'plain'}-{arch}-{layers // virtual}lps-{batch // virtual}mb"
+    per_shard = f"{layers // virtual}lps" if layers % virtual == 0 else f"L{layers}"
+    return f"{extra[1]}-P{world}-T2-{flags or 'plain'}-{arch}-{per_shard}-{batch // virtual}mb"
 
 
 @pytest.mark.parametrize("world,extra,layers,global_batch,architecture", CASES, ids=[_case_id(c) for c in CASES])
@@ -146,8 +149,9 @@ def test_bf16_resume_with_tensor_parallelism_continues_exactly(tmp_path):
      "--tawpipe-num-groups 4 gives 1 ranks per group, which 2 does not divide"),
     (4, None, ["--pipeline-schedule", "weipipe", "--num-attention-heads", "2", "--ffn-hidden-size", "129"],
      "--ffn-hidden-size 129 must be divisible by --tensor-model-parallel-size 2"),
-    (4, None, ["--pipeline-schedule", "weipipe", "--num-layers", "3"],
-     "--num-layers 3 must be divisible by the number of tensor-parallel groups 2"),
+    (4, None, ["--pipeline-schedule", "weipipe", "--num-layers", "1"],
+     "--num-layers 1, --pipeline-schedule weipipe over 2 weight-pipeline ranks (tensor-parallel groups: ranks / "
+     "--tensor-model-parallel-size 2): 1 layers cannot be cut into 2 pieces"),
     (6, None, ["--pipeline-schedule", "weipipe", "--tensor-model-parallel-size", "4"],
      "--tensor-model-parallel-size 4 must divide the number of ranks 6"),
     (4, None, ["--pipeline-schedule", "tawpipe", "--sequence-parallel", "--seq-length", "31", "--max-position-embeddings",

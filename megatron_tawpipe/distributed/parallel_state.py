@@ -21,8 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.plan.plan import shards_held_by
 
 
@@ -65,10 +67,20 @@ class WeightPipeTopology:
 
 
 def default_num_groups(world_size: int) -> int:
-    """One group per node as torchrun reports it (LOCAL_WORLD_SIZE ranks per node)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if local <= 0 or world_size % local:
-        return 1
+    """One group per node as torchrun reports it (LOCAL_WORLD_SIZE ranks per node). Collective when the
+    default process group exists: every rank's LOCAL_WORLD_SIZE is compared, and nodes of different
+    sizes are refused on every rank alike (the weight pipeline runs groups of equal size)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    smallest = largest = local
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sizes = torch.tensor([local, -local], dtype=torch.int64, device=current_device())
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        largest, smallest = int(sizes[0]), -int(sizes[1])
+    if smallest != largest or local <= 0 or world_size % local:
+        raise ValueError(f"the nodes run different numbers of ranks (LOCAL_WORLD_SIZE from {smallest} to {largest}, "
+                         f"{world_size} ranks): weight passing needs groups (nodes) of equal size; start the same "
+                         "number of ranks on every node, or give --tawpipe-num-groups D with D dividing "
+                         f"{world_size} (groups of {world_size}/D consecutive ranks)")
     return world_size // local
 
 

@@ -362,7 +362,11 @@ def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -
     schedule, tp = args.pipeline_schedule, args.tensor_model_parallel_size
     groups = args.tawpipe_num_groups
     if groups is not None and world_size % groups:
-        raise ArgumentError(f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}")
+        raise ArgumentError(f"--tawpipe-num-groups {groups} must divide the number of ranks {world_size}: "
+                            f"--pipeline-schedule {schedule} runs groups of equal size (groups of unequal size "
+                            "are not supported)")
+    if groups is None:
+        _check_equal_nodes(schedule, world_size)
     if tp > 1:
         if world_size % tp:
             raise ArgumentError(f"--tensor-model-parallel-size {tp} must divide the number of ranks {world_size}")
@@ -385,6 +389,18 @@ def _validate_replicated_first_shard(args: argparse.Namespace, world_size: int) 
     if groups < 2:
         raise ArgumentError("--tawpipe-replicate-first-shard needs two or more groups (nodes, or "
                             f"--tawpipe-num-groups); this run has {groups}")
+
+
+def _check_equal_nodes(schedule: str, world_size: int) -> None:
+    """Refuse nodes of different sizes as far as one rank can tell (the weight pipeline checks the rest
+    once the process group exists: parallel_state.default_num_groups)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    if local > 0 and world_size % local:
+        raise ArgumentError(
+            f"--pipeline-schedule {schedule}: this node runs {local} of the {world_size} ranks (LOCAL_WORLD_SIZE), "
+            "so the nodes differ in size; weight passing needs groups (nodes) of equal size: start the same "
+            "number of ranks on every node (torchrun --nproc-per-node), or give --tawpipe-num-groups D with D "
+            f"dividing {world_size} (groups of {world_size}/D consecutive ranks)")
 
 
 def _ranks_per_node(world_size: int) -> int:
