@@ -163,6 +163,14 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
     fusions = fusion_settings(on_gpu, available_fusion_kernels() if on_gpu else FusionKernels(), main_grad_buffers,
                               args)
     activation, gated = _mlp_activation(args)
+    # Native pipelines with stages of different sizes: megatron-core's own fields build each stage's layers
+    # (Megatron-LM's --decoder-first/last-pipeline-num-layers, --pipeline-model-parallel-layout). Weight passing
+    # (pipeline size 1 here) cuts its shards itself.
+    stage_split = {}
+    if pipeline_model_parallel_size > 1:
+        stage_split = {"num_layers_in_first_pipeline_stage": getattr(args, "decoder_first_pipeline_num_layers", None),
+                       "num_layers_in_last_pipeline_stage": getattr(args, "decoder_last_pipeline_num_layers", None),
+                       "pipeline_model_parallel_layout": getattr(args, "pipeline_model_parallel_layout", None)}
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -191,6 +199,7 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        **stage_split,
         sequence_parallel=sequence_parallel,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,

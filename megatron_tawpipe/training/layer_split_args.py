@@ -108,6 +108,7 @@ def _native_split(args: argparse.Namespace) -> Optional[Tuple[int, ...]]:
         if len(counts) % pp:
             raise ArgumentError(f"{LAYOUT} has {len(counts)} stages: a multiple of --pipeline-model-parallel-size "
                                 f"{pp} is needed (pipeline size x virtual stages per rank)")
+        _check_native_layout(args, layout, len(counts) // pp)
         return counts
     if first is None and last is None:
         if L % pp:
@@ -125,3 +126,26 @@ def _native_split(args: argparse.Namespace) -> Optional[Tuple[int, ...]]:
     except ValueError as exc:
         raise ArgumentError(f"--num-layers {L} over --pipeline-model-parallel-size {pp} with {FIRST} / {LAST}: "
                             f"{exc}") from None
+
+
+def _check_native_layout(args: argparse.Namespace, layout: str, virtual: int) -> None:
+    """A layout megatron-core's pipeline runs: its own check (one E opening the first stage, one L closing the
+    last), and as many stages per rank as the schedule runs model chunks."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    pp, schedule = args.pipeline_model_parallel_size, args.pipeline_schedule
+    try:
+        PipelineParallelLayerLayout(layout, pp).validate_layer_layout(num_layers=args.num_layers, mtp_num_layers=None)
+    except (AssertionError, ValueError, NotImplementedError) as exc:
+        raise ArgumentError(f"{LAYOUT} {layout!r}: {exc}") from None
+    if schedule == "interleaved":
+        if virtual < 2:
+            raise ArgumentError(f"{LAYOUT} {layout!r} has {virtual * pp} stages, one per pipeline rank; "
+                                f"--pipeline-schedule interleaved needs two or more per rank ({2 * pp}, {3 * pp}, ...)")
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            raise ArgumentError(f"{LAYOUT} gives the virtual stages; it cannot be combined with "
+                                "--num-layers-per-virtual-pipeline-stage")
+    elif virtual != 1:
+        raise ArgumentError(f"{LAYOUT} {layout!r} has {virtual * pp} stages, {virtual} per pipeline rank: "
+                            f"--pipeline-schedule {schedule} runs one per rank ({pp} stages); more are virtual "
+                            "stages, which --pipeline-schedule interleaved runs")

@@ -343,9 +343,12 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                             f"the number of ranks {world_size}")
     settle_layer_split(args, world_size)
     per_virtual = args.num_layers_per_virtual_pipeline_stage
-    if args.pipeline_schedule == "interleaved":
+    if args.pipeline_schedule == "interleaved" and args.pipeline_model_parallel_layout is not None:
+        pass  # the layout gives the virtual stages (checked with the split)
+    elif args.pipeline_schedule == "interleaved":
         if per_virtual is None:
-            raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage")
+            raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
+                                "(or the virtual stages given by --pipeline-model-parallel-layout)")
         if pp < 2:
             raise ArgumentError("--pipeline-schedule interleaved needs --pipeline-model-parallel-size >= 2")
         if (args.num_layers // pp) % per_virtual or args.num_layers // pp == per_virtual:
