@@ -214,3 +214,94 @@ def test_sharded_optimizers_resume_across_strategies(tmp_path, uninterrupted, ck
     (last,) = run_ranks(train_rank, 1, tiny_args("--load", second, train_iters=ITERS))
     assert [r["iteration"] for r in last] == [5, 6]
     assert_close_rel(losses(last), losses(uninterrupted[4:]), 1e-5)
+
+
+# ---- resuming with another layer split: checkpoints hold whole layers under global names --------------------------
+
+SPLIT_ITERS = 4
+TAWPIPE_2211 = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]   # 6 layers on 4 ranks: 2, 2, 1, 1
+
+
+def _split_args(*extra):
+    """6 layers (which 4 ranks, 3 ranks and pipelines of 2 or 3 stages split unevenly), 12 samples a step."""
+    argv = tiny_args(*extra, train_iters=SPLIT_ITERS, global_batch=12)
+    argv[argv.index("--num-layers") + 1] = "6"
+    return argv
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_l6(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("uninterrupted-L6"))
+    (records,) = run_ranks(train_rank, 1, _split_args("--save", save, "--save-interval", "1"))
+    return records, save
+
+
+@pytest.fixture(scope="module")
+def tawpipe_uneven_saved(tmp_path_factory):
+    """tawpipe, shards of 2, 2, 1, 1 layers, saved after 2 iterations in each format."""
+    cache = {}
+
+    def get(ckpt_format):
+        if ckpt_format not in cache:
+            save = str(tmp_path_factory.mktemp(f"tawpipe-2211-{ckpt_format}"))
+            per_rank = run_ranks(train_rank, 4, _split_args(*TAWPIPE_2211, "--ckpt-format", ckpt_format, "--save", save,
+                                                            "--exit-interval", "2"))
+            cache[ckpt_format] = (per_rank[-1], save)
+        return cache[ckpt_format]
+
+    return get
+
+
+def _assert_same_parameters(root, reference_root, iteration, rtol=1e-5):
+    from megatron_tawpipe.checkpoint import read_parameters
+
+    ours, theirs = (read_parameters(os.path.join(r, f"iter_{iteration:07d}")) for r in (root, reference_root))
+    assert set(ours) == set(theirs)
+    for name, expected in theirs.items():
+        diff = (ours[name] - expected).abs().max().item()
+        assert diff <= rtol * expected.abs().max().item(), f"{name} after step {iteration}: max diff {diff}"
+
+
+def _resume_one_step(tmp_path, uninterrupted_l6, load, world, extra):
+    """Resume from ``load`` for iteration 3 (saved, in torch_dist): loss and every parameter as uninterrupted."""
+    reference, reference_save = uninterrupted_l6
+    save = str(tmp_path / "resumed")
+    resumed = run_ranks(train_rank, world, _split_args(*extra, "--load", load, "--save", save,
+                                                       "--exit-interval", "3"))[-1]
+    assert [r["iteration"] for r in resumed] == [3]
+    assert [r["consumed_samples"] for r in resumed] == [r["consumed_samples"] for r in reference[2:3]]
+    assert_close_rel(losses(resumed), losses(reference[2:3]), 1e-5)
+    _assert_same_parameters(save, reference_save, 3)
+
+
+RESUME_SPLITS = [
+    (4, TAWPIPE_2211 + ["--decoder-last-pipeline-num-layers", "3"]),                        # 1, 1, 1, 3
+    (3, ["--pipeline-schedule", "weipipe"]),                                                 # 2, 2, 1
+    (3, ["--pipeline-model-parallel-size", "3", "--decoder-last-pipeline-num-layers", "4"]),  # native 1F1B: 1, 1, 4
+]
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "tawpipe"])
+@pytest.mark.parametrize("world,extra", RESUME_SPLITS, ids=["tawpipe-1113", "weipipe-221", "1f1b-pp3-114"])
+def test_uneven_shards_resume_with_another_split(tmp_path, uninterrupted_l6, tawpipe_uneven_saved, ckpt_format,
+                                                 world, extra):
+    """Saved by tawpipe with shards of 2, 2, 1, 1 layers; resumed with shards of 1, 1, 1, 3, by weipipe on 3
+    ranks, and by native 1F1B with stages of 1, 1 and 4 layers."""
+    first, saved = tawpipe_uneven_saved(ckpt_format)
+    assert_close_rel(losses(first), losses(uninterrupted_l6[0][:2]), 1e-5)
+    _resume_one_step(tmp_path, uninterrupted_l6, saved, world, extra)
+
+
+@pytest.mark.parametrize("ckpt_format,native,world,weight_passing", [
+    ("torch_dist", ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],   # 1, 5
+     4, TAWPIPE_2211),
+    ("tawpipe", ["--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", "2",              # 1, 2 | 1, 2
+                 "--pipeline-model-parallel-layout", "Et|tt|t|ttL"], 3, ["--pipeline-schedule", "weipipe"]),
+], ids=["1f1b-first1-to-tawpipe", "interleaved-layout-to-weipipe"])
+def test_uneven_native_pipeline_resumes_under_weight_passing(tmp_path, uninterrupted_l6, ckpt_format, native, world,
+                                                             weight_passing):
+    saved = str(tmp_path / "native")
+    first = run_ranks(train_rank, 2, _split_args(*native, "--ckpt-format", ckpt_format, "--save", saved,
+                                                 "--exit-interval", "2"))[-1]
+    assert_close_rel(losses(first), losses(uninterrupted_l6[0][:2]), 1e-5)
+    _resume_one_step(tmp_path, uninterrupted_l6, saved, world, weight_passing)
