@@ -18,8 +18,8 @@ from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, tra
 # examples/llama/train_llama3_8b_h100_fp8.sh, every block, sizes scaled down (4 layers, hidden 64,
 # 8 query heads in 2 groups, 64 tokens, vocabulary 250, 24 samples). Taken out:
 #   GPU-only: --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather,
-#             --attention-backend fused (Transformer Engine's kernels), --apply-layernorm-1p (zero-centred
-#             norm weights: Transformer Engine or Apex).
+#             --attention-backend fused (Transformer Engine's kernels).
+# --apply-layernorm-1p stays: zero-centred norm weights, which torch norms take on CPUs (models/norms.py).
 def llama3_8b_script(tmp):
     return [
         # MODEL_ARGS
@@ -27,7 +27,7 @@ def llama3_8b_script(tmp):
         "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "8",
         "--seq-length", "64", "--max-position-embeddings", "64", "--position-embedding-type", "rope",
         "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-        "--swiglu", "--normalization", "RMSNorm", "--init-method-std", "0.0134",
+        "--swiglu", "--normalization", "RMSNorm", "--init-method-std", "0.0134", "--apply-layernorm-1p",
         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         # TRAINING_ARGS
         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "24",
@@ -102,6 +102,20 @@ def test_published_scripts_run_under_every_schedule(script, tmp_path):
     # The final validation pass of a finished run (Megatron-LM's), with --eval-iters 2.
     assert "validation_lm_loss" in results["tawpipe"][-1]
 
+
+def test_llama3_8b_script_with_default_layernorm_trains_zero_centred_under_tawpipe(tmp_path):
+    """A revision of the Llama-3 8B script gives --apply-layernorm-1p without --normalization: Megatron-LM's
+    default LayerNorm (with its bias), zero-centred. tawpipe trains it as native 1F1B does."""
+    results = {}
+    for schedule in ("tawpipe", "1f1b"):
+        directory = tmp_path / schedule
+        directory.mkdir()
+        argv = llama3_8b_script(directory)
+        del argv[argv.index("--normalization"):argv.index("--normalization") + 2]
+        records = run_ranks(train_rank, 4, argv + ["--pipeline-schedule", schedule])[-1]
+        assert len(records) == 3 and all(math.isfinite(loss) for loss in losses(records)), (schedule, records)
+        results[schedule] = records
+    assert_close_rel(losses(results["tawpipe"]), losses(results["1f1b"]), 2e-2, "tawpipe loss")
 
 UNIMPLEMENTED = [
     (["--ckpt-format", "zarr"], "--ckpt-format zarr: this project writes torch_dist"),

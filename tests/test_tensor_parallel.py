@@ -5,6 +5,7 @@ tensor-parallel layouts and schedules. (Inside weight passing: test_tensor_paral
 import pytest
 
 from distributed_harness import run_ranks
+from megatron_tawpipe.arguments import LLAMA_FLAGS
 from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, train_rank
 
 ITERS = 3
@@ -55,8 +56,20 @@ def test_checkpoints_cross_tensor_parallel_layouts_and_schedules(tmp_path):
     assert_close_rel(losses(first + second + third), losses(uninterrupted), 1e-5)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gpt"])
+def test_sequence_parallel_with_layernorm_1p_matches_one_process(architecture):
+    """--sequence-parallel with zero-centred norm weights (--apply-layernorm-1p) on torch's norms: the norms'
+    partial weight gradients are all-reduced over the tensor-parallel group, as without the flag."""
+    flags = list(GPT_FLAGS if architecture == "gpt" else LLAMA_FLAGS) + ["--apply-layernorm-1p", "--qk-layernorm"]
+    (expected,) = run_ranks(train_rank, 1, tiny_args(train_iters=ITERS, architecture=flags))
+    records = run_ranks(train_rank, 2, tiny_args("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                 train_iters=ITERS, architecture=flags))[-1]
+    assert max(_grad_norms(expected)) > 1.0
+    assert_close_rel(losses(records), losses(expected), 1e-5)
+    assert_close_rel(_grad_norms(records), _grad_norms(expected), 1e-5, "grad norm")
+
+
 @pytest.mark.parametrize("extra, message", [
-    (["--sequence-parallel", "--apply-layernorm-1p"], "--apply-layernorm-1p needs Transformer Engine"),
     (["--num-query-groups", "1", "--group-query-attention"], "--num-query-groups 1 must be divisible by"),
     (["--save", "x", "--ckpt-format", "tawpipe"], "use --ckpt-format torch_dist"),
     (["--use-torch-fsdp2"], "--tensor-model-parallel-size 2 with --use-torch-fsdp2"),

@@ -8,7 +8,9 @@ tied or untied embeddings, dropout. With Megatron-LM's defaults that is GPT;
 Llama is ``LLAMA_FLAGS`` in :mod:`megatron_tawpipe.arguments`. Layer spec:
 Transformer Engine's when TE is importable with a GPU (or ``--transformer-impl
 transformer_engine``), otherwise megatron-core's local spec with our SDPA core
-attention (megatron's local attention materialises the S x S score matrix).
+attention (megatron's local attention materialises the S x S score matrix) and, for
+zero-centred norms or sequence parallelism, torch norms that take them
+(:mod:`megatron_tawpipe.models.norms`).
 
 Initial weights are a pure function of ``(seed, global parameter name)``
 (:mod:`megatron_tawpipe.models.initialization`; names, shapes and tensor-parallel
@@ -33,6 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tawpipe.models.attention import SDPAttention
 from megatron_tawpipe.models.initialization import init_llama_weights
+from megatron_tawpipe.models.norms import TorchNorm, TorchQKNorm
 from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights
 
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local", "flash", "fused", "unfused")
@@ -260,8 +263,8 @@ def resolve_attention_backend(requested: str, args=None) -> str:
 
 
 def _beyond_torch_norm(args, backend: str) -> bool:
-    """Whether the layers get a norm other than megatron-core's torch norm (which has neither zero-centred
-    weights nor sequence parallelism): Transformer Engine's, or Apex's LayerNorm on a GPU."""
+    """Whether the layers get a norm other than torch's: Transformer Engine's, or Apex's LayerNorm on a GPU
+    (both take zero-centred weights and sequence parallelism themselves)."""
     return backend == "te" or (args.normalization == "LayerNorm" and torch.cuda.is_available()
                                and _importable("apex"))
 
@@ -269,9 +272,6 @@ def _beyond_torch_norm(args, backend: str) -> bool:
 def check_model_support(args) -> None:
     """Raise ValueError for an architecture this machine cannot build (before any process group)."""
     backend = resolve_attention_backend(args.attention_backend, args)
-    if args.apply_layernorm_1p and not _beyond_torch_norm(args, backend):
-        raise ValueError("--apply-layernorm-1p needs Transformer Engine (GPU), or Apex on a GPU with --normalization "
-                         "LayerNorm: megatron-core's torch norm has no zero-centred weights")
     if (args.apply_query_key_layer_scaling and backend == "te"
             and os.environ.get("NVTE_APPLY_QK_LAYER_SCALING") != "1"):
         raise ValueError("--apply-query-key-layer-scaling with Transformer Engine's attention needs "
@@ -279,48 +279,17 @@ def check_model_support(args) -> None:
 
 
 def check_sequence_parallel_support(args) -> None:
-    """Raise ValueError where --sequence-parallel cannot run: the norms take it (Transformer Engine's, Apex's,
-    or :class:`TorchNorm` in megatron-core's local layer), but zero-centred norms need TE or Apex."""
-    if args.apply_layernorm_1p and not _beyond_torch_norm(args, resolve_attention_backend(args.attention_backend,
-                                                                                           args)):
-        raise ValueError("--sequence-parallel with --apply-layernorm-1p needs Transformer Engine's layers (GPU), or "
-                         "Apex's LayerNorm on a GPU")
+    """Raise ValueError where --sequence-parallel cannot run. Nothing is refused: the norms take it
+    (Transformer Engine's, Apex's, or :class:`~megatron_tawpipe.models.norms.TorchNorm` in megatron-core's
+    local layer, zero-centred or not)."""
+    return None
 
 
-class TorchNorm:
-    """torch's LayerNorm or RMSNorm for megatron-core's local layer, also under --sequence-parallel.
-
-    Under sequence parallelism a norm sees 1/T of the tokens on each tensor-parallel rank, so its
-    weight gradients are partial sums: its parameters are marked ``sequence_parallel``, as
-    megatron-core's own norms mark theirs, and the gradients are all-reduced over the
-    tensor-parallel group (megatron-core's ``finalize_model_grads`` for the native schedules, the
-    weight-passing trainer for its own). Used in place of megatron-core's torch norm, which refuses
-    sequence parallelism, when --sequence-parallel is on without Transformer Engine or Apex.
-    """
-
-    marks_sequence_parallel = True
-
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError("torch's norms have no zero-centred weights (--apply-layernorm-1p)")
-        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
-        if norm_cls is None:
-            raise ValueError(f"--normalization {config.normalization}: LayerNorm or RMSNorm")
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = bool(config.sequence_parallel and cls.marks_sequence_parallel)
-        return norm
-
-
-class TorchQKNorm(TorchNorm):
-    """:class:`TorchNorm` for the per-head query/key norms: they see every token (attention gathers the
-    sequence first), so their gradients are not sequence-parallel partial sums."""
-
-    marks_sequence_parallel = False
-
-
-def _uses_torch_norm_with_sequence_parallel(args, backend: str) -> bool:
-    return bool(getattr(args, "sequence_parallel", False)) and not _beyond_torch_norm(args, backend)
+def _uses_torch_norm(args, backend: str) -> bool:
+    """Whether megatron-core's local layer gets :class:`TorchNorm` in place of its own torch norm: for
+    zero-centred weights (--apply-layernorm-1p) or --sequence-parallel, without TE or Apex."""
+    wanted = bool(getattr(args, "sequence_parallel", False)) or bool(getattr(args, "apply_layernorm_1p", False))
+    return wanted and not _beyond_torch_norm(args, backend)
 
 
 def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
@@ -334,7 +303,7 @@ def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    if _uses_torch_norm_with_sequence_parallel(args, backend):
+    if _uses_torch_norm(args, backend):
         layer = spec.submodules
         layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
         if qk_layernorm:
@@ -356,7 +325,7 @@ def construct_llama_model(args, config: TransformerConfig, pre_process: bool = T
     if compute is not None:
         spec = compute.layer_spec(spec)
         model_class, extra = compute.gpt_model_class(), {"emulated_compute": compute}
-    if _uses_torch_norm_with_sequence_parallel(args, resolve_attention_backend(args.attention_backend, args)):
+    if _uses_torch_norm(args, resolve_attention_backend(args.attention_backend, args)):
         # The block's final norm is megatron-core's module default unless the block spec names it.
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
