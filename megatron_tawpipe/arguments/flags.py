@@ -93,7 +93,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", type=_normalization, default="LayerNorm",
                    metavar="{LayerNorm,RMSNorm}")
     g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="zero-centred norm weights (weight + 1); needs Transformer Engine or Apex")
+                   help="zero-centred norm weights: stored as gamma - 1, applied as (1 + weight); LayerNorm and RMSNorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (Llama) instead of GELU")

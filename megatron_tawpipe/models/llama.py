@@ -278,13 +278,6 @@ def check_model_support(args) -> None:
                          "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (or --attention-backend local)")
 
 
-def check_sequence_parallel_support(args) -> None:
-    """Raise ValueError where --sequence-parallel cannot run. Nothing is refused: the norms take it
-    (Transformer Engine's, Apex's, or :class:`~megatron_tawpipe.models.norms.TorchNorm` in megatron-core's
-    local layer, zero-centred or not)."""
-    return None
-
-
 def _uses_torch_norm(args, backend: str) -> bool:
     """Whether megatron-core's local layer gets :class:`TorchNorm` in place of its own torch norm: for
     zero-centred weights (--apply-layernorm-1p) or --sequence-parallel, without TE or Apex."""
