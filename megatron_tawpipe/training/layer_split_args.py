@@ -39,6 +39,7 @@ def settle_layer_split(args: argparse.Namespace, world_size: int) -> None:
         args.decoder_layer_split = _weight_pipeline_split(args, world_size // args.tensor_model_parallel_size)
     else:
         args.decoder_layer_split = _native_split(args)
+        _check_virtual_stages(args)
 
 
 def parse_layout(text: str) -> List[List[str]]:
@@ -126,6 +127,27 @@ def _native_split(args: argparse.Namespace) -> Optional[Tuple[int, ...]]:
     except ValueError as exc:
         raise ArgumentError(f"--num-layers {L} over --pipeline-model-parallel-size {pp} with {FIRST} / {LAST}: "
                             f"{exc}") from None
+
+
+def _check_virtual_stages(args: argparse.Namespace) -> None:
+    """--pipeline-schedule interleaved: virtual stages of --num-layers-per-virtual-pipeline-stage layers each,
+    or those of a layout (checked with it); no virtual stages for the other native schedules."""
+    pp, per_virtual = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if args.pipeline_schedule != "interleaved":
+        if per_virtual is not None:
+            raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
+        return
+    if args.pipeline_model_parallel_layout is not None:
+        return
+    if per_virtual is None:
+        raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
+                            f"(or the virtual stages given by {LAYOUT})")
+    if pp < 2:
+        raise ArgumentError("--pipeline-schedule interleaved needs --pipeline-model-parallel-size >= 2")
+    if (args.num_layers // pp) % per_virtual or args.num_layers // pp == per_virtual:
+        raise ArgumentError(
+            f"--num-layers-per-virtual-pipeline-stage {per_virtual} must divide the {args.num_layers // pp} "
+            "layers of a pipeline stage into at least two virtual stages")
 
 
 def _check_native_layout(args: argparse.Namespace, layout: str, virtual: int) -> None:

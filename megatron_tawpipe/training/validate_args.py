@@ -341,22 +341,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     if world_size % (tp * pp):
         raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
                             f"the number of ranks {world_size}")
-    settle_layer_split(args, world_size)
-    per_virtual = args.num_layers_per_virtual_pipeline_stage
-    if args.pipeline_schedule == "interleaved" and args.pipeline_model_parallel_layout is not None:
-        pass  # the layout gives the virtual stages (checked with the split)
-    elif args.pipeline_schedule == "interleaved":
-        if per_virtual is None:
-            raise ArgumentError("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
-                                "(or the virtual stages given by --pipeline-model-parallel-layout)")
-        if pp < 2:
-            raise ArgumentError("--pipeline-schedule interleaved needs --pipeline-model-parallel-size >= 2")
-        if (args.num_layers // pp) % per_virtual or args.num_layers // pp == per_virtual:
-            raise ArgumentError(
-                f"--num-layers-per-virtual-pipeline-stage {per_virtual} must divide the {args.num_layers // pp} "
-                "layers of a pipeline stage into at least two virtual stages")
-    elif per_virtual is not None:
-        raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-schedule interleaved")
+    settle_layer_split(args, world_size)   # the stages, and interleaved's virtual stages
 
 
 def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -> None:
