@@ -197,3 +197,71 @@ def test_replicated_first_shard_needs_two_nodes(tmp_path):
     with pytest.raises(BenchmarkError, match="tawpipe-rep .* at least 2 nodes"):
         run_benchmark(config, launcher=fork_launcher)
     assert not os.listdir(tmp_path)      # refused before any run
+
+
+def _validated_commands(model, schedules, ranks=4, groups=2):
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, schedule_command
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    config = BenchmarkConfig(ranks=ranks, model_args=model, groups=groups)
+    return {s: validate_args(parse_args(schedule_command(s, config, "/tmp/m.jsonl")[1:]), world_size=ranks)
+            for s in schedules}
+
+
+def test_uneven_layers_run_under_every_strategy():
+    """9 layers on 2 nodes x 2 ranks: the weight pipeline's default split (3, 2, 2, 2), the same split of
+    1F1B's stages, and of interleaved's 8 and one-stage-per-node's 2 (megatron-core's layout string)."""
+    from megatron_tawpipe.bench.benchmark import SCHEDULES
+
+    model = [a if a != "4" else "16" for a in BENCH_MODEL]
+    model[model.index("--num-layers") + 1] = "9"
+    parsed = _validated_commands(model, SCHEDULES)
+    assert parsed["tawpipe"].decoder_layer_split == parsed["weipipe"].decoder_layer_split == (3, 2, 2, 2)
+    assert parsed["tawpipe-tp"].decoder_layer_split == (5, 4)     # 2 tensor-parallel groups of 2
+    assert parsed["1f1b"].pipeline_model_parallel_layout == "Ettt|tt|tt|ttL"
+    assert parsed["1f1b"].decoder_layer_split == (3, 2, 2, 2)
+    assert parsed["interleaved"].decoder_layer_split == (2, 1, 1, 1, 1, 1, 1, 1)
+    assert parsed["pp-nodes"].decoder_layer_split == (5, 4)
+    assert all(parsed[s].decoder_layer_split is None for s in ("distopt", "distopt-node", "fsdp", "hsdp"))
+
+
+def test_split_flags_in_the_model_flags_give_one_piece_per_rank(tmp_path):
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, BenchmarkError, run_benchmark
+
+    model = [a if a != "4" else "16" for a in BENCH_MODEL] + ["--decoder-last-pipeline-num-layers", "5"]
+    model[model.index("--num-layers") + 1] = "8"
+    parsed = _validated_commands(model, ("tawpipe", "weipipe", "1f1b", "fsdp", "distopt"))
+    assert parsed["tawpipe"].decoder_layer_split == parsed["1f1b"].decoder_layer_split == (1, 1, 1, 5)
+    assert parsed["fsdp"].decoder_last_pipeline_num_layers is None     # no stages: left out
+    config = BenchmarkConfig(ranks=4, model_args=model, groups=2, schedules=["tawpipe", "pp-nodes"],
+                             outdir=str(tmp_path))
+    with pytest.raises(BenchmarkError, match="pp-nodes: the model flags' --decoder-last-pipeline-num-layers give "
+                                             "one piece per rank"):
+        run_benchmark(config, launcher=fork_launcher)
+    assert not os.listdir(tmp_path)      # refused before any run
+
+
+def test_benchmark_with_uneven_layers_trains_alike(tmp_path):
+    """3 layers on 2 ranks: tawpipe's shards of 2 and 1 layers, 1F1B's stages of 2 and 1 (a layout)."""
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, run_benchmark
+
+    model = list(BENCH_MODEL)
+    model[model.index("--num-layers") + 1] = "3"
+    config = BenchmarkConfig(schedules=("tawpipe", "1f1b"), ranks=2, repetitions=1, train_iters=2, warmup_iters=1,
+                             model_args=model, outdir=str(tmp_path / "runs"))
+    result = run_benchmark(config, progress=lambda line: None, launcher=fork_launcher)
+    losses = {r["schedule"]: r["lm_loss"] for r in result["runs"]}
+    assert_close_rel(losses["tawpipe"], losses["1f1b"], 1e-5)
+    with open(tmp_path / "runs" / "1f1b-rep0.log") as log:
+        assert "--pipeline-model-parallel-layout Ett|tL" in log.read()
+
+
+def test_simulator_matrix_takes_uneven_layers():
+    from megatron_tawpipe.bench.matrix import MatrixConfig, simulate_command
+
+    six, ten = (MatrixConfig(f"s1k-l{n}", 1024, n, "1gbit", 1, 0.1) for n in (6, 10))
+    assert six.layers_per_shard == "2,2,1,1" and "interleaved" not in six.schedules()
+    assert ten.layers_per_shard == "3,3,2,2" and "interleaved" in ten.schedules() and ten.virtual_stages() == 2
+    cmd = simulate_command(ten, "times.json")
+    assert cmd[cmd.index("--num-layers") + 1] == "10" and cmd[cmd.index("--virtual-stages") + 1] == "2"

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron_tawpipe.common.errors import BenchmarkError
+from megatron_tawpipe.bench.stages import (SPLIT_FLAGS, flag_value, interleaved_layers_per_virtual_stage,
+                                           interleaved_virtual_stages, model_args_for, native_stage_flags)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
@@ -93,32 +95,20 @@ class BenchmarkConfig:
         return 2 if self.ranks % 2 == 0 and self.ranks > 1 else 1
 
 
-def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
-    argv = list(argv)
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def interleaved_layers_per_virtual_stage(layers: int, ranks: int) -> int:
-    """The benchmark's interleaved 1F1B: two virtual stages per rank where the layers split evenly,
-    else one layer per virtual stage."""
-    per_stage = layers // ranks
-    if per_stage < 2:
-        raise BenchmarkError(f"interleaved needs at least 2 layers per stage ({layers} layers on {ranks} ranks)")
-    return per_stage // 2 if per_stage % 2 == 0 else 1
-
-
 def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) -> List[str]:
-    """Script and arguments of one run (what follows ``torchrun ... ``)."""
+    """Script and arguments of one run (what follows ``torchrun ... ``).
+
+    Layers that the ranks do not divide: the weight-passing schedules cut them by the default split (the first
+    ``L mod P`` shards one layer more); the native pipelines get the same split of their stages
+    (:func:`native_stage_flags`), unless the model flags give a split (Megatron-LM's
+    ``--decoder-first/last-pipeline-num-layers``, ``--pipeline-model-parallel-layout``: one piece per rank, for
+    the weight-passing schedules and ``1f1b``)."""
     p = config.ranks
-    layers = int(_flag_value(config.model_args, "--num-layers") or config.num_layers)
-    common = list(config.model_args) + ["--train-iters", str(config.train_iters), "--metrics-file", metrics_file,
-                                        "--eval-iters", "0"]
-    if _flag_value(config.model_args, "--num-layers") is None:
+    layers = int(flag_value(config.model_args, "--num-layers") or config.num_layers)
+    given_split = any(flag_value(config.model_args, flag) is not None for flag in SPLIT_FLAGS)
+    common = model_args_for(schedule, config.model_args) + ["--train-iters", str(config.train_iters),
+                                                          "--metrics-file", metrics_file, "--eval-iters", "0"]
+    if flag_value(config.model_args, "--num-layers") is None:
         common += ["--num-layers", str(layers)]
     if config.emulated_compute_times:
         common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
@@ -133,16 +123,19 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         return ([PRETRAIN, "--pipeline-schedule", schedule.split("-")[0], "--tawpipe-num-groups",
                  str(config.num_groups())] + extra + common)
     if schedule == "1f1b":
-        return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(p)] + common
+        stages = [] if given_split else native_stage_flags(layers, p)
+        return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(p)] + stages + common
     if schedule == "interleaved":
-        return [PRETRAIN, "--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", str(p),
-                "--num-layers-per-virtual-pipeline-stage", str(interleaved_layers_per_virtual_stage(layers, p))] + common
+        virtual = (native_stage_flags(layers, p, interleaved_virtual_stages(layers, p)) if layers % p else
+                   ["--num-layers-per-virtual-pipeline-stage", str(interleaved_layers_per_virtual_stage(layers, p))])
+        return [PRETRAIN, "--pipeline-schedule", "interleaved", "--pipeline-model-parallel-size", str(p)] + (
+            virtual + common)
     nodes = config.num_groups()
     if schedule == "pp-nodes":
         if nodes < 2:
             raise BenchmarkError("pp-nodes needs at least 2 nodes (groups)")
         return [PRETRAIN, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", str(nodes)] + (
-            _distributed_optimizer(config) + common)
+            native_stage_flags(layers, nodes) + _distributed_optimizer(config) + common)
     if schedule == "distopt-node":
         return [PRETRAIN] + _distributed_optimizer(config) + ["--num-distributed-optimizer-instances", str(nodes)] + common
     if schedule == "distopt":
@@ -258,6 +251,8 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
     if "tawpipe-rep" in config.schedules and config.num_groups() < 2:
         raise BenchmarkError("tawpipe-rep (--tawpipe-replicate-first-shard) needs at least 2 nodes (groups): "
                              "one holder of shard 0 per node")
+    for s in config.schedules:  # every command line can be built (e.g. its stages), before any run
+        schedule_command(s, config, os.devnull)
     os.makedirs(config.outdir, exist_ok=True)
     runs: List[dict] = []
     start = time.time()

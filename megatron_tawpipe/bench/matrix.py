@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS, TOOL_FLAGS, llama_ffn_hidden_size
-from megatron_tawpipe.bench.benchmark import (SCHEDULES, BenchmarkConfig, interleaved_layers_per_virtual_stage,
-                                              run_benchmark)
+from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkConfig, run_benchmark
+from megatron_tawpipe.bench.stages import interleaved_virtual_stages
+from megatron_tawpipe.common.layer_split import default_layer_split
 from megatron_tawpipe.sim.costmodel import parse_rate
 from megatron_tawpipe.common.atomic import atomic_write
 
@@ -50,7 +51,7 @@ INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on this kind of machin
 class MatrixConfig:
     name: str
     seq_length: int
-    num_layers: int      # 4 ranks own one shard each: layers per shard = num_layers / 4
+    num_layers: int      # 4 ranks own one shard each (the default split where 4 does not divide the layers)
     rate: str            # htb rate of each node link (tc syntax)
     visit: int           # TawPipe micro-batches per visit
     peak_tflops: float   # the emulated device (keeps one layer's forward near 25-50 ms)
@@ -61,8 +62,10 @@ class MatrixConfig:
         return 1 * self.seq_length / (12 * HIDDEN)
 
     @property
-    def layers_per_shard(self) -> int:
-        return self.num_layers // RANKS
+    def layers_per_shard(self):
+        """Layers of a shard: one number where the shards are equal, else each shard's (``"2,2,1,1"``)."""
+        split = default_layer_split(self.num_layers, RANKS)
+        return split[0] if len(set(split)) == 1 else ",".join(map(str, split))
 
     def rate_bytes_per_s(self) -> str:
         """The rate for ``tools/simulate.py`` (tc's mbit/gbit are 10^6/10^9 bit/s)."""
@@ -72,12 +75,12 @@ class MatrixConfig:
         """Interleaved's chunks per rank as the benchmark configures them (1 where it does not run)."""
         if "interleaved" not in self.schedules():
             return 1
-        return self.layers_per_shard // interleaved_layers_per_virtual_stage(self.num_layers, RANKS)
+        return interleaved_virtual_stages(self.num_layers, RANKS)
 
     def schedules(self) -> List[str]:
         """Every strategy of the long-context table, less interleaved 1F1B where the benchmark cannot
         configure it (tawpipe-tp, TawPipe with tensor parallelism, has a benchmark of its own)."""
-        return [s for s in SCHEDULES if s != "tawpipe-tp" and (s != "interleaved" or self.layers_per_shard >= 2)]
+        return [s for s in SCHEDULES if s != "tawpipe-tp" and (s != "interleaved" or self.num_layers >= 2 * RANKS)]
 
 
 MATRIX = (
