@@ -241,8 +241,16 @@ def test_enumeration_respects_divisibility():
                                               "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved"}
     for strategies in (("tawpipe",), ("distopt",), ("1f1b", "pp-nodes")):   # (T = 4: 2 virtual ranks, 1 per node)
         assert {c.knobs.get("tp", 1) for c in configs if c.strategy in strategies} == {1, 2, 4}
-    _, na = enumerate_configs(ModelSpec(**{**vars(TINY), "num_layers": 6}), tiny_cluster(), 12)
-    assert any("not divisible by 8 ranks" in x for x in na)
+    # 6 layers on 8 GPUs: no weight pipeline of 8 shards (it says why and what fixes it); over 4 or 2
+    # tensor-parallel groups the shards are uneven, and so are pipelines of 4 stages
+    configs, na = enumerate_configs(ModelSpec(**{**vars(TINY), "num_layers": 6}), tiny_cluster(), 16)
+    (short,) = [a for a in na if "tawpipe" in a.strategies and "< 8 GPUs" in a.reason]
+    assert short.line() == "--num-layers 6 < 8 GPUs: one shard per rank needs a layer each; fix: tensor " \
+        "parallelism T >= 2 (no more shards than layers), or fewer GPUs"
+    assert not [c for c in configs if c.strategy in ("tawpipe", "weipipe") and "tp" not in c.knobs]
+    assert {c.knobs["shard_layers"] for c in configs if c.strategy == "weipipe" and c.knobs.get("tp") == 2} == \
+        {(2, 2, 1, 1)}
+    assert {c.knobs.get("uneven", False) for c in configs if c.knobs.get("pipeline_size") == 4} == {True}
 
 
 def test_tensor_parallel_configurations_run_over_virtual_ranks():
@@ -373,7 +381,7 @@ def test_advise_json_and_table():
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
     for key in ("cluster", "model", "global_batch_sequences", "ranked", "rejected", "not_applicable",
-                "best", "evaluated", "pruned"):
+                "absent", "reasons", "missing", "best", "evaluated", "pruned"):
         assert key in s, key
     best = s["best"]
     for key in ("strategy", "knobs", "tokens_per_sec_per_gpu", "memory_breakdown", "command",
@@ -446,3 +454,110 @@ def test_simulate_cli_models_tensor_parallel_weight_passing():
     assert tp2["options"]["tensor_parallel_bytes_per_gpu"] > 0
     refused = run_simulate("--schedule", "1f1b", "--tensor-model-parallel-size", "2", *shape)
     assert refused.returncode == 2 and "modelled for tawpipe/weipipe only" in refused.stderr
+
+
+# ------------------------------------------------- layers that do not divide; why a strategy is absent
+UNEVEN = ModelSpec(**{**vars(TINY), "num_layers": 10})     # 10 layers: no even split over 4 or 8
+
+
+def _argv(command: str) -> list:
+    """pretrain_llama.py's arguments in a printed command (after torchrun and its two options)."""
+    import shlex
+
+    words = shlex.split(command.split("   # ")[0])
+    return words[words.index("pretrain_llama.py") + 1:]
+
+
+def test_uneven_layers_offer_weight_passing_and_pipelines_with_their_flags():
+    """10 layers on 8 GPUs: TawPipe and WeiPipe run 8 uneven shards (the default split, no flag; shard 0
+    replicated: the smaller size first, --decoder-first-pipeline-num-layers), megatron pipelines of 4 and 8
+    stages uneven stages (megatron-core's first/last-stage flags, or a layout); every printed command is
+    accepted by pretrain_llama.py and asks it for exactly the split the advisor priced."""
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    s = advise(UNEVEN, tiny_cluster(), 16, check_command=check_command)
+    assert {"tawpipe", "weipipe", "1f1b", "interleaved"} <= {r["strategy"] for r in s["ranked"]}
+    seen = set()
+    for r in s["ranked"]:
+        assert r["tokens_per_sec_per_gpu"] <= r["compute_bound_tokens_per_sec_per_gpu"] * (1 + 1e-9)
+        k = r["knobs"]
+        split = k.get("shard_layers") or k.get("stage_layers")
+        if r["strategy"] in ("hfsdp",) or not split or not r["trainable"]:
+            continue
+        seen.add((r["strategy"], k.get("tp", 1), bool(k.get("replicate_first"))))
+        assert "[" in r["label"] and sum(split) == 10
+        argv = _argv(r["command"])
+        for flag in k.get("split_flags", []):
+            assert flag in argv
+        args = validate_args(parse_args(argv + ["--train-iters", "1", "--lr", "1e-4", "--tokenizer-type",
+                                                "NullTokenizer"]), world_size=8)
+        assert tuple(args.decoder_layer_split) == tuple(split), r["label"]
+    assert {("tawpipe", 1, False), ("tawpipe", 1, True), ("weipipe", 1, False), ("1f1b", 1, False)} <= seen
+    taw = next(r for r in s["ranked"] if r["strategy"] == "tawpipe" and r["knobs"].get("tp", 1) == 1
+               and not r["knobs"]["replicate_first"])
+    assert tuple(taw["knobs"]["shard_layers"]) == (2, 2, 1, 1, 1, 1, 1, 1) and not taw["knobs"]["split_flags"]
+    rep = next(r for r in s["ranked"] if r["strategy"] == "tawpipe" and r["knobs"].get("tp", 1) == 1
+               and r["knobs"]["replicate_first"])
+    assert tuple(rep["knobs"]["shard_layers"])[0] == 1
+    assert "--decoder-first-pipeline-num-layers 1" in rep["command"]
+
+
+def test_uneven_pipelines_are_priced_by_their_largest_stage():
+    """A pipeline's stages are priced each with its own layers: the first stage of (4, 2, 2, 2) holds 4
+    layers' state and activations, and the pipeline runs at its pace (slower than the balanced split)."""
+    c = small_cost(inter_bw="1TB/s", intra_bw="1TB/s")     # compute sets the pace
+    L10 = 10
+    balanced = simulate_pipeline(c, P, D, L10, 32, pipeline_size=4, stage_layers=(3, 3, 2, 2))
+    heavy = simulate_pipeline(c, P, D, L10, 32, pipeline_size=4, stage_layers=(4, 2, 2, 2))
+    assert heavy.iteration_time > balanced.iteration_time
+    assert heavy.options["stage_layers"] == [4, 2, 2, 2]
+    assert simulate_pipeline(c, P, D, L10, 32, pipeline_size=4).options["stage_layers"] == [3, 3, 2, 2]
+    mem = pipeline_memory(c, P, D, L10, 32, pipeline_size=4, stage_layers=(4, 2, 2, 2))
+    assert "(stage 0)" in mem.notes["weights"]
+    assert mem.weights == pytest.approx(2 * (4 * c.params_per_layer + c.embedding_params))
+    assert mem.activations == pytest.approx(4 * 4 * c.activation_bytes + c.layer_activation_bytes)
+    with pytest.raises(ValueError, match="hold 9 layers, not 10"):
+        simulate_pipeline(c, P, D, L10, 32, pipeline_size=4, stage_layers=(3, 2, 2, 2))
+
+
+def test_absent_strategies_and_knobs_say_why_and_what_fixes_it():
+    """One layer on one node of 8 GPUs, 12 sequences: no weight pipeline (fewer layers than shards at every
+    tensor-parallel size), no pipeline (a stage needs a layer), nothing across nodes, T=8 does not divide
+    the query groups, and 12 micro-batches do not split over 8 data-parallel GPUs; each absent strategy is
+    listed with its reasons and a fix, in the JSON and in the text."""
+    from megatron_tawpipe.sim.advisor_report import format_report
+
+    one_layer = ModelSpec(**{**vars(TINY), "num_layers": 1})
+    s = advise(one_layer, tiny_cluster(nodes=1), 12, check_command=check_command)
+    assert {r["strategy"] for r in s["ranked"]} == {"distopt", "fsdp"}
+    missing = s["missing"]
+    assert set(missing) == {"distopt-node", "hsdp", "hfsdp", "pp-nodes", "1f1b", "interleaved", "tawpipe",
+                            "weipipe"}
+    assert "one node: nothing to split across nodes; fix: they are distopt, fsdp and 1f1b on one node" \
+        in missing["hsdp"]
+    assert missing["tawpipe"][0] == "--num-layers 1 < 8 GPUs: one shard per rank needs a layer each; fix: tensor " \
+        "parallelism T >= 8 (no more shards than layers), or fewer GPUs"
+    assert any("T=2: --num-layers 1 < 4 tensor-parallel groups of 2 GPUs" in x for x in missing["weipipe"])
+    assert "pp=2, T=2 pp=2, T=4 pp=2: --num-layers 1 < 2 stages: a stage needs a layer; fix: a smaller pipeline " \
+        "size" in missing["1f1b"]      # one line for every knob it concerns
+    assert any("T=8: T=8 does not divide the 4 query groups" in x for x in s["reasons"]["distopt"])
+    assert any("b=1: 12 micro-batches of 1 do not split over 8 GPUs (data parallel); fix: --global-batch-size a "
+               "multiple of 8" in x for x in s["reasons"]["fsdp"])
+    assert all(a["fix"] for a in s["absent"]) and all(s["missing"].values())
+    text = format_report(s)
+    assert "absent from the ranking, and why (fix after ';'):" in text
+    assert "  tawpipe:\n    --num-layers 1 < 8 GPUs" in text and "pp=1" not in text
+    assert "not tried, and why (fix after ';'):" in text and "  all strategies:" in text
+
+
+def test_nothing_fits_and_left_out_strategies_say_why():
+    model = ModelSpec(seq_length=8192, **PRESETS["70b"])
+    s = advise(model, tiny_cluster(ranks=16, nodes=2, gpu_memory=40e9, memory_reserve=0), 16,
+               check_command=check_command)
+    assert all(r["fix"] and "more per GPU" in r["fix"] for r in s["rejected"])
+    for strategy in s["missing"]:
+        assert any("nothing fits" in x or "< " in x for x in s["missing"][strategy]), strategy
+    left_out = advise(TINY, tiny_cluster(), 16, trainable_only=True, check_command=check_command)
+    assert left_out["missing"]["hfsdp"][0] == "not runnable with pretrain_llama.py, left out by --trainable-only; " \
+        "fix: leave out --trainable-only"

@@ -295,3 +295,78 @@ def test_gradients_travel_in_fp32_weights_in_the_compute_dtype(schedule):
     assert all(n % grad == 0 for n in by_kind["grad"])
     assert r.grad_buffer_bytes == plan.max_grad_buffers * grad
     assert r.weight_buffer_bytes == plan.max_weight_buffers * weight
+
+
+# ------------------------------------------------------------------ shards of different sizes
+@pytest.mark.parametrize("schedule", ["tawpipe", "tawpipe-rep", "tawpipe-paper", "weipipe", "1f1b"])
+def test_uneven_transfers_carry_their_own_shards_bytes(schedule):
+    """6 layers on 4 ranks, shards (2, 2, 1, 1): every point-to-point transfer carries its own shard's
+    bytes (weights in the compute dtype, gradients in fp32, per layer), and they add up to the plan's
+    link bytes, which scale each transfer by its shard's layers."""
+    cost = CostModel.from_flops(hidden_size=256, seq_length=512, inter_bw="1GB/s")
+    n = 8 if schedule == "1f1b" else 3
+    plan = build_plan(schedule, num_ranks=4, num_groups=2, num_layers=6, num_microbatches=n)
+    assert plan.shard_layers == (2, 2, 1, 1)
+    r = simulate(plan, cost)
+    per_layer = {"weight": cost.params_per_layer * cost.dtype_bytes, "grad": cost.params_per_layer * 4,
+                 "act": cost.activation_bytes, "actgrad": cost.activation_bytes}
+    expect = {}
+    for acts in plan.actions:
+        for a in acts:
+            if type(a) is A.SendStart:
+                layers = plan.shard_layers[a.shard] if a.kind in ("weight", "grad") else 1
+                expect[a.tag] = a.size * layers * per_layer[a.kind]
+    sent = {t.tag: t.nbytes for t in r.transfers if t.tag in expect}
+    assert sent == pytest.approx(expect) and sent
+    moved = {"intra": 0.0, "inter": 0.0}
+    for t in r.transfers:
+        moved[t.link] += t.nbytes
+    assert moved == pytest.approx(link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes,
+                                             cost.grad_shard_bytes(plan)))
+    if schedule != "1f1b":
+        sizes = {round(t.nbytes / per_layer[t.kind], 9) for t in r.transfers if t.kind == "weight"}
+        assert sizes == {1.0, 2.0}
+
+
+def test_uneven_shards_memory_is_sized_to_the_largest_shard():
+    """Buffers, a shard's recompute working set and the owner's state are priced for the largest shard:
+    (2, 1, 1, 1) needs what (2, 2, 2, 2) needs."""
+    cost = CostModel.from_flops(hidden_size=256, seq_length=512)
+    uneven = build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=5, num_microbatches=4)
+    even = build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=8, num_microbatches=4)
+    assert uneven.shard_layers == (2, 1, 1, 1) and uneven.max_layers_per_shard == 2
+    assert cost.shard_bytes(uneven) == cost.shard_bytes(even) == 2 * cost.params_per_layer * 2
+    assert cost.shard_bytes(uneven, 3) == cost.params_per_layer * 2
+    u, e = simulate(uneven, cost, record=False), simulate(even, cost, record=False)
+    for name in ("weight_buffer_bytes", "grad_buffer_bytes", "activation_bytes", "state_bytes"):
+        assert getattr(u, name) == pytest.approx(getattr(e, name)), name
+    from megatron_tawpipe.sim.strategies import peak_stash
+
+    # stored shard inputs, and the working set of the largest shard while it is recomputed
+    assert u.activation_bytes == pytest.approx(max(peak_stash(uneven)) * cost.activation_bytes +
+                                               2 * cost.layer_activation_bytes)
+
+
+def test_uneven_shards_compute_and_pace():
+    """Free links: TawPipe has no bubble with shards of any size (each rank runs all layers of its own
+    micro-batches), so (2, 1, 1, 1) takes 5/8 of (2, 2, 2, 2); a 1F1B pipeline runs at its slowest stage's
+    pace (each further micro-batch costs that stage's work) and never beats the bound of
+    sim.stages.pipeline_time_bound, which it meets when the largest stage is the last."""
+    from megatron_tawpipe.sim.stages import pipeline_time_bound
+
+    free = CostModel(layer_forward=1.0, layer_backward=2.0)
+    taw = {split: simulate(build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=sum(split),
+                                      num_microbatches=4, shard_layers=split), free, record=False)
+           for split in ((1, 1, 1, 1), (2, 1, 1, 1), (2, 2, 2, 2))}
+    assert taw[(2, 1, 1, 1)].bubble_ratio == pytest.approx(0.0)
+    assert taw[(2, 1, 1, 1)].iteration_time == pytest.approx(4 * 5 * 3.0)
+    assert taw[(1, 1, 1, 1)].iteration_time <= taw[(2, 1, 1, 1)].iteration_time <= \
+        taw[(2, 2, 2, 2)].iteration_time
+    for split in ((2, 1, 1, 1), (1, 3, 1, 1), (1, 1, 1, 2), (2, 2, 1, 1)):
+        times = [simulate(build_plan("1f1b", num_ranks=4, num_layers=sum(split), num_microbatches=m,
+                                     shard_layers=split), free, record=False).iteration_time for m in (8, 16)]
+        assert times[1] - times[0] == pytest.approx(8 * 3.0 * max(split))
+        bound = pipeline_time_bound([3.0 * n for n in split], 4, 16)
+        assert times[1] >= bound - 1e-9
+        if split[-1] == max(split) and len(set(split[:-1])) == 1:
+            assert times[1] == pytest.approx(bound)

@@ -243,4 +243,35 @@ def check_command(argv, world_size: int) -> str:
         validate_args(fill_defaults(args), world_size=world_size)
     except ArgumentError as exc:
         return str(exc)
+    return native_stage_problem(args)
+
+
+def native_stage_problem(args) -> str:
+    """Why megatron-core would not build the pipeline stages a validated native command asks for with
+    ``--decoder-first/last-pipeline-num-layers`` or ``--pipeline-model-parallel-layout`` ("" when it
+    would): the native baseline's own TransformerConfig (``models.llama.llama_config``) is handed to
+    megatron-core's ``get_num_layers_to_build`` for every stage, as the baseline's model chunks are built."""
+    split = getattr(args, "decoder_layer_split", None)
+    if args.pipeline_schedule not in ("1f1b", "interleaved") or split is None:
+        return ""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_tawpipe.arguments import virtual_pipeline_size
+    from megatron_tawpipe.models.llama import llama_config
+
+    pp, vpp = args.pipeline_model_parallel_size, virtual_pipeline_size(args)
+    try:
+        config = llama_config(args, pp, vpp, main_grad_buffers=True,
+                              tensor_model_parallel_size=args.tensor_model_parallel_size,
+                              sequence_parallel=args.sequence_parallel)
+        if getattr(config, "pipeline_model_parallel_layout", None) is not None:
+            return ""
+        built = tuple(get_num_layers_to_build(config, vp_stage=v if vpp else None, pp_rank=r)
+                      for v in range(vpp or 1) for r in range(pp))
+    except (AssertionError, ValueError) as exc:
+        built, problem = None, str(exc).strip() or type(exc).__name__
+    if built is None or built != tuple(split):
+        got = f"megatron-core says: {problem}" if built is None else f"megatron-core would build {list(built)}"
+        return (f"the native baseline does not pass the stages {list(split)} to megatron-core's TransformerConfig "
+                f"({got}); Megatron-LM's pretrain_gpt.py takes these flags")
     return ""

@@ -30,8 +30,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional
 
-from megatron_tawpipe.sim.advisor_configs import Cluster, Config, ModelSpec, enumerate_configs
-from megatron_tawpipe.sim.costmodel import CostModel
+from megatron_tawpipe.common.layer_split import default_layer_split
+from megatron_tawpipe.sim.advisor_configs import (STRATEGY_ORDER, Absence, Cluster, Config, ModelSpec,
+                                                  enumerate_configs)
+from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.advisor_report import command, summarize
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
 from megatron_tawpipe.plan.planners import build_plan
@@ -40,10 +42,10 @@ from megatron_tawpipe.sim.fsdp import simulate_fsdp
 from megatron_tawpipe.sim.strategies import (pipeline_memory, plan_memory_fields, simulate_distopt, simulate_extended,
                          simulate_hfsdp, simulate_hsdp, simulate_pipeline)
 from megatron_tawpipe.sim.memory import generic_breakdown
+from megatron_tawpipe.sim.stages import native_pipeline_split, pipeline_time_bound, stage_works
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
 
-ORDER = ("distopt-node", "distopt", "hsdp", "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved",
-         "tawpipe", "weipipe")
+ORDER = STRATEGY_ORDER
 PLAN_BASED = ("pp-nodes", "1f1b", "interleaved", "tawpipe", "weipipe")
 
 
@@ -61,6 +63,7 @@ class Advisor:
         self.costs: Dict = {}
         self.grad_bytes = grad_bytes
         self._virtual: Dict[int, "Advisor"] = {}
+        self._stage_splits: Dict[tuple, tuple] = {}
 
     def cost(self, b: int, recompute: bool) -> CostModel:
         key = (b, recompute)
@@ -94,10 +97,46 @@ class Advisor:
                        {k: v for k, v in cfg.knobs.items() if k != "tp"})
         return self.virtual(tp), inner, tp
 
+    def settle(self, cfg: Config) -> Config:
+        """Choose the stages of a megatron pipeline whose size does not divide the layers
+        (``knobs["uneven"]``): ``knobs["stage_layers"]`` and the ``split_flags`` that ask
+        ``pretrain_llama.py`` (Megatron-LM) for them (:func:`megatron_tawpipe.sim.stages.native_pipeline_split`:
+        1F1B's candidates timed by a simulation with free links)."""
+        k = cfg.knobs
+        if not k.get("uneven") or "stage_layers" in k:
+            return cfg
+        sub, inner, tp = self._split(cfg)
+        if tp > 1:
+            sub.settle(inner)
+            k.update(stage_layers=inner.knobs["stage_layers"], split_flags=inner.knobs["split_flags"])
+            return cfg
+        b, P, D, L = cfg.micro_batch_size, self.cluster.ranks, self.cluster.nodes, self.model.num_layers
+        p, V = k["pipeline_size"], k.get("virtual_stages", 1)
+        m = self.G // b // (P // p)
+        key = (b, cfg.recompute, p, V, m)
+        if key not in self._stage_splits:
+            c = self.cost(b, cfg.recompute)
+            free = replace(c, intra=Link(float("inf")), inter=Link(float("inf")))
+
+            def evaluate(split):
+                build = lambda n: build_plan("1f1b", num_ranks=p, num_groups=D, num_layers=L,  # noqa: E731
+                                             num_microbatches=n, shard_layers=split)
+                return simulate_extended(build, free, m, 2 * p, 4 * p).iteration_time
+
+            self._stage_splits[key] = native_pipeline_split(
+                L, p, V, c.layer_forward + c.layer_backward + c.layer_recompute, c.head_forward + c.head_backward,
+                m, evaluate)
+        split, flags = self._stage_splits[key]
+        k.update(stage_layers=split, split_flags=flags)
+        return cfg
+
     def bound(self, cfg: Config) -> float:
         """Tokens/s per GPU with free communication: compute only, times the
-        pipeline bubble of equal stages where the schedule has one (1F1B
-        ``m/(m+p-1)``, interleaved ``Vm/(Vm+p-1)``, WeiPipe ``NP/(NP+P-1)``)."""
+        pipeline bubble where the schedule has one (pipelines: the bound of
+        :func:`megatron_tawpipe.sim.stages.pipeline_time_bound`, each stage with its own layers and the
+        output layer on the last, 1F1B's ``m/(m+p-1)`` and interleaved's ``Vm/(Vm+p-1)`` for equal
+        stages; WeiPipe ``NP/(NP+P-1)``)."""
+        self.settle(cfg)
         sub, inner, tp = self._split(cfg)
         if tp > 1:
             return sub.bound(inner) / tp
@@ -109,7 +148,10 @@ class Advisor:
         if "pipeline_size" in k:
             p, v = k["pipeline_size"], k.get("virtual_stages", 1)
             m = mbs // (P // p)
-            t *= (v * m + p - 1) / (v * m)
+            split = k.get("stage_layers") or default_layer_split(L, p * v)
+            works = stage_works(split, c.layer_forward + c.layer_backward + c.layer_recompute,
+                                c.head_forward + c.head_backward)
+            return m * c.tokens_per_microbatch / (pipeline_time_bound(works, p, m) * p)
         elif cfg.strategy == "weipipe":
             t *= (mbs + P - 1) / mbs
         return c.tokens_per_microbatch / t
@@ -154,6 +196,7 @@ class Advisor:
         """Memory of a plan-based config without simulating it.  Weight passing:
         a plan with 2c micro-batches per rank has the buffers and the stored
         boundaries of the full one (peak = c visits' worth)."""
+        self.settle(cfg)
         sub, inner, tp = self._split(cfg)
         if tp > 1:
             return per_gpu_breakdown(sub.memory_only(inner), tp)
@@ -168,10 +211,11 @@ class Advisor:
         m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
         return pipeline_memory(cost, cl.ranks, cl.nodes, self.model.num_layers,
                                self.G // cfg.micro_batch_size, pp, cfg.knobs.get("virtual_stages", 1),
-                               self.plan_cache, min(m, 4 * pp))
+                               self.plan_cache, min(m, 4 * pp), cfg.knobs.get("stage_layers"))
 
     def evaluate(self, cfg: Config) -> Config:
         """Simulate ``cfg``; its figures per GPU, whether it fits, and its command line."""
+        self.settle(cfg)
         sub, inner, tp = self._split(cfg)
         if tp > 1:
             sub.measure(inner)
@@ -213,7 +257,8 @@ class Advisor:
         elif s in ("pp-nodes", "1f1b", "interleaved"):
             res = simulate_pipeline(cost, P, D, L, self.G // b, cfg.knobs["pipeline_size"],
                                     cfg.knobs.get("virtual_stages", 1), self.grad_bytes,
-                                    self.plan_cache, name=s, exact=False)
+                                    self.plan_cache, name=s, exact=False,
+                                    stage_layers=cfg.knobs.get("stage_layers"))
             mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
             res_inter = res.options["inter_bytes_per_node"]
         else:
@@ -243,8 +288,9 @@ class Advisor:
     def run(self, prune: str = "strategy", trainable_only: bool = False,
             runtime_knobs_only: bool = False):
         """Evaluate every configuration (pruned as described in the module doc);
-        returns (configs, not_applicable).  Analytic strategies first (cheap),
-        then plan-based ones by decreasing ceiling."""
+        returns (configs, absent): :class:`Absence` lines for every strategy or knob not tried
+        (enumeration), not simulated (pruning) or left out (``trainable_only``).  Analytic
+        strategies first (cheap), then plan-based ones by decreasing ceiling."""
         configs, na = enumerate_configs(self.model, self.cluster, self.G,
                                         runtime_knobs_only or trainable_only)
         for c in configs:
@@ -286,7 +332,7 @@ class Advisor:
                 best[cfg.strategy] = max(best.get(cfg.strategy, 0.0), cfg.tokens_per_sec_per_gpu)
                 if cfg.trainable:
                     best_runnable = max(best_runnable, cfg.tokens_per_sec_per_gpu)
-        return configs, na
+        return configs, na + _left_out(configs, prune)
 
 
 class _VirtualRankAdvisor(Advisor):
@@ -310,12 +356,37 @@ class _VirtualRankAdvisor(Advisor):
 
 
 def _wp_options(cfg: Config) -> dict:
+    options = {}
     if cfg.strategy == "tawpipe":
         options = {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
         if cfg.knobs.get("replicate_first"):
             options["replicate_first"] = True
-        return options
-    return {}
+    if cfg.knobs.get("shard_layers"):
+        options["shard_layers"] = tuple(cfg.knobs["shard_layers"])
+    return options
+
+
+def _left_out(configs: List[Config], prune: str) -> List[Absence]:
+    """Why a strategy that applies has no configuration in the ranking although none failed to fit
+    (pruned, or left out by ``trainable_only``), and how many knobs ``trainable_only`` left out."""
+    out = []
+    for s in ORDER:
+        mine = [c for c in configs if c.strategy == s]
+        skipped = [c for c in mine if c.status == "skipped"]
+        if any(c.status in ("ok", "no-fit") for c in mine):
+            if skipped:
+                out.append(Absence((s,), f"{len(skipped)} configurations", "not runnable with pretrain_llama.py "
+                                   "(their notes), left out by --trainable-only", "leave out --trainable-only"))
+            continue
+        pruned = [c for c in mine if c.status == "pruned"]
+        if pruned:
+            out.append(Absence((s,), "", f"not simulated: its ceiling, {max(c.bound for c in pruned):.0f} tokens/s "
+                               f"per GPU, cannot beat what is ranked (--prune {prune})",
+                               "--prune strategy simulates every strategy's best"))
+        elif skipped:
+            out.append(Absence((s,), "", "not runnable with pretrain_llama.py, left out by --trainable-only",
+                               "leave out --trainable-only"))
+    return out
 
 
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",

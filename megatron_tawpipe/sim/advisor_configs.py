@@ -7,11 +7,12 @@ whose shapes divide (see :mod:`megatron_tawpipe.sim.advisor`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS
 from megatron_tawpipe.sim.costmodel import params_per_layer
 from megatron_tawpipe.sim.memory import MemoryBreakdown
+from megatron_tawpipe.sim.stages import split_label, weight_passing_split
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
 
 #: Llama-shaped presets: Llama-2 7B/13B/70B, Code Llama 34B.
@@ -112,6 +113,9 @@ class Config:
             parts.append("cache" if k["cache"] else "no-cache")
         if k.get("replicate_first"):
             parts.append("rep0")
+        split = k.get("shard_layers") or k.get("stage_layers")
+        if split:
+            parts.append(f"[{split_label(split)}]")
         parts.append("recompute" if self.recompute else "no-recompute")
         return " ".join(parts)
 
@@ -129,71 +133,166 @@ class Config:
 
 
 # ------------------------------------------------------------------ enumerate
+#: every strategy the advisor tries, in the order its reports list them
+STRATEGY_ORDER = ("distopt-node", "distopt", "hsdp", "hfsdp", "fsdp", "pp-nodes", "1f1b", "interleaved",
+                  "tawpipe", "weipipe")
+#: strategies whose every rank is a data-parallel rank (the global batch splits over all of them)
+DATA_PARALLEL = ("distopt", "fsdp", "distopt-node", "hsdp", "hfsdp", "tawpipe", "weipipe")
+PIPELINES = ("pp-nodes", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Absence:
+    """Configurations the advisor does not try, and why: ``strategies`` (all of them when the
+    reason is shared), ``what`` (which knobs: ``"T=8"``, ``"b=2"``, ``"pp=24"``; empty: the
+    strategies altogether), ``reason`` (the term that fails) and ``fix`` (what would make it apply)."""
+    strategies: Tuple[str, ...]
+    what: str
+    reason: str
+    fix: str
+
+    def line(self) -> str:
+        return f"{self.what + ': ' if self.what else ''}{self.reason}; fix: {self.fix}"
+
+    def as_dict(self) -> dict:
+        return {"strategies": list(self.strategies), "what": self.what, "reason": self.reason, "fix": self.fix,
+                "line": self.line()}
+
+
 def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
                       runtime_knobs_only: bool = False):
-    """(configs, not_applicable): every strategy x knobs whose shapes divide, and
-    one line per strategy/knob that cannot run at all, saying why.
+    """(configs, absent): every strategy x knobs whose shapes divide, and an :class:`Absence` for
+    every strategy or knob that cannot run, saying which term fails and what would fix it.
     ``runtime_knobs_only``: TawPipe's cache only as the runtime sets it.
 
     Every strategy is also tried with tensor parallelism inside the nodes (knob ``tp``:
     T = 2, 4, 8 where T divides the GPUs of a node, the heads, the query groups and the
-    FFN size): the strategy then runs over P / T virtual ranks (see :mod:`plan.tensor_parallel`)."""
-    out, na = _enumerate(model, cluster, global_batch, runtime_knobs_only)
+    FFN size): the strategy then runs over P / T virtual ranks (see :mod:`sim.tensor_parallel`).
+    Layers that do not divide over the shards or stages are split unevenly
+    (:mod:`megatron_tawpipe.sim.stages`)."""
+    out, absent = _enumerate(model, cluster, global_batch, runtime_knobs_only, 1)
     for tp in TENSOR_PARALLEL_SIZES[1:]:
-        if tensor_parallel_problem(tp, cluster.per_node, model.num_attention_heads, model.num_query_groups,
-                                   model.ffn_hidden_size):
+        problem = tensor_parallel_problem(tp, cluster.per_node, model.num_attention_heads,
+                                          model.num_query_groups, model.ffn_hidden_size)
+        if problem:
+            absent.append(Absence(STRATEGY_ORDER, f"T={tp}", problem,
+                                  "a tensor-parallel size dividing the GPUs of a node, the attention heads, "
+                                  "the query groups and the FFN size"))
             continue
-        configs, _ = _enumerate(model, replace(cluster, ranks=cluster.ranks // tp), global_batch,
-                                runtime_knobs_only)
+        configs, why = _enumerate(model, replace(cluster, ranks=cluster.ranks // tp), global_batch,
+                                  runtime_knobs_only, tp)
         for cfg in configs:
             cfg.knobs["tp"] = tp
         out += configs
-    return out, na
+        absent += why
+    return out, _merge(absent)
 
 
-def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool):
+def _merge(absent: List[Absence]) -> List[Absence]:
+    """One line per strategies, reason and fix, naming every knob it concerns."""
+    whats: Dict[tuple, List[str]] = {}
+    for a in absent:
+        whats.setdefault((a.strategies, a.reason, a.fix), [])
+        if a.what not in whats[(a.strategies, a.reason, a.fix)]:
+            whats[(a.strategies, a.reason, a.fix)].append(a.what)
+    return [Absence(key[0], "" if "" in w else ", ".join(w), key[1], key[2]) for key, w in whats.items()]
+
+
+def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool, tp: int):
     P, D, d, L = cluster.ranks, cluster.nodes, cluster.per_node, model.num_layers
+    T = f"T={tp} " if tp > 1 else ""
+    who = f"{P} tensor-parallel groups of {tp} GPUs" if tp > 1 else f"{P} GPUs"
     out, na = [], []
+
+    def absent(strategies, what, reason, fix):
+        na.append(Absence(tuple(strategies), (T + what).strip(), reason, fix))
+
+    if D == 1:
+        absent(("distopt-node", "hsdp", "hfsdp", "pp-nodes"), "", "one node: nothing to split across nodes",
+               "they are distopt, fsdp and 1f1b on one node")
+    if L < P:
+        absent(("tawpipe", "weipipe"), "", f"--num-layers {L} < {who}: one shard per rank needs a layer each",
+               f"tensor parallelism T >= {-(-cluster.ranks * tp // L)} (no more shards than layers), or fewer GPUs")
     for b in MICRO_BATCHES:
         if global_batch % b:
+            absent(STRATEGY_ORDER, f"b={b}", f"global batch {global_batch} is not a multiple of micro-batch size {b}",
+                   f"--global-batch-size a multiple of {b}")
             continue
         mbs = global_batch // b
+        if mbs % P:
+            absent(DATA_PARALLEL, f"b={b}", f"{mbs} micro-batches of {b} do not split over {who} (data parallel)",
+                   f"--global-batch-size a multiple of {b * P}")
         for r in (True, False):
             def add(strategy, **knobs):
                 out.append(Config(strategy, b, r, knobs))
-            dp_ok = mbs % P == 0
-            if dp_ok:
+            if mbs % P == 0:
                 for s in ("distopt", "fsdp"):
                     add(s)
                 if D > 1:
                     for s in ("distopt-node", "hsdp", "hfsdp"):
                         add(s)
-                if L % P == 0:
-                    N = mbs // P
-                    add("weipipe")
-                    # TawPipe: b micro-batches per visit cost what a b times larger
-                    # micro-batch costs, with less memory: micro-batch size 1 only.
-                    for c in (1, 2, 4) if b == 1 else ():
-                        if N % c == 0:
-                            for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
-                                for rep in (False, True) if D > 1 else (False,):
-                                    add("tawpipe", chunk=c, cache=cache, replicate_first=rep)
-            p = D
-            while p <= P:
-                if P % p == 0 and L % p == 0 and mbs % (P // p) == 0:
-                    m = mbs // (P // p)
-                    if p > 1:
-                        add("pp-nodes" if p == D else "1f1b", pipeline_size=p)
-                    for v in (2, 4):
-                        if p > 1 and L % (p * v) == 0 and m % p == 0:
-                            add("interleaved", pipeline_size=p, virtual_stages=v)
-                p *= 2
-    if global_batch % P:
-        na.append(f"data-parallel strategies: global batch {global_batch} is not a multiple of {P} ranks")
-    if L % P:
-        na.append(f"tawpipe, weipipe: --num-layers {L} is not divisible by {P} ranks (one shard per rank)")
-    if D == 1:
-        na.append("hsdp, distopt-node, hfsdp, pp-nodes: one node (D = 1)")
-    elif L % D:
-        na.append(f"pp-nodes: --num-layers {L} is not divisible by {D} nodes")
+                if L >= P:
+                    _weight_passing(add, absent, L, P, D, mbs // P, b, runtime_knobs_only, who)
+            _pipelines(add, absent, L, P, D, mbs, b, who)
     return out, na
+
+
+def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
+    """TawPipe and WeiPipe over P ranks with N micro-batches each: one shard per rank, the default
+    split where P does not divide L (``knobs["shard_layers"]``)."""
+    split, flags = weight_passing_split(L, P, False)
+    layers = {"shard_layers": split, "split_flags": flags} if split else {}
+    add("weipipe", **layers)
+    # TawPipe: c micro-batches per visit cost what a c times larger micro-batch costs, with less memory:
+    # micro-batch size 1 only.
+    if b != 1:
+        absent(("tawpipe",), f"b={b}", "not tried: c micro-batches per visit at b=1 cost what a c times "
+               "larger micro-batch costs, with less memory", "c=2, 4 at b=1 stand for it")
+        return
+    for c in (1, 2, 4):
+        if N % c:
+            absent(("tawpipe",), f"c={c}", f"{N} micro-batches per rank are not a multiple of {c} per visit",
+                   f"--global-batch-size a multiple of {c * P} (b={b})")
+            continue
+        if runtime_knobs_only:
+            absent(("tawpipe",), f"cache {'off' if D <= 4 else 'on'}", f"the runtime caches shards for <= 4 groups "
+                   f"and has no flag for it ({D} groups)", "leave out --trainable-only to see it simulated")
+        for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
+            for rep in (False, True) if D > 1 else (False,):
+                split, flags = weight_passing_split(L, P, rep)
+                layers = {"shard_layers": split, "split_flags": flags} if split else {}
+                add("tawpipe", chunk=c, cache=cache, replicate_first=rep, **layers)
+
+
+def _pipelines(add, absent, L, P, D, mbs, b, who):
+    """Megatron pipelines with stages inside nodes: sizes D, 2D, 4D, ... that divide P; uneven stages
+    (``knobs["uneven"]``; the advisor chooses the split) where the size does not divide L."""
+    p = D
+    while p <= P:
+        here = ("pp-nodes",) if p == D else ("1f1b",)
+        if p == 1:          # one node: pipelines start at 2 stages
+            pass
+        elif P % p:
+            absent(here + ("interleaved",), f"pp={p}", f"{p} stages do not divide the {who}",
+                   "a pipeline size dividing the GPUs")
+        elif L < p:
+            absent(here + ("interleaved",), f"pp={p}", f"--num-layers {L} < {p} stages: a stage needs a layer",
+                   "a smaller pipeline size")
+        elif mbs % (P // p):
+            absent(here + ("interleaved",), f"pp={p} b={b}", f"{mbs} micro-batches of {b} do not split over "
+                   f"{P // p} pipelines (data parallel)", f"--global-batch-size a multiple of {b * (P // p)}")
+        else:
+            m = mbs // (P // p)
+            add(here[0], pipeline_size=p, **({"uneven": True} if L % p else {}))
+            for v in (2, 4):
+                if L < p * v:
+                    absent(("interleaved",), f"pp={p} vp={v}", f"--num-layers {L} < {p * v} virtual stages",
+                           "fewer virtual stages or a smaller pipeline")
+                elif m % p:
+                    absent(("interleaved",), f"pp={p} vp={v} b={b}", f"{m} micro-batches per pipeline are not a "
+                           f"multiple of the pipeline size {p}", f"--global-batch-size a multiple of "
+                           f"{b * (P // p) * p}")
+                else:
+                    add("interleaved", pipeline_size=p, virtual_stages=v,
+                        **({"uneven": True} if L % (p * v) else {}))
+        p *= 2

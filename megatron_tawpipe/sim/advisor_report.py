@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import shlex
 
+from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER
 from megatron_tawpipe.sim.memory import MemoryBreakdown, gb
+from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
              "--recompute-num-layers", "1"]
@@ -28,6 +30,7 @@ def command(cfg, model, cluster, global_batch: int):
         argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D),
                  "--tawpipe-microbatches-per-visit", str(k["chunk"])]
         argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
+        argv += list(k.get("split_flags", []))      # uneven shards: the default split needs none
         argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
         if k["cache"] == (D <= 4):
             comment = (f"cache {'on' if k['cache'] else 'off'}: the runtime's choice for {D} groups "
@@ -36,11 +39,14 @@ def command(cfg, model, cluster, global_batch: int):
             comment = cfg.note + "; " + comment
     elif s == "weipipe":
         argv += ["--pipeline-schedule", "weipipe"] + ([] if cfg.recompute else ["--tawpipe-no-recompute"])
+        argv += list(k.get("split_flags", []))
     elif s in ("pp-nodes", "1f1b", "interleaved"):
         pp = k["pipeline_size"]
         argv += ["--pipeline-schedule", "interleaved" if s == "interleaved" else "1f1b",
                  "--pipeline-model-parallel-size", str(pp)]
-        if s == "interleaved":
+        if k.get("split_flags"):    # uneven stages: megatron-core's first/last-stage flags or a layout
+            argv += list(k["split_flags"])
+        elif s == "interleaved":
             argv += ["--num-layers-per-virtual-pipeline-stage",
                      str(model.num_layers // (pp * k["virtual_stages"]))]
         argv += (DISTOPT if cluster.ranks // (pp * k.get("tp", 1)) > 1 else []) + native_rc
@@ -63,7 +69,12 @@ def command(cfg, model, cluster, global_batch: int):
 
 
 # ---------------------------------------------------------------------- report
-def summarize(model, cluster, global_batch: int, configs, na, prune: str = "strategy") -> dict:
+def summarize(model, cluster, global_batch: int, configs, absent, prune: str = "strategy") -> dict:
+    """The advisor's answer (``--json``): ``ranked``, ``rejected`` (the smallest configuration of each
+    strategy that does not fit, with ``reason`` and ``fix``), ``not_applicable`` (one line per
+    :class:`~megatron_tawpipe.sim.advisor_configs.Absence`, naming its strategies), ``absent`` (the same as
+    objects), ``reasons`` (per strategy, every line that says why it or some of its knobs are missing)
+    and ``missing`` (the strategies with nothing in the ranking, each with its reasons)."""
     # ties (to 0.1 tok/s: several strategies at the compute bound) go to what this
     # project can train, then to the smaller memory requirement
     ok = sorted((c for c in configs if c.status == "ok"),
@@ -81,17 +92,59 @@ def summarize(model, cluster, global_batch: int, configs, na, prune: str = "stra
         "global_batch_sequences": global_batch,
         "global_batch_tokens": global_batch * model.seq_length,
         "ranked": [c.row() for c in ok],
-        "rejected": [dict(c.row(), reason=no_fit_reason(c, cluster)) for c in rejected.values()],
-        "not_applicable": na,
+        "rejected": [dict(c.row(), reason=no_fit_reason(c, cluster), fix=no_fit_fix(c, cluster, model))
+                     for c in rejected.values()],
+        "not_applicable": [f"{_group(a.strategies)}: {a.line()}" for a in absent],
+        "absent": [a.as_dict() for a in absent],
         "pruned": sum(c.status == "pruned" for c in configs),
         "prune": prune,
         "evaluated": sum(c.status in ("ok", "no-fit") for c in configs),
         "best": ok[0].row() if ok else None,
     }
+    ranked = {c.strategy for c in ok}
+    reasons = {}
+    for s in STRATEGY_ORDER:
+        lines = [a.line() for a in sorted(absent, key=lambda a: a.what != "") if s in a.strategies]
+        if s not in ranked and s in rejected:
+            c = rejected[s]
+            lines.append(f"nothing fits; smallest {c.label()}: {no_fit_reason(c, cluster)}; "
+                         f"fix: {no_fit_fix(c, cluster, model)}")
+        if lines or s not in ranked:
+            reasons[s] = lines or ["no configuration was tried"]
+    out["reasons"] = reasons
+    out["missing"] = {s: reasons[s] for s in STRATEGY_ORDER if s not in ranked}
     if not ok:
         smallest = min(nofit, key=lambda c: c.memory.total) if nofit else None
-        out["error"] = nothing_fits_message(smallest, cluster, na)
+        out["error"] = nothing_fits_message(smallest, cluster, out["not_applicable"])
     return out
+
+
+def _group(strategies) -> str:
+    if set(strategies) == set(STRATEGY_ORDER):
+        return "all strategies"
+    return ", ".join(strategies)
+
+
+def no_fit_fix(c, cluster, model) -> str:
+    """What would make configuration ``c`` fit, for its largest memory term."""
+    term, _ = c.memory.dominant()
+    k, tips = c.knobs, []
+    if term in ("activations", "logits"):
+        if not c.recompute and term == "activations":
+            tips.append("recompute")
+        if c.micro_batch_size > 1:
+            tips.append("micro-batch size 1")
+    if term == "comm_buffers" and c.strategy == "tawpipe" and k.get("cache"):
+        tips.append("no shard cache")
+    larger = [t for t in TENSOR_PARALLEL_SIZES if t > k.get("tp", 1) and not tensor_parallel_problem(
+        t, cluster.per_node, model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size)]
+    if larger:
+        tips.append(f"tensor parallelism T={larger[0]} (slices every term)")
+    if term in ("weights", "grads", "optimizer") and c.strategy in ("distopt-node", "hsdp"):
+        tips.append("sharding over all GPUs (distopt, hfsdp, tawpipe)")
+    over = c.memory.total - cluster.usable_memory
+    tips.append(f"{gb(over)} more per GPU (--gpu-memory, --memory-reserve)")
+    return ", or ".join(tips)
 
 
 def no_fit_reason(c, cluster) -> str:
@@ -110,7 +163,32 @@ def nothing_fits_message(smallest, cluster, na) -> str:
             f"({gb(smallest.memory.dominant()[1])})")
 
 
-def format_report(summary: dict, top_memory: int = 3, rows: int = 15) -> str:
+def _missing_lines(summary: dict, per_group: int) -> list:
+    """The strategies missing from the ranking with their reasons, then the knobs not tried, grouped by
+    the strategies they concern (at most ``per_group`` lines each; all of them in ``--json``)."""
+    lines = []
+    if summary["missing"]:
+        lines += ["", "absent from the ranking, and why (fix after ';'):"]
+        for s, why in summary["missing"].items():
+            lines.append(f"  {s}:")
+            lines += [f"    {x}" for x in why[:per_group]]
+            if len(why) > per_group:
+                lines.append(f"    ... {len(why) - per_group} more (--json: reasons)")
+    groups = {}
+    for a in summary["absent"]:
+        if not set(a["strategies"]) <= set(summary["missing"]):
+            groups.setdefault(_group(a["strategies"]), []).append(a["line"])
+    if groups:
+        lines += ["", "not tried, and why (fix after ';'):"]
+        for key, why in groups.items():
+            lines.append(f"  {key}:")
+            lines += [f"    {x}" for x in why[:per_group]]
+            if len(why) > per_group:
+                lines.append(f"    ... {len(why) - per_group} more (--json: absent)")
+    return lines
+
+
+def format_report(summary: dict, top_memory: int = 3, rows: int = 15, reasons_per_group: int = 8) -> str:
     cl, md = summary["cluster"], summary["model"]
     lines = [
         f"cluster: {cl['ranks']} GPUs = {cl['nodes']} nodes x {cl['ranks_per_node']}, intra "
@@ -153,9 +231,8 @@ def format_report(summary: dict, top_memory: int = 3, rows: int = 15) -> str:
     if summary["rejected"]:
         lines += ["", "does not fit (smallest configuration of each strategy):"]
         for r in summary["rejected"]:
-            lines.append(f"  {r['strategy']} {r['label']}: {r['reason']}")
-    if summary["not_applicable"]:
-        lines += ["", "not applicable:"] + [f"  {x}" for x in summary["not_applicable"]]
+            lines.append(f"  {r['strategy']} {r['label']}: {r['reason']}; fix: {r['fix']}")
+    lines += _missing_lines(summary, per_group=reasons_per_group)
     for i, r in enumerate(ranked[:top_memory], 1):
         m = MemoryBreakdown.from_dict(r["memory_breakdown"])
         lines += ["", f"memory per GPU, #{i} {r['strategy']} {r['label']}:"] + m.lines()
