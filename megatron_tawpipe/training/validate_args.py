@@ -286,13 +286,6 @@ def _validate_tensor_parallel(args: argparse.Namespace) -> None:
     if args.sequence_parallel and args.seq_length % tp:
         raise ArgumentError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: --seq-length "
                             f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
-    if args.sequence_parallel:
-        from megatron_tawpipe.models.llama import check_sequence_parallel_support
-
-        try:
-            check_sequence_parallel_support(args)
-        except ValueError as exc:
-            raise ArgumentError(str(exc)) from None
     if args.ckpt_format == "tawpipe" and args.save:
         raise ArgumentError(f"--ckpt-format tawpipe stores whole parameters, which a tensor-parallel rank does not "
                             f"hold: with --tensor-model-parallel-size {tp} use --ckpt-format torch_dist (the default)")
