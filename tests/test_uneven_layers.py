@@ -136,7 +136,10 @@ def test_groups_of_different_sizes_are_refused_before_training(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ArgumentError, match=r"this node runs 3 of the 4 ranks \(LOCAL_WORLD_SIZE\), so the nodes "
                                             "differ in size"):
+        _validated(_argv(layers=4, schedule="tawpipe"), 4)
+    with pytest.raises(ArgumentError, match="weipipe's ring does not depend on the groups: --tawpipe-num-groups 1"):
         _validated(_argv(layers=4, schedule="weipipe"), 4)
+    assert _validated(_argv("--tawpipe-num-groups", "1", layers=4, schedule="weipipe"), 4).tawpipe_num_groups == 1
     assert _validated(_argv("--tawpipe-num-groups", "2", layers=4), 4).tawpipe_num_groups == 2
 
 

@@ -66,7 +66,7 @@ class WeightPipeTopology:
         return shards_held_by(self.shard_owners, dict(self.shard_replicas), self.rank if rank is None else rank)
 
 
-def default_num_groups(world_size: int) -> int:
+def default_num_groups(world_size: int, schedule: str = "tawpipe") -> int:
     """One group per node as torchrun reports it (LOCAL_WORLD_SIZE ranks per node). Collective when the
     default process group exists: every rank's LOCAL_WORLD_SIZE is compared, and nodes of different
     sizes are refused on every rank alike (the weight pipeline runs groups of equal size)."""
@@ -80,7 +80,9 @@ def default_num_groups(world_size: int) -> int:
         raise ValueError(f"the nodes run different numbers of ranks (LOCAL_WORLD_SIZE from {smallest} to {largest}, "
                          f"{world_size} ranks): weight passing needs groups (nodes) of equal size; start the same "
                          "number of ranks on every node, or give --tawpipe-num-groups D with D dividing "
-                         f"{world_size} (groups of {world_size}/D consecutive ranks)")
+                         f"{world_size} (groups of {world_size}/D consecutive ranks)"
+                         + ("; weipipe's ring does not depend on the groups: --tawpipe-num-groups 1 runs it"
+                            if schedule == "weipipe" else ""))
     return world_size // local
 
 

@@ -80,7 +80,8 @@ class WeightPipeModel:
         self.rank = dist.get_rank() // self.tensor_parallel_size
         self.world = dist.get_world_size() // self.tensor_parallel_size
         self.device = current_device()
-        groups = args.tawpipe_num_groups or parallel_state.default_num_groups(dist.get_world_size())
+        groups = (args.tawpipe_num_groups
+                  or parallel_state.default_num_groups(dist.get_world_size(), args.pipeline_schedule))
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
         self.plans = {count: build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,

@@ -381,7 +381,12 @@ def _check_equal_nodes(schedule: str, world_size: int) -> None:
             f"--pipeline-schedule {schedule}: this node runs {local} of the {world_size} ranks (LOCAL_WORLD_SIZE), "
             "so the nodes differ in size; weight passing needs groups (nodes) of equal size: start the same "
             "number of ranks on every node (torchrun --nproc-per-node), or give --tawpipe-num-groups D with D "
-            f"dividing {world_size} (groups of {world_size}/D consecutive ranks)")
+            f"dividing {world_size} (groups of {world_size}/D consecutive ranks){_WEIPIPE_GROUPS[schedule == 'weipipe']}")
+
+
+# WeiPipe's ring is the same plan whatever the groups (they only say which links are node links).
+_WEIPIPE_GROUPS = ("", "; weipipe's ring does not depend on the groups: --tawpipe-num-groups 1 runs it (its bytes "
+                       "then all count as intra-group)")
 
 
 def _ranks_per_node(world_size: int) -> int:
