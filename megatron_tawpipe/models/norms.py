@@ -21,14 +21,18 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class ZeroCentredLayerNorm(torch.nn.LayerNorm):
-    """LayerNorm with ``weight`` = gamma - 1: ``(x - mean) / sqrt(var + eps) * (1 + weight) + bias``."""
+class _ZeroCentredWeight:
+    """Starts ``weight`` (gamma - 1) at zero: gamma = 1."""
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if self.weight is not None:
             with torch.no_grad():
                 self.weight.zero_()
+
+
+class ZeroCentredLayerNorm(_ZeroCentredWeight, torch.nn.LayerNorm):
+    """LayerNorm with ``weight`` = gamma - 1: ``(x - mean) / sqrt(var + eps) * (1 + weight) + bias``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight.float() + 1.0
@@ -36,14 +40,8 @@ class ZeroCentredLayerNorm(torch.nn.LayerNorm):
         return F.layer_norm(input.float(), self.normalized_shape, weight, bias, self.eps).to(input.dtype)
 
 
-class ZeroCentredRMSNorm(torch.nn.RMSNorm):
+class ZeroCentredRMSNorm(_ZeroCentredWeight, torch.nn.RMSNorm):
     """RMSNorm with ``weight`` = gamma - 1: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.weight is not None:
-            with torch.no_grad():
-                self.weight.zero_()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight.float() + 1.0
