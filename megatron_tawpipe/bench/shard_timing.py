@@ -46,7 +46,7 @@ def measure_shard_times(args, layers_per_shard: int, device: torch.device, repea
     shard_args = copy.copy(args)
     shard_args.num_layers = layers_per_shard
     dtype = params_dtype(shard_args)
-    template = ShardTemplate(shard_args, num_shards=1, device=device)
+    template = ShardTemplate(shard_args, shard_layers=(layers_per_shard,), device=device)
     weights = torch.empty(template.shard_numel, dtype=dtype, device=device)
     template.init_shard(0, weights)
     template.bind(weights)
