@@ -19,6 +19,7 @@ included, runs with pretrain_llama.py).
 
     python tools/scale_study.py                      # examples/results/scale_study.{json,png}
     python tools/scale_study.py --models 7b --gpus 16 --seq 8192 --out /tmp/s.json
+    python tools/scale_study.py --summary            # the counts docs/simulator-and-advisor.md quotes
 """
 
 from __future__ import annotations
@@ -74,6 +75,48 @@ def cell(model_name, gpus, gbit, seq, plan_cache, per_node=8, peak=989.0, eff=0.
     top = order[0]["tokens_per_sec_per_gpu"]
     out["within_1pct"] = [r["strategy"] for r in order if r["tokens_per_sec_per_gpu"] >= 0.99 * top]
     return out
+
+
+def _tp(row) -> int:
+    """Tensor-parallel size of a cell's row (its label's ``tp=T``; 1 without)."""
+    return next((int(w[3:]) for w in row["label"].split() if w.startswith("tp=")), 1)
+
+
+def summary(rows) -> str:
+    """The study's counts: cells where something fits, winners by strategy and tensor-parallel size,
+    where TawPipe fits, wins, is the best runnable or within 1% of the winner, and what
+    pretrain_llama.py runs best."""
+    from collections import Counter
+
+    fit = [r for r in rows if r["winner"]]
+    taw = [r for r in fit if r["tawpipe"]]
+    cell = lambda r: f"{r['model']} {r['gpus']} GPUs {r['inter_gbit']} Gbit/s S={r['seq_length'] // 1024}k"  # noqa: E731
+    lines = [f"cells: {len(rows)}; something fits in {len(fit)}; nothing fits: "
+             + (", ".join(cell(r) for r in rows if not r["winner"]) or "none"),
+             "winners by tensor-parallel size: " + ", ".join(
+                 f"T={t}: {n}" for t, n in sorted(Counter(_tp(r["winner"]) for r in fit).items())),
+             "winners by strategy: " + ", ".join(f"{s} {n}" for s, n in Counter(
+                 r["winner"]["strategy"] + ("" if r["winner"]["trainable"] else "*") for r in fit).most_common()),
+             "best runnable by strategy: " + ", ".join(f"{s} {n}" for s, n in Counter(
+                 r["best_trainable"]["strategy"] for r in fit if r["best_trainable"]).most_common()),
+             f"best runnable is the winner in {sum(r['best_trainable'] == r['winner'] for r in fit)}, within 1% of it "
+             f"in {sum(r['best_trainable'] is not None and r['best_trainable'] != r['winner'] and r['best_trainable']['tokens_per_sec_per_gpu'] >= 0.99 * r['winner']['tokens_per_sec_per_gpu'] for r in fit)} more",
+             f"tawpipe fits in {len(taw)} (its best without tensor parallelism in "
+             f"{sum(_tp(r['tawpipe']) == 1 for r in taw)}, with shards of different sizes in "
+             f"{sum('[' in r['tawpipe']['label'] for r in taw)}, with the replicated first shard in "
+             f"{sum('rep0' in r['tawpipe']['label'] for r in taw)})",
+             "tawpipe fastest: " + (", ".join(f"{cell(r)} (+{100 * r['margin']:.1f}% over {r['runner_up']['strategy']})"
+                                              for r in fit if r["winner"]["strategy"] == "tawpipe") or "none"),
+             "tawpipe best runnable: " + (", ".join(
+                 f"{cell(r)} ({100 * (r['tawpipe']['tokens_per_sec_per_gpu'] / r['winner']['tokens_per_sec_per_gpu'] - 1):+.1f}% "
+                 f"vs {r['winner']['strategy']}, `{r['tawpipe']['label']}`)"
+                 for r in fit if r["best_trainable"] and r["best_trainable"]["strategy"] == "tawpipe") or "none"),
+             "tawpipe within 1% of the winner: " + (", ".join(cell(r) for r in fit if "tawpipe" in r["within_1pct"])
+                                                    or "none")]
+    behind = [r["tawpipe"]["tokens_per_sec_per_gpu"] / r["winner"]["tokens_per_sec_per_gpu"] - 1 for r in taw]
+    if behind:
+        lines.append(f"tawpipe against the winner where it fits: {100 * min(behind):+.1f}% to {100 * max(behind):+.1f}%")
+    return "\n".join(lines)
 
 
 def plot(rows, path, models, gpus, gbits, seqs) -> None:
@@ -143,7 +186,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "examples", "results", "scale_study.json"))
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
     p.add_argument("--replot", action="store_true", help="only redraw the chart from --out")
+    p.add_argument("--summary", action="store_true", help="only print the counts of --out")
     args = p.parse_args(argv)
+    if args.summary:
+        with open(args.out) as f:
+            print(summary(json.load(f)["cells"]))
+        return 0
     models = args.models.split(",")
     gpus = [int(x) for x in args.gpus.split(",")]
     gbits = [float(x) if "." in x else int(x) for x in args.gbits.split(",")]

@@ -9,9 +9,9 @@ Assumptions (bf16 mixed precision, AdamW, as megatron runs it with ``--bf16``):
 * gradient accumulators in fp32, 4 B per parameter (megatron's
   ``grad_reduce_in_fp32``, which ``--bf16`` turns on; FSDP2 with
   ``reduce_dtype=float32``), sharded where the strategy shards them.  The
-  weight-passing runtime keeps the owner's main gradient in fp32 too; its
-  partial-gradient buffers are counted at the compute dtype, as the simulator
-  counts them;
+  weight-passing runtime keeps the owner's main gradient in fp32 too, and its
+  partial-gradient buffers (``CostModel.grad_bytes``, 4); with shards of
+  different sizes every buffer holds the largest shard;
 * optimizer state: fp32 master weights and two fp32 Adam moments, 12 B per
   parameter, divided over the ranks that shard it;
 * activations: a layer keeps ``34 * tokens * H`` bytes for its backward in bf16
