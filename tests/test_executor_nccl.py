@@ -6,6 +6,7 @@ must hold the sum over all ranks and micro-batches: a transfer that went to the
 wrong buffer or peer, or was lost, changes it.
 """
 
+import dataclasses
 import datetime
 import os
 
@@ -18,21 +19,28 @@ from megatron_tawpipe.plan import Plan, build_plan, validate_plan
 from megatron_tawpipe.runtime.executor import Communicators, PeerFailure, PlanExecutor
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-NUMEL = 16
+NUMEL = 16   # elements per layer; a shard of n layers has n * NUMEL
+
+
+def _numel(plan, shard):
+    return NUMEL * plan.shard_layers[shard]
 
 
 class _Compute:
     """Weights of shard s are all s + 1; backward of micro-batch m adds m + 1 to every element."""
 
     def __init__(self, plan, rank):
-        self.shard_numel, self.compute_dtype, self.device = NUMEL, torch.float32, torch.device("cpu")
-        self.grads = {s: torch.zeros(NUMEL) for s in plan.shards_owned_by(rank)}
+        self.plan = plan
+        self.shard_numel, self.compute_dtype, self.device = NUMEL * plan.max_layers_per_shard, torch.float32, \
+            torch.device("cpu")
+        self.grads = {s: torch.zeros(_numel(plan, s)) for s in plan.shards_held_by(rank)}
         self.replicated = [torch.full((3,), float(rank + 1)), torch.full((2,), 1.0)]
         self.rank = rank
 
     def _check(self, shard, weights):
-        if not torch.all(weights == shard + 1):
-            raise AssertionError(f"rank {self.rank}: shard {shard} computed with weights {weights[:3].tolist()}")
+        if weights.numel() != _numel(self.plan, shard) or not torch.all(weights == shard + 1):
+            raise AssertionError(f"rank {self.rank}: shard {shard} computed with {weights.numel()} weights "
+                                 f"{weights[:3].tolist()}")
 
     def forward(self, mb, shard, weights):
         self._check(shard, weights)
@@ -42,7 +50,7 @@ class _Compute:
         grad.add_(mb + 1)
 
     def master(self, shard):
-        return torch.full((NUMEL,), float(shard + 1))
+        return torch.full((_numel(self.plan, shard),), float(shard + 1))
 
     def main_grad(self, shard):
         return self.grads[shard]
@@ -76,7 +84,7 @@ def _expect_sums(plan, results):
     for rank, res in enumerate(results):
         assert "failure" not in res, res
         for shard, grad in res["grads"].items():
-            assert grad == [want] * NUMEL, (rank, shard, grad[:3])
+            assert grad == [want] * _numel(plan, int(shard)), (rank, shard, grad[:3])
         assert res["replicated"][0] == [P * (P + 1) / 2] * 3
         assert res["replicated"][1] == [float(P)] * 2
 
@@ -89,6 +97,10 @@ CASES = [
     ("tawpipe", 4, 2, 3, {"cache": False}),
     ("tawpipe-nooverlap", 4, 2, 2, {}),
     ("weipipe", 3, 1, 2, {}),
+    # Shards of different sizes: every transfer and buffer the shard's size.
+    ("weipipe", 3, 1, 2, {"num_layers": 5}),
+    ("tawpipe", 4, 2, 2, {"num_layers": 6}),
+    ("tawpipe", 4, 2, 3, {"num_layers": 7, "replicate_first": True, "chunk": 2}),
 ]
 
 
@@ -116,3 +128,21 @@ def test_unsafe_plan_runs_on_gloo_but_fails_nccl_faithful_within_timeout():
     assert "FIFO on the weight point-to-point process group is held by step" in text
     for message in failures:
         assert message.startswith("rank ") and ", step " in message
+
+
+def test_a_transfer_whose_sides_differ_in_size_fails_nccl_faithful():
+    """A receive naming another shard than its send, with shards of different sizes: NCCL would post two
+    different counts (a hang or a truncated message); NCCL-faithful mode says so on both ranks."""
+    plan = build_plan("weipipe", num_ranks=3, num_groups=1, num_layers=5, num_microbatches=2)
+    for acts in plan.actions:
+        for i, a in enumerate(acts):
+            if type(a).__name__ == "RecvStart" and a.kind == "weight" and plan.shard_layers[a.shard] == 2:
+                acts[i] = dataclasses.replace(a, shard=2)      # shard 2 has one layer
+                break
+        else:
+            continue
+        break
+    results = run_ranks(_run_plan, 3, plan.to_json(), True, 3, timeout=60)
+    failures = "\n".join(r["failure"] for r in results if "failure" in r)
+    assert "NCCL would hang or truncate" in failures, results
+    assert f"has {NUMEL} elements and its partner" in failures or f"{NUMEL} elements" in failures

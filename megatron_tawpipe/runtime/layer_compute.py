@@ -45,18 +45,19 @@ class LayerCompute:
         self._rng: Optional[Dict[Tuple[int, int], RngSnapshot]] = {} if needs_rng and self.model.recompute else None
         self._rotary = self.template.rotary(args.seq_length)
 
-    def _bind(self, weights: torch.Tensor) -> int:
+    def _bind(self, weights: torch.Tensor, shard: int) -> int:
         """Bind the shard's weights (the executor's view of its layers); returns its layer count."""
-        if self.model.recompute:
-            return self.template.bind(weights)
-        return self.template.bind_by_copy(weights)
+        layers = self.template.bind(weights) if self.model.recompute else self.template.bind_by_copy(weights)
+        if layers != self.model.plan.shard_layers[shard]:
+            raise RuntimeError(f"shard {shard} has {self.model.plan.shard_layers[shard]} layers, its weights {layers}")
+        return layers
 
     def forward(self, mb: int, shard: int, weights: torch.Tensor) -> None:
         model, batches = self.model, self.model.microbatches
         if shard == 0:
             batches.start(mb)
         batch = batches.inputs[mb]
-        layers = self._bind(weights)
+        layers = self._bind(weights, shard)
         keep_graph = not model.recompute and not batches.forward_only
         if self._rng is not None and not batches.forward_only:
             self._rng[(mb, shard)] = RngSnapshot.capture()
@@ -90,7 +91,7 @@ class LayerCompute:
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         model = self.model
-        layers = self._bind(weights)
+        layers = self._bind(weights, shard)
         if model.recompute:
             hidden, out = self._recompute(mb, shard, layers)
         else:

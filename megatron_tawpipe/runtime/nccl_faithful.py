@@ -147,27 +147,33 @@ class FaithfulTransport:
 
     def _point_to_point(self, op: Op) -> None:
         key = process_group(op.action)
-        mine = torch.tensor([op.tag, _SEND if op.kind == "send" else _RECV, op.step], dtype=torch.int64)
-        theirs = torch.empty(3, dtype=torch.int64)
+        count = op.tensors[0].numel()
+        mine = torch.tensor([op.tag, _SEND if op.kind == "send" else _RECV, op.step, count], dtype=torch.int64)
+        theirs = torch.empty(4, dtype=torch.int64)
         control = self.control[key]
         out = dist.isend(mine, op.peer, group=control, tag=op.header_tag)
         got = dist.irecv(theirs, op.peer, group=control, tag=op.header_tag)
         self._wait(out)
         self._wait(got)
-        tag, kind, step = (int(x) for x in theirs)
+        tag, kind, step, their_count = (int(x) for x in theirs)
         if tag != op.tag or kind == int(mine[1]):
             raise RuntimeError(
                 f"NCCL would pair rank {self.rank} step {op.step} ({A.describe(op.action)}) with rank "
                 f"{op.peer} step {step} (tag {tag}, a {'send' if kind == _SEND else 'receive'}): they "
                 f"are at the same position between these ranks on the {describe_fifo(key)}")
+        if their_count != count:
+            raise RuntimeError(
+                f"rank {self.rank} step {op.step} ({A.describe(op.action)}) has {count} elements and its partner "
+                f"on rank {op.peer} (step {step}) {their_count}: NCCL would hang or truncate")
         fn = dist.isend if op.kind == "send" else dist.irecv
         self._wait(fn(op.tensors[0], op.peer, group=op.group, tag=op.tag))
 
     def _collective(self, op: Op) -> None:
         if op.group is None or len(op.ranks) <= 1:
             return
-        mine = torch.tensor([op.tag, op.step], dtype=torch.int64)
-        every = [torch.empty(2, dtype=torch.int64) for _ in op.ranks]
+        count = sum(t.numel() for t in op.tensors)
+        mine = torch.tensor([op.tag, op.step, count], dtype=torch.int64)
+        every = [torch.empty(3, dtype=torch.int64) for _ in op.ranks]
         self._wait(dist.all_gather(every, mine, group=op.group, async_op=True))
         for member, header in zip(op.ranks, every):
             if int(header[0]) != op.tag:
@@ -175,6 +181,10 @@ class FaithfulTransport:
                     f"collective order differs: rank {self.rank} step {op.step} runs "
                     f"{A.describe(op.action)} while rank {member} runs tag {int(header[0])} "
                     f"(its step {int(header[1])}) on the {describe_fifo(process_group(op.action))}")
+            if int(header[2]) != count:
+                raise RuntimeError(
+                    f"rank {self.rank} step {op.step} ({A.describe(op.action)}) has {count} elements and rank "
+                    f"{member} {int(header[2])}: NCCL would hang or truncate")
         if op.kind == "broadcast":
             self._wait(dist.broadcast(op.tensors[0], src=op.peer, group=op.group, async_op=True))
         elif op.kind == "reduce":

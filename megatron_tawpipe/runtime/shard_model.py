@@ -18,6 +18,7 @@ is about 1/T of the shard; the embedding and output layer are vocabulary-paralle
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -91,6 +92,7 @@ class ShardTemplate:
         # use, so that recompute mode keeps no spare shard copy.
         self._slot: Optional[torch.Tensor] = None
         self._slot_dtype = template_config.params_dtype
+        self._unbound = torch.empty(0, dtype=template_config.params_dtype, device=device)
         self._init_replicated(args.seed)
 
     # ---- layout ---------------------------------------------------------------------
@@ -102,7 +104,20 @@ class ShardTemplate:
             slots.append(ParamSlot(name, offset, tuple(param.shape), param.partition_dim if split else -1,
                                    self.gradient_is_partial(name, param)))
             offset += param.numel()
+        # A shard of n layers is the first n layers' worth of a buffer: every layer must lie alike.
+        per_layer = [[(slot.local_name.split(".", 1)[1], slot.shape) for slot in slots
+                      if slot.local_name.split(".", 1)[0] == str(i)] for i in range(self.max_layers)]
+        if any(layer != per_layer[0] for layer in per_layer):
+            raise ValueError("the decoder layers of one shard differ in their parameters; weight passing needs "
+                             "every layer alike")
         return slots
+
+    def layout_fingerprint(self) -> List[int]:
+        """``[buffer elements, elements per layer, checksum of the parameter names and shapes]``: equal on
+        every rank, or their transfers would not match (a node whose layer spec differs, e.g. without
+        Transformer Engine, lays its buffers out otherwise)."""
+        text = ";".join(f"{slot.local_name}:{slot.shape}" for slot in self.slots)
+        return [self.shard_numel, self.layer_numel, zlib.crc32(text.encode())]
 
     def gradient_is_partial(self, name: str, param: torch.Tensor) -> bool:
         """Whether a parameter's gradient on one tensor-parallel rank is a partial sum (all-reduced over
@@ -179,7 +194,16 @@ class ShardTemplate:
         for param, view in zip(self._layer_params, views):
             param.data = view
             param.grad = None
+        for param in self._layer_params[len(views):]:   # layers this shard does not run hold no buffer
+            param.data = self._unbound
+            param.grad = None
         return len(views) // self._params_per_layer
+
+    def unbind(self) -> None:
+        """Let go of every buffer the decoder layers' parameters point at (before the buffers are freed)."""
+        for param in self._layer_params:
+            param.data = self._unbound
+            param.grad = None
 
     def bind_by_copy(self, flat: torch.Tensor) -> int:
         """Copy ``flat`` into the template's own weight slot.
@@ -195,9 +219,10 @@ class ShardTemplate:
         if self._layer_params[0].data_ptr() != self._slot.data_ptr():
             for param, view in zip(self._layer_params, self.views(self._slot)):
                 param.data = view
+        layers = len(self._slots_for(flat)) // self._params_per_layer   # (checks whole layers)
         with torch.no_grad():
             self._slot[:flat.numel()].copy_(flat)
-        return flat.numel() // self.layer_numel
+        return layers
 
     def layer_grads_into(self, grad_flat: torch.Tensor) -> None:
         """Add the template's accumulated layer gradients into ``grad_flat`` (one shard's: its first

@@ -100,6 +100,7 @@ class WeightPipeModel:
             raise ValueError("the plans for the schedule's micro-batch counts split the layers differently")
         self.template = ShardTemplate(args, self.plan.shard_layers, self.device)
         self.shard_numel = self.template.shard_numel   # the largest shard's: the executor's buffers
+        self._check_same_layout()
         self.compute_dtype = params_dtype(args)
         # Every shard whose master this rank keeps and steps (owned or replicated, --tawpipe-replicate-first-shard);
         # ``counted`` are the ones it counts in the global norm and writes to checkpoints (owned).
@@ -121,6 +122,17 @@ class WeightPipeModel:
         self.executor = self._executor(self.plan)
         self.compute: ShardCompute = (compute or LayerCompute)(self)
         self._reset(None, None, 1, forward_only=True)
+
+    def _check_same_layout(self) -> None:
+        """Every rank lays a shard's weights out alike (same elements, names and shapes), or the plan's
+        transfers would not match: refused on every rank alike, before any plan runs."""
+        mine = self.template.layout_fingerprint()
+        both = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if [int(x) for x in both[:3]] != [-int(x) for x in both[3:]]:
+            raise ValueError(f"the ranks build shards of different layouts (this rank: {mine[0]} elements, {mine[1]} "
+                             "per layer): every node needs the same layer implementation (--transformer-impl, "
+                             "Transformer Engine or Apex installed alike)")
 
     def _create_megatron_communicators(self) -> None:
         """On NCCL with tensor parallelism: megatron-core's tensor- and data-parallel communicators are
@@ -149,6 +161,7 @@ class WeightPipeModel:
             raise ValueError(f"no plan for {num_microbatches} micro-batches per rank (planned: "
                              f"{sorted(self.plans)})")
         transport = self.executor.transport
+        self.template.unbind()
         self.executor = None   # the old buffers go before the new ones are allocated
         self.plan = self.plans[num_microbatches]
         self.executor = self._executor(self.plan, transport)
