@@ -84,3 +84,35 @@ def test_the_examples_llama_flags_are_the_packages():
     out = subprocess.run(["bash", "-c", 'source examples/llama_flags.sh; printf "%s\\n" "${LLAMA_FLAGS[@]}"'],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert tuple(out.split()) == tuple(LLAMA_FLAGS)
+
+
+def _run_script(out_dir, restarts, *extra):
+    started = time.monotonic()
+    proc = subprocess.run(["bash", SCRIPT, *extra], env=_env(out_dir, restarts), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    return proc, time.monotonic() - started
+
+
+def test_a_refused_flag_runs_once_and_exits_2(tmp_path):
+    """Every rank refuses the flag before training: torchrun says 1, the ranks' records say refused; the
+    script prints the line once, restarts nothing, exits 2."""
+    proc, _ = _run_script(tmp_path / "refused", 3, "--ckpt-format", "torch")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "restart 1 of" not in proc.stderr
+    assert proc.stderr.count("--ckpt-format torch: this project writes torch_dist") == 1, proc.stderr[-3000:]
+    assert "run_with_restarts: not restarted (refused on 4 rank(s) of this node" in proc.stderr
+
+
+def test_a_nan_loss_ends_without_a_restart(tmp_path):
+    """A learning rate that diverges on the tiny model: the run stops on the non-finite gradient, which would
+    recur from the same checkpoint, so the script exits 3 without restarting; RESTART_ANY_FAILURE=1 still
+    retries it."""
+    diverging = ("--lr", "1e30", "--min-lr", "0", "--clip-grad", "0")
+    proc, _ = _run_script(tmp_path / "nan", 3, *diverging)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "restart 1 of" not in proc.stderr
+    assert "not restarted (repeatable on 4 rank(s)" in proc.stderr and "NaN/Inf gradient" in proc.stderr
+    env = dict(_env(tmp_path / "forced", 1), RESTART_ANY_FAILURE="1")
+    forced = subprocess.run(["bash", SCRIPT, *diverging], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert forced.returncode == 3 and "restart 1 of 1" in forced.stderr, forced.stderr[-3000:]

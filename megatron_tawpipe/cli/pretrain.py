@@ -1,13 +1,17 @@
 """The command-line entry of a training run: validate, train, turn known failures into one line.
 
-Flags are checked before any process group exists (exit 2), and training-time failures (a dead peer, a
-NaN, a bad checkpoint) end with one ``PROG: error: ...`` line and exit 1.
+Flags are checked before any process group exists (exit 2), and training-time failures end with one
+``PROG: error: ...`` line: exit 1 for a lost peer (a restart can help), 3 for a failure that recurs from
+the same checkpoint (a NaN, a checkpoint that does not load). Refusals and repeatable failures are also
+recorded for the launch scripts (:mod:`megatron_tawpipe.common.exit_record`).
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Callable, List, Optional
+
+from megatron_tawpipe.common.exit_record import EXIT_STATUS, REFUSED, REPEATABLE, record_exit
 
 
 def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.py",
@@ -34,11 +38,10 @@ def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.p
         if check is not None:
             check(args)
     except (ArgumentError, ValueError, FileNotFoundError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(prog, exc, REFUSED)
 
     from megatron_tawpipe.common.errors import (CheckpointError, CheckpointSetupError, DistributedSetupError,
-                                                ExecutionError, TrainingError)
+                                                ExecutionError, PeerFailure, TrainingError)
     from megatron_tawpipe.distributed.initialize import destroy
     from megatron_tawpipe.training import pretrain
     from megatron_tawpipe.training.forward_step import gpt_forward_step
@@ -46,11 +49,20 @@ def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.p
     try:
         pretrain(args, forward_step_func or gpt_forward_step, trainer_factory=trainer_factory)
     except (DistributedSetupError, CheckpointSetupError) as exc:  # the same command cannot succeed
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except (TrainingError, ExecutionError, CheckpointError) as exc:
+        return _fail(prog, exc, REFUSED)
+    except PeerFailure as exc:   # a peer stopped or is unreachable: a restart can fix it (nothing recorded)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
+    except (TrainingError, ExecutionError, CheckpointError) as exc:   # recurs from the same checkpoint
+        return _fail(prog, exc, REPEATABLE)
     finally:
         destroy()
     return 0
+
+
+def _fail(prog: str, exc: BaseException, kind: str) -> int:
+    """Print the one error line and record why this rank ends (for the launch scripts); the exit status."""
+    line = f"{prog}: error: {exc}"
+    if not record_exit(kind, line):
+        print(line, file=sys.stderr)
+    return EXIT_STATUS[kind]
