@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from distributed_harness import run_ranks
 from megatron_tawpipe.plan import Plan, build_plan, validate_plan
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.connect import connection_warmup
 from megatron_tawpipe.runtime.executor import Communicators, PeerFailure, PlanExecutor
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -62,20 +64,25 @@ class _Compute:
         pass
 
 
-def _run_plan(rank, plan_json, faithful, timeout_s):
+def _run_plan(rank, plan_json, faithful, timeout_s, connect=False):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     plan = Plan.from_json(plan_json)
     compute = _Compute(plan, rank)
     executor = PlanExecutor(plan, rank, compute, Communicators(plan, dist.get_world_size()),
                             timeout=datetime.timedelta(seconds=timeout_s), nccl_faithful=faithful)
+    connected = 0
     try:
+        if connect:   # the warm-up must leave every buffer, gradient and byte count as it found them
+            connected = executor.connect()
+            assert executor.bytes_sent == {"intra": 0, "inter": 0}, executor.bytes_sent
         executor.run(plan.actions[rank])
     except PeerFailure as exc:
         return {"failure": str(exc)}
     finally:
         executor.close()
     return {"grads": {s: g.tolist() for s, g in compute.grads.items()},
-            "replicated": [t.tolist() for t in compute.replicated], "bytes": executor.bytes_sent}
+            "replicated": [t.tolist() for t in compute.replicated], "bytes": executor.bytes_sent,
+            "connected": connected}
 
 
 def _expect_sums(plan, results):
@@ -109,8 +116,13 @@ CASES = [
 def test_every_owner_gets_every_contribution(schedule, P, D, N, opts, faithful):
     plan = build_plan(schedule, num_ranks=P, num_groups=D, num_microbatches=N, **opts)
     validate_plan(plan)
-    results = run_ranks(_run_plan, P, plan.to_json(), faithful, 60, timeout=120)
+    results = run_ranks(_run_plan, P, plan.to_json(), faithful, 60, True, timeout=120)
     _expect_sums(plan, results)
+    # The connection warm-up ran first, every operation of it (under NCCL's rules when faithful).
+    warmup = connection_warmup(plan)
+    assert [res["connected"] for res in results] == [sum(not isinstance(a, A.Wait) for a in acts)
+                                                      for acts in warmup]
+    assert any(res["connected"] for res in results)
 
 
 def test_unsafe_plan_runs_on_gloo_but_fails_nccl_faithful_within_timeout():

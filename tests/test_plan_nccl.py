@@ -6,7 +6,8 @@ import pytest
 
 from megatron_tawpipe.plan import Plan, PlanError, build_plan, validate_plan
 from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.plan.nccl import MODES, NcclModel, batch_entries, check_nccl_order
+from megatron_tawpipe.plan.connect import check_nccl_order, connection_warmup
+from megatron_tawpipe.plan.nccl import ALL_MODES, MODES, NcclModel, batch_entries
 from megatron_tawpipe.plan.sweep import run_sweep
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -138,3 +139,87 @@ def test_sweep_small_range_passes():
     assert result.checked > 500
     assert set(result.by_schedule) == {"tawpipe", "weipipe", "weipipe-naive", "gpipe", "1f1b",
                                        "interleaved"}
+
+
+# ---- lazy connection (NCCL_RUNTIME_CONNECT) and the executor's warm-up ------------------------------
+
+def _crossed_first_uses() -> Plan:
+    """Rank 0's first weight send and rank 1's first gradient send, each partnered late: safe once
+    connected (each channel has its own FIFO), but each host blocks in its first call until the
+    peer makes its first call of the same direction -- which the peer issues after its own."""
+    w0 = A.SendStart(1, 1, "w", "weight", 0, "inter", batch=0)
+    g0 = A.RecvStart(2, 1, "g", "grad", 0, "inter", batch=1)
+    g1 = A.SendStart(2, 0, "g", "grad", 0, "inter", batch=0)
+    w1 = A.RecvStart(1, 0, "w", "weight", 0, "inter", batch=1)
+    return Plan(schedule="hand", family="weight", num_ranks=2, num_groups=2, num_layers=2,
+                num_microbatches=1, owners=(0, 1), streams=(0, 0), max_weight_buffers=1,
+                max_grad_buffers=1, actions=[[w0, g0, A.Wait(1), A.Wait(2)], [g1, w1, A.Wait(2), A.Wait(1)]])
+
+
+def test_first_use_connection_blocks_the_host_and_the_warmup_prevents_it():
+    plan = _crossed_first_uses()
+    NcclModel(plan, "group").run()                       # connected up front: fine
+    with pytest.raises(PlanError) as info:
+        NcclModel(plan, "group", lazy=True).run()
+    text = str(info.value)
+    assert "lazily" in text and "0 -> 1 connection" in text and "1 -> 0 connection" in text
+    warmup = connection_warmup(plan)
+    NcclModel(plan, "group", lazy=True, prologue=warmup).run()
+    check_nccl_order(plan, MODES)
+
+
+def test_first_collective_of_a_size_waits_for_every_member():
+    """A first all-reduce of a new size connects lazily: rank 2 reaches it only after a message
+    that rank 0 sends after its own all-reduce."""
+    ranks = (0, 1, 2)
+    ar = A.AllReduceStart(1, ranks, "g", "grad", 0, "intra")
+    send = A.SendStart(2, 2, "w", "weight", 0, "inter", batch=0)
+    recv = A.RecvStart(2, 0, "w", "weight", 0, "inter", batch=0)
+    plan = Plan(schedule="hand", family="weight", num_ranks=3, num_groups=1, num_layers=3,
+                num_microbatches=1, owners=(0, 1, 2), streams=(0, 0, 0), max_weight_buffers=1,
+                max_grad_buffers=1, actions=[[ar, send, A.Wait(2), A.Wait(1)], [ar, A.Wait(1)],
+                                             [recv, A.Wait(2), ar, A.Wait(1)]])
+    NcclModel(plan, "group").run()
+    with pytest.raises(PlanError, match="first AllReduce"):
+        NcclModel(plan, "group", lazy=True).run()
+    NcclModel(plan, "group", lazy=True, prologue=connection_warmup(plan)).run()
+
+
+@pytest.mark.parametrize("schedule,P,D,opts", [
+    ("tawpipe", 4, 2, {}), ("tawpipe", 8, 4, {"replicate_first": True}), ("weipipe", 4, 1, {}),
+    ("tawpipe-nooverlap", 8, 4, {}), ("tawpipe", 6, 3, {"num_layers": 9}),
+])
+def test_warmup_connects_each_connection_once_and_rescues_plans_that_would_hang(schedule, P, D, opts):
+    plan = build_plan(schedule, num_ranks=P, num_groups=D, num_microbatches=2, **opts)
+    warmup = connection_warmup(plan)
+    # Each directed pair of each point-to-point group and each collective kind and size, exactly once.
+    model = NcclModel(plan, "group", lazy=True)
+    needed = {key for r, entries in enumerate(model.entries) for e in entries for key in model.connections(r, e)}
+    warm = NcclModel(plan, "group", lazy=True, prologue=warmup)
+    made = [key for r in range(P) for e in warm.entries[r][:_starts(warmup[r])]
+            for key in warm.connections(r, e)]
+    assert needed == set(made)
+    assert all(isinstance(a, A.Wait) or (a.batch is None or a.batch < 0) for acts in warmup for a in acts
+               if not isinstance(a, A.Wait) and type(a) in A.P2P)
+    # Without the warm-up these plans hang under the lazy rule; with it, every mode passes.
+    with pytest.raises(PlanError, match="lazily"):
+        NcclModel(plan, "group", lazy=True).run()
+    check_nccl_order(plan, MODES)
+
+
+def _starts(actions) -> int:
+    """Entries (batches or single starts) among ``actions``."""
+    return len(batch_entries(Plan(schedule="x", family="weight", num_ranks=1, num_groups=1, num_layers=1,
+                                  num_microbatches=1, owners=(0,), streams=(0,), max_weight_buffers=0,
+                                  max_grad_buffers=0, actions=[list(actions)]), 0, "group"))
+
+
+def test_device_wide_issue_order_is_reported_not_required():
+    """One FIFO per GPU for all its communicators: the activation pipelines pass, the weight
+    pipelines rely on their communicators progressing side by side (docs/nccl.md)."""
+    assert "device" in ALL_MODES and "device" not in MODES
+    NcclModel(build_plan("1f1b", num_ranks=4, num_groups=2, num_microbatches=4), "device").run()
+    weipipe = build_plan("weipipe", num_ranks=4, num_groups=1, num_microbatches=2)
+    validate_plan(weipipe)
+    with pytest.raises(PlanError, match="device mode"):
+        NcclModel(weipipe, "device").run()

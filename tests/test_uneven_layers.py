@@ -13,7 +13,7 @@ from distributed_harness import run_ranks
 from megatron_tawpipe.common.layer_split import (check_layer_split, default_layer_split, first_last_layer_split,
                                                  layer_offsets)
 from megatron_tawpipe.plan import Plan, PlanError, actions as A, build_plan, validate_plan
-from megatron_tawpipe.plan.nccl import check_nccl_order
+from megatron_tawpipe.plan.connect import check_nccl_order
 from training_helpers import tiny_args
 
 

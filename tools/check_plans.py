@@ -38,8 +38,8 @@ def _range(text: str):
 
 
 def _one(args):
-    P, microbatches, full, splits = args
-    return P, run_sweep([P], microbatches, full, splits=splits)
+    P, microbatches, full, splits, report = args
+    return P, run_sweep([P], microbatches, full, splits=splits, report=report)
 
 
 def _splits(text: str):
@@ -73,6 +73,9 @@ def main(argv=None) -> int:
                         "layer more); default: both")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write the counts and failures as JSON")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip the stricter readings reported beside the check (lazy connection without the "
+                        "warm-up; one issue order across a GPU's communicators)")
     p.add_argument("--write-plans", metavar="PATH",
                    help="only build the sweep's plans and write them, one JSON line each, to PATH (no validation)")
     args = p.parse_args(argv)
@@ -82,17 +85,20 @@ def main(argv=None) -> int:
                             args.splits)
         print(f"wrote {count} plans to {args.write_plans} in {time.time() - start:.0f} s")
         return 0
-    jobs = [(P, args.microbatches, args.full_product_max_ranks, args.splits) for P in sorted(args.ranks, reverse=True)]
+    jobs = [(P, args.microbatches, args.full_product_max_ranks, args.splits, not args.no_report)
+            for P in sorted(args.ranks, reverse=True)]
     if args.workers > 1:
         with mp.Pool(args.workers) as pool:
             results = pool.map(_one, jobs, chunksize=1)
     else:
         results = [_one(j) for j in jobs]
-    total, by_schedule, failures = 0, {}, []
-    for P, res in sorted(results):
+    total, by_schedule, failures, unwarmed, device = 0, {}, [], {}, {}
+    for P, res in sorted(results, key=lambda x: x[0]):
         total += res.checked
-        for k, v in res.by_schedule.items():
-            by_schedule[k] = by_schedule.get(k, 0) + v
+        for counts, mine in ((by_schedule, res.by_schedule), (unwarmed, res.hang_without_warmup),
+                             (device, res.device_order_ok)):
+            for k, v in mine.items():
+                counts[k] = counts.get(k, 0) + v
         failures += res.failures
         print(f"P={P:>2}: {res.checked} plans, {len(res.failures)} failed", flush=True)
     for schedule, kwargs, error in failures[:20]:
@@ -100,11 +106,18 @@ def main(argv=None) -> int:
     print(f"checked {total} plans in {time.time() - start:.0f} s: " +
           ", ".join(f"{k} {v}" for k, v in sorted(by_schedule.items())) +
           f"; {len(failures)} failed")
+    if not args.no_report:
+        print("reported, not required -- would hang under lazy connection without the warm-up: " +
+              ", ".join(f"{k} {unwarmed.get(k, 0)}/{v}" for k, v in sorted(by_schedule.items())))
+        print("reported, not required -- run in one issue order across a GPU's communicators: " +
+              ", ".join(f"{k} {device.get(k, 0)}/{v}" for k, v in sorted(by_schedule.items())))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"checked": total, "by_schedule": by_schedule, "ranks": args.ranks,
                        "microbatches": args.microbatches,
                        "full_product_max_ranks": args.full_product_max_ranks, "splits": list(args.splits),
+                       **({} if args.no_report else {"hang_without_warmup": unwarmed, "device_order_ok": device}),
+                       "seconds": round(time.time() - start),
                        "failures": [[s, k, e] for s, k, e in failures]}, f, indent=1)
     return 1 if failures else 0
 

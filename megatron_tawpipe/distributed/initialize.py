@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_tawpipe.compat import cpu as cpu_compat
 from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES, virtual_pipeline_size
 from megatron_tawpipe.common.errors import DistributedSetupError
+from megatron_tawpipe.distributed import groups
 
 
 def check_master_reachable(addr: str, port: int, timeout_s: float, must_connect: bool) -> None:
@@ -54,6 +55,21 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_backend_for_device(backend: str, cuda: bool) -> None:
+    """The backend must move tensors where the run keeps them: NCCL needs GPUs; where a GPU is visible
+    the runtime keeps its buffers on it, and gloo cannot send or receive CUDA tensors."""
+    if backend == "nccl" and not cuda:
+        raise DistributedSetupError("--distributed-backend nccl needs CUDA GPUs and this machine has none "
+                                    "(torch.cuda.is_available() is False): use --distributed-backend gloo, "
+                                    "the default without a GPU")
+    if backend == "gloo" and cuda:
+        raise DistributedSetupError("--distributed-backend gloo on a machine with a visible GPU: the run keeps "
+                                    "its weights and buffers on the GPU and gloo cannot send or receive CUDA "
+                                    "tensors. Use --distributed-backend nccl (the default with GPUs), or hide "
+                                    "the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU with gloo -- also what "
+                                    "--tawpipe-nccl-faithful needs")
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -63,6 +79,8 @@ def _free_port() -> int:
 def initialize_distributed(args) -> None:
     """Create the default process group (no-op if one exists, e.g. in tests)."""
     cpu_compat.apply()
+    groups.set_timeout(args.distributed_timeout_minutes)
+    check_backend_for_device(args.distributed_backend or default_backend(), torch.cuda.is_available())
     if dist.is_initialized():
         return
     rank = int(os.environ.get("RANK", "0"))
@@ -80,10 +98,6 @@ def initialize_distributed(args) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = args.distributed_backend or default_backend()
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise DistributedSetupError("--distributed-backend nccl needs CUDA GPUs and this machine has none "
-                                    "(torch.cuda.is_available() is False): use --distributed-backend gloo, "
-                                    "the default without a GPU")
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -107,6 +121,7 @@ def initialize_model_parallel(args) -> None:
             virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
             num_distributed_optimizer_instances=(
                 1 if getattr(args, "use_torch_fsdp2", False) else args.num_distributed_optimizer_instances),
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
         )
     set_seeds(args.seed)
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tawpipe.common.device import current_device
+from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan.plan import shards_held_by
 
 
@@ -107,7 +108,7 @@ def initialize_weight_pipeline(num_groups: int, shard_owners: Sequence[int],
     topology = WeightPipeTopology(world // t, num_groups, rank // t, tuple(shard_owners), replicas)
     for group in range(num_groups):
         # new_group is collective over the default group: every rank creates every group.
-        _INTRA_GROUPS[group] = dist.new_group([v * t + j for v in topology.group_ranks(group) for j in range(t)])
+        _INTRA_GROUPS[group] = groups.new_group([v * t + j for v in topology.group_ranks(group) for j in range(t)])
     _TOPOLOGY = topology
     return topology
 

@@ -29,6 +29,23 @@ Which FIFO an operation joins (``mode``):
 * ``"group"`` -- eager initialisation (``init_process_group(device_id=...)``):
   one FIFO per rank for all operations of a process group, whatever the peer.
 
+* ``"device"`` -- the strictest reading of NCCL's rule for several
+  communicators: every operation of a rank, whatever its communicator, joins
+  one FIFO (kernels of different communicators never run side by side).
+  Pairing stays per communicator (``"group"``'s).  Reported by the sweep, not
+  required: the runtime relies on the communicators of a rank progressing
+  side by side (docs/nccl.md says what that needs).
+
+*Lazy connection* (``lazy=True``): NCCL connects a communicator's channels
+inside the first call that needs them, and that call blocks its host until the
+peers involved make theirs.  The first send from ``a`` to ``b`` on a
+communicator waits for ``b``'s first receive from ``a`` there (and the other
+way round); the first collective of each kind and size on a communicator waits
+for every member (which covers the ring's neighbours, the tree's, and NVLS's
+all-members rule).  The executor connects everything a plan uses before its
+first iteration (:func:`plan.connect.connection_warmup`); the validator proves
+that warm-up followed by the plan runs under this rule.
+
 The process groups are the executor's (:class:`runtime.executor.Communicators`):
 one for all point-to-point traffic of each channel (weights, gradients, ...),
 one per (members, channel) of broadcasts/reductions (the holders' all-reduce of
@@ -48,7 +65,8 @@ from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.plan import Plan
 
-MODES = ("pair", "group")
+MODES = ("pair", "group")          # the arrangements the validator requires
+ALL_MODES = MODES + ("device",)     # "device": one FIFO per rank (reported, not required)
 
 
 # ------------------------------------------------------------ communicators
@@ -63,7 +81,16 @@ def process_group(action) -> tuple:
 
 
 def _fifo(rank: int, action, mode: str) -> tuple:
-    """The communicator whose FIFO ``action`` joins on ``rank``."""
+    """The FIFO ``action`` joins on ``rank``: its communicator's (one per rank in ``"device"`` mode)."""
+    if mode == "device":
+        return ("device",)
+    return _comm(rank, action, mode)
+
+
+def _comm(rank: int, action, mode: str) -> tuple:
+    """The communicator that pairs ``action`` with its partners."""
+    if mode == "device":
+        mode = "group"
     pg = process_group(action)
     if mode == "pair" and type(action) in _P2P and action.batch is None:
         return pg + ("pair", min(rank, action.peer), max(rank, action.peer))
@@ -71,6 +98,8 @@ def _fifo(rank: int, action, mode: str) -> tuple:
 
 
 def describe_fifo(key: tuple) -> str:
+    if key[0] == "device":
+        return "device-wide issue order (every communicator)"
     if key[0] == "p2p":
         if len(key) > 2:
             return f"{key[1]} point-to-point communicator of ranks {key[3]} and {key[4]}"
@@ -129,28 +158,32 @@ def entries_of(actions, rank: int, mode: str) -> List[Tuple[tuple, List[Tuple[in
 
 # ------------------------------------------------------------------- model
 class _Entry:
-    __slots__ = ("rank", "key", "ops", "left")
+    __slots__ = ("rank", "key", "comm", "ops", "left")
 
-    def __init__(self, rank: int, key: tuple, ops: List[Tuple[int, object]]):
-        self.rank, self.key, self.ops = rank, key, ops
+    def __init__(self, rank: int, key: tuple, comm: tuple, ops: List[Tuple[int, object]]):
+        self.rank, self.key, self.comm, self.ops = rank, key, comm, ops
         self.left = len(ops)
 
 
 class NcclModel:
     """Issue-order execution of a plan's communication under NCCL's rules."""
 
-    def __init__(self, plan: Plan, mode: str):
-        if mode not in MODES:
-            raise ValueError(f"unknown NCCL model mode {mode!r}; known: {', '.join(MODES)}")
-        self.plan, self.mode = plan, mode
+    def __init__(self, plan: Plan, mode: str, lazy: bool = False, prologue: Optional[List[list]] = None):
+        """``lazy``: NCCL's lazy connection rule; ``prologue``: per-rank actions run before the
+        plan (the executor's connection warm-up)."""
+        if mode not in ALL_MODES:
+            raise ValueError(f"unknown NCCL model mode {mode!r}; known: {', '.join(ALL_MODES)}")
+        self.plan, self.mode, self.lazy = plan, mode, lazy
         P = plan.num_ranks
+        self.prologue = [len(p) for p in prologue] if prologue else [0] * P
+        self.actions = [list(prologue[r]) + list(plan.actions[r]) for r in range(P)] if prologue else plan.actions
         self.entries: List[List[_Entry]] = []
         self.entry_of: Dict[Tuple[int, int], _Entry] = {}       # (rank, tag) -> entry
         self.first_of_step: List[Dict[int, _Entry]] = []        # rank -> {step: entry posted there}
         for r in range(P):
             entries, first = [], {}
-            for key, ops in batch_entries(plan, r, mode):
-                e = _Entry(r, key, ops)
+            for key, ops in entries_of(self.actions[r], r, mode):
+                e = _Entry(r, key, _comm(r, ops[0][1], mode), ops)
                 entries.append(e)
                 first[ops[0][0]] = e
                 for _, a in ops:
@@ -162,6 +195,8 @@ class NcclModel:
         self.done = set()
         self.pc = [0] * P
         self.arrived: Dict[tuple, set] = defaultdict(set)        # pair communicator -> ranks
+        self.connected = set()                                   # lazy rule: connections made
+        self.parties: Dict[tuple, frozenset] = {}                # connection -> ranks it needs
 
     # ------------------------------------------------------------ matching
     def _match(self) -> Dict[Tuple[int, int], List[Tuple[int, int]]]:
@@ -171,7 +206,7 @@ class NcclModel:
         sizes: Dict[int, set] = defaultdict(set)
         for r, entries in enumerate(self.entries):
             for e in entries:
-                comm = e.key      # each communicator (pair or group) pairs its own traffic
+                comm = e.comm     # each communicator (pair or group) pairs its own traffic
                 for step, a in e.ops:
                     t = type(a)
                     if t is A.SendStart:
@@ -180,7 +215,7 @@ class NcclModel:
                         recvs[(comm, a.peer, r)].append((step, a))
                     else:
                         members[a.tag].append(r)
-                        sizes[a.tag].add(_elements(self.plan, a))
+                        sizes[a.tag].add((type(a), transfer_elements(self.plan, a)))
                         if len(sizes[a.tag]) > 1:
                             raise PlanError(f"NCCL ({self.mode} mode): the members of collective tag {a.tag} "
                                             f"name different sizes ({A.describe(a)}: "
@@ -196,7 +231,7 @@ class NcclModel:
                         f"({A.describe(ra)}): they are the {_nth(k)} send and receive between "
                         f"these ranks on the {describe_fifo(comm)}, and NCCL ignores tags",
                         dst, rs, ra)
-                if _elements(self.plan, sa) != _elements(self.plan, ra):
+                if transfer_elements(self.plan, sa) != transfer_elements(self.plan, ra):
                     raise PlanError(
                         f"NCCL ({self.mode} mode): the send at rank {src} step {ss} ({A.describe(sa)}) carries "
                         f"{_describe_elements(self.plan, sa)} and its receive {_describe_elements(self.plan, ra)}: "
@@ -232,13 +267,13 @@ class NcclModel:
                     if rr not in queued:
                         queued.add(rr)
                         ready.append(rr)
-        stuck = [r for r in range(P) if self.pc[r] < len(self.plan.actions[r])]
+        stuck = [r for r in range(P) if self.pc[r] < len(self.actions[r])]
         if stuck:
             self._deadlock(stuck)
 
     def _advance(self, r: int):
         """Run rank ``r`` until it blocks; returns (what it blocks on, things that happened)."""
-        acts = self.plan.actions[r]
+        acts = self.actions[r]
         first = self.first_of_step[r]
         woken: List[object] = []
         pc = self.pc[r]
@@ -263,6 +298,12 @@ class NcclModel:
                         # Lazy creation of a pair communicator: both hosts block until both call.
                         self.pc[r] = pc
                         return pair, woken
+                if self.lazy:
+                    missing = self._connect(r, e, woken)
+                    if missing:
+                        # Lazy connection: the host blocks in this call until the peers make theirs.
+                        self.pc[r] = pc
+                        return missing[0], woken
                 fifo = self.fifo[(r, e.key)]
                 fifo.append(e)
                 if len(fifo) == 1:
@@ -270,6 +311,36 @@ class NcclModel:
             pc += 1
         self.pc[r] = pc
         return None, woken
+
+    def connections(self, r: int, e: _Entry) -> List[tuple]:
+        """The connections ``e``'s operations need, each with the ranks that make it."""
+        out = []
+        for _, a in e.ops:
+            if type(a) in _P2P:
+                src, dst = (r, a.peer) if type(a) is A.SendStart else (a.peer, r)
+                key = ("connect", e.comm, src, dst)
+                self.parties.setdefault(key, frozenset((src, dst)))
+            else:
+                key = ("connect", e.comm, type(a).__name__, transfer_elements(self.plan, a))
+                self.parties.setdefault(key, frozenset(a.ranks))
+            out.append(key)
+        return out
+
+    def _connect(self, r: int, e: _Entry, woken: List[object]) -> List[tuple]:
+        """Register ``r`` at the connections ``e`` needs; return those still waiting for peers."""
+        missing = []
+        for key in self.connections(r, e):
+            if key in self.connected:
+                continue
+            arrived = self.arrived[key]
+            if r not in arrived:
+                arrived.add(r)
+                if arrived >= self.parties[key]:
+                    self.connected.add(key)
+                    woken.append(key)
+                    continue
+            missing.append(key)
+        return missing
 
     def _run_head(self, r: int, key: tuple) -> List[object]:
         """Complete what can complete now that an entry reached the head of a FIFO."""
@@ -318,7 +389,9 @@ class NcclModel:
             lines.append(line)
             r = nxt
         others = [x for x in stuck if x not in seen]
-        msg = f"NCCL ordering ({self.mode} mode): deadlock. " + "; ".join(lines)
+        rule = ", lazy connection" if self.lazy else ""
+        warm = f", after a {max(self.prologue)}-action connection warm-up" if any(self.prologue) else ""
+        msg = f"NCCL ordering ({self.mode} mode{rule}{warm}): deadlock. " + "; ".join(lines)
         if others:
             msg += f". Also stuck: rank(s) {others}"
         rank, step, action = blame
@@ -327,10 +400,18 @@ class NcclModel:
     def _why(self, r: int):
         """One link of the wait chain: (text, next rank to look at, (rank, step, action))."""
         step = self.pc[r]
-        a = self.plan.actions[r][step]
-        where = (r, step, a)
+        a = self.actions[r][step]
+        where = (r, step - self.prologue[r], a)
         if type(a) is not A.Wait:
             e = self.first_of_step[r][step]
+            if self.lazy and not (self.mode == "pair" and len(e.key) > 2 and len(self.arrived[e.key]) < 2):
+                key = self._connect(r, e, [])[0]
+                absent = sorted(self.parties[key] - self.arrived[key])
+                what = (f"the {key[2]} -> {key[3]} connection" if isinstance(key[2], int) else
+                        f"its first {key[2][:-5]} of {_describe(key[3])}")
+                return (f"rank {r} step {step} ({A.describe(a)}) makes {what} on the "
+                        f"{describe_fifo(e.comm)} lazily and waits for rank(s) {absent} to reach theirs (rank "
+                        f"{absent[0]} is stopped at step {self.pc[absent[0]]})"), absent[0], where
             other = e.key[3] if e.key[3] != r else e.key[4]
             return (f"rank {r} step {step} ({A.describe(a)}) is creating the "
                     f"{describe_fifo(e.key)} and waits for rank {other} to call it"), other, where
@@ -360,7 +441,7 @@ class NcclModel:
         return text, None, where
 
 
-def _elements(plan: Plan, action) -> tuple:
+def transfer_elements(plan: Plan, action) -> tuple:
     """What a transfer carries, in units both sides know: a weight or gradient shard is its
     layer count (buffers hold whole layers of one shape); activations are one boundary."""
     kind = getattr(action, "kind", None)
@@ -371,8 +452,13 @@ def _elements(plan: Plan, action) -> tuple:
     return (kind, getattr(action, "size", None))
 
 
+def _describe(elements: tuple) -> str:
+    what, n = elements
+    return f"{n} layers" if what == "layers" else f"{what} {n}"
+
+
 def _describe_elements(plan: Plan, action) -> str:
-    what, n = _elements(plan, action)
+    what, n = transfer_elements(plan, action)
     return f"{n} layers (shard {action.shard})" if what == "layers" else f"{what} {n}"
 
 
@@ -380,13 +466,6 @@ def _nth(k: int) -> str:
     n = k + 1
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
-
-
-def check_nccl_order(plan: Plan, modes=MODES) -> None:
-    """Raise ``PlanError`` unless ``plan`` runs to completion under NCCL's
-    rules in every mode of ``modes``."""
-    for mode in modes:
-        NcclModel(plan, mode).run()
 
 
 _P2P = frozenset(A.P2P)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.nccl import NcclModel
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.plan.validate import validate_plan
 
@@ -34,6 +35,11 @@ class SweepResult:
     checked: int = 0
     by_schedule: dict = field(default_factory=dict)
     failures: List[Tuple[str, dict, str]] = field(default_factory=list)
+    # Stricter readings, reported, not required (``report=True``), by schedule: plans that would hang
+    # under lazy connection without the executor's warm-up (group mode), and plans that run with
+    # every operation of a GPU in one issue order across its communicators ("device" mode).
+    hang_without_warmup: dict = field(default_factory=dict)
+    device_order_ok: dict = field(default_factory=dict)
 
 
 def divisors(n: int) -> List[int]:
@@ -107,12 +113,16 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
 
 
 def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
-              stop_on_failure: bool = False, progress=None, splits: Sequence[str] = SPLITS) -> SweepResult:
+              stop_on_failure: bool = False, progress=None, splits: Sequence[str] = SPLITS,
+              report: bool = False) -> SweepResult:
     result = SweepResult()
     for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits):
         error: Optional[str] = None
         try:
-            validate_plan(build_plan(schedule, **kwargs))
+            plan = build_plan(schedule, **kwargs)
+            validate_plan(plan)
+            if report:
+                _report(plan, schedule, result)
         except PlanError as exc:
             error = str(exc)
         result.checked += 1
@@ -124,3 +134,18 @@ def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_ma
         if progress is not None:
             progress(result)
     return result
+
+
+def _passes(model: NcclModel) -> bool:
+    try:
+        model.run()
+    except PlanError:
+        return False
+    return True
+
+
+def _report(plan, schedule: str, result: SweepResult) -> None:
+    if not _passes(NcclModel(plan, "group", lazy=True)):
+        result.hang_without_warmup[schedule] = result.hang_without_warmup.get(schedule, 0) + 1
+    if _passes(NcclModel(plan, "device")):
+        result.device_order_ok[schedule] = result.device_order_ok.get(schedule, 0) + 1

@@ -37,7 +37,8 @@ from typing import Dict
 from megatron_tawpipe.common.layer_split import check_layer_split
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
-from megatron_tawpipe.plan.nccl import MODES, check_nccl_order
+from megatron_tawpipe.plan.connect import check_nccl_order
+from megatron_tawpipe.plan.nccl import MODES
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.symbolic import SymbolicExecutor
 

@@ -35,6 +35,7 @@ from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.plan.traffic import ring_share
 from megatron_tawpipe.runtime.timing import ComputeTimer
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
+from megatron_tawpipe.runtime.warmup import connect
 from megatron_tawpipe.common.errors import ExecutionError, PeerFailure, first_line
 
 __all__ = ["Communicators", "ExecutionError", "PeerFailure", "PlanExecutor", "first_line"]
@@ -137,6 +138,14 @@ class PlanExecutor:
                  for n in sorted(names["grad"])}
         return weights, grads
 
+    def shard_elements(self, shard: int) -> int:
+        """Elements of shard ``shard`` (a prefix of every buffer)."""
+        return self._numel[shard]
+
+    def connect(self) -> int:
+        """Make every connection the plan uses before its first iteration (:mod:`runtime.warmup`)."""
+        return connect(self)
+
     def _weights(self, name: str, shard: int, write: bool = False) -> torch.Tensor:
         """Weight buffer ``name`` as shard ``shard``'s: its first ``shard``-sized part."""
         self._check_not_in_flight(name, write)
@@ -179,11 +188,11 @@ class PlanExecutor:
                 continue
             board.at(_PlanPosition(step, len(actions), action))
             self._step = step
-            started = time.time() if self.trace is not None else 0.0
+            started = self.timer.stamp(time.time()) if self.trace is not None else 0.0
             try:
                 self._handlers[type(action)](action)
                 if self.trace is not None:
-                    self._record(action, started, time.time())
+                    self._record(action, started, self.timer.stamp(time.time()))
             except PeerFailure as exc:
                 raise PeerFailure(f"{self.name}, step {step} of {len(actions)}, {action}: {exc}") from exc
             except ExecutionError as exc:
@@ -209,7 +218,8 @@ class PlanExecutor:
         self.trace = {"rank": self.rank, "spans": [], "transfers": []}
         self._posted = {}
 
-    def _record(self, action, start: float, end: float) -> None:
+    def _record(self, action, start, end) -> None:
+        """``start``/``end``: seconds, or on CUDA stamps of the stream (resolved after the plan)."""
         kind = _SPAN_KINDS.get(type(action))
         if kind is not None:
             if type(action) in (A.Forward, A.Backward):   # device time, resolved after the plan
@@ -228,10 +238,13 @@ class PlanExecutor:
                                             getattr(started, "kind", "allreduce"), link, posted, end])
 
     def _resolve_trace(self) -> None:
-        """Turn compute spans measured with events into wall-clock seconds."""
+        """Turn times measured with CUDA events into wall-clock seconds (after the plan)."""
         for span in self.trace["spans"]:
             if callable(span[1]):
                 span[1], span[2] = span[1](), span[2]()
+        for transfer in self.trace["transfers"]:
+            if callable(transfer[4]):
+                transfer[4], transfer[5] = transfer[4](), transfer[5]()
 
     def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import describe_fifo, process_group
 from megatron_tawpipe.runtime.transport import Op
@@ -115,7 +116,7 @@ class FaithfulTransport:
         self.workers: Dict[tuple, _Worker] = {}
         self.sequence: Dict[Tuple[tuple, int, int], int] = {}
         # Headers travel on groups of their own, so their tags never meet the data's.
-        self.control = {key: dist.new_group() for key in communicators.groups if key[0] == "p2p"} \
+        self.control = {key: groups.new_group() for key in communicators.groups if key[0] == "p2p"} \
             if dist.get_world_size() > 1 else {}
 
     def issue(self, ops: List[Op]) -> Dict[int, _Handle]:

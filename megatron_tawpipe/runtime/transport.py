@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import process_group
 
@@ -76,7 +77,7 @@ class Communicators:
         for index in range(tensor_parallel_size):   # every rank creates every index's groups, in one order
             for key, ranks in members.items():
                 physical = [v * tensor_parallel_size + index for v in ranks]
-                group = dist.new_group(physical) if physical_world > 1 else None
+                group = groups.new_group(physical) if physical_world > 1 else None
                 if index == tensor_parallel_rank:
                     self.groups[key], mine[key] = group, tuple(physical)
         if physical_world > 1 and dist.get_backend() == "nccl":

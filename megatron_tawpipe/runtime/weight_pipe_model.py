@@ -17,6 +17,7 @@ that runs each action is given to the model (:class:`LayerCompute`, or emulated 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -31,6 +32,7 @@ from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
 from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
 from megatron_tawpipe.runtime.microbatches import MicroBatches
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
+from megatron_tawpipe.runtime.warmup import launch_order_problem
 
 
 def plan_name(args) -> str:
@@ -116,6 +118,10 @@ class WeightPipeModel:
         self._replica_names = {self.template.global_name(shard, slot) for shard in self.owned
                                if shard not in self.counted for slot in self.template.slots_of(shard)}
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        if dist.get_backend() == "nccl":
+            refusal = launch_order_problem(list(self.plans.values()), os.environ)
+            if refusal:
+                raise ValueError(refusal)
         self.communicators = Communicators(list(self.plans.values()), self.world, self.tensor_parallel_size,
                                            self.tensor_parallel_rank)
         self._create_megatron_communicators()
@@ -148,9 +154,13 @@ class WeightPipeModel:
             dist.all_reduce(probe, group=group)
 
     def _executor(self, plan, transport=None) -> PlanExecutor:
-        return PlanExecutor(plan, self.rank, self, self.communicators,
-                            timeout=datetime.timedelta(minutes=self.args.distributed_timeout_minutes),
-                            nccl_faithful=getattr(self.args, "tawpipe_nccl_faithful", False), transport=transport)
+        """An executor for ``plan`` with every connection of the plan made (every rank builds it at the
+        same point: start-up, or the iteration where all switch plans)."""
+        executor = PlanExecutor(plan, self.rank, self, self.communicators,
+                                timeout=datetime.timedelta(minutes=self.args.distributed_timeout_minutes),
+                                nccl_faithful=getattr(self.args, "tawpipe_nccl_faithful", False), transport=transport)
+        executor.connect()
+        return executor
 
     def use_plan_for(self, num_microbatches: int) -> None:
         """Switch to the plan for ``num_microbatches`` per rank (every rank switches at the same

@@ -1,0 +1,100 @@
+"""The connection warm-up: a pass that connects, before the first iteration,
+everything a plan's communication will use.
+
+NCCL connects a communicator's channels lazily, inside the first call that
+needs them, and that call blocks its host until the peers involved make
+theirs (:mod:`plan.nccl`, ``lazy=True``).  A first use in the middle of a plan
+can therefore hang a plan that is safe once everything is connected: a rank
+blocked in its first send to a peer stops issuing the operations its other
+peers wait for.  A tiny all-reduce per communicator does not help: NCCL picks
+its algorithm (ring, tree, NVLS) by size, and each is connected on its first
+use.
+
+:func:`connection_warmup` returns, for every rank, the actions that make each
+connection once, in stages every rank takes in the same order:
+
+* one stage per point-to-point process group: every rank that has peers on it
+  issues one batch (one NCCL group) with a send to each peer it sends to in
+  the plan and a receive from each peer it receives from, then waits for them;
+* one stage per (collective process group, operation, size): its members
+  issue a copy of the plan's first such operation and wait for it.
+
+Stages are ordered the same on every rank and each involves only the ranks
+that share it, so the warm-up cannot deadlock; the validator runs it before
+the plan under the lazy rule.  The executor runs these actions on scratch
+buffers of the same sizes (:meth:`runtime.executor.PlanExecutor.connect`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Tuple
+
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.nccl import MODES, NcclModel, process_group, transfer_elements
+from megatron_tawpipe.plan.plan import Plan
+
+#: Batch ids of the warm-up's point-to-point stages (the planners' batch ids are >= 0).
+_FIRST_BATCH = -1
+
+
+def _sort_key(key) -> str:
+    return repr(key)
+
+
+def connection_warmup(plan: Plan) -> List[List[object]]:
+    """Per rank, the warm-up actions (start actions and their waits) for ``plan``."""
+    P = plan.num_ranks
+    next_tag = 1 + max((getattr(a, "tag", 0) for acts in plan.actions for a in acts), default=0)
+    pairs: Dict[tuple, Dict[Tuple[int, int], object]] = {}      # p2p group -> {(src, dst): first send}
+    collectives: Dict[tuple, object] = {}                         # (group, op, size) -> first action
+    for r in range(P):
+        for a in plan.actions[r]:
+            t = type(a)
+            if t is A.SendStart:
+                pairs.setdefault(process_group(a), {}).setdefault((r, a.peer), a)
+            elif t is A.RecvStart:
+                pairs.setdefault(process_group(a), {})
+            elif t in _COLLECTIVES:
+                collectives.setdefault((process_group(a), t.__name__, transfer_elements(plan, a)), a)
+    out: List[List[object]] = [[] for _ in range(P)]
+    batch = _FIRST_BATCH
+    for group in sorted(pairs, key=_sort_key):
+        sends: Dict[int, list] = {r: [] for r in range(P)}
+        recvs: Dict[int, list] = {r: [] for r in range(P)}
+        for (src, dst), first in sorted(pairs[group].items()):
+            sends[src].append(A.SendStart(next_tag, dst, first.buf, first.kind, first.shard, first.link,
+                                          first.size, batch=batch))
+            recvs[dst].append(A.RecvStart(next_tag, src, first.buf, first.kind, first.shard, first.link,
+                                          first.size, batch=batch))
+            next_tag += 1
+        for r in range(P):
+            ops = sorted(sends[r] + recvs[r], key=lambda a: (a.peer, type(a) is A.RecvStart))
+            out[r] += ops + [A.Wait(a.tag) for a in ops]
+        batch -= 1
+    for key in sorted(collectives, key=_sort_key):
+        first = collectives[key]
+        copy = dataclasses.replace(first, tag=next_tag)
+        next_tag += 1
+        for r in first.ranks:
+            out[r] += [copy, A.Wait(copy.tag)]
+    return out
+
+
+def check_nccl_order(plan: Plan, modes=MODES, lazy: bool = True) -> None:
+    """Raise ``PlanError`` unless ``plan`` runs to completion under NCCL's rules in every mode of
+    ``modes``: with every connection made up front, and (``lazy``) under lazy connection after
+    :func:`connection_warmup`."""
+    for mode in modes:
+        NcclModel(plan, mode).run()
+    if lazy and modes:
+        warmup = connection_warmup(plan)
+        for mode in modes:
+            NcclModel(plan, mode, lazy=True, prologue=warmup).run()
+
+
+def is_warmup_batch(batch) -> bool:
+    return isinstance(batch, int) and batch <= _FIRST_BATCH
+
+
+_COLLECTIVES = frozenset((A.BroadcastStart, A.ReduceStart, A.AllReduceStart, A.ReplicatedAllReduceStart))
