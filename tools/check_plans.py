@@ -92,13 +92,15 @@ def main(argv=None) -> int:
             results = pool.map(_one, jobs, chunksize=1)
     else:
         results = [_one(j) for j in jobs]
-    total, by_schedule, failures, unwarmed, device = 0, {}, [], {}, {}
+    total, by_schedule, failures, unwarmed, device, in_flight = 0, {}, [], {}, {}, {}
     for P, res in sorted(results, key=lambda x: x[0]):
         total += res.checked
         for counts, mine in ((by_schedule, res.by_schedule), (unwarmed, res.hang_without_warmup),
                              (device, res.device_order_ok)):
             for k, v in mine.items():
                 counts[k] = counts.get(k, 0) + v
+        for k, v in res.most_in_flight.items():
+            in_flight[k] = max(in_flight.get(k, 0), v)
         failures += res.failures
         print(f"P={P:>2}: {res.checked} plans, {len(res.failures)} failed", flush=True)
     for schedule, kwargs, error in failures[:20]:
@@ -111,12 +113,15 @@ def main(argv=None) -> int:
               ", ".join(f"{k} {unwarmed.get(k, 0)}/{v}" for k, v in sorted(by_schedule.items())))
         print("reported, not required -- run in one issue order across a GPU's communicators: " +
               ", ".join(f"{k} {device.get(k, 0)}/{v}" for k, v in sorted(by_schedule.items())))
+        print("communicators with operations in flight at once on one rank, at most: " +
+              ", ".join(f"{k} {v}" for k, v in sorted(in_flight.items())))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"checked": total, "by_schedule": by_schedule, "ranks": args.ranks,
                        "microbatches": args.microbatches,
                        "full_product_max_ranks": args.full_product_max_ranks, "splits": list(args.splits),
-                       **({} if args.no_report else {"hang_without_warmup": unwarmed, "device_order_ok": device}),
+                       **({} if args.no_report else {"hang_without_warmup": unwarmed, "device_order_ok": device,
+                                                   "most_communicators_in_flight": in_flight}),
                        "seconds": round(time.time() - start),
                        "failures": [[s, k, e] for s, k, e in failures]}, f, indent=1)
     return 1 if failures else 0

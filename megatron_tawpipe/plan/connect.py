@@ -31,7 +31,7 @@ import dataclasses
 from typing import Dict, List, Tuple
 
 from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.plan.nccl import MODES, NcclModel, process_group, transfer_elements
+from megatron_tawpipe.plan.nccl import MODES, NcclModel, communicator_of, process_group, transfer_elements
 from megatron_tawpipe.plan.plan import Plan
 
 #: Batch ids of the warm-up's point-to-point stages (the planners' batch ids are >= 0).
@@ -93,8 +93,24 @@ def check_nccl_order(plan: Plan, modes=MODES, lazy: bool = True) -> None:
             NcclModel(plan, mode, lazy=True, prologue=warmup).run()
 
 
+def communicators_in_flight(plan: Plan) -> int:
+    """The most communicators one rank has operations in flight on at once (group mode): the NCCL
+    kernels that must be able to run side by side on one GPU."""
+    most = 0
+    for r, acts in enumerate(plan.actions):
+        live: Dict[int, tuple] = {}
+        for a in acts:
+            if type(a) is A.Wait:
+                live.pop(a.tag, None)
+            elif type(a) in _STARTS:
+                live[a.tag] = communicator_of(r, a, "group")
+                most = max(most, len(set(live.values())))
+    return most
+
+
 def is_warmup_batch(batch) -> bool:
     return isinstance(batch, int) and batch <= _FIRST_BATCH
 
 
 _COLLECTIVES = frozenset((A.BroadcastStart, A.ReduceStart, A.AllReduceStart, A.ReplicatedAllReduceStart))
+_STARTS = frozenset(A.STARTS)

@@ -84,10 +84,10 @@ def _fifo(rank: int, action, mode: str) -> tuple:
     """The FIFO ``action`` joins on ``rank``: its communicator's (one per rank in ``"device"`` mode)."""
     if mode == "device":
         return ("device",)
-    return _comm(rank, action, mode)
+    return communicator_of(rank, action, mode)
 
 
-def _comm(rank: int, action, mode: str) -> tuple:
+def communicator_of(rank: int, action, mode: str) -> tuple:
     """The communicator that pairs ``action`` with its partners."""
     if mode == "device":
         mode = "group"
@@ -183,7 +183,7 @@ class NcclModel:
         for r in range(P):
             entries, first = [], {}
             for key, ops in entries_of(self.actions[r], r, mode):
-                e = _Entry(r, key, _comm(r, ops[0][1], mode), ops)
+                e = _Entry(r, key, communicator_of(r, ops[0][1], mode), ops)
                 entries.append(e)
                 first[ops[0][0]] = e
                 for _, a in ops:

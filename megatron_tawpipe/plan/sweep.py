@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.connect import communicators_in_flight
 from megatron_tawpipe.plan.nccl import NcclModel
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.plan.validate import validate_plan
@@ -40,6 +41,7 @@ class SweepResult:
     # every operation of a GPU in one issue order across its communicators ("device" mode).
     hang_without_warmup: dict = field(default_factory=dict)
     device_order_ok: dict = field(default_factory=dict)
+    most_in_flight: dict = field(default_factory=dict)    # communicators in flight at once on one rank
 
 
 def divisors(n: int) -> List[int]:
@@ -147,5 +149,6 @@ def _passes(model: NcclModel) -> bool:
 def _report(plan, schedule: str, result: SweepResult) -> None:
     if not _passes(NcclModel(plan, "group", lazy=True)):
         result.hang_without_warmup[schedule] = result.hang_without_warmup.get(schedule, 0) + 1
+    result.most_in_flight[schedule] = max(result.most_in_flight.get(schedule, 0), communicators_in_flight(plan))
     if _passes(NcclModel(plan, "device")):
         result.device_order_ok[schedule] = result.device_order_ok.get(schedule, 0) + 1
