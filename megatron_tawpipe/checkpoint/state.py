@@ -12,6 +12,7 @@ the grad scaler's state and ``after_parameters_loaded()``.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from typing import Optional
@@ -24,34 +25,79 @@ from megatron_tawpipe.common.atomic import atomic_write_text, fsync_dir
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+logger = logging.getLogger(__name__)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def rng_device_type() -> str:
+    """The device type whose generators this process's RNG states hold: ``cuda`` on a GPU machine (the CUDA
+    generator, megatron-core's RNG tracker of CUDA states), ``cpu`` without CUDA (the CPU compatibility layer
+    makes the tracker hold CPU generator states)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def saved_rng_device(state: dict) -> str:
+    """The device type a saved RNG state comes from: its ``device`` entry, or for states saved before it
+    was recorded, ``cuda`` when it carries a CUDA generator state (only a GPU machine saved one)."""
+    device = state.get("device")
+    if device is None:
+        return "cuda" if "cuda" in state else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise CheckpointError(f"the saved RNG state comes from device type {device!r}; expected cpu or cuda")
+    return device
+
+
+_MACHINE = {"cpu": "CPU", "cuda": "GPU (cuda)"}
+
+
 def rng_state() -> dict:
+    """This rank's RNG states: Python, NumPy and torch's CPU generator, the CUDA generator on a GPU
+    machine, megatron-core's RNG tracker (dropout), and the device type they were taken on."""
     # Only tensors and plain Python values, so that weights_only loading works.
     kind, keys, pos, has_gauss, cached = np.random.get_state()
+    device = rng_device_type()
     state = {
+        "device": device,
         "python": random.getstate(),
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if device == "cuda":
         state["cuda"] = torch.cuda.get_rng_state()
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state["tracker"] = get_cuda_rng_tracker().get_states()
+    # Host tensors (a CUDA generator's state is one already): the object unpickles without a GPU.
+    state["tracker"] = {name: value.cpu() if isinstance(value, torch.Tensor) else value
+                        for name, value in get_cuda_rng_tracker().get_states().items()}
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`'s states, also from a state saved on the other device type.
+
+    The Python, NumPy and torch CPU generators are restored whatever the device. The CUDA generator and
+    megatron-core's tracker states are restored only where they were saved on the same device type: a
+    CUDA generator state does not fit the CPU generator the tracker forks on a CPU machine, nor a CPU
+    state a GPU's. Across device types these keep the states seeded from ``--seed`` at start-up (the same
+    on every run), and one line says so.
+    """
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
+    saved, here = saved_rng_device(state), rng_device_type()
+    if saved != here:
+        if rank() == 0:
+            kept = "megatron's RNG tracker (dropout) keeps" if here == "cpu" else \
+                "the CUDA generator and megatron's RNG tracker (dropout) keep"
+            logger.warning("RNG state saved on a %s machine, restored on a %s machine: Python, NumPy and torch's "
+                           "CPU generator restored; %s the states seeded from --seed at start-up",
+                           _MACHINE[saved], _MACHINE[here], kept)
+        return
+    if here == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

@@ -102,8 +102,8 @@ class RandomMicroBatchSampler:
 
 def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
                         consumed_samples: int, *, num_workers: int = 0, cyclic: bool = False,
-                        pin_memory: bool = False, ignore_signal: Optional[int] = None,
-                        dataloader_type: str = "single") -> Optional[Iterator[Dict[str, "object"]]]:
+                        pin_memory: Optional[bool] = None, ignore_signal: Optional[int] = None,
+                        dataloader_type: str = "single", device=None) -> Optional[Iterator[Dict[str, "object"]]]:
     """Iterator over this data-parallel rank's micro-batches (dicts of batched CPU tensors).
 
     Deterministic and resumable: the batches after ``consumed_samples`` (global samples,
@@ -111,11 +111,17 @@ def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: i
     Finite (until the dataset is used up) unless ``cyclic``; ``dataloader_type`` ``cyclic`` is Megatron-LM's
     random sampler (:class:`RandomMicroBatchSampler`), endless.  Returns None for a None
     dataset (ranks that build no data).  Worker processes ignore ``ignore_signal`` (the signal
-    ``--exit-signal-handler`` leaves to the training process).
+    ``--exit-signal-handler`` leaves to the training process).  ``pin_memory`` None (the default) pins
+    the batches when they go to a GPU (:func:`pin_memory_for` of ``device``, default this rank's device).
     """
     if dataset is None:
         return None
     import torch
+
+    if pin_memory is None:
+        from megatron_tawpipe.common.device import current_device
+
+        pin_memory = pin_memory_for(current_device() if device is None else device)
 
     if dataloader_type == "cyclic":  # Megatron-LM's random sampler
         sampler = RandomMicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
@@ -132,6 +138,15 @@ def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: i
                         if ignore_signal is not None and int(num_workers) > 0 else None),
     )
     return iter(loader)
+
+
+def pin_memory_for(device) -> bool:
+    """Whether the loader pins its batches for ``device``: for a CUDA device. :func:`get_batch` copies them
+    with ``non_blocking=True``, which overlaps with compute only from pinned (page-locked) host memory; from
+    pageable memory the copy waits for the GPU. On the CPU there is nothing to copy to."""
+    import torch
+
+    return torch.device(device).type == "cuda"
 
 
 def _ignore_signal_in_worker(signum: int, _worker_id: int) -> None:

@@ -8,9 +8,10 @@ tied or untied embeddings, dropout. With Megatron-LM's defaults that is GPT;
 Llama is ``LLAMA_FLAGS`` in :mod:`megatron_tawpipe.arguments`. Layer spec:
 Transformer Engine's when TE is importable with a GPU (or ``--transformer-impl
 transformer_engine``), otherwise megatron-core's local spec with our SDPA core
-attention (megatron's local attention materialises the S x S score matrix) and, for
-zero-centred norms or sequence parallelism, torch norms that take them
-(:mod:`megatron_tawpipe.models.norms`).
+attention (megatron's local attention materialises the S x S score matrix) and norms
+named explicitly, the block's final norm included (:func:`norm_modules`): Apex's
+LayerNorm on a GPU, torch norms that take zero-centred weights and sequence
+parallelism (:mod:`megatron_tawpipe.models.norms`), otherwise torch's own.
 
 Initial weights are a pure function of ``(seed, global parameter name)``
 (:mod:`megatron_tawpipe.models.initialization`; names, shapes and tensor-parallel
@@ -262,11 +263,17 @@ def resolve_attention_backend(requested: str, args=None) -> str:
     return requested
 
 
+def _apex_layer_norm_usable(args) -> bool:
+    """Whether megatron-core's Apex LayerNorm (``FusedLayerNorm``) can run here: a LayerNorm model on a GPU
+    with Apex's fused LayerNorm kernel importable (it does no RMSNorm)."""
+    return (getattr(args, "normalization", "RMSNorm") == "LayerNorm" and torch.cuda.is_available()
+            and _importable("apex.normalization.fused_layer_norm") and _importable("fused_layer_norm_cuda"))
+
+
 def _beyond_torch_norm(args, backend: str) -> bool:
     """Whether the layers get a norm other than torch's: Transformer Engine's, or Apex's LayerNorm on a GPU
     (both take zero-centred weights and sequence parallelism themselves)."""
-    return backend == "te" or (args.normalization == "LayerNorm" and torch.cuda.is_available()
-                               and _importable("apex"))
+    return backend == "te" or _apex_layer_norm_usable(args)
 
 
 def check_model_support(args) -> None:
@@ -285,9 +292,33 @@ def _uses_torch_norm(args, backend: str) -> bool:
     return wanted and not _beyond_torch_norm(args, backend)
 
 
+def norm_modules(args, backend: str):
+    """``(norm, query/key norm)`` classes of megatron-core's local layer, which the block's final norm is
+    too; None for Transformer Engine's layer, whose norms are TE's.
+
+    Always named here rather than left to megatron-core, whose choice follows what is installed: its block
+    takes TE's, else Apex's LayerNorm (LayerNorm only) for the final norm whenever Apex is importable, even
+    for an RMSNorm model, and its local spec's LayerNorm follows a module global that an RMSNorm spec
+    overwrites. Apex's LayerNorm for a LayerNorm model where it runs (:func:`_apex_layer_norm_usable`),
+    :class:`TorchNorm` for zero-centred weights or sequence parallelism without it, otherwise megatron-core's
+    torch norm (torch's LayerNorm or RMSNorm).
+    """
+    if backend == "te":
+        return None
+    if _apex_layer_norm_usable(args):
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+
+        return FusedLayerNorm, FusedLayerNorm
+    if _uses_torch_norm(args, backend):
+        return TorchNorm, TorchQKNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm, WrappedTorchNorm
+
+
 def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
     """The decoder-layer spec the flags describe: TE's fused layer, or megatron's local layer with
-    SDPA or megatron's own attention."""
+    SDPA or megatron's own attention and the norms of :func:`norm_modules`."""
     backend = resolve_attention_backend(attention_backend, args)
     normalization = getattr(args, "normalization", "RMSNorm")
     qk_layernorm = bool(getattr(args, "qk_layernorm", False))
@@ -296,14 +327,33 @@ def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    if _uses_torch_norm(args, backend):
-        layer = spec.submodules
-        layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
-        if qk_layernorm:
-            layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = TorchQKNorm
+    norm, qk_norm = norm_modules(args, backend)
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = norm
+    if qk_layernorm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = qk_norm
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
+
+
+def block_spec(layer_spec, config: TransformerConfig, vp_stage: Optional[int], final_norm):
+    """A decoder-layer spec as the block spec megatron-core's ``TransformerBlock`` makes of it
+    (``_get_block_submodules``: this stage's number of layers, from its pipeline rank, uneven first and last
+    stages and ``--pipeline-model-parallel-layout`` included), with ``final_norm`` as the final norm in
+    place of megatron-core's default. Anything else (a block spec already) is returned as it is."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+    from megatron.core.utils import get_pg_rank
+
+    if not (isinstance(layer_spec, ModuleSpec) and isinstance(layer_spec.module, type)
+            and issubclass(layer_spec.module, BaseTransformerLayer)):
+        return layer_spec
+    # The pipeline rank as the block takes it (GPTModel's process groups are megatron-core's own).
+    pp_rank = get_pg_rank(parallel_state.get_pipeline_model_parallel_group(check_initialized=False))
+    count = get_num_layers_to_build(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * count, layer_norm=final_norm)
 
 
 def construct_llama_model(args, config: TransformerConfig, pre_process: bool = True,
@@ -312,18 +362,16 @@ def construct_llama_model(args, config: TransformerConfig, pre_process: bool = T
 
     ``compute`` replaces the layers' and the model's compute (emulated compute): it gives the decoder-layer
     spec (``compute.layer_spec(spec)``) and the model class (``compute.gpt_model_class()``), which it is
-    built with; the parameters are the same."""
+    built with; the parameters are the same. The block's final norm is the layers' norm
+    (:func:`norm_modules`), named explicitly, except with Transformer Engine's layer."""
     spec = llama_layer_spec(args.attention_backend, args)
     model_class, extra = GPTModel, {}
     if compute is not None:
         spec = compute.layer_spec(spec)
         model_class, extra = compute.gpt_model_class(), {"emulated_compute": compute}
-    if _uses_torch_norm(args, resolve_attention_backend(args.attention_backend, args)):
-        # The block's final norm is megatron-core's module default unless the block spec names it.
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                          layer_norm=TorchNorm)
+    norms = norm_modules(args, resolve_attention_backend(args.attention_backend, args))
+    if norms is not None:
+        spec = block_spec(spec, config, vp_stage, final_norm=norms[0])
     return model_class(
         config=config,
         transformer_layer_spec=spec,
