@@ -23,9 +23,39 @@ except ImportError:
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs one CUDA device (skipped without one); run them with python -m pytest -m gpu tests "
+        "on a GPU machine (tools/gpu_bringup.sh does)")
     for pattern in (
         "ignore:.*Transformer Engine and Apex are not installed.*:UserWarning",
         "ignore::DeprecationWarning",
         "ignore::FutureWarning",
     ):
         config.addinivalue_line("filterwarnings", pattern)
+
+
+def cuda_absent_reason():
+    """Why the ``gpu`` tests cannot run here, or None when torch sees a CUDA device.
+
+    ``torch.cuda.device_count`` asks NVML where it can, which leaves CUDA uninitialised in this process
+    (``torch.cuda.is_available`` would initialise the driver, and the ranks that other tests fork could then
+    not use CUDA)."""
+    import torch
+
+    if torch.cuda.device_count() < 1:
+        return (f"needs one CUDA device: torch {torch.__version__} sees none (torch.cuda.device_count() is 0); "
+                "run python -m pytest -m gpu tests on a GPU machine")
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests are skipped, with the reason, where torch sees no CUDA device."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import pytest
+
+    reason = cuda_absent_reason()
+    if reason is not None:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -316,3 +316,43 @@ def test_every_check_end_to_end_on_cpu(tmp_path):
     assert 0.95 <= memory["held_ratio"] <= 1.25, memory
     assert rows["memory"]["result"] == "ok"
     assert report["failed"] is False and report["environment"]["megatron_core"]
+
+
+# ---- on a GPU (``gpu`` tests: skipped without one) -------------------------------------------------
+
+CUDA_SMALL = [flag for flag in TINY if flag not in ("--device", "cpu")]
+for _flag, _value in (("--wait-probe-matmul", "2048"), ("--wait-probe-ms", "20")):
+    CUDA_SMALL[CUDA_SMALL.index(_flag) + 1] = _value
+
+
+@pytest.mark.gpu
+def test_every_check_end_to_end_on_cuda(tmp_path):
+    """The command on one GPU at small sizes: TE compared (or skipped, naming why), the bf16 one-rank
+    TawPipe run against native 1F1B on NCCL, Waits measured behind queued GPU work, CUDA-event timings,
+    a real memory peak."""
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, TOOL] + CUDA_SMALL + ["--json", str(report_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    rows = {row["check"]: row for row in report["checks"]}
+    te_rows = [name for name in rows if name.startswith("te")]
+    assert [name for name in rows if not name.startswith("te")] == ["losses", "wait", "timings", "memory"]
+    reason = layer_specs.transformer_engine_unavailable_reason()
+    if reason is None:
+        assert te_rows == ["te (bf16)", "te (fp32)"] and all(rows[name]["result"] == "ok" for name in te_rows)
+    else:
+        assert te_rows == ["te"] and rows["te"]["result"] == f"skipped: {reason}"
+
+    losses = rows["losses"]
+    assert losses["result"] == "ok" and len(losses["details"]["tawpipe"]) == 3
+    assert "--bf16" in losses["details"]["argv"]
+    wait = rows["wait"]
+    assert wait["result"] == "measured" and wait["details"]["plan_waits"]["count"] == 2 * 3
+    assert not wait["details"]["probe"]["verdict"].startswith("not applicable"), wait["details"]["probe"]["verdict"]
+    written = json.loads(open(rows["timings"]["details"]["times_output"]).read())
+    assert "CUDA events" in written["source"] and not written["device"].startswith("cpu")
+    assert min(rows["timings"]["details"]["shard_seconds"].values()) > 0
+    memory = rows["memory"]
+    assert memory["result"] in ("ok", "differs") and memory["details"]["peak_allocated_bytes"] > 0
+    assert report["failed"] is False and report["environment"]["cuda"]

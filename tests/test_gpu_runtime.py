@@ -277,3 +277,53 @@ def test_weight_passing_schedules_take_megatrons_newer_keywords():
         forward_backward_weipipe(forward_step_func="fs", data_iterator="it", model=model, num_microbatches=4,
                                  seq_length=32, micro_batch_size=1, **newer)
 
+
+
+# ---- on a GPU (``gpu`` tests: skipped without one) ---------------------------------------------
+
+
+def _fused_adamw_and_norm_on_cuda():
+    from megatron_tawpipe.optimizer.clip import squared_l2_norm
+    from megatron_tawpipe.runtime.trainer import WeightPassingTrainer, adamw_kernel_options
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5000, generator=generator), torch.randn(64, 33, generator=generator) * 1e-3,
+             torch.randn(7, generator=generator) * 50]
+    norm = squared_l2_norm([g.to(device) for g in grads], device)
+    norm_half = squared_l2_norm([g.to(device, torch.bfloat16) for g in grads], device)
+    masters_cpu = [torch.nn.Parameter(torch.randn(257, 31, generator=generator)) for _ in range(3)]
+    masters_cuda = [torch.nn.Parameter(p.detach().to(device)) for p in masters_cpu]
+    options = adamw_kernel_options(masters_cuda)
+    fused = torch.optim.AdamW(masters_cuda, lr=1e-2, weight_decay=0.1, **options)
+    reference = torch.optim.AdamW(masters_cpu, lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(3):
+        for cpu, cuda in zip(masters_cpu, masters_cuda):
+            g = torch.randn(cpu.shape, generator=generator)
+            cpu.grad, cuda.grad = g, g.to(device)
+        fused.step()
+        reference.step()
+    trainer = SimpleNamespace(_adamw=fused)
+    step = WeightPassingTrainer._place_state(trainer, "step", torch.tensor(3.0, dtype=torch.float64), masters_cuda[0])
+    return {"norm": (norm.device.type, norm.dtype, float(norm)), "norm_half": float(norm_half),
+            "expected": sum(float(g.double().pow(2).sum()) for g in grads),
+            "expected_half": sum(float(g.to(torch.bfloat16).double().pow(2).sum()) for g in grads),
+            "options": options, "fused_default": fused.defaults.get("fused"),
+            "max_diff": max(float((a.detach().cpu() - b.detach()).abs().max()) for a, b in zip(masters_cuda, masters_cpu)),
+            "step": (step.device.type, step.dtype, float(step))}
+
+
+@pytest.mark.gpu
+def test_squared_norm_and_fused_adamw_on_cuda():
+    """On the GPU: the fp64 norm of fp32 and bf16 gradients, the fused AdamW kernel the trainer picks for
+    CUDA fp32 masters (it follows torch's reference AdamW), and a loaded step placed as that kernel wants."""
+    from test_cuda_one_rank import run_in_fresh_process
+
+    out = run_in_fresh_process(_fused_adamw_and_norm_on_cuda)
+    device_type, dtype, norm = out["norm"]
+    assert device_type == "cuda" and dtype == torch.float64
+    assert abs(norm - out["expected"]) <= 1e-6 * out["expected"]
+    assert abs(out["norm_half"] - out["expected_half"]) <= 1e-5 * out["expected_half"]
+    assert out["options"] == {"fused": True} and out["fused_default"] is True
+    assert out["max_diff"] <= 1e-5, out["max_diff"]
+    assert out["step"] == ("cuda", torch.float32, 3.0)
