@@ -16,6 +16,19 @@ from megatron_tawpipe.common.errors import ArgumentError
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
 WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
+# ``--pipeline-schedule plan:FILE`` runs the weight-passing plan in FILE (JSON or CSV, as Plan.to_json /
+# to_csv write it) on the same runtime as weipipe and tawpipe.
+PLAN_FILE_PREFIX = "plan:"
+
+
+def plan_file_of(schedule: str) -> Optional[str]:
+    """The plan file of ``--pipeline-schedule plan:FILE``, or None for a named schedule."""
+    return schedule[len(PLAN_FILE_PREFIX):] if schedule.startswith(PLAN_FILE_PREFIX) else None
+
+
+def is_weight_passing(schedule: str) -> bool:
+    """Whether ``--pipeline-schedule`` runs on the weight-passing runtime: weipipe, tawpipe, a plan file."""
+    return schedule in WEIGHT_PASSING_SCHEDULES or plan_file_of(schedule) is not None
 
 
 def _positive_int(text: str) -> int:
@@ -260,7 +273,8 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     takes it as is): the schedule, the weight pipeline's options, metrics and benchmarking."""
     g = parser.add_argument_group("weight-passing pipeline (megatron_tawpipe)")
     g.add_argument("--pipeline-schedule", default="1f1b",
-                   help=f"one of {', '.join(PIPELINE_SCHEDULES)}")
+                   help=f"one of {', '.join(PIPELINE_SCHEDULES)}, or {PLAN_FILE_PREFIX}FILE: a weight-passing plan "
+                        "(JSON or CSV, as tools/plan.py build writes it) that passes the validator")
     g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
                    help="groups (nodes) of the weight pipeline; default: one per node")
     g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")

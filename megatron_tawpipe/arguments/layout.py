@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megatron_tawpipe.arguments.flags import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.arguments.flags import is_weight_passing
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+    if is_weight_passing(args.pipeline_schedule):
         return world_size // args.tensor_model_parallel_size
     return world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tawpipe.compat import cpu as cpu_compat
-from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES, virtual_pipeline_size
+from megatron_tawpipe.arguments import is_weight_passing, virtual_pipeline_size
 from megatron_tawpipe.common.errors import DistributedSetupError
 from megatron_tawpipe.distributed import groups
 
@@ -111,7 +111,7 @@ def initialize_model_parallel(args) -> None:
     and TP as requested (the tensor-parallel groups inside the weight pipeline's virtual ranks)."""
     from megatron.core import parallel_state
 
-    weight_passing = args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES
+    weight_passing = is_weight_passing(args.pipeline_schedule)
     pp = 1 if weight_passing else args.pipeline_model_parallel_size
     tp = args.tensor_model_parallel_size
     if not parallel_state.model_parallel_is_initialized():

@@ -24,3 +24,6 @@ __all__ = [
 from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes, ring_share
 
 __all__ += ["link_bytes", "replicated_allreduce_bytes", "ring_share"]
+from megatron_tawpipe.plan.files import read_plan, write_plan
+
+__all__ += ["read_plan", "write_plan"]

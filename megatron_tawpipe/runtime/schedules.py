@@ -27,12 +27,13 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, List, Optional, Union
 
-from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.arguments import is_weight_passing, plan_file_of
 from megatron_tawpipe.distributed.megatron_schedules import megatron_forward_backward_func
 
 
-def _forward_backward_weight_passing(expected: str, *, forward_step_func, data_iterator: Union[Iterator, List[Iterator]],
-                                     model, num_microbatches: int, seq_length: int, micro_batch_size: int,
+def _forward_backward_weight_passing(expected: Optional[str], *, forward_step_func,
+                                     data_iterator: Union[Iterator, List[Iterator]], model, num_microbatches: int,
+                                     seq_length: int, micro_batch_size: int,
                                      decoder_seq_length=None, forward_only: bool = False,
                                      collect_non_loss_data: bool = False, first_val_step=None,
                                      adjust_tensor_shapes_fn=None, force_all_reduce=False,
@@ -52,7 +53,7 @@ def _forward_backward_weight_passing(expected: str, *, forward_step_func, data_i
     if isinstance(data_iterator, list):
         (data_iterator,) = data_iterator
     family = model.plan.schedule.split("-")[0]
-    if family != expected:
+    if expected is not None and family != expected:
         raise ValueError(f"forward_backward_{expected} got a model planned for {model.plan.schedule}")
     return model.run(forward_step_func, data_iterator, num_microbatches, forward_only)
 
@@ -67,6 +68,11 @@ def forward_backward_tawpipe(**kwargs) -> list:
     return _forward_backward_weight_passing("tawpipe", **kwargs)
 
 
+def forward_backward_plan_file(**kwargs) -> list:
+    """``--pipeline-schedule plan:FILE``: whatever weight-passing plan the model was given."""
+    return _forward_backward_weight_passing(None, **kwargs)
+
+
 def get_forward_backward_func(pipeline_schedule: str, pp_size: Optional[int] = None,
                               vp_size: Optional[int] = None) -> Callable:
     """Beside megatron-core's ``get_forward_backward_func``: ours for weight passing, megatron's otherwise."""
@@ -74,6 +80,8 @@ def get_forward_backward_func(pipeline_schedule: str, pp_size: Optional[int] = N
         return forward_backward_weipipe
     if pipeline_schedule == "tawpipe":
         return forward_backward_tawpipe
-    if pipeline_schedule in WEIGHT_PASSING_SCHEDULES:  # pragma: no cover - kept in sync above
+    if plan_file_of(pipeline_schedule) is not None:
+        return forward_backward_plan_file
+    if is_weight_passing(pipeline_schedule):  # pragma: no cover - kept in sync above
         raise ValueError(pipeline_schedule)
     return megatron_forward_backward_func(pp_size, vp_size)

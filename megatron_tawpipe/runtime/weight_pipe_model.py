@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import params_dtype
-from megatron_tawpipe.plan import build_plan, validate_plan
+from megatron_tawpipe.arguments import plan_file_of
+from megatron_tawpipe.plan import Plan, build_plan, read_plan, validate_plan
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
 from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
@@ -67,6 +68,22 @@ def planned_microbatch_counts(args) -> List[int]:
     return sorted(counts)
 
 
+def plans_for_run(args, world: int, groups: int) -> Dict[int, Plan]:
+    """The run's plans by micro-batches per rank: built by the schedule's planner for every count the run's
+    global batches give, or the one plan of ``--pipeline-schedule plan:FILE`` (checked against the flags in
+    validate_args; here again against the world and the groups, which every rank agrees on)."""
+    path = plan_file_of(args.pipeline_schedule)
+    if path is None:
+        return {count: build_plan(plan_name(args), num_ranks=world, num_groups=groups, num_layers=args.num_layers,
+                                  num_microbatches=count, shard_layers=args.decoder_layer_split, **plan_options(args))
+                for count in planned_microbatch_counts(args)}
+    plan = read_plan(path)
+    if (plan.num_ranks, plan.num_groups) != (world, groups):
+        raise ValueError(f"plan file {path}: planned for {plan.num_ranks} ranks in {plan.num_groups} groups; this run "
+                         f"has {world} ranks in {groups} groups")
+    return {plan.num_microbatches: plan}
+
+
 class WeightPipeModel:
     """One rank's weight-pipeline model: the plan, its executor and the compute callbacks."""
 
@@ -86,10 +103,7 @@ class WeightPipeModel:
                   or parallel_state.default_num_groups(dist.get_world_size(), args.pipeline_schedule))
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
-        self.plans = {count: build_plan(plan_name(args), num_ranks=self.world, num_groups=groups,
-                                        num_layers=args.num_layers, num_microbatches=count,
-                                        shard_layers=args.decoder_layer_split, **plan_options(args))
-                      for count in planned_microbatch_counts(args)}
+        self.plans = plans_for_run(args, self.world, groups)
         for plan in self.plans.values():
             validate_plan(plan)
         self.plan = self.plans.get(args.num_microbatches) or self.plans[min(self.plans)]

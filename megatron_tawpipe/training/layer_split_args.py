@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional, Tuple
 
-from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.arguments import is_weight_passing
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.common.layer_split import default_layer_split, first_last_layer_split
 
@@ -35,7 +35,7 @@ def settle_layer_split(args: argparse.Namespace, world_size: int) -> None:
     layout = args.pipeline_model_parallel_layout
     if layout is not None and (first is not None or last is not None):
         raise ArgumentError(f"{LAYOUT} gives every stage; it cannot be combined with {FIRST} / {LAST}")
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+    if is_weight_passing(args.pipeline_schedule):
         args.decoder_layer_split = _weight_pipeline_split(args, world_size // args.tensor_model_parallel_size)
     else:
         args.decoder_layer_split = _native_split(args)

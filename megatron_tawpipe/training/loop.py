@@ -20,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_tawpipe.compat import cpu as cpu_compat
 from megatron_tawpipe.monitor import exits
 from megatron_tawpipe.monitor import progress
-from megatron_tawpipe.arguments import WEIGHT_PASSING_SCHEDULES
+from megatron_tawpipe.arguments import is_weight_passing
 from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
 from megatron_tawpipe.distributed.initialize import initialize_distributed, initialize_model_parallel
@@ -33,7 +33,7 @@ from megatron_tawpipe.common.errors import NonFiniteGradientError, PeerFailure, 
 
 def build_trainer(args, forward_step_func):
     """The trainer of ``--pipeline-schedule`` (FSDP2 with ``--use-torch-fsdp2``), running ``forward_step_func``."""
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+    if is_weight_passing(args.pipeline_schedule):
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
         return WeightPassingTrainer(args, forward_step_func)
@@ -69,7 +69,7 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
 
 
 def data_parallel_rank_and_size(args):
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:   # one data stream per virtual rank
+    if is_weight_passing(args.pipeline_schedule):   # one data stream per virtual rank
         tp = args.tensor_model_parallel_size
         return dist.get_rank() // tp, dist.get_world_size() // tp
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()

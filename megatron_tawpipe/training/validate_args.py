@@ -7,12 +7,13 @@ import argparse
 import os
 from typing import Optional
 
-from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, SUPPORTED_TOKENIZERS,
-                                              WEIGHT_PASSING_SCHEDULES, ArgumentError)
+from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,
+                                              SUPPORTED_TOKENIZERS, ArgumentError, is_weight_passing, plan_file_of)
 from megatron_tawpipe.arguments.layout import data_parallel_size
 from megatron_tawpipe.compat.megatron_lm import compat_notices, compat_refusal
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
+from megatron_tawpipe.training.plan_file_args import check_plan_file
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -27,10 +28,11 @@ def weight_passing_runtime_available() -> bool:
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check flags before any process group is created; raise ArgumentError naming the flag."""
     world_size = world_size_from_env() if world_size is None else world_size
-    if args.pipeline_schedule not in PIPELINE_SCHEDULES:
+    if args.pipeline_schedule not in PIPELINE_SCHEDULES and plan_file_of(args.pipeline_schedule) is None:
         raise ArgumentError(
-            f"--pipeline-schedule {args.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}")
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES and not weight_passing_runtime_available():
+            f"--pipeline-schedule {args.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)} "
+            f"or {PLAN_FILE_PREFIX}FILE (a weight-passing plan file)")
+    if is_weight_passing(args.pipeline_schedule) and not weight_passing_runtime_available():
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not part of this "
             "version yet; use --pipeline-schedule 1f1b or interleaved")
@@ -48,7 +50,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             load_compute_times(args.emulated_compute_times)
         except ValueError as exc:
             raise ArgumentError(str(exc)) from None
-        if args.tensor_model_parallel_size > 1 and args.pipeline_schedule not in WEIGHT_PASSING_SCHEDULES:
+        if args.tensor_model_parallel_size > 1 and not is_weight_passing(args.pipeline_schedule):
             raise ArgumentError("--emulated-compute-times with --tensor-model-parallel-size > 1 is emulated for "
                                 "--pipeline-schedule tawpipe / weipipe only (the native emulation replaces whole "
                                 "layers and would drop megatron's tensor-parallel collectives)")
@@ -59,6 +61,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_batch(args, world_size)
     _validate_schedule_units(args)
     _validate_batch_layout(args)
+    check_plan_file(args, world_size, _ranks_per_node(world_size))
     _validate_logging_and_checkpoints(args)
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
@@ -297,7 +300,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                             "Transformer Engine on GPUs and is not supported yet; leave it at 1")
     _validate_tensor_parallel(args)
     pp = args.pipeline_model_parallel_size
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+    if is_weight_passing(args.pipeline_schedule):
         if pp != 1:
             tp = args.tensor_model_parallel_size
             owners = world_size // tp
@@ -398,7 +401,7 @@ def _ranks_per_node(world_size: int) -> int:
 def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
     """Megatron-LM's rules for its data-parallel flags, plus what FSDP2 and weight passing allow."""
     instances = args.num_distributed_optimizer_instances
-    if args.pipeline_schedule in WEIGHT_PASSING_SCHEDULES:
+    if is_weight_passing(args.pipeline_schedule):
         if args.use_torch_fsdp2 or instances != 1:
             raise ArgumentError(
                 f"--use-torch-fsdp2 / --num-distributed-optimizer-instances do not apply to --pipeline-schedule "
