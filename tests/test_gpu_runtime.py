@@ -50,6 +50,19 @@ def test_squared_norm_matches_fp64_without_fp64_copies_of_gradients():
     assert float(squared_l2_norm([], torch.device("cpu"))) == 0.0
 
 
+def test_squared_norm_on_cpu_does_not_drift_with_tensor_size():
+    """The CPU's fp32 norm kernels sum sequentially (7e-5 relative error at 4M elements): the norm would
+    depend on how a run groups its gradients (one rank's flat shards against two ranks')."""
+    from megatron_tawpipe.optimizer.clip import squared_l2_norm
+
+    big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    exact = float(big.double().pow(2).sum())
+    assert abs(float(torch._foreach_norm([big], 2)[0]) ** 2 - exact) > 1e-5 * exact   # what the kernel gives
+    assert abs(float(squared_l2_norm([big], torch.device("cpu"))) - exact) <= 1e-8 * exact
+    halves = list(big.split(2_000_000))
+    assert abs(float(squared_l2_norm(halves, torch.device("cpu"))) - exact) <= 1e-8 * exact
+
+
 def _clip_on_two_ranks(rank):
     from megatron_tawpipe.arguments import parse_args
     from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed
