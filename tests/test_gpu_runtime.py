@@ -57,7 +57,6 @@ def test_squared_norm_on_cpu_does_not_drift_with_tensor_size():
 
     big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(1)) * 1e-3
     exact = float(big.double().pow(2).sum())
-    assert abs(float(torch._foreach_norm([big], 2)[0]) ** 2 - exact) > 1e-5 * exact   # what the kernel gives
     assert abs(float(squared_l2_norm([big], torch.device("cpu"))) - exact) <= 1e-8 * exact
     halves = list(big.split(2_000_000))
     assert abs(float(squared_l2_norm(halves, torch.device("cpu"))) - exact) <= 1e-8 * exact
