@@ -7,6 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/llama_flags.sh
 
+# NCCL and CUDA settings the weight-passing plans rely on (docs/nccl.md, "What a GPU run relies on"):
+# the caching allocator grows segments instead of synchronising the device to free cached blocks when
+# memory runs short (a device-wide sync while peers wait on this rank can hang), and NCCL's launch order
+# is left per communicator (NCCL_LAUNCH_ORDER_IMPLICIT=1 is refused for plans that need it so).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+
 GPUS=${GPUS:-8}
 SCHEDULE=${SCHEDULE:-1f1b}
 PP=${PP:-$GPUS}
