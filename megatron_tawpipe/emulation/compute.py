@@ -228,6 +228,25 @@ class EmulatedShardCompute:
         layers = self.layers[shard]
         self.clock.sleep(self.clock.times.backward_s(layers, last, model.recompute) / self.tp)
         self._exchange(self.PER_LAYER * layers * (2 if model.recompute else 1) + (1 if last else 0))
+        self._weight_grads(mb, shard, grad_buffer)
+
+    def _weight_half_s(self, shard: int) -> float:
+        """A split backward's weight-gradient pass: half of the backward without recompute."""
+        return 0.5 * self.clock.times.backward_s(self.layers[shard], shard == self.last, False) / self.tp
+
+    def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
+        model, last = self.model, shard == self.last
+        layers = self.layers[shard]
+        whole = self.clock.times.backward_s(layers, last, model.recompute) / self.tp
+        self.clock.sleep(whole - self._weight_half_s(shard))
+        self._exchange(self.PER_LAYER * layers * (2 if model.recompute else 1) + (1 if last else 0))
+
+    def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        self.clock.sleep(self._weight_half_s(shard))
+        self._weight_grads(mb, shard, grad_buffer)
+
+    def _weight_grads(self, mb: int, shard: int, grad_buffer: torch.Tensor) -> None:
+        model, last = self.model, shard == self.last
         grad_buffer.add_(torch.zeros_like(grad_buffer))
         parts = (["embedding"] if shard == 0 else []) + (["head"] if last else [])
         for part in parts:

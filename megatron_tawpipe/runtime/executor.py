@@ -63,7 +63,8 @@ class PlanExecutor:
 
     ``compute`` is the object that does forward/backward work and owns the
     master weights and gradients (see :class:`runtime.trainer.WeightPassingTrainer`):
-    it provides ``forward(mb, shard, weights)``, ``backward(mb, shard, weights, grad)``,
+    it provides ``forward(mb, shard, weights)``, ``backward(mb, shard, weights, grad)`` (and for split
+    backwards ``backward_input(mb, shard, weights)``, ``backward_weight(mb, shard, weights, grad)``),
     ``master(shard)``, ``main_grad(shard)``, ``replicated_grads(part="all")``,
     ``optimizer_step()`` and ``shard_numel`` (the largest shard's elements: a buffer's)/``compute_dtype``/
     ``device``. With shards of different sizes (``plan.shard_layers``) every action on shard ``s`` uses the
@@ -107,6 +108,8 @@ class PlanExecutor:
         self._handlers = {
             A.Forward: self._forward,
             A.Backward: self._backward,
+            A.BackwardInput: self._backward_input,
+            A.BackwardWeight: self._backward_weight,
             A.LoadWeights: self._load_weights,
             A.ZeroGrad: self._zero_grad,
             A.AccumulateToOwner: self._accumulate,
@@ -222,7 +225,7 @@ class PlanExecutor:
         """``start``/``end``: seconds, or on CUDA stamps of the stream (resolved after the plan)."""
         kind = _SPAN_KINDS.get(type(action))
         if kind is not None:
-            if type(action) in (A.Forward, A.Backward):   # device time, resolved after the plan
+            if type(action) in (A.Forward, A.Backward, A.BackwardInput, A.BackwardWeight):   # device time
                 start, end = self.timer.last_span()
             self.trace["spans"].append([self.rank, start, end, kind, getattr(action, "mb", -1),
                                         getattr(action, "shard", -1)])
@@ -265,6 +268,16 @@ class PlanExecutor:
         weights, grads = self._weights(a.wbuf, a.shard), self._grads(a.gbuf, a.shard)
         with self.timer.span():
             self.compute.backward(a.mb, a.shard, weights, grads)
+
+    def _backward_input(self, a: A.BackwardInput) -> None:
+        weights = self._weights(a.wbuf, a.shard)
+        with self.timer.span():
+            self.compute.backward_input(a.mb, a.shard, weights)
+
+    def _backward_weight(self, a: A.BackwardWeight) -> None:
+        weights, grads = self._weights(a.wbuf, a.shard), self._grads(a.gbuf, a.shard)
+        with self.timer.span():
+            self.compute.backward_weight(a.mb, a.shard, weights, grads)
 
     def _load_weights(self, a: A.LoadWeights) -> None:
         self._weights(a.buf, a.shard, write=True).copy_(self.compute.master(a.shard))
@@ -390,7 +403,7 @@ class PlanExecutor:
         op.after()
 
 
-_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.LoadWeights: "load", A.AccumulateToOwner: "acc",
+_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "B", A.BackwardWeight: "W", A.LoadWeights: "load", A.AccumulateToOwner: "acc",
                A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
 
 

@@ -7,7 +7,7 @@ with the same two methods.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Protocol, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -26,6 +26,12 @@ class ShardCompute(Protocol):
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         """Backward of (``mb``, ``shard``), accumulating the shard's weight gradient into ``grad_buffer``."""
 
+    def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
+        """The input-gradient half of a split backward (for the previous shard's backward)."""
+
+    def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        """The weight-gradient half, after ``backward_input`` of the same (``mb``, ``shard``)."""
+
 
 class LayerCompute:
     """Runs a shard's layers on the weights the executor delivers (bound to the shard template)."""
@@ -41,6 +47,8 @@ class LayerCompute:
         self._outputs: Dict[Tuple[int, int], torch.Tensor] = {}
         self._output_grads: Dict[Tuple[int, int], torch.Tensor] = {}
         self._losses: Dict[int, torch.Tensor] = {}
+        # Split backward: the weight gradients of (mb, shard) between its BackwardInput and BackwardWeight.
+        self._pending: Dict[Tuple[int, int], List[Tuple[torch.nn.Parameter, torch.Tensor]]] = {}
         needs_rng = args.hidden_dropout > 0 or args.attention_dropout > 0
         self._rng: Optional[Dict[Tuple[int, int], RngSnapshot]] = {} if needs_rng and self.model.recompute else None
         self._rotary = self.template.rotary(args.seq_length)
@@ -90,23 +98,52 @@ class LayerCompute:
         return self.model.loss_scale_func(loss / self.model.world), report
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        hidden, root, grad = self._graph(mb, shard, self._bind(weights, shard))
+        root.backward(grad)
+        if shard > 0:
+            self._output_grads[(mb, shard - 1)] = hidden.grad
+        self._collect(mb, shard, grad_buffer)
+
+    def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
+        """The gradient of the shard's input, for the previous shard's backward, now; the weight gradients
+        wait for :meth:`backward_weight`. One pass of autograd computes both (megatron's cross entropy
+        reuses its saved tensors in place, so a graph cannot be walked twice): the weight gradients are
+        held, as tensors, until their pass adds them to its buffer. Exact; what a split saves in time is
+        the emulated compute's, and deferring the weight-gradient kernels themselves is not done here."""
+        hidden, root, grad = self._graph(mb, shard, self._bind(weights, shard))
+        params = [p for p in self.template.trainable_parameters() if p.requires_grad]
+        inputs = ([hidden] if shard > 0 else []) + params
+        grads = torch.autograd.grad(root, inputs, grad, allow_unused=True)
+        if shard > 0:
+            self._output_grads[(mb, shard - 1)] = grads[0]
+            grads = grads[1:]
+        self._pending[(mb, shard)] = [(p, g) for p, g in zip(params, grads) if g is not None]
+
+    def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        """The weight gradients of (``mb``, ``shard``) that its ``backward_input`` computed: its layers' into
+        ``grad_buffer``, the replicated parts' (embedding, head) into their accumulators."""
+        self._bind(weights, shard)
+        for param, grad in self._pending.pop((mb, shard)):
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._collect(mb, shard, grad_buffer)
+
+    def _graph(self, mb: int, shard: int, layers: int):
+        """(input, what to differentiate, its incoming gradient) of (``mb``, ``shard``): recomputed, or the
+        forward's kept graph."""
         model = self.model
-        layers = self._bind(weights, shard)
         if model.recompute:
             hidden, out = self._recompute(mb, shard, layers)
         else:
             hidden, out = self._inputs.pop((mb, shard), None), self._outputs.pop((mb, shard))
         if shard + 1 == model.plan.num_shards:
-            loss = self._loss(mb, out)[0] if model.recompute else self._losses.pop(mb)
-            loss.backward()
-        else:
-            out.backward(self._output_grads.pop((mb, shard)))
-        if shard > 0:
-            self._output_grads[(mb, shard - 1)] = hidden.grad
+            return hidden, (self._loss(mb, out)[0] if model.recompute else self._losses.pop(mb)), None
+        return hidden, out, self._output_grads.pop((mb, shard))
+
+    def _collect(self, mb: int, shard: int, grad_buffer: torch.Tensor) -> None:
         self.template.layer_grads_into(grad_buffer)
-        self.template.replicated_grads_into(model.replicated_grads())
+        self.template.replicated_grads_into(self.model.replicated_grads())
         if shard == 0:
-            model.microbatches.release(mb)
+            self.model.microbatches.release(mb)
 
     def _recompute(self, mb: int, shard: int, layers: int):
         """Full recompute of (mb, shard), replaying the forward's RNG state (dropout)."""

@@ -224,6 +224,10 @@ class ShardTemplate:
             self._slot[:flat.numel()].copy_(flat)
         return layers
 
+    def trainable_parameters(self) -> List[torch.nn.Parameter]:
+        """Every parameter a shard's backward can reach: the decoder layers' and the replicated ones."""
+        return list(self._layer_params) + [param for _, param in self.replicated_parameters()]
+
     def layer_grads_into(self, grad_flat: torch.Tensor) -> None:
         """Add the template's accumulated layer gradients into ``grad_flat`` (one shard's: its first
         layers' worth) and clear them all."""

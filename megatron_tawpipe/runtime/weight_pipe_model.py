@@ -322,6 +322,12 @@ class WeightPipeModel:
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         self.compute.backward(mb, shard, weights, grad_buffer)
 
+    def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
+        self.compute.backward_input(mb, shard, weights)
+
+    def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        self.compute.backward_weight(mb, shard, weights, grad_buffer)
+
     def close(self) -> None:
         self.executor.close()
         parallel_state.destroy_weight_pipeline()
