@@ -403,7 +403,7 @@ class PlanExecutor:
         op.after()
 
 
-_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "B", A.BackwardWeight: "W", A.LoadWeights: "load", A.AccumulateToOwner: "acc",
+_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw", A.LoadWeights: "load", A.AccumulateToOwner: "acc",
                A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
 
 
