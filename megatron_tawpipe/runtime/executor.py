@@ -403,8 +403,8 @@ class PlanExecutor:
         op.after()
 
 
-_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw", A.LoadWeights: "load", A.AccumulateToOwner: "acc",
-               A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
+_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw",
+               A.LoadWeights: "load", A.AccumulateToOwner: "acc", A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
 
 
 def _arrives_here(action, rank: int) -> bool:
