@@ -63,97 +63,13 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.nccl_terms import (P2P_TYPES, batch_entries, communicator_of,  # noqa: F401 (re-exported)
+                                              describe_elements, describe_fifo, describe_size, entries_of, nth,
+                                              process_group, transfer_elements)
 from megatron_tawpipe.plan.plan import Plan
 
 MODES = ("pair", "group")          # the arrangements the validator requires
 ALL_MODES = MODES + ("device",)     # "device": one FIFO per rank (reported, not required)
-
-
-# ------------------------------------------------------------ communicators
-def process_group(action) -> tuple:
-    """The executor's process group of a start action."""
-    t = type(action)
-    if t is A.SendStart or t is A.RecvStart:
-        return ("p2p", A.CHANNEL[action.kind])
-    if t is A.ReplicatedAllReduceStart:
-        return ("replicated", action.ranks)
-    return ("collective", action.ranks, A.CHANNEL[action.kind])
-
-
-def _fifo(rank: int, action, mode: str) -> tuple:
-    """The FIFO ``action`` joins on ``rank``: its communicator's (one per rank in ``"device"`` mode)."""
-    if mode == "device":
-        return ("device",)
-    return communicator_of(rank, action, mode)
-
-
-def communicator_of(rank: int, action, mode: str) -> tuple:
-    """The communicator that pairs ``action`` with its partners."""
-    if mode == "device":
-        mode = "group"
-    pg = process_group(action)
-    if mode == "pair" and type(action) in _P2P and action.batch is None:
-        return pg + ("pair", min(rank, action.peer), max(rank, action.peer))
-    return pg
-
-
-def describe_fifo(key: tuple) -> str:
-    if key[0] == "device":
-        return "device-wide issue order (every communicator)"
-    if key[0] == "p2p":
-        if len(key) > 2:
-            return f"{key[1]} point-to-point communicator of ranks {key[3]} and {key[4]}"
-        return f"{key[1]} point-to-point process group"
-    if key[0] == "replicated":
-        return f"replicated all-reduce group {list(key[1])}"
-    return f"{key[2]} collective group {list(key[1])}"
-
-
-# ------------------------------------------------------------------ batches
-def batch_entries(plan: Plan, rank: int, mode: str) -> List[Tuple[tuple, List[Tuple[int, object]]]]:
-    """The FIFO entries ``rank`` issues, in order: ``(fifo key, [(step, start)])``.
-
-    Raises ``PlanError`` for a batch whose starts are not adjacent, mix
-    communicators, or contain a collective."""
-    return entries_of(plan.actions[rank], rank, mode)
-
-
-def entries_of(actions, rank: int, mode: str) -> List[Tuple[tuple, List[Tuple[int, object]]]]:
-    """``batch_entries`` of the action list ``actions`` of ``rank``."""
-    out: List[Tuple[tuple, List[Tuple[int, object]]]] = []
-    closed = set()
-    current: Optional[int] = None
-    for step, a in enumerate(actions):
-        if type(a) not in _STARTS:
-            if current is not None:
-                closed.add(current)
-                current = None
-            continue
-        batch = getattr(a, "batch", None)
-        if batch is None:
-            if current is not None:
-                closed.add(current)
-                current = None
-            out.append((_fifo(rank, a, mode), [(step, a)]))
-            continue
-        if type(a) not in _P2P:
-            raise PlanError("only sends and receives can be batched", rank, step, a)
-        if batch == current:
-            key = _fifo(rank, a, mode)
-            if key != out[-1][0]:
-                first = out[-1][1][0]
-                raise PlanError(f"batch {batch} mixes communicators: {describe_fifo(key)} and "
-                                f"{describe_fifo(out[-1][0])} (step {first[0]})", rank, step, a)
-            out[-1][1].append((step, a))
-            continue
-        if current is not None:
-            closed.add(current)
-        if batch in closed:
-            raise PlanError(f"the starts of batch {batch} are not adjacent on this rank "
-                            "(a batch is issued at once)", rank, step, a)
-        current = batch
-        out.append((_fifo(rank, a, mode), [(step, a)]))
-    return out
 
 
 # ------------------------------------------------------------------- model
@@ -219,7 +135,7 @@ class NcclModel:
                         if len(sizes[a.tag]) > 1:
                             raise PlanError(f"NCCL ({self.mode} mode): the members of collective tag {a.tag} "
                                             f"name different sizes ({A.describe(a)}: "
-                                            f"{_describe_elements(self.plan, a)})", r, step, a)
+                                            f"{describe_elements(self.plan, a)})", r, step, a)
         partners: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
         for (comm, src, dst) in set(sends) | set(recvs):
             s_list, r_list = sends.get((comm, src, dst), []), recvs.get((comm, src, dst), [])
@@ -228,13 +144,13 @@ class NcclModel:
                     raise PlanError(
                         f"NCCL ({self.mode} mode) pairs the send at rank {src} step {ss} "
                         f"({A.describe(sa)}) with the receive at rank {dst} step {rs} "
-                        f"({A.describe(ra)}): they are the {_nth(k)} send and receive between "
+                        f"({A.describe(ra)}): they are the {nth(k)} send and receive between "
                         f"these ranks on the {describe_fifo(comm)}, and NCCL ignores tags",
                         dst, rs, ra)
                 if transfer_elements(self.plan, sa) != transfer_elements(self.plan, ra):
                     raise PlanError(
                         f"NCCL ({self.mode} mode): the send at rank {src} step {ss} ({A.describe(sa)}) carries "
-                        f"{_describe_elements(self.plan, sa)} and its receive {_describe_elements(self.plan, ra)}: "
+                        f"{describe_elements(self.plan, sa)} and its receive {describe_elements(self.plan, ra)}: "
                         "both sides of a transfer must have the same size", dst, rs, ra)
                 partners[(src, sa.tag)] = [(dst, ra.tag)]
                 partners[(dst, ra.tag)] = [(src, sa.tag)]
@@ -316,7 +232,7 @@ class NcclModel:
         """The connections ``e``'s operations need, each with the ranks that make it."""
         out = []
         for _, a in e.ops:
-            if type(a) in _P2P:
+            if type(a) in P2P_TYPES:
                 src, dst = (r, a.peer) if type(a) is A.SendStart else (a.peer, r)
                 key = ("connect", e.comm, src, dst)
                 self.parties.setdefault(key, frozenset((src, dst)))
@@ -408,7 +324,7 @@ class NcclModel:
                 key = self._connect(r, e, [])[0]
                 absent = sorted(self.parties[key] - self.arrived[key])
                 what = (f"the {key[2]} -> {key[3]} connection" if isinstance(key[2], int) else
-                        f"its first {key[2][:-5]} of {_describe(key[3])}")
+                        f"its first {key[2][:-5]} of {describe_size(key[3])}")
                 return (f"rank {r} step {step} ({A.describe(a)}) makes {what} on the "
                         f"{describe_fifo(e.comm)} lazily and waits for rank(s) {absent} to reach theirs (rank "
                         f"{absent[0]} is stopped at step {self.pc[absent[0]]})"), absent[0], where
@@ -441,32 +357,3 @@ class NcclModel:
         return text, None, where
 
 
-def transfer_elements(plan: Plan, action) -> tuple:
-    """What a transfer carries, in units both sides know: a weight or gradient shard is its
-    layer count (buffers hold whole layers of one shape); activations are one boundary."""
-    kind = getattr(action, "kind", None)
-    if type(action) is A.ReplicatedAllReduceStart:
-        return ("replicated", action.part)
-    if kind in ("weight", "grad") and 0 <= action.shard < len(plan.shard_layers):
-        return ("layers", plan.shard_layers[action.shard])
-    return (kind, getattr(action, "size", None))
-
-
-def _describe(elements: tuple) -> str:
-    what, n = elements
-    return f"{n} layers" if what == "layers" else f"{what} {n}"
-
-
-def _describe_elements(plan: Plan, action) -> str:
-    what, n = transfer_elements(plan, action)
-    return f"{n} layers (shard {action.shard})" if what == "layers" else f"{what} {n}"
-
-
-def _nth(k: int) -> str:
-    n = k + 1
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
-_P2P = frozenset(A.P2P)
-_STARTS = frozenset(A.STARTS)
