@@ -42,13 +42,12 @@ def _train_recording_group_timeouts(rank, argv):
     return [None if t is None else t.total_seconds() for t in seen]
 
 
-@pytest.mark.parametrize("extra", [[], ["--tawpipe-nccl-faithful"]], ids=["direct", "nccl-faithful"])
-def test_every_process_group_gets_the_run_timeout(extra):
-    """Ours (weight pipeline groups, the executor's communicators, the NCCL-faithful control groups)
+def test_every_process_group_gets_the_run_timeout():
+    """Ours (weight pipeline groups, the executor's communicators, the NCCL-faithful transport's control groups)
     and megatron-core's (passed --distributed-timeout-minutes) alike: none falls back to the
     backend's default."""
     argv = tiny_args("--pipeline-schedule", "tawpipe", "--distributed-timeout-minutes", "7",
-                     "--tawpipe-num-groups", "2", *extra, train_iters=2, global_batch=4)
+                     "--tawpipe-num-groups", "2", "--tawpipe-nccl-faithful", train_iters=2, global_batch=4)
     results = run_ranks(_train_recording_group_timeouts, 2, argv, timeout=240)
     for seen in results:
         assert len(seen) >= 5, seen
