@@ -72,3 +72,14 @@ def test_draw_writes_a_png(tmp_path):
     assert "wrote" in plan_tool("draw", RING, "--out", str(png)).stdout
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_build_split_backward(tmp_path):
+    path = str(tmp_path / "split.json")
+    plan_tool("build", "--schedule", "weipipe", "--ranks", "3", "--groups", "1", "--num-layers", "3",
+              "--num-microbatches", "2", "--split-backward", "--out", path)
+    from megatron_tawpipe.plan import split_backward
+
+    expected = split_backward(build_plan("weipipe", num_ranks=3, num_groups=1, num_layers=3, num_microbatches=2))
+    assert read_plan(path).to_json() == expected.to_json()
+    assert "sound: weipipe" in plan_tool("validate", path).stdout

@@ -1,6 +1,7 @@
 """``tools/plan.py``: write, check, simulate and draw plan files (docs/writing-a-schedule.md).
 
     tools/plan.py build --schedule tawpipe --ranks 4 --groups 2 --num-layers 8 --num-microbatches 2 --out p.json
+    tools/plan.py build --schedule weipipe --ranks 4 --num-layers 4 --split-backward --out s.json   # B and W apart
     tools/plan.py validate p.json [--grid]        # exit 1 and the validator's line (rank, step) if unsound
     tools/plan.py simulate p.json [--json]        # cost flags as tools/simulate.py; the shape is the file's
     tools/plan.py draw p.json --out p.png         # the step-by-rank grid as text without --out or matplotlib
@@ -20,7 +21,7 @@ from typing import Callable, List, Optional
 
 from megatron_tawpipe.common.errors import PlanError
 from megatron_tawpipe.common.layer_split import check_layer_split
-from megatron_tawpipe.plan import SCHEDULES, read_plan, validate_plan, write_plan
+from megatron_tawpipe.plan import SCHEDULES, read_plan, split_backward, validate_plan, write_plan
 from megatron_tawpipe.plan.files import plan_to_text
 
 SHAPE = ("ranks", "groups", "num_layers", "num_microbatches")
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shard-layers", default=None, metavar="N,N,...", help="layers of each shard (default: the "
                    "default split, the first L mod P shards one layer more)")
     b.add_argument("--out", default=None, metavar="FILE", help=".json or .csv (default: JSON on standard output)")
+    b.add_argument("--split-backward", action="store_true",
+                   help="split every Backward into BackwardInput + BackwardWeight (the pass split_backward)")
     add_model_args(b)
     v = sub.add_parser("validate", help="run the validator; exit 1 naming rank and step if the plan is unsound")
     v.add_argument("file")
@@ -93,6 +96,8 @@ def _build(args) -> int:
     if args.shard_layers:
         plan.shard_layers = check_layer_split([int(x) for x in args.shard_layers.split(",")], plan.num_layers,
                                               plan.num_shards)
+    if args.split_backward:
+        plan = split_backward(plan)
     validate_plan(plan)
     if args.out is None:
         sys.stdout.write(plan_to_text(plan))
