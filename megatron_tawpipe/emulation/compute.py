@@ -224,10 +224,7 @@ class EmulatedShardCompute:
             batches.finish_forward(mb, batches.loss(mb, per_token)[1])
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
-        model, last = self.model, shard == self.last
-        layers = self.layers[shard]
-        self.clock.sleep(self.clock.times.backward_s(layers, last, model.recompute) / self.tp)
-        self._exchange(self.PER_LAYER * layers * (2 if model.recompute else 1) + (1 if last else 0))
+        self._backward_pass(shard, leave_s=0.0)
         self._weight_grads(mb, shard, grad_buffer)
 
     def _weight_half_s(self, shard: int) -> float:
@@ -235,15 +232,17 @@ class EmulatedShardCompute:
         return 0.5 * self.clock.times.backward_s(self.layers[shard], shard == self.last, False) / self.tp
 
     def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
-        model, last = self.model, shard == self.last
-        layers = self.layers[shard]
-        whole = self.clock.times.backward_s(layers, last, model.recompute) / self.tp
-        self.clock.sleep(whole - self._weight_half_s(shard))
-        self._exchange(self.PER_LAYER * layers * (2 if model.recompute else 1) + (1 if last else 0))
+        self._backward_pass(shard, leave_s=self._weight_half_s(shard))
 
     def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         self.clock.sleep(self._weight_half_s(shard))
         self._weight_grads(mb, shard, grad_buffer)
+
+    def _backward_pass(self, shard: int, leave_s: float) -> None:
+        """The backward's time (recompute included) less ``leave_s``, and its tensor-parallel exchanges."""
+        last, layers = shard == self.last, self.layers[shard]
+        self.clock.sleep(self.clock.times.backward_s(layers, last, self.model.recompute) / self.tp - leave_s)
+        self._exchange(self.PER_LAYER * layers * (2 if self.model.recompute else 1) + (1 if last else 0))
 
     def _weight_grads(self, mb: int, shard: int, grad_buffer: torch.Tensor) -> None:
         model, last = self.model, shard == self.last

@@ -32,14 +32,11 @@ from typing import Dict, List, Tuple
 
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import MODES, NcclModel, communicator_of, process_group, transfer_elements
+from megatron_tawpipe.plan.nccl_terms import START_TYPES
 from megatron_tawpipe.plan.plan import Plan
 
-#: Batch ids of the warm-up's point-to-point stages (the planners' batch ids are >= 0).
+#: Batch id of the warm-up's first point-to-point stage, counting down (the planners' batch ids are >= 0).
 _FIRST_BATCH = -1
-
-
-def _sort_key(key) -> str:
-    return repr(key)
 
 
 def connection_warmup(plan: Plan) -> List[List[object]]:
@@ -55,11 +52,11 @@ def connection_warmup(plan: Plan) -> List[List[object]]:
                 pairs.setdefault(process_group(a), {}).setdefault((r, a.peer), a)
             elif t is A.RecvStart:
                 pairs.setdefault(process_group(a), {})
-            elif t in _COLLECTIVES:
+            elif t in A.COLLECTIVE:
                 collectives.setdefault((process_group(a), t.__name__, transfer_elements(plan, a)), a)
     out: List[List[object]] = [[] for _ in range(P)]
     batch = _FIRST_BATCH
-    for group in sorted(pairs, key=_sort_key):
+    for group in sorted(pairs, key=repr):
         sends: Dict[int, list] = {r: [] for r in range(P)}
         recvs: Dict[int, list] = {r: [] for r in range(P)}
         for (src, dst), first in sorted(pairs[group].items()):
@@ -72,7 +69,7 @@ def connection_warmup(plan: Plan) -> List[List[object]]:
             ops = sorted(sends[r] + recvs[r], key=lambda a: (a.peer, type(a) is A.RecvStart))
             out[r] += ops + [A.Wait(a.tag) for a in ops]
         batch -= 1
-    for key in sorted(collectives, key=_sort_key):
+    for key in sorted(collectives, key=repr):
         first = collectives[key]
         copy = dataclasses.replace(first, tag=next_tag)
         next_tag += 1
@@ -92,16 +89,17 @@ def check_nccl_order(plan: Plan, modes=MODES, lazy: bool = True) -> None:
     runs as it does with everything connected -- which the first pass proved. Otherwise (say, a
     hand-written plan whose unbatched transfers use pair communicators the warm-up does not touch)
     the warm-up and the plan run together under the rule."""
-    for mode in modes:
-        NcclModel(plan, mode).run()
+    connected = {mode: NcclModel(plan, mode) for mode in modes}
+    for model in connected.values():
+        model.run()
     if not (lazy and modes):
         return
     warmup = connection_warmup(plan)
     alone = dataclasses.replace(plan, actions=warmup)
-    for mode in modes:
+    for mode, model in connected.items():
         made = NcclModel(alone, mode, lazy=True)
         made.run()
-        if connection_keys(NcclModel(plan, mode, lazy=True)) <= connection_keys(made):
+        if connection_keys(model) <= connection_keys(made):
             continue
         NcclModel(plan, mode, lazy=True, prologue=warmup).run()
 
@@ -120,15 +118,7 @@ def communicators_in_flight(plan: Plan) -> int:
         for a in acts:
             if type(a) is A.Wait:
                 live.pop(a.tag, None)
-            elif type(a) in _STARTS:
+            elif type(a) in START_TYPES:
                 live[a.tag] = communicator_of(r, a, "group")
                 most = max(most, len(set(live.values())))
     return most
-
-
-def is_warmup_batch(batch) -> bool:
-    return isinstance(batch, int) and batch <= _FIRST_BATCH
-
-
-_COLLECTIVES = frozenset((A.BroadcastStart, A.ReduceStart, A.AllReduceStart, A.ReplicatedAllReduceStart))
-_STARTS = frozenset(A.STARTS)

@@ -121,8 +121,8 @@ class LayerCompute:
 
     def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         """The weight gradients of (``mb``, ``shard``) that its ``backward_input`` computed: its layers' into
-        ``grad_buffer``, the replicated parts' (embedding, head) into their accumulators."""
-        self._bind(weights, shard)
+        ``grad_buffer``, the replicated parts' (embedding, head) into their accumulators. The gradients are
+        tensors of their own already: ``weights`` need not be bound again."""
         for param, grad in self._pending.pop((mb, shard)):
             param.grad = grad if param.grad is None else param.grad + grad
         self._collect(mb, shard, grad_buffer)
