@@ -12,13 +12,12 @@ their transfers obey NCCL's ordering rules on gloo, so a plan or executor change
 hang on a GPU cluster fails here (after the timeout, naming rank and step) instead.
 """
 
-import os
 
 import pytest
 
 from distributed_harness import run_ranks
 from megatron_tawpipe.arguments import LLAMA_FLAGS
-from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+from training_helpers import assert_close_rel, assert_same_parameters, losses, tiny_args, train_rank  # noqa: F401 (others import it from here)
 
 ITERS = 3
 
@@ -47,24 +46,6 @@ def reference(tmp_path_factory):
         return cache[key]
 
     return get
-
-
-def _load_params(root, iteration):
-    from megatron_tawpipe.checkpoint import read_parameters
-
-    return read_parameters(os.path.join(root, f"iter_{iteration:07d}"))
-
-
-def assert_same_parameters(root, reference_root, iteration, rtol=1e-5, rtol_by_suffix=None):
-    """Every parameter within ``rtol`` of the reference's largest value (``rtol_by_suffix``: other
-    tolerances for names ending so)."""
-    ours, theirs = _load_params(root, iteration), _load_params(reference_root, iteration)
-    assert set(ours) == set(theirs)
-    for name, expected in theirs.items():
-        tol = next((t for suffix, t in (rtol_by_suffix or {}).items() if name.endswith(suffix)), rtol)
-        diff = (ours[name] - expected).abs().max().item()
-        scale = expected.abs().max().item()
-        assert diff <= tol * scale, f"{name} after step {iteration}: max diff {diff} vs max {scale}"
 
 
 CASES = [

@@ -74,3 +74,31 @@ def data_args_error(args) -> str:
     message = str(info.value)
     assert "\n" not in message
     return message
+
+
+def assert_same_parameters(root, reference_root, iteration, rtol=1e-5, rtol_by_suffix=None):
+    """Every parameter of the checkpoint at ``iteration`` under ``root`` within ``rtol`` of the reference's
+    largest value (``rtol_by_suffix``: other tolerances for names ending so)."""
+    import os
+
+    from megatron_tawpipe.checkpoint import read_parameters
+
+    ours, theirs = (read_parameters(os.path.join(r, f"iter_{iteration:07d}")) for r in (root, reference_root))
+    assert set(ours) == set(theirs)
+    for name, expected in theirs.items():
+        tol = next((t for suffix, t in (rtol_by_suffix or {}).items() if name.endswith(suffix)), rtol)
+        diff = (ours[name] - expected).abs().max().item()
+        scale = expected.abs().max().item()
+        assert diff <= tol * scale, f"{name} after step {iteration}: max diff {diff} vs max {scale}"
+
+
+def assert_trains_like(per_rank: List[List[dict]], reference: List[dict], save: str, reference_save: str,
+                       iterations: int, rtol: float = 1e-5) -> None:
+    """Every rank's losses and gradient norms, and every parameter after every step, within ``rtol`` of a
+    single-process reference that trains (its loss moves, its gradient norm exceeds 1: clipping active)."""
+    for records in per_rank:
+        assert_close_rel(losses(records), losses(reference), rtol)
+        assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol, "grad norm")
+    assert max(r["grad_norm"] for r in reference) > 1.0 and losses(reference)[0] != losses(reference)[-1]
+    for iteration in range(1, iterations + 1):
+        assert_same_parameters(save, reference_save, iteration, rtol)
