@@ -229,3 +229,31 @@ def test_emulated_tensor_parallelism_runs_megatrons_collectives(times_file, sequ
             slept = micro_batches * (8 * (0.004 + 0.008 + 0.004) + 0.002 + 0.004) / 2
             assert record["elapsed_ms"] / 1000 >= 0.95 * slept
             assert record["inter_group_bytes"] == record["planned_inter_group_bytes"] > 0
+
+
+def test_emulated_compute_scales_with_micro_batch_size(tmp_path):
+    """One times file serves every micro-batch size: times recorded for micro-batches of 2 samples are
+    halved for 1 and doubled for 4, in the emulation and in the simulator alike; another sequence length
+    is refused, naming the flag, the file and the length to calibrate at."""
+    from megatron_tawpipe.emulation.compute import EmulatedCompute
+    from megatron_tawpipe.sim.costmodel import CostModel
+
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps({**TIMES, "micro_batch_size": 2, "seq_length": 64}))
+    for mbs, factor in ((1, 0.5), (2, 1.0), (4, 2.0)):
+        times = load_compute_times(str(path), micro_batch_size=mbs, seq_length=64)
+        for key in ("layer_forward", "layer_backward", "layer_recompute", "head_forward", "head_backward"):
+            assert times.to_json()[key] == pytest.approx(factor * TIMES[key])
+        cost = CostModel.from_flops(hidden_size=64, seq_length=64, micro_batch_size=mbs).with_measured(
+            str(path), micro_batch_size=mbs, seq_length=64)
+        assert cost.layer_backward == pytest.approx(factor * TIMES["layer_backward"])
+    args = type("Args", (), {"emulated_compute_times": str(path), "micro_batch_size": 4, "seq_length": 64})()
+    clock = EmulatedCompute.from_args(args, recompute=False)
+    assert clock.times.forward_s(3, head=True) == pytest.approx(2 * (3 * TIMES["layer_forward"] + TIMES["head_forward"]))
+    with pytest.raises(ValueError, match=rf"--emulated-compute-times {path}: the times were measured at "
+                                         r"seq_length 64, the run has 128.*calibrate at --seq-length 128"):
+        load_compute_times(str(path), micro_batch_size=1, seq_length=128)
+    # Without a recorded size the times are the run's own (files written before sizes were recorded).
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(TIMES))
+    assert load_compute_times(str(plain), micro_batch_size=4, seq_length=64).layer_forward == TIMES["layer_forward"]

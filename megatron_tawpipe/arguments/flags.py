@@ -298,7 +298,9 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
     g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
                    help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "
-                        "of the seconds in FILE (tools/calibrate.py writes it); communication stays real")
+                        "of the seconds in FILE (tools/calibrate.py writes it; times recorded for another "
+                        "--micro-batch-size are scaled to this run's, linearly in its samples); communication "
+                        "stays real")
     g.add_argument("--timeline-file", default=None, metavar="FILE",
                    help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
                         "iteration (compute and transfers, wall clock) as JSON; draw it with "

@@ -86,7 +86,8 @@ def cost_model(args) -> CostModel:
         dtype_bytes=args.dtype_bytes)
     cost = replace(cost, backend=args.backend)
     if args.measured_times:
-        cost = cost.with_measured(args.measured_times)
+        cost = cost.with_measured(args.measured_times, micro_batch_size=args.micro_batch_size,
+                                  seq_length=args.seq_length)
     return cost
 
 

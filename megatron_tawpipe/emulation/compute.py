@@ -9,7 +9,9 @@ sleep of the time in FILE. On a CPU machine where four ranks share two cores,
 real compute contends for the cores and hides schedule effects; sleeps do not.
 
 FILE is the JSON that ``tools/calibrate.py`` writes and ``tools/simulate.py
---measured-times`` reads (seconds per layer and micro-batch)::
+--measured-times`` reads (seconds per layer and micro-batch; times recorded for a micro-batch of
+``micro_batch_size`` samples are scaled linearly to the run's ``--micro-batch-size``, so one file
+serves every size)::
 
     {"layer_forward": 0.02, "layer_backward": 0.04, "layer_recompute": 0.02,
      "head_forward": 0.01, "head_backward": 0.02, "device": "...", ...}
@@ -36,6 +38,7 @@ import torch
 
 from megatron_tawpipe.sim.costmodel import MEASURED_INFO_KEYS as INFO_KEYS
 from megatron_tawpipe.sim.costmodel import MEASURED_TIME_KEYS as TIME_KEYS
+from megatron_tawpipe.sim.costmodel import measured_time_scale
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,12 @@ class ComputeTimes:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def load_compute_times(path: str, flag: str = "--emulated-compute-times") -> ComputeTimes:
-    """Read and check FILE; errors name the flag and the file."""
+def load_compute_times(path: str, flag: str = "--emulated-compute-times", micro_batch_size: Optional[int] = None,
+                       seq_length: Optional[int] = None) -> ComputeTimes:
+    """Read and check FILE; errors name the flag and the file. Given the run's ``micro_batch_size`` (and
+    ``seq_length``), times the file records for micro-batches of another size are scaled to the run's
+    (linear in the samples at one sequence length: :func:`~megatron_tawpipe.sim.costmodel.measured_time_scale`),
+    so one calibration serves every micro-batch size; a file measured at another sequence length is refused."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -83,7 +90,11 @@ def load_compute_times(path: str, flag: str = "--emulated-compute-times") -> Com
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"{flag} {path}: {key} must be a number of seconds >= 0, got {value!r}")
             values[key] = float(value)
-    return ComputeTimes(**values)
+    try:
+        scale = measured_time_scale(data, micro_batch_size, seq_length)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from None
+    return ComputeTimes(**{key: scale * value for key, value in values.items()})
 
 
 # ---- the object a model is given ---------------------------------------------------------------------------
@@ -100,7 +111,11 @@ class EmulatedCompute:
     def from_args(cls, args, recompute: bool) -> Optional["EmulatedCompute"]:
         """The emulation ``--emulated-compute-times`` asks for; None without the flag (real compute)."""
         path = getattr(args, "emulated_compute_times", None)
-        return cls(load_compute_times(path), recompute) if path else None
+        if not path:
+            return None
+        times = load_compute_times(path, micro_batch_size=getattr(args, "micro_batch_size", None),
+                                   seq_length=getattr(args, "seq_length", None))
+        return cls(times, recompute)
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:

@@ -148,11 +148,15 @@ class CostModel:
                    # Adam on fp32 master: ~16 B read + 16 B written per parameter
                    optimizer_time_per_param=32 / hbm, recompute=recompute)
 
-    def with_measured(self, path_or_dict) -> "CostModel":
+    def with_measured(self, path_or_dict, micro_batch_size: Optional[int] = None,
+                      seq_length: Optional[int] = None) -> "CostModel":
         """Override compute times with measured ones.  JSON keys (seconds per
         layer per micro-batch unless noted): ``layer_forward``,
         ``layer_backward`` (backward proper), ``layer_recompute``,
-        ``head_forward``, ``head_backward`` (per micro-batch); any subset."""
+        ``head_forward``, ``head_backward`` (per micro-batch); any subset.
+        Given the run's ``micro_batch_size`` (and ``seq_length``), times
+        recorded for another micro-batch size are scaled to it
+        (:func:`measured_time_scale`)."""
         if isinstance(path_or_dict, dict):
             data = path_or_dict
         else:
@@ -161,7 +165,8 @@ class CostModel:
         unknown = set(data) - set(MEASURED_TIME_KEYS) - set(MEASURED_INFO_KEYS)
         if unknown:
             raise ValueError(f"unknown keys in measured times: {sorted(unknown)}")
-        times = {k: float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS}
+        scale = measured_time_scale(data, micro_batch_size, seq_length)
+        times = {k: scale * float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS}
         if not self.recompute:  # a measured recompute time does not bring recompute back
             times.pop("layer_recompute", None)
         return replace(self, **times)
@@ -216,6 +221,29 @@ class CostModel:
     def optimizer_time(self, plan, rank: int) -> float:
         n = sum(plan.shard_layers[s] for s in plan.shards_held_by(rank)) * self.params_per_layer
         return (n + self.replicated_params) * self.optimizer_time_per_param
+
+
+def measured_time_scale(data: dict, micro_batch_size: Optional[int], seq_length: Optional[int] = None) -> float:
+    """Factor from measured times (``data``: seconds per micro-batch of the ``micro_batch_size`` samples
+    of ``seq_length`` tokens it records) to a micro-batch of ``micro_batch_size`` samples.
+
+    At one sequence length a layer's work -- its matrix products and its attention, which is quadratic
+    in the sequence but linear in the samples -- grows linearly with the samples of a micro-batch, so
+    one file serves every micro-batch size. Times without a recorded ``micro_batch_size`` (or no run
+    size given) are taken as they are. Times recorded at another ``seq_length`` are refused (ValueError):
+    attention does not scale linearly with the length; calibrate at the run's length."""
+    recorded_seq = data.get("seq_length")
+    if seq_length is not None and recorded_seq is not None and int(recorded_seq) != int(seq_length):
+        raise ValueError(f"the times were measured at seq_length {recorded_seq}, the run has {seq_length}: "
+                         f"attention grows with the square of the length, so they do not carry over; "
+                         f"calibrate at --seq-length {seq_length}")
+    recorded = data.get("micro_batch_size")
+    if micro_batch_size is None or recorded is None:
+        return 1.0
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 1:
+        raise ValueError(f"micro_batch_size must be a positive integer (the samples the times are for), "
+                         f"got {recorded!r}")
+    return micro_batch_size / recorded
 
 
 def _layers(plan, shard: Optional[int]) -> int:

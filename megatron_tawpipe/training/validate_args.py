@@ -47,7 +47,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         from megatron_tawpipe.emulation.compute import load_compute_times
 
         try:
-            load_compute_times(args.emulated_compute_times)
+            load_compute_times(args.emulated_compute_times, micro_batch_size=args.micro_batch_size,
+                               seq_length=args.seq_length)
         except ValueError as exc:
             raise ArgumentError(str(exc)) from None
         if args.tensor_model_parallel_size > 1 and not is_weight_passing(args.pipeline_schedule):
