@@ -265,3 +265,86 @@ def test_simulator_matrix_takes_uneven_layers():
     assert ten.layers_per_shard == "3,3,2,2" and "interleaved" in ten.schedules() and ten.virtual_stages() == 2
     cmd = simulate_command(ten, "times.json")
     assert cmd[cmd.index("--num-layers") + 1] == "10" and cmd[cmd.index("--virtual-stages") + 1] == "2"
+
+
+def _long_context_config(tmp_path, **kw):
+    """The emulated long-context table's shape (2 x 2 ranks, global batch 16, TawPipe 4 micro-batches per
+    visit, no recompute) on times from the FLOP model."""
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig
+
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"layer_forward": 0.0244, "layer_backward": 0.0488, "head_forward": 0.008,
+                                 "head_backward": 0.016, "micro_batch_size": 1, "seq_length": 3072}))
+    model = list(TOOL_FLAGS) + ["--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "704",
+                                "--num-attention-heads", "4", "--seq-length", "3072", "--micro-batch-size", "1",
+                                "--global-batch-size", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                                "--vocab-size", "2047", "--lr", "1e-4"]
+    base = dict(schedules=("tawpipe", "weipipe", "1f1b", "pp-nodes", "distopt", "fsdp"), ranks=4, model_args=model,
+                groups=2, recompute=False, emulated_compute_times=str(times), tawpipe_microbatches_per_visit=4)
+    return BenchmarkConfig(**{**base, **kw})
+
+
+def test_equal_memory_choice_respects_the_budget(tmp_path):
+    """Each strategy's micro-batch size: the fastest the simulator predicts among the sizes whose
+    activation memory fits the budget (TawPipe's by default), ties to the larger; a budget nothing fits
+    leaves the smallest, marked."""
+    from megatron_tawpipe.bench.equal_memory import TIE, choose_micro_batch_sizes, format_choices
+
+    config = _long_context_config(tmp_path)
+    selection = choose_micro_batch_sizes(config)
+    assert selection["candidates"] == [1, 2, 4]
+    budget = selection["budget_bytes"]
+    assert budget == selection["choices"]["tawpipe"]["activation_bytes"] > 0
+    for name, choice in selection["choices"].items():
+        if name == "tawpipe":
+            assert choice["micro_batch_size"] == 1 and not choice["tried"]
+            continue
+        fits = [t for t in choice["tried"] if t["activation_bytes"] <= budget * (1 + 1e-9)]
+        assert choice["fits"] and choice["activation_bytes"] <= budget * (1 + 1e-9)
+        best = max(t["predicted_tokens_per_sec_per_rank"] for t in fits)
+        assert choice["predicted_tokens_per_sec_per_rank"] >= (1 - TIE) * best
+        assert all(t["micro_batch_size"] <= choice["micro_batch_size"] for t in fits
+                   if t["predicted_tokens_per_sec_per_rank"] >= (1 - TIE) * best)
+        # Activation memory grows with the micro-batch: the sizes are really priced, not assumed.
+        acts = [t["activation_bytes"] for t in choice["tried"]]
+        assert acts == sorted(acts) and acts[-1] > acts[0]
+    # TawPipe's visit of 4 holds what one micro-batch of 4 samples holds: data parallelism gets that window.
+    assert selection["choices"]["distopt"]["micro_batch_size"] == 4
+    assert selection["choices"]["fsdp"]["micro_batch_size"] == 4
+    assert "activation budget" in format_choices(selection)
+
+    small = choose_micro_batch_sizes(config, budget_bytes=selection["choices"]["distopt"]["tried"][0]["activation_bytes"])
+    assert small["choices"]["distopt"]["micro_batch_size"] == 1 and small["choices"]["distopt"]["fits"]
+    none = choose_micro_batch_sizes(config, budget_bytes=1.0)
+    assert none["choices"]["fsdp"]["micro_batch_size"] == 1 and not none["choices"]["fsdp"]["fits"]
+    assert "nothing fits" in format_choices(none)
+
+
+def test_equal_memory_runs_each_strategy_at_its_size(tmp_path):
+    """run_benchmark with equal memory: every run's command carries its strategy's micro-batch size (once;
+    the global batch unchanged), sizes given by hand win, and the results say what each row ran with."""
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.bench.benchmark import run_benchmark
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    config = _long_context_config(tmp_path, schedules=("tawpipe", "distopt", "fsdp"), equal_memory=True,
+                                  micro_batch_sizes={"fsdp": 2}, repetitions=1, train_iters=2,
+                                  outdir=str(tmp_path / "runs"))
+    seen = {}
+
+    def launcher(cfg, script_args, log_path):
+        args = validate_args(parse_args(script_args[1:]), world_size=4)
+        assert script_args.count("--micro-batch-size") == 1 and args.global_batch_size == 16
+        schedule = os.path.basename(args.metrics_file).split("-rep")[0]
+        seen[schedule] = args.micro_batch_size
+        with open(args.metrics_file, "w") as f:
+            for _ in range(2):
+                f.write(json.dumps({"tokens_per_sec_per_rank": 1.0, "elapsed_ms": 1.0, "peak_memory_bytes": 1}) + "\n")
+        return 0
+
+    lines = []
+    result = run_benchmark(config, progress=lines.append, launcher=launcher)
+    assert seen == {"tawpipe": 1, "distopt": 4, "fsdp": 2}
+    assert {r["schedule"]: r["micro_batch_size"] for r in result["summary"]} == seen
+    assert result["equal_memory"]["choices"]["fsdp"]["micro_batch_size"] == 4  # the choice, overridden by hand
+    assert any("activation budget" in line for line in lines)

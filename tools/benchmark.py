@@ -28,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_tawpipe.arguments import TOOL_FLAGS  # noqa: E402
+from megatron_tawpipe.sim.memory import parse_size  # noqa: E402
 from megatron_tawpipe.bench.benchmark import (DEFAULT_SCHEDULES, SCHEDULES, STRATEGIES,  # noqa: E402
                                               BenchmarkConfig, BenchmarkError, compare_with_simulation,
                                               format_comparison, format_table, run_benchmark, write_chart)
@@ -72,6 +73,15 @@ def main(argv=None) -> int:
                         "the whole backward")
     p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=1,
                    help="passed to the tawpipe runs (see pretrain_llama.py --help)")
+    p.add_argument("--equal-memory", action="store_true",
+                   help="give each strategy its own --micro-batch-size: the fastest (by tools/simulate.py on the "
+                        "same model, times and links) whose activation memory fits the budget; tawpipe keeps the "
+                        "model flags' size, its window being the visit (megatron_tawpipe/bench/equal_memory.py)")
+    p.add_argument("--activation-budget", default=None, metavar="SIZE",
+                   help="with --equal-memory: the activation memory per rank (e.g. 2GB; default: TawPipe's at "
+                        "the model's micro-batch size and --tawpipe-microbatches-per-visit)")
+    p.add_argument("--micro-batch-size-of", action="append", default=[], metavar="STRATEGY=N",
+                   help="a strategy's own --micro-batch-size (repeatable; wins over --equal-memory's choice)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="--tensor-model-parallel-size of the tawpipe-tp runs (default: the ranks per node)")
     p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
@@ -90,6 +100,21 @@ def main(argv=None) -> int:
         print(format_comparison(compare_with_simulation(result, simulated)))
         return 0
 
+    own_sizes = {}
+    for item in args.micro_batch_size_of:
+        name, _, value = item.partition("=")
+        if name not in SCHEDULES or not value.isdigit() or int(value) < 1:
+            p.error(f"--micro-batch-size-of {item!r}: give STRATEGY=N with N >= 1 and STRATEGY one of "
+                    f"{', '.join(SCHEDULES)}")
+        own_sizes[name] = int(value)
+    budget = None
+    if args.activation_budget is not None:
+        if not args.equal_memory:
+            p.error("--activation-budget goes with --equal-memory")
+        try:
+            budget = parse_size(args.activation_budget)
+        except ValueError as exc:
+            p.error(f"--activation-budget: {exc}")
     cluster = None
     ranks = args.ranks or 4
     if args.nodes is not None:
@@ -105,7 +130,8 @@ def main(argv=None) -> int:
                              outdir=args.outdir, cluster=cluster, timeout_s=args.timeout,
                              recompute=not args.no_recompute, emulated_compute_times=args.emulated_compute_times,
                              tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
-                             ddp_bucket_size=args.ddp_bucket_size, tensor_parallel_size=args.tensor_parallel_size)
+                             ddp_bucket_size=args.ddp_bucket_size, tensor_parallel_size=args.tensor_parallel_size,
+                             micro_batch_sizes=own_sizes, equal_memory=args.equal_memory, activation_budget=budget)
     if args.warmup_iters >= args.train_iters:
         print("benchmark.py: error: --warmup-iters must be smaller than --train-iters", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron_tawpipe.common.errors import BenchmarkError
@@ -81,11 +81,20 @@ class BenchmarkConfig:
     tawpipe_microbatches_per_visit: int = 1
     tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
+    micro_batch_sizes: Dict[str, int] = field(default_factory=dict)  # a strategy's own --micro-batch-size
+    equal_memory: bool = False   # choose each strategy's micro-batch size under an activation budget (.equal_memory)
+    activation_budget: Optional[float] = None  # bytes; default: TawPipe's activation memory
     python: str = sys.executable
     env: Dict[str, str] = field(default_factory=dict)
 
     def tawpipe_tensor_parallel_size(self) -> int:
         return self.tensor_parallel_size or self.ranks // self.num_groups()
+
+    def micro_batch_size_of(self, schedule: str) -> int:
+        """The ``--micro-batch-size`` ``schedule`` runs with (its own, else the model flags')."""
+        if schedule in self.micro_batch_sizes:
+            return int(self.micro_batch_sizes[schedule])
+        return int(flag_value(self.model_args, "--micro-batch-size") or 1)
 
     def num_groups(self) -> int:
         if self.groups is not None:
@@ -106,8 +115,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
     p = config.ranks
     layers = int(flag_value(config.model_args, "--num-layers") or config.num_layers)
     given_split = any(flag_value(config.model_args, flag) is not None for flag in SPLIT_FLAGS)
-    common = model_args_for(schedule, config.model_args) + ["--train-iters", str(config.train_iters),
-                                                          "--metrics-file", metrics_file, "--eval-iters", "0"]
+    common = _with_micro_batch_size(model_args_for(schedule, config.model_args), config, schedule) + [
+        "--train-iters", str(config.train_iters), "--metrics-file", metrics_file, "--eval-iters", "0"]
     if flag_value(config.model_args, "--num-layers") is None:
         common += ["--num-layers", str(layers)]
     if config.emulated_compute_times:
@@ -145,6 +154,21 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
     if schedule == "hsdp":
         return [PRETRAIN, "--use-torch-fsdp2", "--num-distributed-optimizer-instances", str(nodes)] + common
     raise BenchmarkError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+
+
+def _with_micro_batch_size(args: List[str], config: BenchmarkConfig, schedule: str) -> List[str]:
+    """``args`` with ``schedule``'s own ``--micro-batch-size`` where it has one."""
+    if schedule not in config.micro_batch_sizes:
+        return args
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--micro-batch-size":
+            skip = True
+        elif not arg.startswith("--micro-batch-size="):
+            out.append(arg)
+    return out + ["--micro-batch-size", str(config.micro_batch_size_of(schedule))]
 
 
 def read_metrics(path: str) -> List[dict]:
@@ -251,6 +275,18 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
     if "tawpipe-rep" in config.schedules and config.num_groups() < 2:
         raise BenchmarkError("tawpipe-rep (--tawpipe-replicate-first-shard) needs at least 2 nodes (groups): "
                              "one holder of shard 0 per node")
+    for s in config.micro_batch_sizes:
+        if s not in config.schedules:
+            raise BenchmarkError(f"a micro-batch size is given for {s!r}, which is not among the strategies run "
+                                 f"({', '.join(config.schedules)})")
+    selection = None
+    if config.equal_memory:
+        from megatron_tawpipe.bench.equal_memory import choose_micro_batch_sizes, format_choices
+
+        selection = choose_micro_batch_sizes(config, config.activation_budget)
+        chosen = {s: c["micro_batch_size"] for s, c in selection["choices"].items()}
+        config = replace(config, micro_batch_sizes={**chosen, **config.micro_batch_sizes})  # given by hand win
+        progress(format_choices(selection))
     for s in config.schedules:  # every command line can be built (e.g. its stages), before any run
         schedule_command(s, config, os.devnull)
     os.makedirs(config.outdir, exist_ok=True)
@@ -273,6 +309,7 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
                     tail = open(log, encoding="utf-8", errors="replace").read()[-3000:]
                     raise BenchmarkError(f"{schedule} repetition {rep} failed (exit {rc}); log {log}:\n{tail}")
                 run = {"schedule": schedule, "repetition": rep, "wall_s": wall, "metrics_file": metrics,
+                       "micro_batch_size": config.micro_batch_size_of(schedule),
                        **summarize_run(read_metrics(metrics), config.warmup_iters)}
                 if node_tx is not None:
                     # Whole run (start-up included) over all iterations, warm-up included.
@@ -298,6 +335,7 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
         "wall_s": time.time() - start,
         "runs": runs,
         "summary": summarize(runs, config.schedules),
+        "equal_memory": selection,
     }
 
 
@@ -314,6 +352,7 @@ def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
 
         rows.append({
             "schedule": schedule,
+            "micro_batch_size": mine[0].get("micro_batch_size"),
             "repetitions": len(mine),
             "tokens_per_sec_per_rank": statistics.median(tps),
             "tokens_per_sec_per_rank_min": min(tps),
@@ -344,13 +383,13 @@ def _fmt_bytes(value: Optional[float]) -> str:
 def format_table(result: dict) -> str:
     rows = result["summary"]
     cluster = any(r.get("node_tx_bytes_per_iteration") is not None for r in rows)
-    headers = ["schedule", "tokens/s/rank", "spread", "ms/iter", "between groups/iter"]
+    headers = ["schedule", "mbs", "tokens/s/rank", "spread", "ms/iter", "between groups/iter"]
     if cluster:
         headers.append("eth0 tx/iter")
     headers += ["peak mem/rank", "busy"]
     lines = []
     for r in rows:
-        cells = [r["schedule"], f"{r['tokens_per_sec_per_rank']:.1f}",
+        cells = [r["schedule"], str(r.get("micro_batch_size") or "-"), f"{r['tokens_per_sec_per_rank']:.1f}",
                  f"{r['tokens_per_sec_per_rank_min']:.0f}-{r['tokens_per_sec_per_rank_max']:.0f}"
                  f" ({r['spread_pct']:.0f}%)" if r["spread_pct"] is not None else "-",
                  f"{r['elapsed_ms']:.0f}", _fmt_bytes(r["inter_group_bytes"])]
