@@ -126,9 +126,11 @@ def test_every_owner_gets_every_contribution(schedule, P, D, N, opts, faithful):
 
 
 def test_unsafe_plan_runs_on_gloo_but_fails_nccl_faithful_within_timeout():
-    """The gloo-era multi-group TawPipe plan: gloo runs it, NCCL-faithful mode reports the
-    hang after the executor's timeout, naming the rank, the step and what holds its FIFO."""
-    with open(os.path.join(DATA, "tawpipe_gloo_era_P4_D2.json"), encoding="utf-8") as f:
+    """A TawPipe plan whose rank 0 receives its shard's gradients from ranks 3, 2, 1 in the opposite order
+    of the planner's (tests/data/tawpipe_crossed_down_P4_D4.json, the planner's P = D = 4 plan with two
+    receives swapped): gloo matches by tag and runs it; NCCL-faithful mode reports the hang after the
+    executor's timeout, naming the rank, the step and what holds its FIFO."""
+    with open(os.path.join(DATA, "tawpipe_crossed_down_P4_D4.json"), encoding="utf-8") as f:
         plan_json = f.read()
     plan = Plan.from_json(plan_json)
     _expect_sums(plan, run_ranks(_run_plan, 4, plan_json, False, 60, timeout=120))
@@ -137,7 +139,7 @@ def test_unsafe_plan_runs_on_gloo_but_fails_nccl_faithful_within_timeout():
     assert failures, results
     text = "\n".join(failures)
     assert "under NCCL's ordering rules" in text
-    assert "FIFO on the weight point-to-point process group is held by step" in text
+    assert "FIFO on the grad point-to-point (down: toward lower ranks) process group is held by step" in text
     for message in failures:
         assert message.startswith("rank ") and ", step " in message
 

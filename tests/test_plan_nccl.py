@@ -7,7 +7,7 @@ import pytest
 from megatron_tawpipe.plan import Plan, PlanError, build_plan, validate_plan
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.connect import check_nccl_order, connection_warmup
-from megatron_tawpipe.plan.nccl import ALL_MODES, MODES, NcclModel, batch_entries
+from megatron_tawpipe.plan.nccl import ALL_MODES, MODES, NcclModel, batch_entries, entries_of
 from megatron_tawpipe.plan.sweep import run_sweep
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -102,11 +102,14 @@ def test_lazy_pair_communicator_creation_blocks_the_host():
 @pytest.mark.parametrize("name", ["tawpipe_gloo_era_P2_D2.json", "tawpipe_gloo_era_P4_D2.json"])
 def test_gloo_era_multigroup_tawpipe_plan_is_rejected(name):
     """The multi-group TawPipe plans of the gloo-only era: correct on gloo (the symbolic pass
-    accepts them), deadlocked at the first inter-group weight fetch under NCCL."""
+    accepts them), deadlocked at the first inter-group weight fetch under NCCL's lazy pair communicators."""
     with open(os.path.join(DATA, name), encoding="utf-8") as f:
         plan = Plan.from_json(f.read())
     validate_plan(plan, nccl_modes=())
-    for mode in MODES:
+    # Its inter-group exchanges go opposite ways unbatched: on eager communicators each direction's process
+    # group runs them side by side; created lazily, the pair communicators deadlock them.
+    check_nccl_order(plan, ("group",))
+    for mode in ("pair",):
         with pytest.raises(PlanError) as info:
             check_nccl_order(plan, (mode,))
         text = str(info.value)
@@ -196,7 +199,7 @@ def test_warmup_connects_each_connection_once_and_rescues_plans_that_would_hang(
     model = NcclModel(plan, "group", lazy=True)
     needed = {key for r, entries in enumerate(model.entries) for e in entries for key in model.connections(r, e)}
     warm = NcclModel(plan, "group", lazy=True, prologue=warmup)
-    made = [key for r in range(P) for e in warm.entries[r][:_starts(warmup[r])]
+    made = [key for r in range(P) for e in warm.entries[r][:_starts(warmup[r], r)]
             for key in warm.connections(r, e)]
     assert needed == set(made)
     assert all(isinstance(a, A.Wait) or (a.batch is None or a.batch < 0) for acts in warmup for a in acts
@@ -207,11 +210,9 @@ def test_warmup_connects_each_connection_once_and_rescues_plans_that_would_hang(
     check_nccl_order(plan, MODES)
 
 
-def _starts(actions) -> int:
-    """Entries (batches or single starts) among ``actions``."""
-    return len(batch_entries(Plan(schedule="x", family="weight", num_ranks=1, num_groups=1, num_layers=1,
-                                  num_microbatches=1, owners=(0,), streams=(0,), max_weight_buffers=0,
-                                  max_grad_buffers=0, actions=[list(actions)]), 0, "group"))
+def _starts(actions, rank: int) -> int:
+    """Entries (batches or single starts) among ``actions`` of ``rank``."""
+    return len(entries_of(list(actions), rank, "group"))
 
 
 def test_device_wide_issue_order_is_reported_not_required():
@@ -223,3 +224,43 @@ def test_device_wide_issue_order_is_reported_not_required():
     validate_plan(weipipe)
     with pytest.raises(PlanError, match="device mode"):
         NcclModel(weipipe, "device").run()
+
+
+@pytest.mark.parametrize("schedule,P,D", [("tawpipe", 4, 2), ("tawpipe", 6, 3), ("weipipe", 4, 1)])
+def test_weight_passing_directions_have_process_groups_of_their_own(schedule, P, D):
+    """The weight-passing runtime's point-to-point groups are one per channel and direction: every batch
+    holds one direction, a rank has transfers both ways in flight at once (its gradients out to a higher
+    rank while another's come in from above, say), and the plans pass NCCL's rules in every mode."""
+    from megatron_tawpipe.plan.nccl import process_group
+
+    plan = build_plan(schedule, num_ranks=P, num_groups=D, num_microbatches=2)
+    both_ways = False
+    for r, acts in enumerate(plan.actions):
+        in_flight = {}
+        for a in acts:
+            if isinstance(a, A.Wait):
+                in_flight.pop(a.tag, None)
+            elif type(a) in (A.SendStart, A.RecvStart):
+                key = process_group(a, r)
+                assert key[0] == "p2p" and key[2] == ("up" if (r < a.peer) == (type(a) is A.SendStart) else "down")
+                in_flight[a.tag] = key
+                both_ways |= len({k[2] for k in in_flight.values() if k[1] == key[1]}) == 2
+        for key, ops in batch_entries(plan, r, "group"):
+            assert len({process_group(a, r) for _, a in ops}) == 1
+    assert both_ways
+    check_nccl_order(plan, MODES)
+
+
+def test_unbatched_gradient_exchange_runs_both_ways_on_eager_groups():
+    """Two ranks each send the other a gradient first: on the per-direction groups (eager) they run side
+    by side; with lazily created pair communicators each host blocks creating its own."""
+    s0 = A.SendStart(1, 1, "g0", "grad", 0, "inter")
+    r0 = A.RecvStart(2, 1, "g1", "grad", 1, "inter")
+    s1 = A.SendStart(2, 0, "g1", "grad", 1, "inter")
+    r1 = A.RecvStart(1, 0, "g0", "grad", 0, "inter")
+    plan = Plan(schedule="hand", family="weight", num_ranks=2, num_groups=2, num_layers=2, num_microbatches=1,
+                owners=(0, 1), streams=(0, 1), max_weight_buffers=0, max_grad_buffers=2,
+                actions=[[s0, r0, A.Wait(1), A.Wait(2)], [s1, r1, A.Wait(2), A.Wait(1)]])
+    NcclModel(plan, "group").run()
+    with pytest.raises(PlanError, match=r"deadlock.*grad point-to-point \(up: toward higher ranks\) communicator"):
+        NcclModel(plan, "pair").run()

@@ -30,6 +30,8 @@ from typing import Optional, Tuple
 # and gradient traffic use separate channels so that one can overlap the other.
 KINDS = ("weight", "grad", "act", "actgrad")
 CHANNEL = {"weight": "weight", "grad": "grad", "act": "act", "actgrad": "actgrad"}
+#: Channels whose point-to-point process groups are one per direction (plan/nccl_terms.py).
+DIRECTED_CHANNELS = ("weight", "grad")
 LINKS = ("intra", "inter")
 MAIN = "main"
 REPLICATED_PARTS = ("all", "head", "embedding")

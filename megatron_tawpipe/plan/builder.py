@@ -117,9 +117,9 @@ class PlanBuilder:
         lists = []
         weight_slots = grad_slots = 0
         batches = itertools.count()
-        for items in self._items:
+        for rank, items in enumerate(self._items):
             items.sort()      # by key, then emission order (seq is unique)
-            specs = _batch_p2p([(key, cls, args) for key, _, cls, args in items], batches)
+            specs = _batch_p2p(rank, [(key, cls, args) for key, _, cls, args in items], batches)
             acts, nw, ng = _assign_buffers(specs)
             weight_slots, grad_slots = max(weight_slots, nw), max(grad_slots, ng)
             lists.append(acts)
@@ -132,10 +132,12 @@ class PlanBuilder:
                     shard_layers=tuple(shard_layers or ()))
 
 
-def _batch_p2p(items: list, counter) -> list:
-    """Lower sorted ``(key, class, args)`` items of one rank to ``(class, args)``
-    specs in which the sends and receives of one key and one channel form one
-    NCCL group (``batch``).
+def _batch_p2p(rank: int, items: list, counter) -> list:
+    """Lower sorted ``(key, class, args)`` items of ``rank`` to ``(class, args)``
+    specs in which the sends and receives of one key, one channel and, on the
+    weight-passing channels, one direction (toward higher or lower ranks: each
+    its own process group, ``nccl_terms.process_group``) form one NCCL group
+    (``batch``).
 
     Why this makes a plan safe under NCCL's ordering rules (plan/nccl.py), by
     induction over keys: both sides of every transfer and all members of a
@@ -143,7 +145,9 @@ def _batch_p2p(items: list, counter) -> list:
     than what it waits for.  Once everything below key K has completed, every
     rank reaches its key-K starts; each FIFO then holds at its head exactly one
     key-K entry per channel, whose partners are the peers' key-K entries, so
-    all of them run.  Starts of one key are moved to the last of them, never
+    all of them run (a batch's partners are in the same direction's
+    communicator: what ``rank`` sends up, its higher peer receives from below).
+    Starts of one key are moved to the last of them, never
     earlier, so nothing they read is written after them.  Every send and
     receive is batched (a batch of one included): ProcessGroupNCCL runs
     batches on the process group's own communicator, which the executor creates
@@ -160,7 +164,10 @@ def _batch_p2p(items: list, counter) -> list:
         groups: Dict[str, list] = {}
         for _, cls, args in run:
             if cls is A.SendStart or cls is A.RecvStart:
-                groups.setdefault(A.CHANNEL[args[3]], []).append((cls, args))
+                channel = A.CHANNEL[args[3]]
+                sender, receiver = (rank, args[1]) if cls is A.SendStart else (args[1], rank)
+                way = sender < receiver if channel in A.DIRECTED_CHANNELS else None
+                groups.setdefault((channel, way), []).append((cls, args))
         last = {id(members[-1][1]): channel for channel, members in groups.items()}
         for _, cls, args in run:
             if cls is A.SendStart or cls is A.RecvStart:

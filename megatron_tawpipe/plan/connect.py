@@ -49,11 +49,11 @@ def connection_warmup(plan: Plan) -> List[List[object]]:
         for a in plan.actions[r]:
             t = type(a)
             if t is A.SendStart:
-                pairs.setdefault(process_group(a), {}).setdefault((r, a.peer), a)
+                pairs.setdefault(process_group(a, r), {}).setdefault((r, a.peer), a)
             elif t is A.RecvStart:
-                pairs.setdefault(process_group(a), {})
+                pairs.setdefault(process_group(a, r), {})
             elif t in A.COLLECTIVE:
-                collectives.setdefault((process_group(a), t.__name__, transfer_elements(plan, a)), a)
+                collectives.setdefault((process_group(a, r), t.__name__, transfer_elements(plan, a)), a)
     out: List[List[object]] = [[] for _ in range(P)]
     batch = _FIRST_BATCH
     for group in sorted(pairs, key=repr):

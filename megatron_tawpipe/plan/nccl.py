@@ -65,7 +65,8 @@ from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.nccl_terms import (P2P_TYPES, batch_entries, communicator_of,  # noqa: F401 (re-exported)
                                               describe_elements, describe_fifo, describe_size, entries_of, nth,
-                                              process_group, transfer_elements)
+                                              DIRECTIONS, is_pair_communicator, process_group,
+                                              transfer_elements)
 from megatron_tawpipe.plan.plan import Plan
 
 MODES = ("pair", "group")          # the arrangements the validator requires
@@ -204,7 +205,7 @@ class NcclModel:
                 continue
             e = first.get(pc)
             if e is not None:
-                if self.mode == "pair" and len(e.key) > 2:
+                if self.mode == "pair" and is_pair_communicator(e.key):
                     pair = e.key
                     arrived = self.arrived[pair]
                     if r not in arrived:
@@ -320,7 +321,7 @@ class NcclModel:
         where = (r, step - self.prologue[r], a)
         if type(a) is not A.Wait:
             e = self.first_of_step[r][step]
-            if self.lazy and not (self.mode == "pair" and len(e.key) > 2 and len(self.arrived[e.key]) < 2):
+            if self.lazy and not (self.mode == "pair" and is_pair_communicator(e.key) and len(self.arrived[e.key]) < 2):
                 key = self._connect(r, e, [])[0]
                 absent = sorted(self.parties[key] - self.arrived[key])
                 what = (f"the {key[2]} -> {key[3]} connection" if isinstance(key[2], int) else
@@ -328,7 +329,7 @@ class NcclModel:
                 return (f"rank {r} step {step} ({A.describe(a)}) makes {what} on the "
                         f"{describe_fifo(e.comm)} lazily and waits for rank(s) {absent} to reach theirs (rank "
                         f"{absent[0]} is stopped at step {self.pc[absent[0]]})"), absent[0], where
-            other = e.key[3] if e.key[3] != r else e.key[4]
+            other = e.key[-2] if e.key[-2] != r else e.key[-1]
             return (f"rank {r} step {step} ({A.describe(a)}) is creating the "
                     f"{describe_fifo(e.key)} and waits for rank {other} to call it"), other, where
         e = self.entry_of[(r, a.tag)]

@@ -11,11 +11,27 @@ from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.plan import Plan
 
 # ------------------------------------------------------------ communicators
-def process_group(action) -> tuple:
-    """The executor's process group of a start action."""
+#: The weight-passing runtime's point-to-point process groups are one per channel and direction: "up" carries
+#: what a rank sends to a higher rank, "down" what it sends to a lower one, so the two directions between two
+#: ranks (two nodes) never wait for each other on one communicator's stream. The activation channels model
+#: megatron's pipelines, which keep one group for both directions, and stay undirected.
+DIRECTIONS = ("up", "down")
+DIRECTED_CHANNELS = A.DIRECTED_CHANNELS
+
+
+def direction(rank: int, action) -> str:
+    """The direction of a send or receive of ``rank``: ``"up"`` when the sender is the lower rank."""
+    sender, receiver = (rank, action.peer) if type(action) is A.SendStart else (action.peer, rank)
+    return "up" if sender < receiver else "down"
+
+
+def process_group(action, rank: int) -> tuple:
+    """The executor's process group of a start action of ``rank``: a point-to-point transfer's channel and
+    direction (:data:`DIRECTIONS`), a collective's members and channel."""
     t = type(action)
     if t is A.SendStart or t is A.RecvStart:
-        return ("p2p", A.CHANNEL[action.kind])
+        channel = A.CHANNEL[action.kind]
+        return ("p2p", channel, direction(rank, action)) if channel in DIRECTED_CHANNELS else ("p2p", channel)
     if t is A.ReplicatedAllReduceStart:
         return ("replicated", action.ranks)
     return ("collective", action.ranks, A.CHANNEL[action.kind])
@@ -32,19 +48,27 @@ def communicator_of(rank: int, action, mode: str) -> tuple:
     """The communicator that pairs ``action`` with its partners."""
     if mode == "device":
         mode = "group"
-    pg = process_group(action)
+    pg = process_group(action, rank)
     if mode == "pair" and type(action) in P2P_TYPES and action.batch is None:
         return pg + ("pair", min(rank, action.peer), max(rank, action.peer))
     return pg
+
+
+def is_pair_communicator(key: tuple) -> bool:
+    """Whether a communicator key (:func:`communicator_of`) is a lazily created two-rank one."""
+    return key[0] == "p2p" and "pair" in key
 
 
 def describe_fifo(key: tuple) -> str:
     if key[0] == "device":
         return "device-wide issue order (every communicator)"
     if key[0] == "p2p":
-        if len(key) > 2:
-            return f"{key[1]} point-to-point communicator of ranks {key[3]} and {key[4]}"
-        return f"{key[1]} point-to-point process group"
+        way = key[2] if len(key) > 2 and key[2] in DIRECTIONS else None
+        what = f"{key[1]} point-to-point" + (f" ({way}: toward {'higher' if way == 'up' else 'lower'} ranks)"
+                                             if way else "")
+        if is_pair_communicator(key):
+            return f"{what} communicator of ranks {key[-2]} and {key[-1]}"
+        return f"{what} process group"
     if key[0] == "replicated":
         return f"replicated all-reduce group {list(key[1])}"
     return f"{key[2]} collective group {list(key[1])}"

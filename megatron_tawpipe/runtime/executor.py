@@ -91,7 +91,8 @@ class PlanExecutor:
         elif nccl_faithful:
             from megatron_tawpipe.runtime.nccl_faithful import FaithfulTransport
 
-            self.transport = FaithfulTransport(communicators.physical(rank), communicators, self.timeout)
+            self.transport = FaithfulTransport(communicators.physical(rank), communicators, self.timeout,
+                                               plan_rank=rank)
         else:
             self.transport = DirectTransport(compute.device)
         self.timer = ComputeTimer(compute.device)
@@ -311,7 +312,7 @@ class PlanExecutor:
         for step, x in members:
             send = type(x) is A.SendStart
             tensor = self._buffer(x.buf, x.kind, x.shard, write=not send)
-            ops.append(Op(x.tag, x, step, "send" if send else "recv", [tensor], self.comms.for_action(x),
+            ops.append(Op(x.tag, x, step, "send" if send else "recv", [tensor], self.comms.for_action(x, self.rank),
                           peer=self.comms.physical(x.peer)))
             starts.append((x, tensor, send))
         works = self.transport.issue(ops)
@@ -332,7 +333,7 @@ class PlanExecutor:
 
     def _collective(self, a, kind: str, tensors, peer: int):
         physical = self.comms.physical
-        op = Op(a.tag, a, self._step, kind, tensors, self.comms.for_action(a),
+        op = Op(a.tag, a, self._step, kind, tensors, self.comms.for_action(a, self.rank),
                 peer=physical(peer) if peer >= 0 else peer, ranks=tuple(physical(r) for r in a.ranks))
         return self.transport.issue([op])[a.tag]
 

@@ -111,8 +111,9 @@ class _Worker:
 class FaithfulTransport:
     """Issue operations on gloo under NCCL's ordering rules (see the module docstring)."""
 
-    def __init__(self, rank: int, communicators, timeout: datetime.timedelta):
+    def __init__(self, rank: int, communicators, timeout: datetime.timedelta, plan_rank: Optional[int] = None):
         self.rank, self.comms, self.timeout = rank, communicators, timeout
+        self.plan_rank = rank if plan_rank is None else plan_rank   # the rank the plan's actions name
         self.workers: Dict[tuple, _Worker] = {}
         self.sequence: Dict[Tuple[tuple, int, int], int] = {}
         # Headers travel on groups of their own, so their tags never meet the data's.
@@ -120,7 +121,7 @@ class FaithfulTransport:
             if dist.get_world_size() > 1 else {}
 
     def issue(self, ops: List[Op]) -> Dict[int, _Handle]:
-        key = process_group(ops[0].action)
+        key = process_group(ops[0].action, self.plan_rank)
         worker = self.workers.get(key)
         if worker is None:
             worker = self.workers[key] = _Worker(self, key)
@@ -147,7 +148,7 @@ class FaithfulTransport:
         work.wait(timeout=self.timeout)
 
     def _point_to_point(self, op: Op) -> None:
-        key = process_group(op.action)
+        key = process_group(op.action, self.plan_rank)
         count = op.tensors[0].numel()
         mine = torch.tensor([op.tag, _SEND if op.kind == "send" else _RECV, op.step, count], dtype=torch.int64)
         theirs = torch.empty(4, dtype=torch.int64)
@@ -181,7 +182,7 @@ class FaithfulTransport:
                 raise RuntimeError(
                     f"collective order differs: rank {self.rank} step {op.step} runs "
                     f"{A.describe(op.action)} while rank {member} runs tag {int(header[0])} "
-                    f"(its step {int(header[1])}) on the {describe_fifo(process_group(op.action))}")
+                    f"(its step {int(header[1])}) on the {describe_fifo(process_group(op.action, self.plan_rank))}")
             if int(header[2]) != count:
                 raise RuntimeError(
                     f"rank {self.rank} step {op.step} ({A.describe(op.action)}) has {count} elements and rank "

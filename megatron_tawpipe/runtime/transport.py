@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.plan.nccl import process_group
+from megatron_tawpipe.plan.nccl import DIRECTIONS, process_group
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Communicators:
         plans = plans if isinstance(plans, (list, tuple)) else [plans]   # one plan, or each a run may switch to
         self.tensor_parallel_size, self.tensor_parallel_rank = tensor_parallel_size, tensor_parallel_rank
         everyone = tuple(range(world_size))
-        members = {("p2p", channel): everyone for channel in ("weight", "grad")}
+        members = {("p2p", channel, way): everyone for channel in ("weight", "grad") for way in DIRECTIONS}
         members.update({("collective", tuple(ranks), channel): tuple(ranks)
                         for plan in plans for ranks, channel in plan.communicators() if channel != "replicated"})
         members[("replicated", everyone)] = everyone
@@ -94,8 +94,9 @@ class Communicators:
             if me in members[key]:
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
 
-    def for_action(self, action) -> Optional[dist.ProcessGroup]:
-        return self.groups[process_group(action)]
+    def for_action(self, action, rank: int) -> Optional[dist.ProcessGroup]:
+        """The process group of ``action`` of (plan) rank ``rank``."""
+        return self.groups[process_group(action, rank)]
 
 
 class _Done:
