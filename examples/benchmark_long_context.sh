@@ -9,6 +9,9 @@
 # shard's forward (2 x 24.4 ms). Then the simulator's prediction of the same configuration.
 #   sudo bash examples/benchmark_long_context.sh        (REPS=3 ITERS=4 RATE=1gbit VISIT=4)
 # tawpipe-rep: TawPipe with --tawpipe-replicate-first-shard (shard 0 in both nodes).
+# At equal activation memory (EQUAL_MEMORY=1, the default): each strategy runs the micro-batch size
+# the simulator predicts fastest among those whose activations fit what TawPipe's visit holds
+# (tools/benchmark.py --equal-memory); EQUAL_MEMORY=0 runs every strategy at micro-batch size 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/long_context}
@@ -20,6 +23,9 @@ INTRA_BW=${INTRA_BW:-0.6GB/s} # gloo over a namespace's loopback on this kind of
 VISIT=${VISIT:-4}            # tawpipe micro-batches per shard visit
 BUCKET=${BUCKET:-1000000}    # megatron DDP buckets of ~1 decoder layer (0.8M parameters): overlap on this small model
 BACKEND=${BACKEND:-gloo}     # the simulator as the CPU runs the libraries (nccl: what GPUs would do)
+EQUAL_MEMORY=${EQUAL_MEMORY:-1}
+EQUAL=()
+[ "$EQUAL_MEMORY" = 1 ] && EQUAL=(--equal-memory)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 source examples/long_context_model.sh
 mkdir -p "$OUT"
@@ -27,9 +33,13 @@ calibrate_times "$OUT/times.json"
 STRATEGIES=${STRATEGIES:-tawpipe tawpipe-rep weipipe 1f1b interleaved pp-nodes distopt-node distopt fsdp hsdp}
 python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" --schedules $STRATEGIES \
     --train-iters "$ITERS" --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" \
-    --ddp-bucket-size "$BUCKET" \
+    --ddp-bucket-size "$BUCKET" "${EQUAL[@]}" \
     --emulated-compute-times "$OUT/times.json" --outdir "$OUT/runs" --json "$OUT/results.json" \
     --chart "$OUT/results.png" -- "${MODEL[@]}"
+if [ "$EQUAL_MEMORY" = 1 ]; then   # measured against the predictions each strategy's size was chosen by
+  python tools/benchmark.py --results "$OUT/results.json"
+  exit 0
+fi
 python tools/simulate.py --schedule "$(echo $STRATEGIES | tr ' ' ,)" --ranks 4 --groups 2 --num-layers 8 \
     --hidden-size 256 --num-attention-heads 4 --seq-length 3072 --micro-batch-size 1 --num-microbatches 4 \
     --vocab-size 2048 --dtype-bytes 4 --no-recompute --chunk "$VISIT" --virtual-stages 2 \

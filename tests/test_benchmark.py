@@ -348,3 +348,21 @@ def test_equal_memory_runs_each_strategy_at_its_size(tmp_path):
     assert {r["schedule"]: r["micro_batch_size"] for r in result["summary"]} == seen
     assert result["equal_memory"]["choices"]["fsdp"]["micro_batch_size"] == 4  # the choice, overridden by hand
     assert any("activation budget" in line for line in lines)
+
+
+def test_equal_memory_results_compare_with_their_own_predictions():
+    """An equal-memory run compares each strategy with the prediction at the size it ran (a size given by
+    hand takes the prediction priced for that size)."""
+    from megatron_tawpipe.bench.benchmark import compare_with_simulation
+
+    result = {"config": {"micro_batch_sizes": {"tawpipe": 1, "distopt": 2}},
+              "summary": [{"schedule": "tawpipe", "tokens_per_sec_per_rank": 90.0},
+                          {"schedule": "distopt", "tokens_per_sec_per_rank": 120.0}],
+              "equal_memory": {"choices": {
+                  "tawpipe": {"micro_batch_size": 1, "predicted_tokens_per_sec_per_rank": 100.0, "tried": []},
+                  "distopt": {"micro_batch_size": 4, "predicted_tokens_per_sec_per_rank": 150.0,
+                              "tried": [{"micro_batch_size": 2, "predicted_tokens_per_sec_per_rank": 125.0},
+                                        {"micro_batch_size": 4, "predicted_tokens_per_sec_per_rank": 150.0}]}}}}
+    rows = {r["schedule"]: r for r in compare_with_simulation(result)["rows"]}
+    assert rows["distopt"]["predicted"] == 125.0 and rows["tawpipe"]["predicted"] == 100.0
+    assert rows["distopt"]["measured_over_predicted"] == pytest.approx(120 / 125)

@@ -87,16 +87,21 @@ def main(argv=None) -> int:
     p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
                    help="emulated compute for every schedule (see tools/calibrate.py)")
     p.add_argument("--compare-simulated", default=None, metavar="SIM_JSON",
-                   help="with --results: print measured against tools/simulate.py --json output; run nothing")
+                   help="with --results: print measured against tools/simulate.py --json output (default for an "
+                        "--equal-memory run: the predictions it chose the micro-batch sizes by); run nothing")
     p.add_argument("--results", default=None, metavar="JSON", help="a --json file of an earlier benchmark")
     args = p.parse_args(argv)
     if args.compare_simulated or args.results:
-        if not (args.compare_simulated and args.results):
-            p.error("--compare-simulated and --results go together")
+        if not args.results:
+            p.error("--compare-simulated goes with --results")
         with open(args.results, encoding="utf-8") as f:
             result = json.load(f)
-        with open(args.compare_simulated, encoding="utf-8") as f:
-            simulated = json.load(f)
+        simulated = None    # an equal-memory run's own predictions, each strategy at its micro-batch size
+        if args.compare_simulated:
+            with open(args.compare_simulated, encoding="utf-8") as f:
+                simulated = json.load(f)
+        elif not result.get("equal_memory"):
+            p.error("--results of a run without --equal-memory needs --compare-simulated SIM_JSON")
         print(format_comparison(compare_with_simulation(result, simulated)))
         return 0
 

@@ -437,12 +437,30 @@ def write_chart(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def compare_with_simulation(result: dict, simulated: List[dict], reference: str = "tawpipe") -> dict:
+def simulated_rows(result: dict) -> List[dict]:
+    """The simulator's predictions an equal-memory benchmark made for each strategy at the micro-batch size
+    it ran (``result["equal_memory"]``), as ``tools/simulate.py --json`` rows."""
+    selection = result.get("equal_memory") or {}
+    ran = result["config"].get("micro_batch_sizes") or {}
+    rows = []
+    for s, c in (selection.get("choices") or {}).items():
+        size = ran.get(s, c["micro_batch_size"])
+        priced = [c] + list(c.get("tried") or [])
+        speed = next((p["predicted_tokens_per_sec_per_rank"] for p in priced if p["micro_batch_size"] == size), None)
+        if speed:
+            rows.append({"schedule": s, "tokens_per_sec_per_rank": speed})
+    return rows
+
+
+def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None, reference: str = "tawpipe") -> dict:
     """Measured against predicted: tokens/s per schedule and the ratios ``reference`` / other.
 
-    ``simulated`` is ``tools/simulate.py --json`` output for the same configuration. A
-    ratio's deviation is (measured ratio / predicted ratio - 1).
+    ``simulated`` is ``tools/simulate.py --json`` output for the same configuration (default: the
+    predictions an equal-memory run made at each strategy's own micro-batch size). A ratio's deviation
+    is (measured ratio / predicted ratio - 1).
     """
+    if simulated is None:
+        simulated = simulated_rows(result)
     measured = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in result["summary"]}
     predicted = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in simulated}
     rows = [{"schedule": s, "measured": measured[s], "predicted": predicted[s],
