@@ -16,7 +16,7 @@ import pytest
 
 from distributed_harness import run_ranks
 from megatron_tawpipe.bench import emulated_cluster as ec
-from megatron_tawpipe.bench import link_probe, netns
+from megatron_tawpipe.bench import link_burst, link_probe, netns, node_network
 from megatron_tawpipe.common.units import parse_tc_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,16 +203,16 @@ def _printed_by_tool(rank, module, argv):
 
 
 def test_link_duplex_times_every_pattern_on_four_ranks():
-    """The gloo duplex measurement runs its four patterns (here on one machine's loopback) and
-    reports rates and their ratios to one way alone."""
-    from megatron_tawpipe.bench.link_duplex import patterns
+    """The gloo duplex measurement runs its patterns (here on one machine's loopback), one of them with a
+    process group per direction, and reports rates and their ratios to one way alone."""
+    from megatron_tawpipe.bench.link_duplex import DIRECTED, patterns
 
     assert patterns(4)["both ways, two pairs"] == [(0, 2), (2, 0), (1, 3), (3, 1)]
     assert set(patterns(2)) == {"one way", "both ways, one pair"}
     printed = run_ranks(_printed_by_tool, 4, "link_duplex", ["--sizes", "65536,262144", "--messages", "2",
                                                              "--repeats", "1"])
     report = json.loads(printed[0])
-    assert set(report["bytes_per_s"]) == set(patterns(4))
+    assert set(report["bytes_per_s"]) == set(patterns(4)) | {DIRECTED}   # and each direction on its own group
     for name, rates in report["bytes_per_s"].items():
         assert set(rates) == {"65536", "262144"} and all(v > 0 for v in rates.values())
     assert report["over_one_way"]["one way"] == {"65536": 1.0, "262144": 1.0}
@@ -227,3 +227,94 @@ def test_fsdp_overhead_compares_fsdp2_with_its_bare_collectives():
     assert report["fsdp_s_per_layer_and_microbatch"] > 0 and report["bare_collectives_s"] > 0
     assert report["extra_s"] == pytest.approx(report["fsdp_s_per_layer_and_microbatch"] - report["bare_collectives_s"])
     assert printed[1] == ""
+
+
+# ------------------------------------------------------------ the links' htb bucket
+
+def test_default_burst_is_the_link_rate_times_a_fixed_time_with_a_floor():
+    nb = node_network
+    rates = [parse_tc_rate(r) for r in ("1mbit", "100mbit", "200mbit", "500mbit", "1gbit", "2gbit",
+                                        "10gbit", "25gbit", "100gbit")]
+    sizes = [netns.tc_size_bytes(nb.default_burst(r)) for r in rates]
+    assert sizes == sorted(sizes)                                    # monotone in the rate
+    for rate, size in zip(rates, sizes):
+        assert netns.check_tc_size(nb.default_burst(rate)) == nb.default_burst(rate)
+        assert size >= max(nb.MIN_BURST_BYTES, rate / 8 * nb.BURST_TIME_S)
+        assert size < max(nb.MIN_BURST_BYTES, rate / 8 * nb.BURST_TIME_S) + 1024   # whole KiB, rounded up
+        if rate <= 10e9:
+            assert size <= netns.tc_size_bytes("2m")                 # never above the old default
+    assert nb.default_burst(parse_tc_rate("1mbit")) == nb.default_burst(None) == "8k"   # the floor
+    assert nb.default_burst(parse_tc_rate("1gbit")) == "62k"          # 500 us of 125 MB/s
+    assert nb.default_burst(parse_tc_rate("2gbit")) == "123k"
+    with pytest.raises(ValueError):
+        nb.default_burst(0.0)
+
+
+def test_node_network_uses_the_rule_unless_a_burst_is_given(monkeypatch):
+    def commands(net):
+        sent = []
+        monkeypatch.setattr(net, "_cmd", sent.append)
+        net._apply_rate(net.rate, first=True)
+        return [" ".join(argv) for argv in sent]
+
+    net = ec.EmulatedCluster(nodes=2, rate="1gbit")                  # nothing created before setup()
+    assert net.burst == "62k" and net.burst_is_default
+    assert "htb burst 62k, default: 500 us at the link rate" in net.describe()
+    cmds = commands(net)
+    assert len(cmds) == 8                                           # qdisc + class, 2 nodes, both ways
+    assert (f"tc -n {net.prefix}n0 class add dev eth0 parent 1: classid 1:10 htb rate 1gbit ceil 1gbit "
+            "burst 62k cburst 62k quantum 200000") in cmds
+    assert f"tc -n {net.switch} qdisc add dev v1 root handle 1: htb default 10" in cmds
+    net.set_rate("2gbit")                                           # the rule follows the rate
+    assert net.burst == "123k" and all("burst 123k cburst 123k" in c for c in commands(net) if " class " in c)
+
+    given = node_network.NodeNetwork(2, "1gbit", burst="2m", shape_ingress=False)
+    assert given.burst == "2m" and not given.burst_is_default and "htb burst 2m, as given), egress only" in given.describe()
+    given.set_rate("200mbit")
+    cmds = commands(given)
+    assert len(cmds) == 4 and all("burst 2m cburst 2m" in c for c in cmds if " class " in c)
+    given.burst = None                                              # back to the rule
+    assert given.burst == "13k"
+    with pytest.raises(ValueError, match="bad size"):
+        ec.EmulatedCluster(nodes=2, burst="2 megabytes")
+
+
+def test_burst_sweep_needs_root_and_formats_its_table(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("emulated_cluster_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.build_parser().parse_args(["--", "x"]).burst is None
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert tool.main(["burst-sweep", "--rates", "1gbit", "--bursts", "16k"]) == 1
+    assert "needs root" in capsys.readouterr().err
+    facts = link_burst.machine_facts()
+    assert facts["kernel"] and facts["cpus"] >= 1 and facts["date"]
+    point = {"rate": "1gbit", "burst": "16k", "burst_us_at_rate": 131.1,
+             "steady": {"over_rate": 0.952, "over_payload_limit": 0.995},
+             "messages_after_idle": {"1MB": {"over_rate": 0.96}, "3MB": {"over_rate": 0.955}}}
+    table = link_burst.format_table({"points": [point]}).splitlines()
+    assert table[0].split() == ["rate", "burst", "us", "steady", "/limit", "1MB", "3MB"]
+    assert table[1].split() == ["1gbit", "16k", "131.1", "0.952", "0.995", "0.960", "0.955"]
+    steady_only = {k: v for k, v in point.items() if k != "messages_after_idle"}
+    assert link_burst.format_table({"points": [dict(steady_only, default=True)]}, header=False).split() == [
+        "1gbit", "16k*", "131.1", "0.952", "0.995"]               # the default; real-time points: no messages
+
+
+@needs_netns
+def test_default_burst_keeps_the_rate_and_sends_no_message_faster():
+    """With the default bucket a long transfer keeps the rate and a 3 MB message after idle takes
+    at least ~95% of size / rate; with the old 2 MiB bucket it took about a third of that.  A busy
+    machine only slows transfers down, so the fastest of a few runs is compared."""
+    size = 3_000_000
+    with ec.EmulatedCluster(nodes=2, rate="1gbit") as cluster:
+        bits = cluster.rate_bits_per_s
+        steady = max(link_probe.measure_throughput(cluster, 0, 1, 48 * MB)["bits_per_s"] for _ in range(2))
+        quick = link_probe.measure_messages(cluster, 0, 1, [size, size], idle_s=0.3)
+        cluster.burst = "2m"
+        cluster.set_rate("1gbit")
+        old = link_probe.measure_messages(cluster, 0, 1, [size, size, size], idle_s=0.3)
+    print(f"steady {steady / bits:.3f} of the rate; 3 MB after idle: {[round(8 * size / s / bits, 3) for s in quick]} "
+          f"of the rate, with a 2m bucket {[round(8 * size / s / bits, 3) for s in old]}")
+    assert 0.97 * link_burst.PAYLOAD_SHARE < steady / bits < 1.0
+    assert min(quick) >= 0.95 * 8 * size / bits
+    assert min(old) < 0.75 * 8 * size / bits

@@ -47,7 +47,18 @@ exit status.
 
 Latency cannot be emulated: the kernel has no netem (no sch_netem module),
 so only bandwidth is shaped.  htb lets a link that has been idle send BURST
-bytes (default 2m = 2 MiB) at once before the rate applies.
+bytes at once before the rate applies.  By default BURST is what the link
+sends in 500 us at RATE, at least 8k (1gbit: 62k): 4x the smallest bucket
+that kept 1-2 gbit at full rate (a smaller one loses tokens when
+htb's timer wakes up late), so a pipeline's 1-3 MB messages after idle go
+at most a few percent faster than RATE (a 2m bucket sent a 3 MB message
+after idle at ~3x the rate).
+
+    emulated_cluster.py burst-sweep --rates 200mbit,500mbit,1gbit,2gbit \\
+        --realtime-rates 1gbit,2gbit --json examples/results/link_burst.json
+
+measures, for each rate and burst, the steady throughput and the rate single
+1 MB and 3 MB messages see after the link was idle (burst-sweep --help).
 
 The exit status is the command's (the first failing node's; 128+N if it was
 killed by signal N), 124 on --timeout, 130 after Ctrl-C, 1 if the cluster
@@ -71,7 +82,7 @@ except ImportError:  # running from a source checkout
 from megatron_tawpipe.bench.emulated_cluster import DEFAULT_MASTER_PORT, EmulatedCluster  # noqa: E402
 from megatron_tawpipe.bench.link_probe import format_rate, measure_throughput  # noqa: E402
 from megatron_tawpipe.bench.netns import check_prerequisites, cleanup_stale  # noqa: E402
-from megatron_tawpipe.bench.node_network import DEFAULT_BURST, DEFAULT_SUBNET  # noqa: E402
+from megatron_tawpipe.bench.node_network import DEFAULT_BURST_RULE, DEFAULT_SUBNET, default_burst  # noqa: E402
 from megatron_tawpipe.common.errors import ClusterError  # noqa: E402
 from megatron_tawpipe.common.units import parse_tc_rate  # noqa: E402
 
@@ -89,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="link rate of each node, each direction, as tc writes it: 100mbit, "
                         "1gbit, ... (tc's 'bps' is BYTES/s: 10mbps = 80mbit); 'none' for "
                         "unshaped links (default 1gbit)")
-    p.add_argument("--burst", default=DEFAULT_BURST,
-                   help=f"htb burst and cburst (default {DEFAULT_BURST})")
+    p.add_argument("--burst", default=None,
+                   help=f"htb burst and cburst, a tc size (64k, 2m); default: "
+                        f"{DEFAULT_BURST_RULE} (burst-sweep), e.g. {default_burst(1e9)} at 1gbit")
     p.add_argument("--egress-only", action="store_true",
                    help="shape only what nodes send, not also what they receive")
     p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
@@ -132,7 +144,69 @@ def _measure(cluster: EmulatedCluster) -> None:
     print(f"inside node 0 (lo): {format_rate(r['bits_per_s'])}", flush=True)
 
 
+def build_sweep_parser() -> argparse.ArgumentParser:
+    from megatron_tawpipe.bench import link_burst
+
+    p = argparse.ArgumentParser(
+        prog="emulated_cluster.py burst-sweep",
+        description="Measure a two-node link for each rate x htb burst: the steady throughput of a long "
+                    "transfer and the rate single messages see after the link was idle (relative to "
+                    "the shaped rate; TCP payload is at most "
+                    f"{link_burst.PAYLOAD_SHARE:.4f} of it). Needs root.")
+    p.add_argument("--rates", default=",".join(link_burst.DEFAULT_RATES),
+                   help="comma-separated tc rates (default %(default)s)")
+    p.add_argument("--bursts", default=",".join(link_burst.DEFAULT_BURSTS),
+                   help="comma-separated tc sizes, 'default' for the links' default at each rate "
+                        "(default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per point; medians kept (default 3)")
+    p.add_argument("--idle", type=float, default=1.0, help="seconds idle before each message (default 1)")
+    p.add_argument("--steady", type=float, default=0.5,
+                   help="seconds at the rate of each steady transfer (default 0.5)")
+    p.add_argument("--realtime-rates", default="",
+                   help="comma-separated tc rates whose steady throughput is measured again with the "
+                        "probe processes at real-time priority (chrt -f 50), for each burst")
+    p.add_argument("--json", default=None, help="write the result here")
+    return p
+
+
+def sweep_main(argv) -> int:
+    import json
+
+    from megatron_tawpipe.bench import link_burst
+
+    args = build_sweep_parser().parse_args(argv)
+    try:
+        check_prerequisites()
+    except ClusterError as e:
+        print(f"emulated_cluster: {e}", file=sys.stderr)
+        return 1
+    try:
+        result = link_burst.sweep([r for r in args.rates.split(",") if r], [b for b in args.bursts.split(",") if b],
+                                  repeats=args.repeats, idle_s=args.idle, steady_s=args.steady,
+                                  realtime_rates=[r for r in args.realtime_rates.split(",") if r],
+                                  progress=lambda line: print(line, flush=True))
+    except ValueError as e:
+        build_sweep_parser().error(str(e))
+    except ClusterError as e:
+        print(f"emulated_cluster: {e}", file=sys.stderr)
+        return 1
+    for key, what in (("smallest_sustaining_burst", ""), ("smallest_sustaining_burst_realtime", " (real-time probes)")):
+        if result[key]:
+            print(f"smallest burst sustaining the rate{what}: "
+                  + ", ".join(f"{rate} {burst}" for rate, burst in result[key].items()))
+    print("default rule: " + ", ".join(f"{rate} {burst}" for rate, burst in result["default_rule"]["bursts"].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["burst-sweep"]:
+        return sweep_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     command = list(args.command)

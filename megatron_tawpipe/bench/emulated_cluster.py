@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from megatron_tawpipe.bench.node_network import DEFAULT_BURST, DEFAULT_SUBNET, NODE_IFNAME, Node, NodeNetwork
+from megatron_tawpipe.bench.node_network import DEFAULT_SUBNET, NODE_IFNAME, Node, NodeNetwork
 from megatron_tawpipe.bench.subprocesses import TeardownSignals, pump, set_pdeathsig, terminate_all, wait_all
 from megatron_tawpipe.common.errors import ClusterError
 
@@ -59,7 +59,7 @@ class EmulatedCluster(NodeNetwork):
     """
 
     def __init__(self, nodes: int, ranks_per_node: int = 1, rate: Optional[str] = "1gbit", *,
-                 burst: str = DEFAULT_BURST, shape_ingress: bool = True,
+                 burst: Optional[str] = None, shape_ingress: bool = True,
                  subnet: str = DEFAULT_SUBNET, master_port: int = DEFAULT_MASTER_PORT,
                  prefix: Optional[str] = None, handle_signals: bool = True,
                  term_grace: float = 5.0, verbose: bool = False):

@@ -2,7 +2,8 @@
 
 :func:`measure_throughput` runs a receiver script in one node and a sender script in another
 (plain Python sockets, no torch) and returns the rate the receiver saw, in **bits** per second as
-tc's rates are written; :func:`format_rate` prints such a rate.
+tc's rates are written; :func:`measure_messages` times single messages sent after the link was
+idle (what htb's burst speeds up); :func:`format_rate` prints such a rate.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from megatron_tawpipe.bench.netns import tc_size_bytes
 from megatron_tawpipe.bench.subprocesses import terminate_all
@@ -71,25 +72,27 @@ s.close()
 
 def measure_throughput(cluster: "EmulatedCluster", src: int, dst: int, nbytes: int,
                        skip: Optional[int] = None, port: int = 29400,
-                       timeout: float = 120.0) -> Dict[str, float]:
+                       timeout: float = 120.0, wrap: Sequence[str] = ()) -> Dict[str, float]:
     """Send ``nbytes`` over one TCP connection from node ``src`` to node ``dst``.
 
     Plain Python sockets, no torch.  ``src == dst`` measures the intra-node
     path (the node's own address, i.e. ``lo``).  The rate is taken over the
-    bytes after the first ``skip`` (default: the htb burst plus 1 MB, as the
-    first ``burst`` bytes after an idle period pass at full speed).  Returns
-    ``{"bits_per_s", "bytes", "seconds", "total_bits_per_s"}``.
+    bytes after the first ``skip`` (default: the htb burst in effect plus 1 MB, as
+    the first ``burst`` bytes after an idle period pass at full speed).  ``wrap``
+    goes before both scripts' argv (``["chrt", "-f", "50"]``: at real-time
+    priority).  Returns ``{"bits_per_s", "bytes", "seconds", "total_bits_per_s"}``.
     """
     if skip is None:
-        skip = min(nbytes // 2, tc_size_bytes(cluster.burst) + (1 << 20))
+        bucket = tc_size_bytes(cluster.burst) if cluster.rate_bits_per_s is not None else 0
+        skip = min(nbytes // 2, bucket + (1 << 20))
     host = cluster.node(dst).address
-    receiver = cluster.popen(dst, [sys.executable, "-c", _RECEIVER, host, str(port), str(skip)],
+    receiver = cluster.popen(dst, [*wrap, sys.executable, "-c", _RECEIVER, host, str(port), str(skip)],
                              stdout=subprocess.PIPE, text=True)
     try:
         line = receiver.stdout.readline()
         if line.strip() != "ready":
             raise ClusterError(f"throughput receiver did not start: {line!r}")
-        cluster.exec(src, [sys.executable, "-c", _SENDER, host, str(port), str(nbytes)],
+        cluster.exec(src, [*wrap, sys.executable, "-c", _SENDER, host, str(port), str(nbytes)],
                      timeout=timeout, check=True)
         out, _ = receiver.communicate(timeout=timeout)
     finally:
@@ -98,6 +101,102 @@ def measure_throughput(cluster: "EmulatedCluster", src: int, dst: int, nbytes: i
     return {"bits_per_s": 8 * r["steady_bytes"] / max(r["steady_seconds"], 1e-9),
             "total_bits_per_s": 8 * r["bytes"] / max(r["seconds"], 1e-9),
             "bytes": r["bytes"], "seconds": r["seconds"]}
+
+
+# argv: host port. Prints "ready", accepts one connection, then answers each message (an 8-byte
+# length, then that many bytes) with one byte once it has all of it; a length of 0 ends it.
+_ECHO = r"""
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((host, port))
+srv.listen(1)
+print("ready", flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf = bytearray(1 << 20)
+def read(n):
+    while n > 0:
+        got = conn.recv_into(buf, min(n, len(buf)))
+        if not got:
+            raise SystemExit("connection closed mid-message")
+        n -= got
+while True:
+    head = bytearray(8)
+    view, n = memoryview(head), 0
+    while n < 8:
+        got = conn.recv_into(view[n:])
+        if not got:
+            raise SystemExit(0)
+        n += got
+    size = int.from_bytes(head, "big")
+    if size == 0:
+        break
+    read(size)
+    conn.sendall(b"k")
+"""
+
+# argv: host port idle_s size... Connects (retrying for 10 s); for each size: sleeps idle_s, sends
+# the message and waits for the one-byte answer; prints the seconds each took, as JSON.
+_TIMER = r"""
+import json, socket, sys, time
+host, port, idle = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+sizes = [int(x) for x in sys.argv[4:]]
+deadline = time.monotonic() + 10
+while True:
+    try:
+        s = socket.create_connection((host, port))
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.02)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+s.sendall((8).to_bytes(8, "big") + bytes(8))
+s.recv(1)  # connection warmed up; every message below follows idle_s of silence
+seconds = []
+for size in sizes:
+    payload = size.to_bytes(8, "big") + bytes(size)
+    time.sleep(idle)
+    t0 = time.perf_counter()
+    s.sendall(payload)
+    if s.recv(1) != b"k":
+        raise SystemExit("no answer")
+    seconds.append(time.perf_counter() - t0)
+s.sendall(bytes(8))
+s.close()
+print(json.dumps(seconds), flush=True)
+"""
+
+
+def measure_messages(cluster: "EmulatedCluster", src: int, dst: int, sizes: Sequence[int],
+                     idle_s: float = 1.0, port: int = 29401,
+                     timeout: Optional[float] = None) -> List[float]:
+    """Seconds each message of ``sizes`` bytes takes from node ``src`` to node ``dst``.
+
+    One TCP connection; before each message the link is idle for ``idle_s`` seconds (so htb's
+    bucket is full and TCP restarts from its initial window, as after a pipeline's compute), then
+    the message is sent and the time taken until the receiver has all of it and its one-byte
+    answer is back.  ``8 * size / seconds`` is the rate the message saw.
+    """
+    host = cluster.node(dst).address
+    if timeout is None:
+        slow = 8 * sum(sizes) / max(cluster.rate_bits_per_s or 1e9, 1e6)
+        timeout = 30.0 + len(sizes) * idle_s + 4 * slow
+    server = cluster.popen(dst, [sys.executable, "-c", _ECHO, host, str(port)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        if line.strip() != "ready":
+            raise ClusterError(f"message receiver did not start: {line!r}")
+        done = cluster.exec(src, [sys.executable, "-c", _TIMER, host, str(port), repr(float(idle_s)),
+                                  *[str(int(n)) for n in sizes]],
+                            timeout=timeout, capture_output=True, check=True)
+        server.wait(timeout=10)
+    finally:
+        terminate_all([server], grace=1.0)
+    return [float(x) for x in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def format_rate(bits_per_s: Optional[float]) -> str:

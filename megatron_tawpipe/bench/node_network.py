@@ -19,6 +19,18 @@ it (:func:`megatron_tawpipe.common.units.parse_tc_rate`).  The kernel on the
 machines this was built on has no netem, so only bandwidth can be emulated,
 not latency.
 
+The bucket ``B``: htb lets a link that has been idle send ``B`` bytes at once
+before the rate applies, so a bucket of megabytes sends a pipeline's 1-3 MB
+boundary messages faster than the link's rate.  Unless a burst is given,
+``B`` is :func:`default_burst` of the rate: the bytes the link sends in
+``BURST_TIME_S`` at its rate, at least ``MIN_BURST_BYTES``: 4x the smallest
+bucket (131 us) that kept 1 and 2 gbit at full rate, and it kept 200mbit-1gbit
+within 2% on a 2-core machine busy with other work, measured by
+``tools/emulated_cluster.py burst-sweep`` (:mod:`.link_burst`;
+``examples/results/link_burst.json``).  A smaller bucket falls short of the
+rate: htb's timer wakes up late and the tokens the bucket cannot hold
+meanwhile are lost.
+
 Intra-node traffic: ranks are told to use ``eth0`` (``GLOO_SOCKET_IFNAME=eth0``;
 gloo binds one interface per device and advertises its address).  Two ranks
 of the same node then both have the node's address; the kernel routes a
@@ -36,6 +48,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -51,10 +64,28 @@ from megatron_tawpipe.common.errors import ClusterError
 from megatron_tawpipe.common.units import parse_tc_rate
 
 DEFAULT_SUBNET = "10.77.0"
-DEFAULT_BURST = "2m"
+# The default htb bucket (default_burst): the bytes the link sends in BURST_TIME_S, at least
+# MIN_BURST_BYTES (a few 1514-byte frames); see the module docstring and .link_burst.
+BURST_TIME_S = 500e-6
+MIN_BURST_BYTES = 8 << 10
+DEFAULT_BURST_RULE = (f"{BURST_TIME_S * 1e6:g} us at the link rate, at least {MIN_BURST_BYTES // 1024}k: "
+                      "4x the smallest bucket that kept the rate")
 NODE_IFNAME = "eth0"
 
 _counter = itertools.count()
+
+
+def default_burst(rate_bits_per_s: Optional[float]) -> str:
+    """The htb burst/cburst a link of ``rate_bits_per_s`` (bits/s, as tc reads the rate) gets when
+    none is given, as a tc size in whole KiB (``"62k"`` at 1gbit): the bytes it sends in ``BURST_TIME_S``
+    at that rate, at least ``MIN_BURST_BYTES``.  None (an unshaped link, which has no bucket)
+    gives ``MIN_BURST_BYTES``."""
+    nbytes = MIN_BURST_BYTES
+    if rate_bits_per_s is not None:
+        if not rate_bits_per_s > 0:
+            raise ValueError(f"rate must be positive, not {rate_bits_per_s!r}")
+        nbytes = max(nbytes, rate_bits_per_s / 8 * BURST_TIME_S)
+    return f"{math.ceil(nbytes / 1024)}k"
 
 
 @dataclass(frozen=True)
@@ -71,7 +102,8 @@ class NodeNetwork:
         nodes: number of node namespaces (1..253).
         rate: tc rate of each node's link in each direction (``"100mbit"``,
             ``"1gbit"``); None or ``"none"`` leaves the links unshaped.
-        burst: htb burst/cburst (bytes a link may send at once after being idle).
+        burst: htb burst/cburst (bytes a link may send at once after being idle), a tc size
+            (``"64k"``); None (default): :func:`default_burst` of the rate.
         shape_ingress: also shape the switch-side veth toward each node, so the
             node's incoming traffic is limited too (default True).
         subnet: first three octets of the /24 the nodes live on.
@@ -82,7 +114,7 @@ class NodeNetwork:
         verbose: print every ip/tc command to stderr.
     """
 
-    def __init__(self, nodes: int, rate: Optional[str] = "1gbit", *, burst: str = DEFAULT_BURST,
+    def __init__(self, nodes: int, rate: Optional[str] = "1gbit", *, burst: Optional[str] = None,
                  shape_ingress: bool = True, subnet: str = DEFAULT_SUBNET, prefix: Optional[str] = None,
                  term_grace: float = 5.0, verbose: bool = False):
         if not 1 <= int(nodes) <= 253:
@@ -93,7 +125,7 @@ class NodeNetwork:
         self.nodes = int(nodes)
         self.rate_bits_per_s = parse_tc_rate(rate)  # bits/s, as tc reads the rate; None: unshaped
         self.rate = None if self.rate_bits_per_s is None else str(rate).strip()
-        self.burst = check_tc_size(burst)
+        self.burst = burst
         self.shape_ingress = shape_ingress
         self.subnet = subnet
         if prefix is None:
@@ -125,6 +157,20 @@ class NodeNetwork:
 
     def node(self, node: Union[int, Node]) -> Node:
         return node if isinstance(node, Node) else self.node_list[int(node)]
+
+    @property
+    def burst(self) -> str:
+        """The htb burst/cburst of the links: the one given, else :func:`default_burst` of the rate."""
+        return self._burst if self._burst is not None else default_burst(self.rate_bits_per_s)
+
+    @burst.setter
+    def burst(self, burst: Optional[str]) -> None:
+        """A tc size (checked), or None for :func:`default_burst`; :meth:`set_rate` applies it."""
+        self._burst = None if burst is None else check_tc_size(burst)
+
+    @property
+    def burst_is_default(self) -> bool:
+        return self._burst is None
 
     # ------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -226,7 +272,8 @@ class NodeNetwork:
                     self._cmd(argv)
 
     def set_rate(self, rate: Optional[str]) -> None:
-        """Change the rate of every node link (a tc rate; None or "none": unshaped)."""
+        """Change the rate of every node link (a tc rate; None or "none": unshaped), with the burst
+        given (or, if none was, :func:`default_burst` of the new rate)."""
         bits = parse_tc_rate(rate)
         self.rate = None if bits is None else str(rate).strip()
         self.rate_bits_per_s = bits
@@ -248,7 +295,8 @@ class NodeNetwork:
     def describe(self) -> str:
         """The links' rate and each namespace, several lines."""
         rate = self.rate or "unshaped"
-        lines = [f"links {rate}" + (f" (htb burst {self.burst})" if self.rate else "")
+        burst = f"{self.burst}, " + (f"default: {DEFAULT_BURST_RULE}" if self.burst_is_default else "as given")
+        lines = [f"links {rate}" + (f" (htb burst {burst})" if self.rate else "")
                  + ("" if self.shape_ingress or not self.rate else ", egress only")]
         for n in self.node_list:
             lines.append(f"  node {n.index}: namespace {n.namespace}, {NODE_IFNAME} {n.address}/24")
