@@ -99,6 +99,10 @@ def test_schedule_commands_are_valid_pretrain_flags():
     assert parsed["distopt"].num_distributed_optimizer_instances == 1
     assert parsed["fsdp"].use_torch_fsdp2 and parsed["fsdp"].num_distributed_optimizer_instances == 1
     assert parsed["hsdp"].use_torch_fsdp2 and parsed["hsdp"].num_distributed_optimizer_instances == 2
+    hfsdp = parsed["hfsdp"]
+    assert hfsdp.use_megatron_fsdp and not hfsdp.use_torch_fsdp2 and hfsdp.num_distributed_optimizer_instances == 2
+    assert (hfsdp.data_parallel_sharding_strategy, hfsdp.outer_dp_sharding_strategy) == ("optim_grads_params", "optim")
+    assert hfsdp.use_distributed_optimizer and hfsdp.overlap_grad_reduce and hfsdp.overlap_param_gather
     assert parsed["tawpipe-rep"].pipeline_schedule == "tawpipe" and parsed["tawpipe-rep"].tawpipe_replicate_first_shard
     assert not parsed["tawpipe"].tawpipe_replicate_first_shard
 

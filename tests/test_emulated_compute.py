@@ -63,12 +63,12 @@ def _compute_per_rank(schedule):
     head = t["head_forward"] + t["head_backward"]
     if schedule in ("tawpipe", "weipipe"):  # every rank runs its 2 micro-batches through all 8 layers, recomputing
         return 2 * (8 * (layer + t["layer_recompute"]) + head)
-    if schedule in ("fsdp", "hsdp", "distopt-node"):
+    if schedule in ("fsdp", "hsdp", "distopt-node", "hfsdp"):
         return 2 * (8 * layer + head)
     return 8 * 2 * layer  # 1f1b, middle stage: 8 micro-batches through its 2 layers
 
 
-@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe", "1f1b", "fsdp", "hsdp", "distopt-node"])
+@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe", "1f1b", "fsdp", "hsdp", "distopt-node", "hfsdp"])
 def test_every_schedule_runs_emulated(schedule, times_file):
     extra = {"tawpipe": ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"],
              "weipipe": ["--pipeline-schedule", "weipipe", "--tawpipe-num-groups", "2"],
@@ -76,7 +76,10 @@ def test_every_schedule_runs_emulated(schedule, times_file):
              "fsdp": ["--use-torch-fsdp2"],
              "hsdp": ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"],
              "distopt-node": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                              "--num-distributed-optimizer-instances", "2"]}[schedule]
+                              "--num-distributed-optimizer-instances", "2"],
+             "hfsdp": ["--use-megatron-fsdp", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                       "--overlap-param-gather", "--outer-dp-sharding-strategy", "optim",
+                       "--num-distributed-optimizer-instances", "2"]}[schedule]
     argv = tiny_args(*extra, "--emulated-compute-times", times_file, train_iters=2)
     records = run_ranks(train_rank, 4, argv)
     last = records[-1]

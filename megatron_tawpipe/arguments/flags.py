@@ -329,6 +329,18 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="train with torch FSDP2 (ZeRO-3) instead of megatron's DDP; with "
                         "--num-distributed-optimizer-instances N > 1 it is HSDP: shards inside groups of "
                         "world/N consecutive ranks (a node), replicated across the N groups")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="train with megatron-core's Megatron-FSDP instead of its DDP (native schedule, no pipeline "
+                        "parallelism); with --outer-dp-sharding-strategy optim and "
+                        "--num-distributed-optimizer-instances N it is HFSDP")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+                   help="Megatron-FSDP: what is sharded over the ranks of one optimizer instance (default "
+                        "optim_grads_params: parameters, gradients and optimizer state)")
+    g.add_argument("--outer-dp-sharding-strategy", default="no_shard", choices=("no_shard", "optim"),
+                   help="Megatron-FSDP with --num-distributed-optimizer-instances N > 1: no_shard replicates the "
+                        "instance's shards across the N instances (HSDP); optim also shards the optimizer state "
+                        "across them (HFSDP)")
 
 
 # Megatron-LM's tokenizers on a SentencePiece model: SentencePieceTokenizer through megatron-core;

@@ -51,6 +51,8 @@ STRATEGIES = {
     "distopt": "megatron data parallel, distributed optimizer over all ranks (overlapped)",
     "fsdp": "torch FSDP2 (ZeRO-3) over all ranks",
     "hsdp": "torch FSDP2 HSDP: sharded inside a node, replicated across nodes, one all-reduce per iteration",
+    "hfsdp": "Megatron-FSDP HFSDP: parameters, gradients and optimizer state sharded inside a node, "
+             "optimizer state also across nodes",
 }
 SCHEDULES = tuple(STRATEGIES)
 DEFAULT_SCHEDULES = ("tawpipe", "weipipe", "1f1b", "pp-nodes", "distopt-node", "fsdp", "hsdp")
@@ -153,6 +155,13 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         return [PRETRAIN, "--use-torch-fsdp2"] + common
     if schedule == "hsdp":
         return [PRETRAIN, "--use-torch-fsdp2", "--num-distributed-optimizer-instances", str(nodes)] + common
+    if schedule == "hfsdp":
+        if nodes < 2:
+            raise BenchmarkError("hfsdp needs at least 2 nodes (groups): it shards the optimizer state across them")
+        # Megatron-FSDP buckets its reductions by --ddp-bucket-size too (megatron_fsdp.py:255).
+        return [PRETRAIN, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                "--outer-dp-sharding-strategy", "optim", "--num-distributed-optimizer-instances", str(nodes)] + (
+            _distributed_optimizer(config) + common)
     raise BenchmarkError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
 
 

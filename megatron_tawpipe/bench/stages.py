@@ -51,7 +51,7 @@ SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-n
 # Strategies that take a split of one piece per rank as it is given (a shard or a pipeline stage per rank).
 _ONE_PIECE_PER_RANK = ("tawpipe", "tawpipe-rep", "weipipe", "1f1b")
 # Strategies without stages: the split flags mean nothing to them and are left out.
-_NO_STAGES = ("distopt-node", "distopt", "fsdp", "hsdp")
+_NO_STAGES = ("distopt-node", "distopt", "fsdp", "hsdp", "hfsdp")
 
 
 def native_stage_flags(layers: int, stages: int, virtual: int = 1) -> List[str]:

@@ -163,10 +163,30 @@ class _FakeStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        # Megatron-FSDP waits on the event it gets back (param_and_grad_buffer.py:3121, 3328).
+        return event if event is not None else _FakeEvent()
 
     def synchronize(self) -> None:
         pass
+
+
+class _FakeEvent:
+    """Enough of torch.cuda.Event for code that records on a (fake) stream and waits: all work is in order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _memory_zero(*args, **kwargs) -> int:

@@ -8,7 +8,7 @@ this project implements, with Megatron-LM's meaning and default, are defined in
 * :data:`NO_EFFECT` — accepted; when given, one notice says why nothing changes here
   (a GPU profiler hook, a flag Megatron-LM itself ignores, a DeepSpeed switch);
 * :data:`REFUSED` — refused before any process group exists, in one line that says what
-  the flag needs or what to use instead (fp8/fp4, Megatron-FSDP, mixture of experts, ...);
+  the flag needs or what to use instead (fp8/fp4, Megatron-FSDP's fp8 options, mixture of experts, ...);
 * every other flag of Megatron-LM's own parser (``megatron_lm_flags.txt``): refused in one
   line as a Megatron-LM flag this project does not implement, never argparse's bare
   "unrecognized arguments".
@@ -128,15 +128,12 @@ LOW_PRECISION: Sequence[CompatFlag] = tuple(
                              "train in fp32 (default), --bf16 or --fp16")
     for flag, kwargs in _LOW_PRECISION_FLAGS)
 
-_FSDP = ("Megatron-FSDP is not supported; --use-torch-fsdp2 (HSDP with --num-distributed-optimizer-instances) "
-         "or --pipeline-schedule tawpipe shard weights, gradients and optimizer state")
+_FSDP = ("Megatron-FSDP's fp8 / double-buffer options are not supported; --use-megatron-fsdp runs without them")
 _NOT_YET = "not supported yet"
 
 REFUSED: Sequence[CompatFlag] = LOW_PRECISION + (
     CompatFlag("--use-legacy-models", SWITCH,
                "legacy models are gone from Megatron-LM; this project trains megatron-core's GPTModel"),
-    CompatFlag("--use-megatron-fsdp", SWITCH, _FSDP),
-    CompatFlag("--data-parallel-sharding-strategy", VALUE, _FSDP),
     CompatFlag("--fsdp-double-buffer", SWITCH, _FSDP),
     CompatFlag("--keep-fp8-transpose-cache", SWITCH, _FSDP),
     CompatFlag("--num-experts", INT, "mixture-of-experts models are not supported (dense decoder layers only)",

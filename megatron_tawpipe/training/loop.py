@@ -32,7 +32,8 @@ from megatron_tawpipe.common.errors import NonFiniteGradientError, PeerFailure, 
 
 
 def build_trainer(args, forward_step_func):
-    """The trainer of ``--pipeline-schedule`` (FSDP2 with ``--use-torch-fsdp2``), running ``forward_step_func``."""
+    """The trainer of ``--pipeline-schedule`` (FSDP2 with ``--use-torch-fsdp2``, Megatron-FSDP with
+    ``--use-megatron-fsdp``), running ``forward_step_func``."""
     if is_weight_passing(args.pipeline_schedule):
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
@@ -41,6 +42,10 @@ def build_trainer(args, forward_step_func):
         from megatron_tawpipe.baselines.fsdp import FsdpTrainer
 
         return FsdpTrainer(args, forward_step_func)
+    if getattr(args, "use_megatron_fsdp", False):
+        from megatron_tawpipe.baselines.megatron_fsdp import MegatronFsdpTrainer
+
+        return MegatronFsdpTrainer(args, forward_step_func)
     from megatron_tawpipe.baselines.native import NativeTrainer
 
     return NativeTrainer(args, forward_step_func)

@@ -403,6 +403,10 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
     """Megatron-LM's rules for its data-parallel flags, plus what FSDP2 and weight passing allow."""
     instances = args.num_distributed_optimizer_instances
     if is_weight_passing(args.pipeline_schedule):
+        if args.use_megatron_fsdp:
+            raise ArgumentError(f"--use-megatron-fsdp does not apply to --pipeline-schedule {args.pipeline_schedule} "
+                                "(it already spreads weights, gradients and optimizer state over all ranks); "
+                                "leave --pipeline-schedule at 1f1b")
         if args.use_torch_fsdp2 or instances != 1:
             raise ArgumentError(
                 f"--use-torch-fsdp2 / --num-distributed-optimizer-instances do not apply to --pipeline-schedule "
@@ -415,6 +419,7 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     dp = data_parallel_size(args, world_size)
+    _validate_megatron_fsdp(args)
     if args.use_torch_fsdp2:
         if args.pipeline_schedule != "1f1b" or args.pipeline_model_parallel_size != 1:
             raise ArgumentError("--use-torch-fsdp2 shards over all ranks: leave --pipeline-schedule at 1f1b and "
@@ -426,7 +431,8 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
         if args.fp16:
             raise ArgumentError("--use-torch-fsdp2 trains in fp32 or --bf16 (fp16 needs a loss scaler FSDP2 "
                                 "does not have)")
-    if args.ddp_bucket_size is not None and (args.use_torch_fsdp2 or not args.overlap_grad_reduce):
+    if args.ddp_bucket_size is not None and (args.use_torch_fsdp2 or not (args.overlap_grad_reduce
+                                                                          or args.use_megatron_fsdp)):
         notice("--ddp-bucket-size changes nothing without --overlap-grad-reduce (megatron's DDP reduces all "
                "gradients at once then) or with --use-torch-fsdp2 (it reduces per layer)")
     if instances != 1 and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
@@ -435,6 +441,41 @@ def _validate_data_parallel(args: argparse.Namespace, world_size: int) -> None:
     if dp % instances:
         raise ArgumentError(f"--num-distributed-optimizer-instances {instances} must divide the data-parallel "
                             f"size {dp}")
+
+
+def _validate_megatron_fsdp(args: argparse.Namespace) -> None:
+    """--use-megatron-fsdp (megatron-core's Megatron-FSDP; HFSDP with an outer optim sharding): what runs here."""
+    instances = args.num_distributed_optimizer_instances
+    inner, outer = args.data_parallel_sharding_strategy, args.outer_dp_sharding_strategy
+    if not args.use_megatron_fsdp:
+        if inner != "optim_grads_params" or outer != "no_shard":
+            given = (f"--data-parallel-sharding-strategy {inner}" if inner != "optim_grads_params"
+                     else f"--outer-dp-sharding-strategy {outer}")
+            notice(f"{given}: no effect without --use-megatron-fsdp (it configures Megatron-FSDP)")
+        return
+    if args.use_torch_fsdp2:
+        raise ArgumentError("--use-megatron-fsdp and --use-torch-fsdp2 are mutually exclusive: choose one FSDP")
+    if args.pipeline_model_parallel_size != 1 or args.pipeline_schedule != "1f1b":
+        raise ArgumentError("--use-megatron-fsdp runs megatron's schedule without pipelining here: leave "
+                            "--pipeline-model-parallel-size at 1 and --pipeline-schedule at 1f1b")
+    if args.tensor_model_parallel_size != 1:
+        raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} with --use-megatron-fsdp "
+                            "is not supported yet: leave tensor parallelism at 1")
+    if not args.use_distributed_optimizer:
+        raise ArgumentError("--use-megatron-fsdp needs --use-distributed-optimizer (Megatron-FSDP's sharded "
+                            "parameters are stepped by megatron's distributed optimizer, as in Megatron-LM)")
+    if args.fp16:
+        raise ArgumentError("--use-megatron-fsdp trains in fp32 or --bf16 here (--fp16 is not supported with it)")
+    if outer == "optim":
+        if instances < 2:
+            raise ArgumentError("--outer-dp-sharding-strategy optim shards the optimizer state across optimizer "
+                                "instances: it needs --num-distributed-optimizer-instances N > 1 (one per node)")
+        if inner != "optim_grads_params":
+            raise ArgumentError(f"--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy "
+                                f"optim_grads_params (megatron-core's rule), not {inner}")
+    if args.save or args.load:
+        raise ArgumentError("--save / --load with --use-megatron-fsdp: checkpoints of Megatron-FSDP's sharded "
+                            "(DTensor) parameters and optimizer state are not supported yet; train without them")
 
 
 def notice(message: str) -> None:

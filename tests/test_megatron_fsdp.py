@@ -1,0 +1,71 @@
+"""megatron-core's Megatron-FSDP (--use-megatron-fsdp), HFSDP included, trains like a single-process run.
+
+Reference: megatron's no-pipelining schedule on one rank (fp32). 2 layers, global batch 8 with micro-batch 1:
+2 micro-batches per rank on 4 ranks (4 on 2), so megatron's no_sync drives Megatron-FSDP's outer reduction;
+the gradient norm exceeds 1, so clipping is active.
+"""
+
+import pytest
+
+from distributed_harness import run_ranks
+from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+
+SMALL = ["--num-layers", "2"]
+EVALUATE = ["--eval-interval", "1", "--eval-iters", "1", "--split", "90,10,0"]
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                 "--overlap-param-gather", "--data-parallel-sharding-strategy", "optim_grads_params"]
+HFSDP = MEGATRON_FSDP + ["--outer-dp-sharding-strategy", "optim", "--num-distributed-optimizer-instances", "2"]
+
+
+def grad_norms(records):
+    return [r["grad_norm"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    (records,) = run_ranks(train_rank, 1, tiny_args(*SMALL, *EVALUATE))
+    assert len(records) == 3 and losses(records)[0] != losses(records)[-1]   # it trains
+    assert max(grad_norms(records)) > 1.0                                    # clipping is active
+    return records
+
+
+@pytest.mark.parametrize("world,extra", [(4, HFSDP), (2, MEGATRON_FSDP)], ids=["hfsdp-2x2", "megatron-fsdp"])
+def test_megatron_fsdp_matches_single_process(reference, world, extra):
+    per_rank = run_ranks(train_rank, world, tiny_args(*SMALL, *EVALUATE, *extra))
+    for records in per_rank:
+        assert_close_rel(losses(records), losses(reference), 1e-5)
+        # With the outer optim sharding, megatron-core's own grad-stats group would see half the gradient.
+        assert_close_rel(grad_norms(records), grad_norms(reference), 1e-5, "grad norm")
+        assert_close_rel([r["validation_lm_loss"] for r in records],
+                         [r["validation_lm_loss"] for r in reference], 1e-5, "validation loss")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp needs --use-distributed-optimizer"),
+    (MEGATRON_FSDP + ["--pipeline-model-parallel-size", "2"], "leave --pipeline-model-parallel-size at 1"),
+    (MEGATRON_FSDP + ["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 with --use-megatron-fsdp"),
+    (MEGATRON_FSDP + ["--use-torch-fsdp2"], "--use-megatron-fsdp and --use-torch-fsdp2 are mutually exclusive"),
+    (MEGATRON_FSDP + ["--pipeline-schedule", "tawpipe"], "--use-megatron-fsdp does not apply to --pipeline-schedule"),
+    (MEGATRON_FSDP + ["--outer-dp-sharding-strategy", "optim"], "needs --num-distributed-optimizer-instances N > 1"),
+    (HFSDP + ["--data-parallel-sharding-strategy", "optim_grads"], "needs --data-parallel-sharding-strategy "
+                                                                  "optim_grads_params"),
+    (MEGATRON_FSDP + ["--fp16"], "--fp16 is not supported"),
+    (MEGATRON_FSDP + ["--save", "/tmp/x"], "--save / --load with --use-megatron-fsdp"),
+    (MEGATRON_FSDP + ["--load", "/tmp/x"], "--save / --load with --use-megatron-fsdp"),
+    (MEGATRON_FSDP + ["--fsdp-double-buffer"], "--fsdp-double-buffer: Megatron-FSDP's"),
+])
+def test_megatron_fsdp_flag_errors_name_the_flag(extra, message):
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    with pytest.raises(ArgumentError) as info:
+        validate_args(parse_args(tiny_args(*extra)), world_size=4)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_sharding_strategies_without_megatron_fsdp_change_nothing(capsys):
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    validate_args(parse_args(tiny_args("--outer-dp-sharding-strategy", "optim")), world_size=4)
+    assert "--outer-dp-sharding-strategy optim: no effect without --use-megatron-fsdp" in capsys.readouterr().out
