@@ -70,13 +70,71 @@ def test_pipeline_bubble_with_free_links(m):
 
 def test_hsdp_exposes_what_the_last_backward_cannot_hide():
     fast = small_cost(inter_bw="1TB/s")
-    assert simulate_hsdp(fast, P, D, L, N).options["exposed_comm_s"] == 0.0
+    # fast links: only the last unit's all-reduce, after the last backward, shows
+    t_fast = 2 * (D - 1) / D * 4 * total_params(fast, L) / 1e12 + 2 * (D - 1) * fast.inter.latency
+    assert simulate_hsdp(fast, P, D, L, N).options["exposed_comm_s"] == pytest.approx(t_fast / L)
     slow = small_cost(inter_bw="1MB/s")
     r = simulate_hsdp(slow, P, D, L, N)
     psi = total_params(slow, L)
     t_ar = 2 * (D - 1) / D * 4 * psi / 1e6
     assert r.options["exposed_comm_s"] == pytest.approx(t_ar, rel=0.05)
     assert r.bubble_ratio > 0.5
+
+
+def test_first_gather_and_last_reduce_scatter_buckets_are_exposed():
+    """Links fast enough for the compute to hide every bucket but the edges: the first parameter-gather
+    bucket (before the first layer's forward) and the last gradient reduce-scatter bucket (after the last
+    backward) still add to the iteration, one layer's bucket each (docs/simulator-and-advisor.md)."""
+    from megatron_tawpipe.sim.collectives import exposed, per_microbatch, ring_time
+
+    c = small_cost(seq_length=4096, intra_bw="1TB/s", inter_bw="1TB/s", intra_latency="1us", inter_latency="1us")
+    psi, w, g = total_params(c, L), 2, 4
+    fwd, bwd = per_microbatch(c, L)
+    opt = c.optimizer_time_per_param
+    # one distributed-optimizer instance over all ranks: reduce-scatter and gather across nodes
+    t_rs, t_ag = ring_time(c.inter, g * psi, P), ring_time(c.inter, w * psi, P)
+    assert t_rs < bwd * (L - 1) / L and t_ag < fwd * (L - 1) / L     # everything else hides
+    r = simulate_distopt(c, P, D, L, N, instances=1)
+    assert r.options["exposed_comm_s"] == pytest.approx((t_rs + t_ag) / L)
+    assert r.iteration_time == pytest.approx(N * (fwd + bwd) + (t_rs + t_ag) / L + psi / P * opt)
+    # one instance per node: the last bucket's reduce-scatter in the node and all-reduce across nodes
+    t_rs = ring_time(c.intra, g * psi, d) + ring_time(c.inter, g * psi, D, 2.0)
+    t_ag = ring_time(c.intra, w * psi, d)
+    r = simulate_distopt(c, P, D, L, N, instances=D)
+    assert r.options["exposed_comm_s"] == pytest.approx((t_rs + t_ag) / L)
+    # HSDP: the last unit's cross-node all-reduce follows its (exposed) reduce-scatter in the node
+    t_ar = ring_time(c.inter, g * psi, D, 2.0)
+    assert simulate_hsdp(c, P, D, L, N).options["exposed_comm_s"] == pytest.approx(t_ar / L)
+    # HFSDP: the outer reduce-scatter's last bucket and the outer gather's first
+    t_rs, t_ag = ring_time(c.inter, g * psi, D), ring_time(c.inter, w * psi, D)
+    assert simulate_hfsdp(c, P, D, L, N).options["exposed_comm_s"] == pytest.approx((t_rs + t_ag) / L)
+    # the rule: one bucket when the compute hides the rest, the excess when it does not, all when blocking
+    assert exposed(1.0, 100.0, 10) == pytest.approx(0.1)
+    assert exposed(10.0, 5.0, 10) == pytest.approx(10.0 - 4.5)
+    assert exposed(3.0, 100.0, 1) == 3.0 and exposed(0.0, 1.0, 4) == 0.0
+
+
+def test_pipeline_data_parallel_exposes_its_last_bucket_and_its_synchronous_gather():
+    """A megatron pipeline with data parallelism in the node (``--overlap-grad-reduce``, no
+    ``--overlap-param-gather``): each stage's last reduce-scatter bucket follows its last backward and
+    the parameter gather after the step is synchronous; the stage exposing most shows."""
+    from megatron_tawpipe.sim.collectives import ring_time
+
+    c = small_cost(intra_bw="10GB/s", seq_length=4096)
+    free = simulate_pipeline(replace_links(c), P, D, L, N * P, pipeline_size=D)
+    r = simulate_pipeline(c, P, D, L, N * P, pipeline_size=D)
+    layers = L // D
+    psi_first = layers * c.params_per_layer + c.embedding_params
+    psi_last = layers * c.params_per_layer + c.replicated_params - c.embedding_params
+    psi_stage = max(psi_first, psi_last)
+    assert ring_time(c.intra, 4 * psi_stage, d) < layers * (c.layer_backward + c.layer_recompute) * (layers - 1) / layers
+    shown = ring_time(c.intra, 4 * psi_stage, d) / layers + ring_time(c.intra, 2 * psi_stage, d)
+    assert r.options["exposed_comm_s"] == pytest.approx(shown + psi_stage / d * c.optimizer_time_per_param)
+    assert free.options["exposed_comm_s"] == pytest.approx(psi_stage / d * c.optimizer_time_per_param)
+
+
+def replace_links(c):
+    return c.with_links(Link(float("inf")), Link(float("inf")))
 
 
 # --------------------------------------------------- --backend gloo (the CPU runs)
@@ -283,6 +341,58 @@ def test_tensor_parallel_configurations_run_over_virtual_ranks():
     assert not fsdp.trainable and "--use-torch-fsdp2" in fsdp.note
     assert tensor_parallel_problem(3, 4, 8, 4, 1408) == "T=3 does not divide the 4 GPUs of a node"
     assert "query groups" in tensor_parallel_problem(8, 8, 8, 4, 1408)
+
+
+def test_sequence_parallel_backward_prices_three_collectives_per_layer():
+    """--sequence-parallel (the advisor's commands with T > 1): per decoder layer 2 all-reduces' bytes of
+    collectives in the forward, 3 in the backward (the column-parallel linears all-gather their input
+    again for the weight gradient), 2 in a recompute; without it 2 all-reduces each way."""
+    from megatron_tawpipe.sim.tensor_parallel import (all_reduce_time, collectives_per_layer,
+                                                      tensor_parallel_bytes_per_gpu, virtual_rank_cost)
+
+    assert collectives_per_layer(True) == {"forward": 2, "backward": 3, "recompute": 2}
+    assert collectives_per_layer(False) == {"forward": 2, "backward": 2, "recompute": 2}
+    c = small_cost()
+    ar = all_reduce_time(c.intra, c.activation_bytes, 4)
+    sp, plain = virtual_rank_cost(c, 4), virtual_rank_cost(c, 4, sequence_parallel=False)
+    assert sp.layer_backward == pytest.approx(c.layer_backward / 4 + 3 * ar)
+    assert plain.layer_backward == pytest.approx(c.layer_backward / 4 + 2 * ar)
+    assert sp.layer_forward == plain.layer_forward == pytest.approx(c.layer_forward / 4 + 2 * ar)
+    assert sp.layer_recompute == pytest.approx(c.layer_recompute / 4 + 2 * ar)
+    per_collective = 2 * 3 / 4 * c.activation_bytes
+    assert tensor_parallel_bytes_per_gpu(c, 4, L, N) == pytest.approx(N * (L * 7 + 2) * per_collective)
+    assert tensor_parallel_bytes_per_gpu(c, 4, L, N, sequence_parallel=False) == \
+        pytest.approx(N * (L * 6 + 2) * per_collective)
+    # the advisor's virtual ranks (every strategy with T > 1) use the sequence-parallel count
+    adv = Advisor(TINY, tiny_cluster(), 16)
+    assert adv.virtual(2).cost(1, True) == virtual_rank_cost(adv.cost(1, True), 2)
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe"])
+def test_weight_passing_inter_bytes_include_the_replicated_allreduce(schedule):
+    """The embedding / output layer's gradient all-reduce crosses the node links too: the simulator's
+    and the advisor's inter-node bytes count its ring, 2 (P-1)/P of the fp32 replicated gradients per
+    node, and its ceiling from the node links counts them."""
+    from megatron_tawpipe.plan import link_bytes
+    from megatron_tawpipe.sim.advisor_configs import Config
+
+    c = small_cost()
+    plan = build_plan(schedule, num_ranks=P, num_groups=D, num_layers=L, num_microbatches=N)
+    ring = 2 * (P - 1) / P * c.replicated_params * 4
+    plan_only = link_bytes(plan, c.shard_bytes(plan), c.activation_bytes, c.grad_shard_bytes(plan))["inter"]
+    assert ring > 0 and simulate(plan, c).link_bytes["inter"] == pytest.approx(plan_only + D * ring)
+    adv = Advisor(TINY, tiny_cluster(), 16)
+    knobs = {"chunk": 1, "cache": True, "replicate_first": False} if schedule == "tawpipe" else {}
+    cfg = adv.evaluate(Config(schedule, 1, True, dict(knobs)))
+    cl, cost = adv.cluster, adv.cost(1, True)
+    n = 16 // cl.ranks
+    wp = build_plan(schedule, num_ranks=cl.ranks, num_groups=cl.nodes, num_layers=TINY.num_layers,
+                    num_microbatches=n, **({"chunk": 1, "cache": True} if knobs else {}))
+    ring = 2 * (cl.ranks - 1) / cl.ranks * cost.replicated_params * 4
+    decoder = link_bytes(wp, cost.shard_bytes(wp), bytes_per_grad=cost.grad_shard_bytes(wp))["inter"] / cl.nodes
+    assert cfg.inter_bytes_per_node == pytest.approx(decoder + ring)
+    ceiling = TINY.seq_length * 16 / (cl.ranks * (decoder + ring) / cl.inter_bw)
+    assert adv.comm_bound(Config(schedule, 1, True, dict(knobs))) == pytest.approx(ceiling)
 
 
 def test_advisor_ranks_and_prunes_consistently():

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_tawpipe.plan import Plan, build_plan, link_bytes
+from megatron_tawpipe.plan import Plan, build_plan, link_bytes, replicated_allreduce_bytes
 from megatron_tawpipe.sim import CostModel, Link, params_per_layer, parse_rate, parse_time, simulate
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
@@ -140,9 +140,15 @@ def test_simulated_transfers_add_up_to_link_bytes(schedule):
     for t in r.transfers:
         moved[t.link] += t.nbytes
         assert t.end >= t.posted
+    # the plan's transfers, and the replicated (embedding, output layer) gradients' ring all-reduce
     expect = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan))
+    rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.grad_bytes)
+    expect = {k: v + rep[k] for k, v in expect.items()}
     assert moved == pytest.approx(expect)
     assert r.link_bytes == pytest.approx(expect)
+    if schedule not in ("1f1b", "interleaved"):     # weight passing all-reduces the replicated parts
+        assert rep["inter"] > 0 and sum(t.nbytes for t in r.transfers if t.kind == "replicated") == \
+            pytest.approx(rep["inter"] + rep["intra"])
 
 
 def _two_flows_plan(concurrent: bool) -> Plan:
@@ -168,6 +174,39 @@ def test_node_link_is_shared_by_concurrent_flows():
     assert sorted(t.end for t in staggered.transfers) == pytest.approx([1.0, 2.0])
 
 
+def _replicated_and_flow_plan(concurrent: bool) -> Plan:
+    """Every rank all-reduces the replicated parts' gradients (a ring 0 -> 1 -> 2 -> 3 -> 0: the hops
+    1 -> 2 and 3 -> 0 cross the node links) while rank 1 sends one shard to rank 3 (node 0 -> node 1), or
+    (``concurrent=False``) only once the all-reduce completed."""
+    acts = [[A.ReplicatedAllReduceStart(9, (0, 1, 2, 3)), A.Wait(9)] for _ in range(4)]
+    send = [A.LoadWeights(1, "w0"), A.SendStart(1, 3, "w0", "weight", 1, "inter")]
+    acts[1] = (send + acts[1]) if concurrent else (acts[1] + send)
+    acts[1].append(A.Wait(1))
+    acts[3] = [A.RecvStart(1, 1, "w0", "weight", 1, "inter")] + acts[3] + [A.Wait(1)]
+    for a in acts:
+        a.append(A.OptimizerStep())
+    return Plan("replicated-and-flow", "weight", 4, 2, 4, 1, (0, 1, 2, 3), (0, 1, 2, 3), 1, 0, acts)
+
+
+def test_replicated_allreduce_shares_the_node_link_with_concurrent_transfers():
+    """The embedding / output layer's all-reduce is a ring of flows like any transfer between nodes: its
+    hop from node 0 to node 1 and a shard sent the same way at the same time share node 0's link, and
+    its bytes are counted with the inter-node bytes (docs/simulator-and-advisor.md)."""
+    # replicated 2e9 params x 4 B x 2 (4-1)/4 = 12e9 bytes per hop; the shard 12e9 bytes; 12e9 B/s links
+    cost = CostModel(layer_forward=2.0, layer_backward=1.0, params_per_layer=12e9, dtype_bytes=1,
+                     replicated_params=2e9, grad_bytes=4, inter=Link(12e9), intra=Link(1e15))
+    alone = simulate(_replicated_and_flow_plan(False), cost)
+    ring = [t for t in alone.transfers if t.kind == "replicated"]
+    assert len(ring) == 4 and sum(t.link == "inter" for t in ring) == 2
+    assert max(t.end for t in ring) == pytest.approx(1.0)          # 12e9 bytes at 12e9 B/s
+    assert next(t.end for t in alone.transfers if t.kind == "weight") == pytest.approx(2.0)
+    both = simulate(_replicated_and_flow_plan(True), cost)
+    assert max(t.end for t in both.transfers if t.kind == "replicated") == pytest.approx(2.0)
+    assert next(t.end for t in both.transfers if t.kind == "weight") == pytest.approx(2.0)
+    assert both.link_bytes["inter"] == pytest.approx(2 * 12e9 + 12e9)
+    assert both.link_bytes["intra"] == pytest.approx(2 * 12e9)
+
+
 def test_latency_and_bandwidth_of_a_transfer():
     cost = CostModel(layer_forward=10.0, layer_backward=0.0, params_per_layer=5e8,
                      dtype_bytes=2, inter=Link(1e9, 0.25), intra=Link(1e12))
@@ -175,14 +214,17 @@ def test_latency_and_bandwidth_of_a_transfer():
     assert sorted(t.end for t in r.transfers) == pytest.approx([1.25, 11.25])
 
 
-def _exchange_plan() -> Plan:
-    """Ranks 0 (group 0) and 2 (group 1) send each other one shard at once (one batch each), as a
-    pipeline boundary exchanges activations and gradients."""
+def _exchange_plan(kinds=("act", "actgrad")) -> Plan:
+    """Ranks 0 (group 0) and 2 (group 1) send each other one shard's worth at once: rank 0 a ``kinds[0]``,
+    rank 2 a ``kinds[1]`` -- a pipeline boundary's activations one way and gradients the other (one
+    connection for both directions, as megatron's pipeline group), or the weight-passing runtime's
+    gradients both ways (one process group per direction)."""
     acts = [[], [], [], []]
-    for me, peer, out_tag, in_tag in ((0, 2, 1, 2), (2, 0, 2, 1)):
+    for me, peer, out_tag, in_tag, out_kind, in_kind in ((0, 2, 1, 2, kinds[0], kinds[1]),
+                                                         (2, 0, 2, 1, kinds[1], kinds[0])):
         acts[me] += [A.LoadWeights(me, "w0"),
-                     A.SendStart(out_tag, peer, "w0", "weight", me, "inter", batch=1),
-                     A.RecvStart(in_tag, peer, "w1", "weight", peer, "inter", batch=1),
+                     A.SendStart(out_tag, peer, "w0", out_kind, 0, "inter"),
+                     A.RecvStart(in_tag, peer, "w1", in_kind, 0, "inter"),
                      A.Wait(out_tag), A.Wait(in_tag)]
     for a in acts:
         a.append(A.OptimizerStep())
@@ -190,16 +232,16 @@ def _exchange_plan() -> Plan:
 
 
 @pytest.mark.parametrize("nbytes", [2e6, 12.6e6])
-def test_gloo_pair_takes_turns_beyond_its_socket_buffers(nbytes):
-    """On gloo two ranks sending each other large messages at once move the first
+def test_gloo_pair_takes_turns_beyond_its_first_bytes(nbytes):
+    """On gloo two ranks sending each other large messages at once on one process group move the first
     GLOO_PAIR_DUPLEX_BYTES of each at the link rate, the rest at half of it (measured by
-    bench/link_duplex.py: 0.60 of one direction's rate per direction for 12.6 MB, full for 2 MB);
-    NCCL's are full duplex."""
+    bench/link_duplex.py with the emulated link's default bucket: 0.50-0.55 of one direction's rate per
+    direction from 1 to 12.6 MB); NCCL's are full duplex."""
     from megatron_tawpipe.sim.costmodel import GLOO_PAIR_DUPLEX_BYTES as B
 
     rate = 125e6
     cost = CostModel(layer_forward=1.0, layer_backward=1.0, params_per_layer=nbytes, dtype_bytes=1,
-                     inter=Link(rate), intra=Link(1e12))
+                     activation_bytes=nbytes, inter=Link(rate), intra=Link(1e12))
     ends = {}
     for backend in ("nccl", "gloo"):
         r = simulate(_exchange_plan(), replace(cost, backend=backend))
@@ -211,6 +253,10 @@ def test_gloo_pair_takes_turns_beyond_its_socket_buffers(nbytes):
     # One direction alone is not slowed, whatever the backend.
     alone = simulate(_two_flows_plan(False), replace(cost, backend="gloo"))
     assert sorted(t.end - t.posted for t in alone.transfers) == pytest.approx([nbytes / rate] * 2, rel=1e-6)
+    # The weight-passing runtime's gradients both ways: a process group per direction (two gloo
+    # connections, measured near full duplex by bench/link_duplex.py), so neither waits for the other.
+    grads = simulate(_exchange_plan(("grad", "grad")), replace(cost, backend="gloo", grad_bytes=1))
+    assert [t.end for t in grads.transfers] == pytest.approx([nbytes / rate] * 2)
 
 
 # ------------------------------------------------------------- cost model
@@ -286,10 +332,12 @@ def test_gradients_travel_in_fp32_weights_in_the_compute_dtype(schedule):
     r = simulate(plan, cost)
     weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
     assert grad == 2 * weight
-    by_kind = {"weight": [], "grad": []}
+    by_kind = {"weight": [], "grad": [], "replicated": []}
     for t in r.transfers:
         by_kind[t.kind].append(t.nbytes)
     assert by_kind["weight"] and by_kind["grad"]
+    # the replicated parts' ring: fp32 gradients too, 2(n-1)/n of them per member
+    assert sum(by_kind["replicated"]) == pytest.approx(2 * (4 - 1) * cost.replicated_params * 4)
     assert all(n % weight == 0 for n in by_kind["weight"])
     # (tawpipe-rep's all-reduce between 2 holders: each sends 2(n-1)/n = 1 buffer to the other)
     assert all(n % grad == 0 for n in by_kind["grad"])
@@ -320,7 +368,8 @@ def test_uneven_transfers_carry_their_own_shards_bytes(schedule):
     assert sent == pytest.approx(expect) and sent
     moved = {"intra": 0.0, "inter": 0.0}
     for t in r.transfers:
-        moved[t.link] += t.nbytes
+        if t.kind != "replicated":
+            moved[t.link] += t.nbytes
     assert moved == pytest.approx(link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes,
                                              cost.grad_shard_bytes(plan)))
     if schedule != "1f1b":

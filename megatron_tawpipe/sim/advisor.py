@@ -13,7 +13,7 @@ is tried with micro-batch sizes 1/2/4 and recompute on/off.
 
 Plan-based strategies cost a plan simulation each (more than 4 visits' worth
 of micro-batches per rank, or 4 x pipeline size per pipeline, are simulated as
-2x and 4x and extended linearly: :func:`plan.strategies.simulate_extended`); a
+2x and 4x and extended linearly: :func:`megatron_tawpipe.sim.pipelines.simulate_extended`); a
 configuration is not
 simulated when its ceiling (tokens/s with free communication and the ideal
 bubble, or what its inter-node bytes allow at full link speed, whichever is
@@ -37,10 +37,10 @@ from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.advisor_report import command, summarize
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
 from megatron_tawpipe.plan.planners import build_plan
-from megatron_tawpipe.plan.traffic import link_bytes
+from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
-from megatron_tawpipe.sim.strategies import (pipeline_memory, plan_memory_fields, simulate_distopt, simulate_extended,
-                         simulate_hfsdp, simulate_hsdp, simulate_pipeline)
+from megatron_tawpipe.sim.pipelines import pipeline_memory, simulate_extended, simulate_pipeline
+from megatron_tawpipe.sim.strategies import plan_memory_fields, simulate_distopt, simulate_hfsdp, simulate_hsdp
 from megatron_tawpipe.sim.memory import generic_breakdown
 from megatron_tawpipe.sim.stages import native_pipeline_split, pipeline_time_bound, stage_works
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
@@ -161,7 +161,8 @@ class Advisor:
         the bytes a node sends over its link (on average) / inter bandwidth.
         Pipelines: every boundary between nodes carries each micro-batch's
         activation once per virtual stage (and its gradient back); weight
-        passing: the plan's inter-node bytes (exact, linear in N)."""
+        passing: the plan's inter-node bytes (exact, linear in N) and the replicated
+        parts' ring all-reduce."""
         sub, inner, tp = self._split(cfg)
         if tp > 1:
             return sub.comm_bound(inner) / tp
@@ -180,7 +181,9 @@ class Advisor:
             weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
             b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), weight, bytes_per_grad=grad)["inter"]
                       for n in (n1, n2))
-            node_bytes = (b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes
+            rep = replicated_allreduce_bytes(self._plan(cfg.strategy, n2, **opts),
+                                             cost.replicated_params * cost.grad_bytes)["inter"]
+            node_bytes = (b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes + rep / cl.nodes
         t = node_bytes / cl.inter_bw
         return self.G * self.model.seq_length / (cl.ranks * t) if t > 0 else float("inf")
 

@@ -53,20 +53,21 @@ BACKENDS = {
             "reduce-scatter moves an all-reduce's bytes; megatron with more than one distributed-"
             "optimizer instance reduces each bucket synchronously; one instance's reductions are "
             "asynchronous gloo work and still overlap; two ranks exchanging large messages both ways "
-            "at once take turns beyond the first 4 MiB of each (GLOO_PAIR_DUPLEX_BYTES)",
+            "at once on one group take turns beyond the first 256 KiB of each (GLOO_PAIR_DUPLEX_BYTES)",
 }
 
-#: gloo point-to-point between two ranks in both directions at once (a pipeline boundary's
-#: activations one way and gradients the other): the first 4 MiB of a message (the kernel's socket
-#: buffers, tcp_wmem's maximum on the machines measured) flow both ways at the link rate, the rest
-#: takes turns with the reverse message -- each direction at half the rate.  Measured with
-#: ``megatron_tawpipe.bench.link_duplex`` on the emulated cluster (1 Gbit/s, 2026-11-24,
-#: ``examples/results/link_duplex_1gbit.json``): both ways over one pair of ranks, per direction,
-#: 1.0 of one way alone for 1-3 MB messages, 0.72 for 6.3 MB, 0.65 for 8.4 MB and 0.62 for 12.6 MB
-#: (the model: 0.75, 0.67, 0.60); 0.54-0.63 for 12.6 MB from 200 Mbit/s to 2 Gbit/s.  Different
-#: pairs in opposite directions do not interfere; NCCL's connections do not take turns (no limit
-#: on that backend).
-GLOO_PAIR_DUPLEX_BYTES = 4 * 2 ** 20
+#: gloo point-to-point between two ranks in both directions at once on one process group (a pipeline
+#: boundary's activations one way and gradients the other): the first bytes of a message flow both ways
+#: at the link rate, the rest takes turns with the reverse message -- each direction at half the rate.
+#: Measured with ``megatron_tawpipe.bench.link_duplex`` on the emulated cluster (1 Gbit/s, htb bucket
+#: of 500 us at the rate, 2026-11-26, ``examples/results/link_duplex_1gbit.json``): both ways over one
+#: pair, per direction, 0.55 of one way alone for 1 MB, 0.52 for 3 MB, 0.50-0.51 for 6.3 and 12.6 MB
+#: (the model with 256 KiB: 0.58, 0.52, 0.51, 0.51). With the former 2 MiB bucket, which let a link
+#: catch up after idling, the same pair measured 1.0 up to 3 MB (``link_duplex_1gbit_burst2m.json``).
+#: Each direction on a process group of its own (the weight-passing runtime's point-to-point groups)
+#: measured 0.89-0.95 from 3 MB up (0.72 at 1 MB): modelled as full duplex (``network.Flow.shared``).
+#: NCCL's connections do not take turns (no limit on that backend).
+GLOO_PAIR_DUPLEX_BYTES = 256 * 2 ** 10
 
 
 @dataclass(frozen=True)

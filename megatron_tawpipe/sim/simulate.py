@@ -13,30 +13,37 @@ transfer holds its stream until its partner runs.  Then it moves its bytes:
   ``latency + bytes/bandwidth``);
 * inter-group flows share each node's outgoing and incoming link max-min
   fairly with every other flow of that node, after the link latency; on
-  ``gloo``, two flows between the same two ranks in opposite directions also
-  share one link's rate once each has sent ``CostModel.pair_duplex_bytes``;
+  ``gloo``, two flows between the same two ranks in opposite directions on one
+  connection (megatron's pipelines; not the weight-passing runtime, whose
+  point-to-point groups are one per direction) also share one link's rate
+  once each has sent ``CostModel.pair_duplex_bytes``;
 * broadcasts and reductions are star-shaped (root to/from each member); a
   collective spanning several groups therefore sends one copy per remote
   member over the slow links, which is what a topology-unaware flat group
   costs;
-* the replicated all-reduce is a ring over all ranks, timed analytically on
-  the slowest link class it crosses.
+* all-reduces (the holders' of a replicated first shard, and the replicated
+  embedding / output layer's over all ranks) are rings: each member sends
+  ``2(n-1)/n`` of the buffer to its successor as one flow, the hops between
+  nodes sharing the node links with the other flows, and the ring pays
+  ``2(n-1)`` latencies.
 
 Results: iteration time, tokens/s per rank, bubble ratio (idle compute
-fraction), bytes per link class, buffer counts and memory, and the per-rank
-timeline (compute spans and transfers).
+fraction), bytes per link class (the plan's transfers, :func:`plan.traffic.link_bytes`,
+plus the replicated all-reduce's ring, :func:`plan.traffic.replicated_allreduce_bytes`),
+buffer counts and memory, and the per-rank timeline (compute spans and transfers).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from collections import deque
 
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.sim.costmodel import CostModel
+from megatron_tawpipe.sim.network import Flow, max_min_rates
 from megatron_tawpipe.plan.nccl import batch_entries
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes, ring_share
@@ -125,25 +132,6 @@ class _Op:
         self.flows_left = 0
 
 
-class _Flow:
-    __slots__ = ("op", "remaining", "rate", "out", "into", "transfer", "nbytes")
-
-    def __init__(self, op, nbytes, out, into, transfer):
-        self.op, self.remaining, self.nbytes = op, nbytes, nbytes
-        self.rate = 0.0
-        self.out, self.into, self.transfer = out, into, transfer
-
-    def pair(self) -> Tuple[int, int]:
-        return self.transfer.src, self.transfer.dst
-
-    def reverse_in(self, active: set) -> bool:
-        """Whether a flow between the same two ranks runs the other way (``active``: their pairs)."""
-        return (self.transfer.dst, self.transfer.src) in active
-
-    def has_sent(self, nbytes: float) -> bool:
-        return self.nbytes - self.remaining >= nbytes * (1 - 1e-9)
-
-
 class _Simulator:
     def __init__(self, plan: Plan, cost: CostModel, record: bool):
         self.plan, self.cost, self.record = plan, cost, record
@@ -156,7 +144,7 @@ class _Simulator:
         self.busy = [0.0] * plan.num_ranks
         self.spans: List[Span] = []
         self.transfers: List[Transfer] = []
-        self.flows: List[_Flow] = []
+        self.flows: List[Flow] = []
         self.net_time = 0.0
         self.net_version = 0
         self.stash = [0] * plan.num_ranks
@@ -317,36 +305,35 @@ class _Simulator:
         op.began = True
         a = next(iter(op.start.values()))
         cls = type(a)
-        if cls is A.ReplicatedAllReduceStart:
-            P = self.plan.num_ranks
-            nbytes = self.cost.replicated_part_params(a.part) * self.cost.grad_bytes
-            link = self.cost.inter if self.plan.num_groups > 1 else self.cost.intra
-            dur = 0.0 if P == 1 else 2 * (P - 1) * link.latency + \
-                (0.0 if link.bandwidth == INF else 2 * (P - 1) / P * nbytes / link.bandwidth)
-            self.push(t + dur, "done", op)
-            return
+        ring = cls is A.AllReduceStart or cls is A.ReplicatedAllReduceStart
         if cls in (A.SendStart, A.RecvStart):
             send = next(x for x in op.start.values() if type(x) is A.SendStart)
             src = next(rr for rr, x in op.start.items() if x is send)
             pairs = [(src, send.peer)]
         elif cls is A.BroadcastStart:
             pairs = [(a.root, m) for m in a.ranks if m != a.root]
-        elif cls is A.AllReduceStart:
+        elif ring:
             pairs = [(m, ring_share(a.ranks, m)[0]) for m in a.ranks if len(a.ranks) > 1]
         else:
             pairs = [(m, a.root) for m in a.ranks if m != a.root]
-        nbytes = a.size * self.unit[a.kind][a.shard]
-        if cls is A.AllReduceStart:
+        if cls is A.ReplicatedAllReduceStart:
+            # The embedding / output layer's gradients (fp32), a ring like the holders' all-reduce: each
+            # member sends 2(n-1)/n of them to its successor, the D hops between nodes sharing the node
+            # links with whatever weight and gradient transfers run at the same time.
+            kind, nbytes = "replicated", self.cost.replicated_part_params(a.part) * self.cost.grad_bytes
+        else:
+            kind, nbytes = a.kind, a.size * self.unit[a.kind][a.shard]
+        if ring:
             nbytes *= ring_share(a.ranks, a.ranks[0])[1]
         op.flows_left = len(pairs)
         if not pairs:
             self.push(t, "done", op)
-        if cls is A.AllReduceStart and pairs:   # a ring's 2(n-1) steps each pay a latency; the flows pay one
+        if ring and pairs:   # a ring's 2(n-1) steps each pay a latency; the flows pay one
             crossing = any(src // self.G != dst // self.G for src, dst in pairs)
             t += (2 * len(pairs) - 3) * (self.cost.inter if crossing else self.cost.intra).latency
         for src, dst in pairs:
             link = "intra" if src // self.G == dst // self.G else "inter"
-            tr = Transfer(op.tag, src, dst, a.kind, link, nbytes, t)
+            tr = Transfer(op.tag, src, dst, kind, link, nbytes, t)
             if self.record:
                 self.transfers.append(tr)
             if link == "intra" or self.cost.inter.bandwidth == INF:
@@ -354,7 +341,8 @@ class _Simulator:
                 tr.end = t + lk.time(nbytes)
                 self.push(tr.end, "flowend", op)
             else:
-                flow = _Flow(op, nbytes, src // self.G, dst // self.G, tr)
+                flow = Flow(op, nbytes, src // self.G, dst // self.G, tr,
+                            shared=A.CHANNEL.get(kind) not in A.DIRECTED_CHANNELS)
                 self.push(t + self.cost.inter.latency, "enter", flow)
 
     def flow_end(self, op: _Op, t: float) -> None:
@@ -382,47 +370,14 @@ class _Simulator:
         if not self.flows:
             return
         free = self.cost.pair_duplex_bytes
-        _max_min_rates(self.flows, self.cost.inter.bandwidth, free, self.cost.pair_bandwidth)
+        max_min_rates(self.flows, self.cost.inter.bandwidth, free, self.cost.pair_bandwidth)
         nxt = min(t + max(f.remaining, 0.0) / f.rate for f in self.flows)
         if free != INF:     # the next flow to leave its free bytes while its pair sends the other way
-            active = {f.pair() for f in self.flows}
+            active = {f.pair() for f in self.flows if f.shared}
             for f in self.flows:
                 if not f.has_sent(free) and f.reverse_in(active):
                     nxt = min(nxt, t + (free - (f.nbytes - f.remaining)) / f.rate)
         self.push(nxt, "net", self.net_version)
-
-
-def _max_min_rates(flows: List[_Flow], capacity: float, pair_free: float = INF,
-                   pair_capacity: Optional[float] = None) -> None:
-    """Max-min fair rates (progressive filling); each flow uses its source
-    node's outgoing and its destination node's incoming link, each of
-    ``capacity`` bytes/s; a flow past its first ``pair_free`` bytes while a flow
-    between the same two ranks runs the other way also uses that pair's turn,
-    ``pair_capacity`` bytes/s (default ``capacity``) shared by both directions (gloo)."""
-    users: Dict[tuple, List[_Flow]] = {}
-    active = {f.pair() for f in flows} if pair_free != INF else set()
-    uses: Dict[int, tuple] = {}
-    for f in flows:
-        f.rate = -1.0
-        res = [("o", f.out), ("i", f.into)]
-        if f.reverse_in(active) and f.has_sent(pair_free):
-            res.append(("pair",) + tuple(sorted(f.pair())))
-        uses[id(f)] = tuple(res)
-        for r in res:
-            users.setdefault(r, []).append(f)
-    turn = capacity if pair_capacity is None else pair_capacity
-    remaining = {res: (turn if res[0] == "pair" else capacity) for res in users}
-    unfrozen = {res: len(fs) for res, fs in users.items()}
-    while unfrozen:
-        best = min(unfrozen, key=lambda res: remaining[res] / unfrozen[res])
-        share = remaining[best] / unfrozen[best]
-        for f in users[best]:
-            if f.rate < 0:
-                f.rate = share
-                for res in uses[id(f)]:
-                    remaining[res] -= share
-                    unfrozen[res] -= 1
-        unfrozen = {res: n for res, n in unfrozen.items() if n > 0}
 
 
 _STARTS = frozenset(A.STARTS)
@@ -455,6 +410,7 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
     tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
     lb = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan))
     rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.grad_bytes)
+    lb = {k: v + rep[k] for k, v in lb.items()}       # what crosses the links: the replicated ring too
     return SimResult(
         schedule=plan.schedule, num_ranks=P, iteration_time=iteration,
         tokens_per_sec_per_rank=(tokens / iteration / P) if iteration > 0 else INF,

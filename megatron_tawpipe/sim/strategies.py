@@ -14,13 +14,15 @@ cluster totals per iteration (as for the plan-based schedules);
 
 Overlap assumptions (stated once, used by every model here):
 
-* a collective that megatron / FSDP starts per bucket or unit during the last
-  micro-batch's backward (``overlap_grad_reduce``; HSDP's cross-node
-  all-reduce, issued after each unit's last reduce-scatter) hides behind the
-  rest of that backward: exposed ``max(0, T_comm - T_backward * (L-1)/L)``;
+* a collective that megatron / FSDP starts per bucket or unit (one per layer)
+  during the last micro-batch's backward (``overlap_grad_reduce``; HSDP's
+  cross-node all-reduce, issued after each unit's last reduce-scatter) hides
+  behind the rest of that backward, except its last bucket, which follows the
+  last backward: exposed ``max(T_comm/L, T_comm - T_backward * (L-1)/L)``
+  (:func:`megatron_tawpipe.sim.collectives.exposed`);
 * a parameter all-gather after the optimizer step (``overlap_param_gather``,
   HFSDP's outer all-gather) hides behind the next iteration's first forward
-  likewise;
+  likewise, except its first bucket, which precedes the first layer's forward;
 * FSDP's per-unit gathers and reduce-scatters overlap the neighbouring unit's
   compute (prefetch), as in :mod:`plan.fsdp`;
 * collectives are rings: ``(n-1)/n * bytes / bandwidth + (n-1) * latency``;
@@ -37,17 +39,20 @@ One instance's bucket reductions are asynchronous gloo work and still overlap.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional
 
-from megatron_tawpipe.common.layer_split import check_layer_split, default_layer_split, is_even
-from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.sim.costmodel import CostModel, Link
+from megatron_tawpipe.sim.collectives import exposed, per_microbatch, ring_time, total_params
+from megatron_tawpipe.sim.costmodel import CostModel
 from megatron_tawpipe.sim.memory import (MemoryBreakdown, gb, generic_breakdown, logits_bytes, native_activations,
-                     replicated_state, weight_passing_breakdown, _logits_note)
-from megatron_tawpipe.plan.planners import build_plan
-from megatron_tawpipe.sim.simulate import SimResult, memory_fields, simulate
-from megatron_tawpipe.sim.stages import split_label
+                                         replicated_state, weight_passing_breakdown, _logits_note)
+from megatron_tawpipe.sim.pipelines import peak_stash, pipeline_memory, simulate_extended, simulate_pipeline
+from megatron_tawpipe.sim.simulate import SimResult, memory_fields
+
+# The pipeline family (megatron_tawpipe.sim.pipelines) and total_params (sim.collectives) lived here; their
+# importers still find them here.
+__all__ = ["STRATEGIES", "peak_stash", "pipeline_memory", "plan_memory", "plan_memory_fields", "run_strategy",
+           "simulate_distopt", "simulate_extended", "simulate_hfsdp", "simulate_hsdp", "simulate_pipeline",
+           "total_params"]
 
 INF = float("inf")
 
@@ -59,25 +64,6 @@ STRATEGIES = {
     "hfsdp": ("Megatron-FSDP, sharded inside nodes, optimizer sharded across nodes", False),
     "pp-nodes": ("megatron 1F1B, one stage per node, distributed optimizer inside it", True),
 }
-
-
-def _ring(link: Link, nbytes: float, n: int, factor: float = 1.0) -> float:
-    """Time of a ring reduce-scatter / all-gather (factor 2: all-reduce)."""
-    if n <= 1:
-        return 0.0
-    bw = 0.0 if link.bandwidth == INF else (n - 1) / n * nbytes / link.bandwidth
-    return factor * ((n - 1) * link.latency + bw)
-
-
-def total_params(cost: CostModel, num_layers: int) -> float:
-    return num_layers * cost.params_per_layer + cost.replicated_params
-
-
-def _per_mb(cost: CostModel, num_layers: int):
-    """(forward, backward incl. recompute) of one micro-batch through the whole model."""
-    fwd = num_layers * cost.layer_forward + cost.head_forward
-    bwd = num_layers * (cost.layer_backward + cost.layer_recompute) + cost.head_backward
-    return fwd, bwd
 
 
 def _result(name, P, cost, N, iteration, compute, link_bytes, mem: MemoryBreakdown,
@@ -103,8 +89,8 @@ def _sharded_units(cost, d, unit_layers, grad_bytes):
     the last reduction are exposed.  gloo: FSDP2 blocks on every collective
     and its reduce-scatter costs an all-reduce."""
     unit_params = cost.params_per_layer * unit_layers
-    ag = _ring(cost.intra, unit_params * cost.dtype_bytes, d)
-    rs = _ring(cost.intra, unit_params * grad_bytes, d, factor=cost.reduce_scatter_factor)
+    ag = ring_time(cost.intra, unit_params * cost.dtype_bytes, d)
+    rs = ring_time(cost.intra, unit_params * grad_bytes, d, factor=cost.reduce_scatter_factor)
     t_f = cost.layer_forward * unit_layers
     t_b = (cost.layer_backward + cost.layer_recompute) * unit_layers
     if cost.library_collectives_block:
@@ -141,19 +127,20 @@ def simulate_hsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
     units = L // unit_layers
     unit_params, ag, rs, per_unit, edges = _sharded_units(cost, d, unit_layers, grad_bytes)
     psi = total_params(cost, L)
-    fwd, bwd = _per_mb(cost, L)
+    fwd, bwd = per_microbatch(cost, L)
     per_mb = units * per_unit + cost.head_forward + cost.head_backward
     node_bytes = 2 * grad_bytes * psi * (D - 1) / D
-    t_ar = _ring(cost.inter, grad_bytes * psi, D, factor=2.0)
-    exposed = t_ar if cost.library_collectives_block else max(0.0, t_ar - bwd * (units - 1) / units)
-    iteration = N * per_mb + edges + exposed + psi / d * cost.optimizer_time_per_param
+    t_ar = ring_time(cost.inter, grad_bytes * psi, D, factor=2.0)
+    # per unit after its last reduce-scatter; the last unit's follows the last backward (gloo: blocking)
+    shown = exposed(t_ar, bwd, 1 if cost.library_collectives_block else units)
+    iteration = N * per_mb + edges + shown + psi / d * cost.optimizer_time_per_param
     intra = N * units * P * (d - 1) / d * unit_params * (2 * cost.dtype_bytes + cost.reduce_scatter_factor * grad_bytes)
     mem = _fsdp_memory(cost, L, psi, unit_params, d, grad_bytes, None, d)
     return _result("hsdp", P, cost, N, iteration, N * (fwd + bwd),
                    {"inter": D * node_bytes, "intra": intra}, mem,
                    wbuf=2 * unit_params * cost.dtype_bytes + cost.replicated_params * cost.dtype_bytes,
                    gbuf=unit_params * grad_bytes, nw=2, ng=1, inter_bytes_per_node=node_bytes,
-                   exposed_comm_s=exposed, unit_layers=unit_layers, trainable=True)
+                   exposed_comm_s=shown, unit_layers=unit_layers, trainable=True)
 
 
 def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layers: int,
@@ -171,34 +158,34 @@ def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layer
     w = cost.dtype_bytes
     psi = total_params(cost, L)
     shards = P // instances
-    fwd, bwd = _per_mb(cost, L)
+    fwd, bwd = per_microbatch(cost, L)
     if instances == 1:
         link = cost.inter if D > 1 else cost.intra
-        t_rs, t_ag = _ring(link, grad_bytes * psi, P), _ring(link, w * psi, P)
+        t_rs, t_ag = ring_time(link, grad_bytes * psi, P), ring_time(link, w * psi, P)
         node_bytes = (P - 1) / P * (grad_bytes + w) * psi if D > 1 else 0.0
         intra = (P - (D if D > 1 else 0)) * (P - 1) / P * (grad_bytes + w) * psi
         name = "distopt"
     else:
         if instances != D:
             raise ValueError("distopt-node needs one instance per node (instances = num_groups)")
-        t_rs = _ring(cost.intra, grad_bytes * psi, d) + _ring(cost.inter, grad_bytes * psi, D, 2.0)
-        t_ag = _ring(cost.intra, w * psi, d)
+        t_rs = ring_time(cost.intra, grad_bytes * psi, d) + ring_time(cost.inter, grad_bytes * psi, D, 2.0)
+        t_ag = ring_time(cost.intra, w * psi, d)
         node_bytes = 2 * grad_bytes * psi * (D - 1) / D
         intra = P * (d - 1) / d * (grad_bytes + w) * psi
         name = "distopt-node"
-    hide = (L - 1) / L
-    # More than one instance reduces each bucket synchronously, relying on a side CUDA stream for
-    # overlap: on gloo the reductions add to the iteration (the parameter gathers stay asynchronous).
-    hide_rs = 0.0 if instances > 1 and cost.library_collectives_block else hide
-    exposed = max(0.0, t_rs - bwd * hide_rs) + max(0.0, t_ag - fwd * hide)
-    iteration = N * (fwd + bwd) + exposed + psi / shards * cost.optimizer_time_per_param
+    # Buckets of a layer: the last reduce-scatter follows the last backward, the first gather precedes
+    # the first forward. More than one instance reduces each bucket synchronously, relying on a side
+    # CUDA stream for overlap: on gloo the reductions add to the iteration (the gathers stay asynchronous).
+    rs_buckets = 1 if instances > 1 and cost.library_collectives_block else L
+    shown = exposed(t_rs, bwd, rs_buckets) + exposed(t_ag, fwd, L)
+    iteration = N * (fwd + bwd) + shown + psi / shards * cost.optimizer_time_per_param
     mem = replicated_state(psi, shards, w, False, False, shards)
     mem.notes["comm_buffers"] = "none extra: buckets are views of the grad and param buffers"
     mem.activations, mem.notes["activations"] = native_activations(cost, L, 1)
     mem.logits, mem.notes["logits"] = logits_bytes(cost), _logits_note(cost)
     return _result(name, P, cost, N, iteration, N * (fwd + bwd),
                    {"inter": D * node_bytes if D > 1 else 0.0, "intra": intra}, mem,
-                   inter_bytes_per_node=node_bytes, exposed_comm_s=exposed,
+                   inter_bytes_per_node=node_bytes, exposed_comm_s=shown,
                    instances=instances, trainable=True)
 
 
@@ -216,213 +203,22 @@ def simulate_hfsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers:
     units = L // unit_layers
     unit_params, ag, rs, per_unit, edges = _sharded_units(cost, d, unit_layers, grad_bytes)
     psi = total_params(cost, L)
-    fwd, bwd = _per_mb(cost, L)
+    fwd, bwd = per_microbatch(cost, L)
     per_mb = units * per_unit + cost.head_forward + cost.head_backward
-    t_rs, t_ag = _ring(cost.inter, grad_bytes * psi, D), _ring(cost.inter, w * psi, D)
-    hide = (units - 1) / units
-    exposed = max(0.0, t_rs - bwd * hide) + max(0.0, t_ag - fwd * hide)
+    t_rs, t_ag = ring_time(cost.inter, grad_bytes * psi, D), ring_time(cost.inter, w * psi, D)
+    # per unit: the last unit's outer reduce-scatter follows the last backward, the first unit's outer
+    # gather precedes the first forward
+    shown = exposed(t_rs, bwd, units) + exposed(t_ag, fwd, units)
     node_bytes = (w + grad_bytes) * psi * (D - 1) / D
-    iteration = N * per_mb + edges + exposed + psi / P * cost.optimizer_time_per_param
+    iteration = N * per_mb + edges + shown + psi / P * cost.optimizer_time_per_param
     intra = N * units * P * (d - 1) / d * unit_params * (2 * w + cost.reduce_scatter_factor * grad_bytes)
     mem = _fsdp_memory(cost, L, psi, unit_params, d, grad_bytes, d, P)
     return _result("hfsdp", P, cost, N, iteration, N * (fwd + bwd),
                    {"inter": D * node_bytes, "intra": intra}, mem,
                    wbuf=2 * unit_params * w + cost.replicated_params * w,
                    gbuf=unit_params * grad_bytes, nw=2, ng=1, inter_bytes_per_node=node_bytes,
-                   exposed_comm_s=exposed, unit_layers=unit_layers, trainable=False,
+                   exposed_comm_s=shown, unit_layers=unit_layers, trainable=False,
                    note="Megatron-FSDP HFSDP runs in Megatron-LM, not in this project")
-
-
-# -------------------------------------------------------------- plan-based
-def peak_stash(plan, layers: bool = False) -> list:
-    """Per rank, the most micro-batch shard inputs stored at once (plan order only); ``layers``: the
-    most decoder layers' inputs (each stored shard input counted with its shard's layers)."""
-    out = []
-    for acts in plan.actions:
-        cur = best = 0
-        for a in acts:
-            t = type(a)
-            if t is A.Forward:
-                cur += plan.shard_layers[a.shard] if layers else 1
-                best = max(best, cur)
-            elif t is A.Backward or t is A.BackwardWeight:
-                cur -= plan.shard_layers[a.shard] if layers else 1
-        out.append(best)
-    return out
-
-
-def _cached_plan(cache: Optional[Dict], key, build):
-    if cache is None:
-        return build()
-    if key not in cache:
-        cache[key] = build()
-    return cache[key]
-
-
-def simulate_extended(build, cost: CostModel, n: int, n1: int, n2: int) -> SimResult:
-    """Simulate the plan ``build(n)`` of ``n`` micro-batches; when ``n > n2``
-    simulate ``n1`` and ``n2`` instead and extend linearly.  Once a schedule
-    is in its steady state every further micro-batch (round) adds the same
-    time, compute and bytes.  Checked against full simulations (16-24 ranks,
-    10 and 100 Gbit/s, tests/test_advisor.py): TawPipe and 1F1B from 2 and 4
-    visits / 2p and 4p micro-batches exactly, WeiPipe within 0.2%, interleaved
-    1F1B within 0.5%.  Memory fields are those of the ``n2``
-    plan (buffers and stored boundaries saturate after a few micro-batches)."""
-    if n <= n2:
-        return simulate(build(n), cost, record=False)
-    r1 = simulate(build(n1), cost, record=False)
-    r2 = simulate(build(n2), cost, record=False)
-    f = (n - n2) / (n2 - n1)
-    ext = lambda a, b: b + f * (b - a)  # noqa: E731
-    T = ext(r1.iteration_time, r2.iteration_time)
-    busy = [ext(a, b) for a, b in zip(r1.compute_time, r2.compute_time)]
-    P = r2.num_ranks
-    tokens = r2.tokens_per_sec_per_rank * r2.iteration_time * n / n2
-    return replace(r2, iteration_time=T, tokens_per_sec_per_rank=tokens / T,
-                   bubble_ratio=1.0 - sum(busy) / (P * T), compute_time=busy, finish_time=[T] * P,
-                   link_bytes={k: ext(r1.link_bytes[k], v) for k, v in r2.link_bytes.items()},
-                   options=dict(r2.options, extended_from=(n1, n2)))
-
-
-def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_layers: int,
-                      total_microbatches: int, pipeline_size: int, virtual_stages: int = 1,
-                      grad_bytes: int = 4, plan_cache: Optional[Dict] = None,
-                      name: Optional[str] = None, exact: bool = True,
-                      stage_layers: Optional[Sequence[int]] = None) -> SimResult:
-    """Megatron pipeline of ``pipeline_size`` stages (a multiple of D: every stage
-    inside one node, stage boundaries crossing nodes D-1 times), data-parallel
-    size ``dp = P / pipeline_size`` inside each stage's node with the
-    distributed optimizer and ``overlap_grad_reduce``.  One pipeline runs the
-    1F1B (or interleaved) plan on ``total_microbatches / dp`` micro-batches; the
-    dp pipelines share each node link, so it sees ``inter_bw / dp``.  Only
-    stage-boundary activations cross nodes; gradients are reduced inside the
-    node once per iteration.  Megatron's layout: embedding on the first stage,
-    output layer on the last, no embedding all-reduce (untied).  ``stage_layers``:
-    decoder layers per (virtual) stage in layer order (default: as equal as possible,
-    the larger first); every stage is priced with its own layers, so the slowest sets
-    the pipeline's pace, and the data-parallel reduction of the largest stage is the one
-    that shows.  ``exact=False``: more than 4 x pipeline_size micro-batches per pipeline
-    are simulated as 2x and 4x and extended (:func:`simulate_extended`)."""
-    P, D, L, pp, V = num_ranks, num_groups, num_layers, pipeline_size, virtual_stages
-    dp, m = _pipeline_shape(P, D, total_microbatches, pp)
-    split = _stage_split(L, pp, V, stage_layers)
-    schedule = "interleaved" if V > 1 else "1f1b"
-    n1, n2 = (2 * pp, 4 * pp) if not exact else (m, m)
-    build = lambda n: _pipeline_plan(D, L, n, pp, V, plan_cache, split)[0]  # noqa: E731
-    inter = Link(cost.inter.bandwidth / dp, cost.inter.latency)
-    sim_cost = replace(cost, inter=inter, pair_bandwidth=cost.pair_bandwidth or cost.inter.bandwidth,
-                       replicated_params=0.0, embedding_params=0.0, optimizer_time_per_param=0.0)
-    r = simulate_extended(build, sim_cost, m, n1, n2)
-    best = pipeline_memory(cost, P, D, L, total_microbatches, pp, V, plan_cache, min(m, n2), split)
-    w = cost.dtype_bytes
-    # Each rank reduces its stage's gradients over its dp replicas after its last backward (overlapped
-    # with it) and gathers parameters before the next forward; the rank that exposes most shows.
-    extra, psi_all = 0.0, 0.0
-    for rank, layers, psi_stage in _stage_params(cost, split, pp):
-        t_rs, t_ag = _ring(cost.intra, grad_bytes * psi_stage, dp), _ring(cost.intra, w * psi_stage, dp)
-        s_fwd = layers * cost.layer_forward
-        s_bwd = layers * (cost.layer_backward + cost.layer_recompute)
-        exposed = max(0.0, t_rs - s_bwd) + max(0.0, t_ag - s_fwd)
-        extra = max(extra, exposed + psi_stage / dp * cost.optimizer_time_per_param)
-        psi_all += psi_stage
-    iteration = r.iteration_time + extra
-    compute = sum(r.compute_time) * dp
-    tokens = total_microbatches * cost.tokens_per_microbatch
-    lb = {k: v * dp for k, v in r.link_bytes.items()}
-    lb["intra"] += dp * (dp - 1) / dp * (grad_bytes + w) * psi_all if dp > 1 else 0.0
-    options = dict(pipeline_size=pp, data_parallel=dp, virtual_stages=V, microbatches_per_pipeline=m,
-                   inter_bytes_per_node=lb["inter"] / D, exposed_comm_s=extra,
-                   analytic=False, memory_breakdown=best.as_dict(), trainable=True)
-    if not is_even(split):
-        options["stage_layers"] = list(split)
-    if "extended_from" in r.options:
-        options["extended_from"] = r.options["extended_from"]
-    return SimResult(
-        schedule=name or ("pp-nodes" if pp == D and V == 1 else schedule), num_ranks=P,
-        iteration_time=iteration, tokens_per_sec_per_rank=tokens / iteration / P,
-        bubble_ratio=1.0 - compute / (P * iteration), link_bytes=lb,
-        replicated_allreduce_bytes=0.0, weight_buffers=0, grad_buffers=0,
-        weight_buffer_bytes=0.0, grad_buffer_bytes=best.comm_buffers,
-        activation_bytes=best.activations,
-        state_bytes=best.weights + best.grads + best.optimizer,
-        compute_time=[compute / P] * P, finish_time=[iteration] * P, options=options)
-
-
-def _stage_split(L, pp, V, stage_layers) -> Tuple[int, ...]:
-    """Decoder layers per virtual stage (layer order; rank ``k mod pp`` holds stage ``k``)."""
-    if stage_layers is None:
-        return default_layer_split(L, pp * V)
-    return check_layer_split(stage_layers, L, pp * V)
-
-
-def _stage_params(cost: CostModel, split, pp):
-    """(rank, decoder layers, parameters) of every pipeline rank: its stages' layers, the embedding on
-    the first, the output layer on the last."""
-    emb = cost.embedding_params
-    head = cost.replicated_params - emb
-    for rank in range(pp):
-        layers = sum(split[rank::pp])
-        params = layers * cost.params_per_layer + (emb if rank == 0 else 0.0) + (head if rank == pp - 1 else 0.0)
-        yield rank, layers, params
-
-
-def _pipeline_shape(P, D, total_microbatches, pp):
-    if pp % D or P % pp:
-        raise ValueError(f"pipeline size {pp} must be a multiple of the {D} nodes and divide {P} ranks")
-    dp = P // pp
-    if total_microbatches % dp:
-        raise ValueError(f"{total_microbatches} micro-batches do not split over {dp} pipelines")
-    return dp, total_microbatches // dp
-
-
-def _pipeline_plan(D, L, m, pp, V, plan_cache, split=None):
-    """(plan, per-rank peak of stored micro-batch chunks, per-rank peak of stored layer inputs) of one
-    pipeline of m micro-batches."""
-    schedule = "interleaved" if V > 1 else "1f1b"
-    opts = {"virtual_stages": V} if V > 1 else {}
-    split = _stage_split(L, pp, V, split)
-
-    def build():
-        plan = build_plan(schedule, num_ranks=pp, num_groups=D, num_layers=L, num_microbatches=m,
-                          shard_layers=split, **opts)
-        return plan, peak_stash(plan), peak_stash(plan, layers=True)
-    return _cached_plan(plan_cache, (schedule, pp, D, L, m, V, split), build)
-
-
-def pipeline_memory(cost: CostModel, num_ranks: int, num_groups: int, num_layers: int,
-                    total_microbatches: int, pipeline_size: int, virtual_stages: int = 1,
-                    plan_cache: Optional[Dict] = None,
-                    plan_microbatches: Optional[int] = None,
-                    stage_layers: Optional[Sequence[int]] = None) -> MemoryBreakdown:
-    """Per-GPU memory of :func:`simulate_pipeline`'s layout: the largest over the
-    pipeline's ranks, each with its own stages' layers (the first also holds the
-    embedding and the most micro-batches in flight: the plan's peak; the last the
-    output layer and its logits); the distributed optimizer shards
-    the stage's optimizer state over the data-parallel ranks.
-    ``plan_microbatches``: read the peaks from a plan of that many micro-batches
-    per pipeline (they saturate once the warm-up fits)."""
-    P, L, pp, V = num_ranks, num_layers, pipeline_size, virtual_stages
-    dp, m = _pipeline_shape(P, num_groups, total_microbatches, pp)
-    split = _stage_split(L, pp, V, stage_layers)
-    _, peaks, layer_peaks = _pipeline_plan(num_groups, L, plan_microbatches or m, pp, V, plan_cache, split)
-    w = cost.dtype_bytes
-    best = None
-    for rank, layers, params in _stage_params(cost, split, pp):
-        mem = replicated_state(params, dp, w, False, False, dp, label=" (stage %d)" % rank)
-        mem.comm_buffers = 2 * cost.activation_bytes
-        mem.notes["comm_buffers"] = f"send + receive boundary {gb(cost.activation_bytes)} x 2"
-        chunks = split[rank::pp]
-        if len(set(chunks)) == 1:
-            mem.activations, note = native_activations(cost, chunks[0], peaks[rank])
-        else:   # chunks of different sizes: the peak of stored layer inputs, in layers
-            mem.activations, note = native_activations(cost, layer_peaks[rank], 1)
-            note = note.replace("1 mb x ", "", 1) + f" (peak over chunks of {split_label(chunks)} layers)"
-        mem.notes["activations"] = f"stage {rank}: " + note
-        if rank == pp - 1:
-            mem.logits, mem.notes["logits"] = logits_bytes(cost), _logits_note(cost)
-        if best is None or mem.total > best.total:
-            best = mem
-    return best
 
 
 def plan_memory_fields(plan, cost: CostModel):

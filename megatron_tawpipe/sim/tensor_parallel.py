@@ -7,10 +7,12 @@ turns the result back into per-GPU figures (:func:`per_gpu_result`):
 
 * compute: each GPU does 1/T of every layer's and of the output layer's work, plus
   megatron's tensor-parallel collectives, which sit on the critical path (no overlap
-  with compute is assumed): per decoder layer and micro-batch two all-reduces of the
-  hidden state in the forward, two in the backward, two in a recompute (under
-  ``--sequence-parallel`` an all-gather and a reduce-scatter each: the same bytes), one
-  for the output layer each way; ring all-reduces over the node's links;
+  with compute is assumed), counted in ring all-reduces of the hidden state over the
+  node's links (an all-gather and a reduce-scatter move one all-reduce's bytes): per
+  decoder layer and micro-batch, under ``--sequence-parallel`` (the advisor's commands
+  with T > 1, and the default here), 2 in the forward, 3 in the backward and 2 in a
+  recompute (:data:`SEQUENCE_PARALLEL_COLLECTIVES`, with megatron-core's source lines);
+  without it 2, 2 and 2 all-reduces; one for the output layer each way;
 * weight and gradient transfers: a virtual rank's shard leaves as T slices, one per
   GPU, each on its own link inside the node (T times one GPU's bandwidth) and all
   through the node's link between nodes (its bandwidth, unchanged): the plan's bytes
@@ -28,8 +30,34 @@ from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.memory import TERMS, MemoryBreakdown
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
-#: tensor-parallel all-reduces of the hidden state per decoder layer and micro-batch
+#: Tensor-parallel collectives of the hidden state per decoder layer and micro-batch under
+#: ``--sequence-parallel``, in all-reduces' bytes (an all-gather + a reduce-scatter = 1). Each layer has
+#: two column-parallel linears (QKV, FC1) and two row-parallel ones (attention output, FC2); megatron-core
+#: 0.16.1, megatron/core/tensor_parallel/:
+#:
+#: * forward, 2: a column-parallel linear all-gathers its sequence-sharded input
+#:   (layers.py:483, LinearWithGradAccumulationAndAsyncCommunication.forward,
+#:   ``dist_all_gather_func(all_gather_buffer, input, group=tp_group)``), a row-parallel one
+#:   reduce-scatters its output (layers.py:1290, ``reduce_scatter_to_sequence_parallel_region``):
+#:   2 all-gathers + 2 reduce-scatters;
+#: * backward, 3: the row-parallel reduce-scatter's backward all-gathers the output gradient
+#:   (mappings.py:373, _ReduceScatterToSequenceParallelRegion.backward, ``_gather_along_first_dim``);
+#:   the column-parallel linear all-gathers its input again for the weight gradient (layers.py:522,
+#:   LinearWithGradAccumulationAndAsyncCommunication.backward, ``handle = dist_all_gather_func(
+#:   all_gather_buffer, input, group=tp_group, async_op=True)``; the forward kept only its shard) and
+#:   reduce-scatters the input gradient (layers.py:555, ``handle = dist_reduce_scatter_func(
+#:   sub_grad_input, grad_input, group=tp_group, async_op=True)``): 4 all-gathers + 2 reduce-scatters;
+#: * recompute, 2: the forward again.
+SEQUENCE_PARALLEL_COLLECTIVES = {"forward": 2, "backward": 3, "recompute": 2}
+#: Without sequence parallelism: the row-parallel linears all-reduce their outputs in the forward
+#: (layers.py:1294, ``reduce_from_tensor_model_parallel_region``), the column-parallel ones their input
+#: gradients in the backward (layers.py:544, ``torch.distributed.all_reduce(grad_input, ...)``).
 ALL_REDUCES_PER_LAYER = {"forward": 2, "backward": 2, "recompute": 2}
+
+
+def collectives_per_layer(sequence_parallel: bool = True) -> dict:
+    """Tensor-parallel collectives per decoder layer and micro-batch, in all-reduces' bytes."""
+    return SEQUENCE_PARALLEL_COLLECTIVES if sequence_parallel else ALL_REDUCES_PER_LAYER
 
 
 def all_reduce_time(link: Link, nbytes: float, n: int) -> float:
@@ -40,12 +68,12 @@ def all_reduce_time(link: Link, nbytes: float, n: int) -> float:
     return 2 * (n - 1) * link.latency + bandwidth
 
 
-def virtual_rank_cost(cost: CostModel, tp: int) -> CostModel:
+def virtual_rank_cost(cost: CostModel, tp: int, sequence_parallel: bool = True) -> CostModel:
     """The cost model of one virtual rank of ``tp`` GPUs (see the module docstring)."""
     if tp == 1:
         return cost
     ar = all_reduce_time(cost.intra, cost.activation_bytes, tp)
-    per = ALL_REDUCES_PER_LAYER
+    per = collectives_per_layer(sequence_parallel)
     return replace(
         cost,
         layer_forward=cost.layer_forward / tp + per["forward"] * ar,
@@ -59,13 +87,14 @@ def virtual_rank_cost(cost: CostModel, tp: int) -> CostModel:
     )
 
 
-def tensor_parallel_bytes_per_gpu(cost: CostModel, tp: int, num_layers: int, microbatches: int) -> float:
+def tensor_parallel_bytes_per_gpu(cost: CostModel, tp: int, num_layers: int, microbatches: int,
+                                  sequence_parallel: bool = True) -> float:
     """Bytes one GPU sends inside its node per iteration for tensor parallelism (ring all-reduces:
     2 (T-1)/T of the hidden state each)."""
     if tp == 1:
         return 0.0
-    per_layer = ALL_REDUCES_PER_LAYER["forward"] + ALL_REDUCES_PER_LAYER["backward"] + (
-        ALL_REDUCES_PER_LAYER["recompute"] if cost.recompute and cost.layer_recompute else 0)
+    per = collectives_per_layer(sequence_parallel)
+    per_layer = per["forward"] + per["backward"] + (per["recompute"] if cost.recompute and cost.layer_recompute else 0)
     count = microbatches * (num_layers * per_layer + 2)
     return count * 2 * (tp - 1) / tp * cost.activation_bytes
 
