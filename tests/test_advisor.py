@@ -467,11 +467,23 @@ def test_replicated_first_shard_is_a_tawpipe_knob_with_its_memory_and_flag():
     assert not [c for c in enumerate_configs(TINY, tiny_cluster(nodes=1), 16)[0] if c.knobs.get("replicate_first")]
 
 
-def test_hfsdp_is_marked_simulator_only():
+def test_hfsdp_is_runnable_and_its_command_passes_the_checks():
+    """HFSDP runs through megatron-core's Megatron-FSDP (--use-megatron-fsdp): the advisor's command is
+    pretrain_llama.py's and passes its checks; a configuration it refuses (tensor parallelism) says why."""
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+
     cl = tiny_cluster()
     configs, _ = enumerate_configs(TINY, cl, 16)
-    cfg = Advisor(TINY, cl, 16, check_command=check_command).evaluate(next(c for c in configs if c.strategy == "hfsdp"))
-    assert not cfg.trainable and "Megatron-LM" in cfg.command and "--use-megatron-fsdp" in cfg.argv
+    adv = Advisor(TINY, cl, 16, check_command=check_command)
+    plain = adv.evaluate(next(c for c in configs if c.strategy == "hfsdp" and c.knobs.get("tp", 1) == 1))
+    assert plain.trainable and "pretrain_llama.py" in plain.command and "--use-megatron-fsdp" in plain.argv
+    assert plain.argv[plain.argv.index("--outer-dp-sharding-strategy") + 1] == "optim"
+    validate_args(parse_args(plain.argv + ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer"]),
+                  world_size=cl.ranks)
+    tp = [c for c in configs if c.strategy == "hfsdp" and c.knobs.get("tp", 1) > 1]
+    for cfg in (adv.evaluate(c) for c in tp[:1]):
+        assert not cfg.trainable and "refuses it" in cfg.note and "tensor" in cfg.note
 
 
 def run_simulate(*argv):
@@ -593,7 +605,7 @@ def test_uneven_layers_offer_weight_passing_and_pipelines_with_their_flags():
         assert r["tokens_per_sec_per_gpu"] <= r["compute_bound_tokens_per_sec_per_gpu"] * (1 + 1e-9)
         k = r["knobs"]
         split = k.get("shard_layers") or k.get("stage_layers")
-        if r["strategy"] in ("hfsdp",) or not split or not r["trainable"]:
+        if not split or not r["trainable"]:
             continue
         seen.add((r["strategy"], k.get("tp", 1), bool(k.get("replicate_first"))))
         assert "[" in r["label"] and sum(split) == 10
@@ -669,5 +681,4 @@ def test_nothing_fits_and_left_out_strategies_say_why():
     for strategy in s["missing"]:
         assert any("nothing fits" in x or "< " in x for x in s["missing"][strategy]), strategy
     left_out = advise(TINY, tiny_cluster(), 16, trainable_only=True, check_command=check_command)
-    assert left_out["missing"]["hfsdp"][0] == "not runnable with pretrain_llama.py, left out by --trainable-only; " \
-        "fix: leave out --trainable-only"
+    assert "hfsdp" in {r["strategy"] for r in left_out["ranked"]}   # runnable: not left out

@@ -8,7 +8,8 @@ cache on/off, shard 0 replicated in every group or not) and ``weipipe``;
 megatron pipelines (``pp-nodes``: one stage per node; ``1f1b`` /
 ``interleaved`` with larger pipelines, every stage inside one node, data
 parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
-``distopt-node``, ``distopt`` and ``hfsdp`` (simulator only).  Every strategy
+``distopt-node``, ``distopt`` and ``hfsdp`` (megatron-core's Megatron-FSDP,
+``--use-megatron-fsdp``).  Every strategy
 is tried with micro-batch sizes 1/2/4 and recompute on/off.
 
 Plan-based strategies cost a plan simulation each (more than 4 visits' worth
@@ -231,7 +232,7 @@ class Advisor:
             self.measure(cfg)
         cfg.status = "ok" if cfg.memory.total <= self.cluster.usable_memory else "no-fit"
         cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
-        if cfg.trainable and cfg.strategy != "hfsdp" and self.check_command is not None:
+        if cfg.trainable and self.check_command is not None:
             problem = self.check_command(cfg.argv, self.cluster.ranks)
             if problem:
                 cfg.trainable = False
@@ -278,9 +279,6 @@ class Advisor:
                 res = fn()
                 mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
                 res_inter = res.options["inter_bytes_per_node"]
-                if s == "hfsdp":
-                    cfg.trainable = False
-                    cfg.note = res.options["note"]
         cfg.tokens_per_sec_per_gpu = res.tokens_per_sec_per_rank
         cfg.iteration_time = res.iteration_time
         cfg.bubble = res.bubble_ratio
@@ -304,9 +302,6 @@ class Advisor:
         best: Dict[str, float] = {}
         best_runnable = 0.0
         for cfg in configs:
-            if trainable_only and cfg.strategy == "hfsdp":
-                cfg.status = "skipped"
-                continue
             if cfg.strategy in PLAN_BASED:
                 vals = sorted(best.values(), reverse=True)
                 need = best.get(cfg.strategy, 0.0)

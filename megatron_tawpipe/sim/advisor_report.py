@@ -59,11 +59,9 @@ def command(cfg, model, cluster, global_batch: int):
         argv += ["--num-distributed-optimizer-instances", str(D)] if s == "distopt-node" else []
         argv += native_rc
     elif s == "hfsdp":
-        script = "pretrain_gpt.py"
-        argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-                 "--outer-dp-sharding-strategy", "optim",
-                 "--num-distributed-optimizer-instances", str(D)] + native_rc
-        comment = "Megatron-FSDP HFSDP runs in Megatron-LM (pretrain_gpt.py), not in this project"
+        argv += DISTOPT + ["--overlap-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                           "optim_grads_params", "--outer-dp-sharding-strategy", "optim",
+                           "--num-distributed-optimizer-instances", str(D)] + native_rc
     line = f"torchrun --nnodes {D} --nproc-per-node {d} {script} " + " ".join(shlex.quote(a) for a in argv)
     return argv, line + f"   # {comment}"
 

@@ -217,8 +217,7 @@ def simulate_hfsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers:
                    {"inter": D * node_bytes, "intra": intra}, mem,
                    wbuf=2 * unit_params * w + cost.replicated_params * w,
                    gbuf=unit_params * grad_bytes, nw=2, ng=1, inter_bytes_per_node=node_bytes,
-                   exposed_comm_s=shown, unit_layers=unit_layers, trainable=False,
-                   note="Megatron-FSDP HFSDP runs in Megatron-LM, not in this project")
+                   exposed_comm_s=shown, unit_layers=unit_layers)
 
 
 def plan_memory_fields(plan, cost: CostModel):
