@@ -48,10 +48,8 @@ print(json.dumps({"bytes": got, "seconds": t_last - t_first,
                   "steady_bytes": got - at_skip, "steady_seconds": t_last - t_skip}), flush=True)
 """
 
-# argv: host port nbytes. Connects (retrying for 10 s) and sends nbytes zeros.
-_SENDER = r"""
-import socket, sys, time
-host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+# The probes' client side: connect to (host, port), retrying for 10 s while the server starts.
+_CONNECT = r"""
 deadline = time.monotonic() + 10
 while True:
     try:
@@ -61,7 +59,13 @@ while True:
         if time.monotonic() > deadline:
             raise
         time.sleep(0.02)
-chunk = b"\0" * (1 << 20)
+"""
+
+# argv: host port nbytes. Connects (retrying for 10 s) and sends nbytes zeros.
+_SENDER = r"""
+import socket, sys, time
+host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+""" + _CONNECT + r"""chunk = b"\0" * (1 << 20)
 left = nbytes
 while left > 0:
     s.sendall(chunk[:min(left, len(chunk))])
@@ -143,16 +147,7 @@ _TIMER = r"""
 import json, socket, sys, time
 host, port, idle = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 sizes = [int(x) for x in sys.argv[4:]]
-deadline = time.monotonic() + 10
-while True:
-    try:
-        s = socket.create_connection((host, port))
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.02)
-s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+""" + _CONNECT + r"""s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 s.sendall((8).to_bytes(8, "big") + bytes(8))
 s.recv(1)  # connection warmed up; every message below follows idle_s of silence
 seconds = []
