@@ -30,7 +30,8 @@ def fork_launcher(config, script_args, log_path):
 
 
 def test_benchmark_two_schedules_two_repetitions(tmp_path):
-    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, format_table, read_metrics, run_benchmark, write_chart
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, read_metrics, run_benchmark
+    from megatron_tawpipe.bench.benchmark_report import format_table, write_chart
 
     config = BenchmarkConfig(schedules=("tawpipe", "1f1b"), ranks=2, repetitions=2, train_iters=3, warmup_iters=1,
                              model_args=BENCH_MODEL, outdir=str(tmp_path / "runs"))
@@ -120,7 +121,7 @@ def test_cli_with_torchrun(tmp_path):
 
 
 def test_comparison_with_the_simulator():
-    from megatron_tawpipe.bench.benchmark import compare_with_simulation, format_comparison
+    from megatron_tawpipe.bench.benchmark_report import compare_with_simulation, format_comparison
 
     result = {"summary": [{"schedule": "tawpipe", "tokens_per_sec_per_rank": 300.0},
                           {"schedule": "1f1b", "tokens_per_sec_per_rank": 200.0},
@@ -357,7 +358,7 @@ def test_equal_memory_runs_each_strategy_at_its_size(tmp_path):
 def test_equal_memory_results_compare_with_their_own_predictions():
     """An equal-memory run compares each strategy with the prediction at the size it ran (a size given by
     hand takes the prediction priced for that size)."""
-    from megatron_tawpipe.bench.benchmark import compare_with_simulation
+    from megatron_tawpipe.bench.benchmark_report import compare_with_simulation
 
     result = {"config": {"micro_batch_sizes": {"tawpipe": 1, "distopt": 2}},
               "summary": [{"schedule": "tawpipe", "tokens_per_sec_per_rank": 90.0},

@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_tawpipe.arguments import TOOL_FLAGS  # noqa: E402
 from megatron_tawpipe.sim.memory import parse_size  # noqa: E402
 from megatron_tawpipe.bench.benchmark import (DEFAULT_SCHEDULES, SCHEDULES, STRATEGIES,  # noqa: E402
-                                              BenchmarkConfig, BenchmarkError, compare_with_simulation,
-                                              format_comparison, format_table, run_benchmark, write_chart)
+                                              BenchmarkConfig, BenchmarkError, run_benchmark)
+from megatron_tawpipe.bench.benchmark_report import (compare_with_simulation, format_comparison,  # noqa: E402
+                                                     format_table, write_chart)
 
 __doc__ = __doc__.format(strategies="\n".join(f"  {name:<13}{what}" for name, what in STRATEGIES.items()))
 

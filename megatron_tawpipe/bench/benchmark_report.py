@@ -1,0 +1,122 @@
+"""The benchmark's results for people: the table, the chart, and the comparison with the simulator's
+prediction (measured against predicted tokens/s, and every strategy's ratio to TawPipe)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+
+def _fmt_bytes(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def format_table(result: dict) -> str:
+    rows = result["summary"]
+    cluster = any(r.get("node_tx_bytes_per_iteration") is not None for r in rows)
+    headers = ["schedule", "mbs", "tokens/s/rank", "spread", "ms/iter", "between groups/iter"]
+    if cluster:
+        headers.append("eth0 tx/iter")
+    headers += ["peak mem/rank", "busy"]
+    lines = []
+    for r in rows:
+        cells = [r["schedule"], str(r.get("micro_batch_size") or "-"), f"{r['tokens_per_sec_per_rank']:.1f}",
+                 f"{r['tokens_per_sec_per_rank_min']:.0f}-{r['tokens_per_sec_per_rank_max']:.0f}"
+                 f" ({r['spread_pct']:.0f}%)" if r["spread_pct"] is not None else "-",
+                 f"{r['elapsed_ms']:.0f}", _fmt_bytes(r["inter_group_bytes"])]
+        if cluster:
+            cells.append(_fmt_bytes(r["node_tx_bytes_per_iteration"]))
+        cells += [_fmt_bytes(r["peak_memory_bytes_max_rank"]),
+                  "-" if r["compute_busy_fraction"] is None else f"{100 * r['compute_busy_fraction']:.0f}%"]
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
+    out.append("  ".join("-" * w for w in widths))
+    for cells in lines:
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    return "\n".join(out)
+
+
+def write_chart(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["summary"]
+    names = [r["schedule"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    tps = [r["tokens_per_sec_per_rank"] for r in rows]
+    err = [[t - r["tokens_per_sec_per_rank_min"] for t, r in zip(tps, rows)],
+           [r["tokens_per_sec_per_rank_max"] - t for t, r in zip(tps, rows)]]
+    axes[0].bar(names, tps, yerr=err, capsize=4, color="tab:blue")
+    axes[0].set_title("tokens/s per rank (median, min-max)")
+    inter = [(r["node_tx_bytes_per_iteration"] if r.get("node_tx_bytes_per_iteration") is not None
+              else r["inter_group_bytes"]) or 0 for r in rows]
+    axes[1].bar(names, [b / 1e6 for b in inter], color="tab:orange")
+    axes[1].set_title("MB between nodes / iteration")
+    axes[2].bar(names, [(r["peak_memory_bytes_max_rank"] or 0) / 2 ** 20 for r in rows], color="tab:green")
+    axes[2].set_title("peak memory per rank (MiB)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    cfg = result["config"]
+    where = (f"emulated {cfg['cluster'][0]} nodes x {cfg['cluster'][1]} ranks, {cfg['cluster'][2]}"
+             if cfg.get("cluster") else f"{cfg['ranks']} local ranks")
+    fig.suptitle(f"{where}; {cfg['repetitions']} repetitions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def simulated_rows(result: dict) -> List[dict]:
+    """The simulator's predictions an equal-memory benchmark made for each strategy at the micro-batch size
+    it ran (``result["equal_memory"]``), as ``tools/simulate.py --json`` rows."""
+    selection = result.get("equal_memory") or {}
+    ran = result["config"].get("micro_batch_sizes") or {}
+    rows = []
+    for s, c in (selection.get("choices") or {}).items():
+        size = ran.get(s, c["micro_batch_size"])
+        priced = [c] + list(c.get("tried") or [])
+        speed = next((p["predicted_tokens_per_sec_per_rank"] for p in priced if p["micro_batch_size"] == size), None)
+        if speed:
+            rows.append({"schedule": s, "tokens_per_sec_per_rank": speed})
+    return rows
+
+
+def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None, reference: str = "tawpipe") -> dict:
+    """Measured against predicted: tokens/s per schedule and the ratios ``reference`` / other.
+
+    ``simulated`` is ``tools/simulate.py --json`` output for the same configuration (default: the
+    predictions an equal-memory run made at each strategy's own micro-batch size). A ratio's deviation
+    is (measured ratio / predicted ratio - 1).
+    """
+    if simulated is None:
+        simulated = simulated_rows(result)
+    measured = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in result["summary"]}
+    predicted = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in simulated}
+    rows = [{"schedule": s, "measured": measured[s], "predicted": predicted[s],
+             "measured_over_predicted": measured[s] / predicted[s]}
+            for s in measured if s in predicted]
+    ratios = []
+    if reference in measured and reference in predicted:
+        for s in measured:
+            if s != reference and s in predicted:
+                m, p = measured[reference] / measured[s], predicted[reference] / predicted[s]
+                ratios.append({"ratio": f"{reference}/{s}", "measured": m, "predicted": p, "deviation": m / p - 1})
+    return {"rows": rows, "ratios": ratios}
+
+
+def format_comparison(comparison: dict) -> str:
+    out = [f"{'schedule':<12}  {'measured tok/s/rank':>19}  {'simulated':>9}  {'measured/simulated':>18}"]
+    for r in comparison["rows"]:
+        out.append(f"{r['schedule']:<12}  {r['measured']:>19.1f}  {r['predicted']:>9.1f}  "
+                   f"{r['measured_over_predicted']:>18.2f}")
+    out.append("")
+    out.append(f"{'ratio':<20}  {'measured':>8}  {'simulated':>9}  {'deviation':>9}")
+    for r in comparison["ratios"]:
+        out.append(f"{r['ratio']:<20}  {r['measured']:>8.2f}  {r['predicted']:>9.2f}  {100 * r['deviation']:>+8.0f}%")
+    return "\n".join(out)
