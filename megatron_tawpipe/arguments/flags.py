@@ -13,6 +13,9 @@ from typing import List, Optional
 
 from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown, settle_megatron_lm_flags
 from megatron_tawpipe.common.errors import ArgumentError
+from megatron_tawpipe.arguments.choices import (CKPT_FORMATS, FILE_TOKENIZERS,  # noqa: F401 (flags' names)
+                                                MEGATRON_LM_ONLY_CKPT_FORMATS, SENTENCEPIECE_TOKENIZERS,
+                                                SUPPORTED_TOKENIZERS, TOKENIZER_TYPES)
 
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
 WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
@@ -341,25 +344,6 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-FSDP with --num-distributed-optimizer-instances N > 1: no_shard replicates the "
                         "instance's shards across the N instances (HSDP); optim also shards the optimizer state "
                         "across them (HFSDP)")
-
-
-# Megatron-LM's tokenizers on a SentencePiece model: SentencePieceTokenizer through megatron-core;
-# GPTSentencePieceTokenizer and Llama2Tokenizer as Megatron-LM defines them (the model's own pieces,
-# eod = its end-of-sentence id; Llama2Tokenizer starts every document with the model's bos id).
-SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-# Megatron-LM's other text tokenizers: HuggingFaceTokenizer and TikTokenizer through megatron-core (which needs
-# the transformers / tiktoken packages), GPT2BPETokenizer (GPT-2's byte-level BPE from --vocab-file and
-# --merge-file) on Hugging Face's tokenizers library, offline.
-FILE_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
-SUPPORTED_TOKENIZERS = SENTENCEPIECE_TOKENIZERS + FILE_TOKENIZERS + ("NullTokenizer",)
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "BertWordPieceLowerCase",
-                   "BertWordPieceCase", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
-
-
-# Checkpoint formats this project writes (and reads), and Megatron-LM's others (refused in one line).
-CKPT_FORMATS = ("torch_dist", "tawpipe")
-MEGATRON_LM_ONLY_CKPT_FORMATS = ("torch", "zarr", "torch_dcp", "fsdp_dtensor")
 
 
 def plain_arguments(args: argparse.Namespace) -> dict:
