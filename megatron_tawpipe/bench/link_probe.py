@@ -20,18 +20,22 @@ from megatron_tawpipe.common.errors import ClusterError
 if TYPE_CHECKING:
     from megatron_tawpipe.bench.emulated_cluster import EmulatedCluster
 
-# argv: host port skip. Prints "ready", accepts one connection, reads to its end, then prints the
-# bytes and seconds in all and after the first ``skip`` bytes, as JSON.
-_RECEIVER = r"""
-import json, socket, sys, time
-host, port, skip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+# The probes' server side: listen on (host, port), print "ready", accept one connection as ``conn``.
+_LISTEN = r"""
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind((host, port))
 srv.listen(1)
 print("ready", flush=True)
 conn, _ = srv.accept()
-buf = bytearray(1 << 20)
+"""
+
+# argv: host port skip. Prints "ready", accepts one connection, reads to its end, then prints the
+# bytes and seconds in all and after the first ``skip`` bytes, as JSON.
+_RECEIVER = r"""
+import json, socket, sys, time
+host, port, skip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+""" + _LISTEN + r"""buf = bytearray(1 << 20)
 got, t_first, t_skip = 0, None, None
 while True:
     n = conn.recv_into(buf)
@@ -112,13 +116,7 @@ def measure_throughput(cluster: "EmulatedCluster", src: int, dst: int, nbytes: i
 _ECHO = r"""
 import socket, sys
 host, port = sys.argv[1], int(sys.argv[2])
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind((host, port))
-srv.listen(1)
-print("ready", flush=True)
-conn, _ = srv.accept()
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+""" + _LISTEN + r"""conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 buf = bytearray(1 << 20)
 def read(n):
     while n > 0:
