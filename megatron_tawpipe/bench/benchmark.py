@@ -30,7 +30,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron_tawpipe.common.errors import BenchmarkError
 from megatron_tawpipe.bench.stages import (SPLIT_FLAGS, flag_value, interleaved_layers_per_virtual_stage,
-                                           interleaved_virtual_stages, model_args_for, native_stage_flags)
+                                           interleaved_virtual_stages, model_args_for, native_stage_flags,
+                                           without_flags)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
@@ -169,15 +170,7 @@ def _with_micro_batch_size(args: List[str], config: BenchmarkConfig, schedule: s
     """``args`` with ``schedule``'s own ``--micro-batch-size`` where it has one."""
     if schedule not in config.micro_batch_sizes:
         return args
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == "--micro-batch-size":
-            skip = True
-        elif not arg.startswith("--micro-batch-size="):
-            out.append(arg)
-    return out + ["--micro-batch-size", str(config.micro_batch_size_of(schedule))]
+    return without_flags(args, ("--micro-batch-size",)) + ["--micro-batch-size", str(config.micro_batch_size_of(schedule))]
 
 
 def read_metrics(path: str) -> List[dict]:

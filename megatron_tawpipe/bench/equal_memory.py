@@ -35,6 +35,11 @@ TIE = 0.005            # predicted speeds this close are a tie, won by the large
 INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on the 2-core VM (docs/benchmarks-and-results.md)
 
 
+def simulator_rate(tc_rate: str) -> str:
+    """An emulated link's tc rate (``1gbit``: 10^9 bit/s) as ``tools/simulate.py`` takes it (bytes/s)."""
+    return f"{parse_rate(tc_rate + '/s'):.0f}B/s"
+
+
 def activation_memory(row: dict) -> float:
     """A simulated row's batch-dependent memory: stored activations plus the output layer's logits."""
     memory = (row.get("options") or {}).get("memory_breakdown") or {}
@@ -91,7 +96,7 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
     if config.emulated_compute_times:
         cmd += ["--measured-times", os.path.abspath(config.emulated_compute_times)]
     rate = config.cluster[2] if config.cluster is not None else None
-    cmd += ["--inter-bw", f"{parse_rate(rate + '/s'):.0f}B/s" if rate else INTRA_BW]
+    cmd += ["--inter-bw", simulator_rate(rate) if rate else INTRA_BW]
     return cmd
 
 

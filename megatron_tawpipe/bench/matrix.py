@@ -36,15 +36,14 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS, TOOL_FLAGS, llama_ffn_hidden_size
 from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkConfig, run_benchmark
+from megatron_tawpipe.bench.equal_memory import INTRA_BW, simulator_rate
 from megatron_tawpipe.bench.stages import interleaved_virtual_stages
 from megatron_tawpipe.common.layer_split import default_layer_split
-from megatron_tawpipe.sim.costmodel import parse_rate
 from megatron_tawpipe.common.atomic import atomic_write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, HEADS, VOCAB, RANKS, NODES, GLOBAL_BATCH = 256, 4, 2047, 4, 2, 16
 WINNER_TIE = 0.02      # a measured lead below this is within the repetitions' spread
-INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on this kind of machine (measured: docs/benchmarks-and-results.md)
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class MatrixConfig:
 
     def rate_bytes_per_s(self) -> str:
         """The rate for ``tools/simulate.py`` (tc's mbit/gbit are 10^6/10^9 bit/s)."""
-        return f"{parse_rate(self.rate + '/s'):.0f}B/s"
+        return simulator_rate(self.rate)
 
     def virtual_stages(self) -> int:
         """Interleaved's chunks per rank as the benchmark configures them (1 where it does not run)."""

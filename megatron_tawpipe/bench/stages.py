@@ -68,6 +68,19 @@ def native_stage_flags(layers: int, stages: int, virtual: int = 1) -> List[str]:
     return ["--pipeline-model-parallel-layout", "|".join(text)]
 
 
+def without_flags(argv: Sequence[str], flags: Sequence[str]) -> List[str]:
+    """``argv`` less every one of ``flags`` with its value (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(flag + "=" for flag in flags)):
+            out.append(arg)
+    return out
+
+
 def model_args_for(schedule: str, model_args: Sequence[str]) -> List[str]:
     """The model flags for ``schedule``: a split given in them is one piece per rank, which the weight-passing
     schedules and 1F1B over all ranks take as it is; strategies without stages drop it."""
@@ -75,15 +88,7 @@ def model_args_for(schedule: str, model_args: Sequence[str]) -> List[str]:
     if not given or schedule in _ONE_PIECE_PER_RANK:
         return list(model_args)
     if schedule in _NO_STAGES:
-        out, skip = [], False
-        for arg in model_args:
-            if skip:
-                skip = False
-            elif arg in SPLIT_FLAGS:
-                skip = True
-            elif not arg.startswith(tuple(flag + "=" for flag in SPLIT_FLAGS)):
-                out.append(arg)
-        return out
+        return without_flags(model_args, SPLIT_FLAGS)
     raise BenchmarkError(f"{schedule}: the model flags' {' / '.join(given)} give one piece per rank, which "
                          f"{schedule} does not have (its stages or shards are not one per rank); leave the flags out (every "
                          f"strategy then gets the default split) or leave {schedule} out")
