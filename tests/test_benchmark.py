@@ -272,6 +272,17 @@ def test_simulator_matrix_takes_uneven_layers():
     assert cmd[cmd.index("--num-layers") + 1] == "10" and cmd[cmd.index("--virtual-stages") + 1] == "2"
 
 
+def test_simulator_matrix_simulates_each_strategy_at_the_size_it_ran():
+    from megatron_tawpipe.bench.matrix import MATRIX, ran_sizes, simulate_command
+
+    c = MATRIX[1]
+    sizes = ran_sizes(c, {"config": {"micro_batch_sizes": {"distopt": 4, "fsdp": 2, "tawpipe": 1}}})
+    assert sizes["distopt"] == 4 and sizes["fsdp"] == 2 and sizes["1f1b"] == 1 and set(sizes) == set(c.schedules())
+    cmd = simulate_command(c, "times.json", schedules=["distopt"], micro_batch_size=4)
+    assert cmd[cmd.index("--schedule") + 1] == "distopt"
+    assert cmd[cmd.index("--micro-batch-size") + 1] == "4" and cmd[cmd.index("--num-microbatches") + 1] == "1"
+
+
 def _long_context_config(tmp_path, **kw):
     """The emulated long-context table's shape (2 x 2 ranks, global batch 16, TawPipe 4 micro-batches per
     visit, no recompute) on times from the FLOP model."""

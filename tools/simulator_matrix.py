@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-iters", type=int, default=4)
     p.add_argument("--burst", default=None, help="measure: htb burst of the node links (default: "
                    "tools/emulated_cluster.py's)")
+    p.add_argument("--equal-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure: each strategy at its own micro-batch size under TawPipe's activation memory "
+                   "(tools/benchmark.py --equal-memory); --no-equal-memory runs every strategy at 1")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                    help="the simulator's collectives: as gloo runs them on CPU (the emulated runs), or NCCL on GPUs")
     p.add_argument("--json", default=None, help="report: write the comparison here")
@@ -53,7 +56,7 @@ def main(argv=None) -> int:
         if args.stage in ("measure", "all") and not os.path.exists(results):
             print(f"== {c.name}", flush=True)
             measure(c, outdir, args.repetitions, args.train_iters, progress=lambda line: print(line, flush=True),
-                    burst=args.burst)
+                    burst=args.burst, equal_memory=args.equal_memory)
         if args.stage in ("simulate", "all"):
             simulate(c, outdir, args.backend)
         if args.stage in ("report", "all"):

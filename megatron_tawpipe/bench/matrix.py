@@ -7,7 +7,10 @@ simulator (``tools/simulate.py --backend gloo``) on the same times and links.
 The configurations span G*S/(12H) (activation bytes of a stage boundary over a
 layer's weight bytes, G the micro-batch size) from 1/3 to 4, node links from
 200 Mbit/s to 2 Gbit/s, 1 to 3 layers per TawPipe shard and 1 to 4
-micro-batches per visit.
+micro-batches per visit. Every strategy runs at equal activation memory
+(``tools/benchmark.py --equal-memory``: each its own micro-batch size, the
+fastest predicted whose activations fit what TawPipe holds at its visit), and is
+simulated at the size it ran.
 
 Stages, each resumable (a configuration whose files exist is not rerun):
 
@@ -115,14 +118,15 @@ def calibrate(c: MatrixConfig, path: str) -> None:
 
 
 def measure(c: MatrixConfig, outdir: str, repetitions: int, train_iters: int,
-            progress=print, burst: Optional[str] = None) -> dict:
+            progress=print, burst: Optional[str] = None, equal_memory: bool = True) -> dict:
     times = os.path.join(outdir, "times.json")
     calibrate(c, times)
     config = BenchmarkConfig(schedules=c.schedules(), ranks=RANKS, repetitions=repetitions,
                              train_iters=train_iters, warmup_iters=1, model_args=model_flags(c),
                              outdir=os.path.join(outdir, "runs"), cluster=(NODES, RANKS // NODES, c.rate),
                              recompute=False, emulated_compute_times=times,
-                             tawpipe_microbatches_per_visit=c.visit, ddp_bucket_size=1_000_000, burst=burst)
+                             tawpipe_microbatches_per_visit=c.visit, ddp_bucket_size=1_000_000, burst=burst,
+                             equal_memory=equal_memory)
     result = run_benchmark(config, progress=progress)
     result["matrix_config"] = asdict(c)
     result["burst"] = burst
@@ -131,22 +135,45 @@ def measure(c: MatrixConfig, outdir: str, repetitions: int, train_iters: int,
     return result
 
 
-def simulate_command(c: MatrixConfig, times: str, backend: str = "gloo") -> List[str]:
-    return ["tools/simulate.py", "--schedule", ",".join(c.schedules()), "--ranks", str(RANKS),
+def simulate_command(c: MatrixConfig, times: str, backend: str = "gloo", schedules: Optional[Sequence[str]] = None,
+                     micro_batch_size: int = 1) -> List[str]:
+    """``tools/simulate.py`` for ``schedules`` (default: all of the configuration's) at one micro-batch size."""
+    return ["tools/simulate.py", "--schedule", ",".join(schedules or c.schedules()), "--ranks", str(RANKS),
             "--groups", str(NODES), "--num-layers", str(c.num_layers), "--hidden-size", str(HIDDEN),
-            "--num-attention-heads", str(HEADS), "--seq-length", str(c.seq_length), "--micro-batch-size", "1",
-            "--num-microbatches", str(GLOBAL_BATCH // RANKS), "--vocab-size", str(VOCAB + 1),
+            "--num-attention-heads", str(HEADS), "--seq-length", str(c.seq_length),
+            "--micro-batch-size", str(micro_batch_size),
+            "--num-microbatches", str(GLOBAL_BATCH // RANKS // micro_batch_size), "--vocab-size", str(VOCAB + 1),
             "--dtype-bytes", "4", "--no-recompute", "--chunk", str(c.visit),
             "--virtual-stages", str(c.virtual_stages()), "--measured-times", times,
             "--intra-bw", INTRA_BW, "--inter-bw", c.rate_bytes_per_s(), "--backend", backend, "--json"]
 
 
+def ran_sizes(c: MatrixConfig, measured: Optional[dict]) -> Dict[str, int]:
+    """Each strategy's micro-batch size in the measured run (1 where it gave none)."""
+    sizes = ((measured or {}).get("config") or {}).get("micro_batch_sizes") or {}
+    return {s: int(sizes.get(s, 1)) for s in c.schedules()}
+
+
 def simulate(c: MatrixConfig, outdir: str, backend: str = "gloo") -> list:
-    path = os.path.join(outdir, "simulated.json")
-    with atomic_write(path) as f:
-        _python(*simulate_command(c, os.path.join(outdir, "times.json"), backend), stdout=f)
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """Every strategy simulated at the micro-batch size its measured run used (``results.json``)."""
+    measured = None
+    results = os.path.join(outdir, "results.json")
+    if os.path.exists(results):
+        with open(results, encoding="utf-8") as f:
+            measured = json.load(f)
+    by_size: Dict[int, List[str]] = {}
+    for s, m in ran_sizes(c, measured).items():
+        by_size.setdefault(m, []).append(s)
+    rows = []
+    for m, schedules in sorted(by_size.items()):
+        cmd = simulate_command(c, os.path.join(outdir, "times.json"), backend, schedules, m)
+        done = subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True, capture_output=True, text=True)
+        rows += [dict(row, micro_batch_size=m) for row in json.loads(done.stdout)]
+    order = {s: i for i, s in enumerate(c.schedules())}
+    rows.sort(key=lambda r: order.get(r["schedule"], len(order)))
+    with atomic_write(os.path.join(outdir, "simulated.json")) as f:
+        json.dump(rows, f, indent=1)
+    return rows
 
 
 # ------------------------------------------------------------------ report
@@ -167,7 +194,7 @@ def compare(c: MatrixConfig, measured: dict, simulated: list) -> dict:
             continue
         m, p = got[s], pred[s]
         rows.append({
-            "schedule": s, "measured": m["tokens_per_sec_per_rank"], "predicted": p["tokens_per_sec_per_rank"],
+            "schedule": s, "micro_batch_size": p.get("micro_batch_size", 1), "measured": m["tokens_per_sec_per_rank"], "predicted": p["tokens_per_sec_per_rank"],
             "measured_over_predicted": m["tokens_per_sec_per_rank"] / p["tokens_per_sec_per_rank"],
             "busy_measured": m.get("compute_busy_fraction"), "busy_predicted": 1.0 - p["bubble_ratio"],
             "node_bytes_measured": m.get("node_tx_bytes_per_iteration"),
@@ -198,12 +225,12 @@ def format_config(entry: dict) -> str:
     out = [f"{c['name']}: S={c['seq_length']} (G*S/12H={entry['boundary_over_layer']:.2f}), L={c['num_layers']} "
            f"({entry['layers_per_shard']}/shard), node links {c['rate']}, {c['visit']} per visit, "
            f"device {c['peak_tflops']:g} TFLOP/s",
-           f"  {'strategy':<13}{'measured':>9}{'predicted':>10}{'m/p':>6}{'tawpipe/x m':>12}{'p':>6}{'dev':>6}"
+           f"  {'strategy':<13}{'mbs':>4}{'measured':>9}{'predicted':>10}{'m/p':>6}{'tawpipe/x m':>12}{'p':>6}{'dev':>6}"
            f"{'busy m':>8}{'p':>5}{'MB/it m':>9}{'p':>7}{'RSS+ MB':>9}{'held MB':>9}{'p':>7}"]
     for r in entry["rows"]:
         mb = lambda v: "-" if v is None else f"{v / 1e6:.1f}"  # noqa: E731
         busy = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
-        out.append(f"  {r['schedule']:<13}{r['measured']:>9.0f}{r['predicted']:>10.0f}"
+        out.append(f"  {r['schedule']:<13}{r.get('micro_batch_size', 1):>4}{r['measured']:>9.0f}{r['predicted']:>10.0f}"
                    f"{r['measured_over_predicted']:>6.2f}{r.get('ratio_measured', 0):>12.2f}"
                    f"{r.get('ratio_predicted', 0):>6.2f}{100 * r.get('ratio_deviation', 0):>+5.0f}%"
                    f"{busy(r['busy_measured']):>8}{busy(r['busy_predicted']):>5}"
@@ -258,7 +285,8 @@ def format_markdown(entries: Sequence[dict], summary: Dict[str, object]) -> str:
         pred = e["winner_predicted"] + ("" if e["winner_predicted"] == e["winner_measured"]
                                         else f" (measured {100 * gap:.1f}% behind)")
         out.append(f"| `{c['name']}` | {e['boundary_over_layer']:.2f} | {c['rate']} | {e['layers_per_shard']} | "
-                   f"{c['visit']} | {e['winner_measured']} {best['measured']:.0f} | {pred} | "
+                   f"{c['visit']} | {e['winner_measured']} {best['measured']:.0f} (mbs {best.get('micro_batch_size', 1)}) | "
+                   f"{pred} | "
                    f"{min(mp):.2f}-{max(mp):.2f} (tawpipe {rows['tawpipe']['measured_over_predicted']:.2f}) | "
                    f"{', '.join(outside) or '-'} |")
     return "\n".join(out)
