@@ -140,8 +140,8 @@ def test_sweep_small_range_passes():
     result = run_sweep(ranks=range(2, 5), microbatches=(1, 2), full_product_max_ranks=3)
     assert not result.failures, result.failures[:3]
     assert result.checked > 500
-    assert set(result.by_schedule) == {"tawpipe", "weipipe", "weipipe-naive", "gpipe", "1f1b",
-                                       "interleaved"}
+    assert set(result.by_schedule) == {"tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2",
+                                       "gpipe", "1f1b", "interleaved"}
 
 
 # ---- lazy connection (NCCL_RUNTIME_CONNECT) and the executor's warm-up ------------------------------

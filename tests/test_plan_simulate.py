@@ -50,6 +50,34 @@ def test_weipipe_bubble_equals_1f1b_on_the_same_global_batch(P, N):
         assert r.iteration_time == pytest.approx((N * P + P - 1) * 3.0)
 
 
+@pytest.mark.parametrize("P", [3, 4, 6, 8])
+@pytest.mark.parametrize("N", [1, 2, 3, 6])
+def test_weipipe_zero_bubble_closed_form(P, N):
+    """Each transfer of the ring is a rendezvous, so neighbours stay within a turn of each other and an
+    iteration takes the work (3NP, F = 1, B = 2 split into 1 + 1) plus (P - 1) turns of the largest
+    work of one turn: WeiPipe and WZB1 hold 2 (N = 1) or 3 per turn, WZB2, whose weight-gradient
+    passes trail by a round, 1, 2 or 3 (N = 1, 2, 3+). Zero-bubble gains are the small-N ones here;
+    WZB1's are in the gradient's arrival, which free communication does not show."""
+    peaks = {"weipipe": min(3, N + 1), "weipipe-zb1": min(3, N + 1), "weipipe-zb2": min(3, N)}
+    for schedule, peak in peaks.items():
+        r = simulate(build_plan(schedule, num_ranks=P, num_microbatches=N), FREE)
+        assert r.iteration_time == pytest.approx(3 * N * P + (P - 1) * peak), schedule
+
+
+def test_weipipe_zero_bubble_trades_memory_for_idle():
+    """On the FLOP model with real communication: WZB1 idles less than WeiPipe at the same activation
+    memory; WZB2 less again, holding one more round of stored activations (N >= 2)."""
+    cost = CostModel.from_flops(hidden_size=1024, seq_length=8192, micro_batch_size=1, num_attention_heads=8,
+                                vocab_size=32000, recompute=False, dtype_bytes=2)
+    for P, N in ((3, 2), (4, 2), (4, 4)):
+        rows = {s: simulate(build_plan(s, num_ranks=P, num_layers=2 * P, num_microbatches=N), cost, record=False)
+                for s in ("weipipe", "weipipe-zb1", "weipipe-zb2")}
+        bubble = {s: r.bubble_ratio for s, r in rows.items()}
+        act = {s: r.activation_bytes for s, r in rows.items()}
+        assert bubble["weipipe-zb2"] < bubble["weipipe-zb1"] < bubble["weipipe"], (P, N, bubble)
+        assert act["weipipe-zb1"] == act["weipipe"] < act["weipipe-zb2"], (P, N, act)
+
+
 @pytest.mark.parametrize("schedule,bound", [("tawpipe", 0.10), ("tawpipe-paper", 0.15)])
 def test_tawpipe_bubble_when_communication_is_free(schedule, bound):
     # Every rank always has its own micro-batches to run and weights never

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_tawpipe.plan.sweep import SPLITS, plan_cases, run_sweep  # noqa: E402
+from megatron_tawpipe.plan.sweep import SPLITS, SWEPT, plan_cases, run_sweep  # noqa: E402
 from megatron_tawpipe.plan import build_plan  # noqa: E402
 
 
@@ -38,8 +38,17 @@ def _range(text: str):
 
 
 def _one(args):
-    P, microbatches, full, splits, report = args
-    return P, run_sweep([P], microbatches, full, splits=splits, report=report)
+    P, microbatches, full, splits, report, schedules = args
+    return P, run_sweep([P], microbatches, full, splits=splits, report=report, schedules=schedules)
+
+
+def _schedules(text: str):
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in SWEPT]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--schedules takes a comma-separated list of {', '.join(SWEPT)}; "
+                                         f"got {text!r}")
+    return names
 
 
 def _splits(text: str):
@@ -50,12 +59,13 @@ def _splits(text: str):
     return splits
 
 
-def write_plans(path: str, ranks, microbatches, full_product_max_ranks: int, splits=SPLITS) -> int:
+def write_plans(path: str, ranks, microbatches, full_product_max_ranks: int, splits=SPLITS, schedules=None) -> int:
     """Every plan of the sweep, built (not validated), one line each: schedule, arguments, its JSON.
     Two such files compare byte for byte when the planners are unchanged."""
     count = 0
     with open(path, "w", encoding="utf-8") as f:
-        for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits):
+        for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits,
+                                           schedules=schedules):
             plan = build_plan(schedule, **kwargs)
             f.write(json.dumps([schedule, kwargs], sort_keys=True) + "\t" + plan.to_json() + "\n")
             count += 1
@@ -71,6 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--splits", type=_splits, default=SPLITS,
                    help="shard splits: even (every shard the same number of layers), uneven (half of them one "
                         "layer more); default: both")
+    p.add_argument("--schedules", type=_schedules, default=None,
+                   help=f"only these planners (comma-separated; default all: {', '.join(SWEPT)})")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write the counts and failures as JSON")
     p.add_argument("--no-report", action="store_true",
@@ -82,10 +94,10 @@ def main(argv=None) -> int:
     start = time.time()
     if args.write_plans:
         count = write_plans(args.write_plans, args.ranks, args.microbatches, args.full_product_max_ranks,
-                            args.splits)
+                            args.splits, args.schedules)
         print(f"wrote {count} plans to {args.write_plans} in {time.time() - start:.0f} s")
         return 0
-    jobs = [(P, args.microbatches, args.full_product_max_ranks, args.splits, not args.no_report)
+    jobs = [(P, args.microbatches, args.full_product_max_ranks, args.splits, not args.no_report, args.schedules)
             for P in sorted(args.ranks, reverse=True)]
     if args.workers > 1:
         with mp.Pool(args.workers) as pool:
@@ -118,6 +130,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"checked": total, "by_schedule": by_schedule, "ranks": args.ranks,
+                       "schedules": list(args.schedules or SWEPT),
                        "microbatches": args.microbatches,
                        "full_product_max_ranks": args.full_product_max_ranks, "splits": list(args.splits),
                        **({} if args.no_report else {"hang_without_warmup": unwarmed, "device_order_ok": device,

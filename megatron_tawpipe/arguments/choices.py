@@ -1,6 +1,8 @@
 """The values some flags allow: tokenizer types and checkpoint formats (Megatron-LM's, and which of them
 this project reads and writes)."""
 
+import argparse
+
 # Megatron-LM's tokenizers on a SentencePiece model: SentencePieceTokenizer through megatron-core;
 # GPTSentencePieceTokenizer and Llama2Tokenizer as Megatron-LM defines them (the model's own pieces,
 # eod = its end-of-sentence id; Llama2Tokenizer starts every document with the model's bos id).
@@ -18,3 +20,24 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "GPTSentencePieceT
 # Checkpoint formats this project writes (and reads), and Megatron-LM's others (refused in one line).
 CKPT_FORMATS = ("torch_dist", "tawpipe")
 MEGATRON_LM_ONLY_CKPT_FORMATS = ("torch", "zarr", "torch_dcp", "fsdp_dtensor")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

@@ -15,45 +15,11 @@ from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.arguments.choices import (CKPT_FORMATS, FILE_TOKENIZERS,  # noqa: F401 (flags' names)
                                                 MEGATRON_LM_ONLY_CKPT_FORMATS, SENTENCEPIECE_TOKENIZERS,
-                                                SUPPORTED_TOKENIZERS, TOKENIZER_TYPES)
-
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
-WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
-# ``--pipeline-schedule plan:FILE`` runs the weight-passing plan in FILE (JSON or CSV, as Plan.to_json /
-# to_csv write it) on the same runtime as weipipe and tawpipe.
-PLAN_FILE_PREFIX = "plan:"
-
-
-def plan_file_of(schedule: str) -> Optional[str]:
-    """The plan file of ``--pipeline-schedule plan:FILE``, or None for a named schedule."""
-    return schedule[len(PLAN_FILE_PREFIX):] if schedule.startswith(PLAN_FILE_PREFIX) else None
-
-
-def is_weight_passing(schedule: str) -> bool:
-    """Whether ``--pipeline-schedule`` runs on the weight-passing runtime: weipipe, tawpipe, a plan file."""
-    return schedule in WEIGHT_PASSING_SCHEDULES or plan_file_of(schedule) is not None
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
+                                                SUPPORTED_TOKENIZERS, TOKENIZER_TYPES, non_negative_int,
+                                                positive_float, positive_int)
+from megatron_tawpipe.arguments.weight_passing import (PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,  # noqa: F401
+                                                       WEIGHT_PASSING_SCHEDULES, add_tawpipe_args,
+                                                       is_weight_passing, plan_file_of)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -92,19 +58,19 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     positions, dropout 0.1). Llama is --normalization RMSNorm --swiglu --disable-bias-linear
     --position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 (LLAMA_FLAGS)."""
     g = parser.add_argument_group("model (Megatron-LM's flags and defaults)")
-    g.add_argument("--num-layers", type=_positive_int, default=4)
-    g.add_argument("--hidden-size", type=_positive_int, default=128)
-    g.add_argument("--num-attention-heads", type=_positive_int, default=4)
+    g.add_argument("--num-layers", type=positive_int, default=4)
+    g.add_argument("--hidden-size", type=positive_int, default=128)
+    g.add_argument("--num-attention-heads", type=positive_int, default=4)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=_positive_int, default=None,
+    g.add_argument("--num-query-groups", type=positive_int, default=None,
                    help="with --group-query-attention (default 1, as Megatron-LM)")
-    g.add_argument("--num-key-value-heads", type=_positive_int, default=None,
+    g.add_argument("--num-key-value-heads", type=positive_int, default=None,
                    help="Megatron-DeepSpeed's spelling of --group-query-attention --num-query-groups N")
-    g.add_argument("--kv-channels", type=_positive_int, default=None, help="default: hidden / heads")
-    g.add_argument("--ffn-hidden-size", type=_positive_int, default=None,
+    g.add_argument("--kv-channels", type=positive_int, default=None, help="default: hidden / heads")
+    g.add_argument("--ffn-hidden-size", type=positive_int, default=None,
                    help="default: 4 x hidden; with --swiglu int(8 x hidden / 3 / 64) x 64, as Megatron-LM")
-    g.add_argument("--seq-length", type=_positive_int, default=128)
-    g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
+    g.add_argument("--seq-length", type=positive_int, default=128)
+    g.add_argument("--max-position-embeddings", type=positive_int, default=None,
                    help="default: --seq-length")
     g.add_argument("--normalization", type=_normalization, default="LayerNorm",
                    metavar="{LayerNorm,RMSNorm}")
@@ -141,7 +107,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: Transformer Engine's choice with TE, else torch SDPA; local: megatron-core's "
                         "unfused attention; flash/fused/unfused: Transformer Engine's kernels")
-    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128)
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
 
 
 # The Llama architecture in Megatron-LM's flags: what examples, tools and tests pass.
@@ -155,31 +121,31 @@ TOOL_FLAGS = LLAMA_FLAGS + ("--eval-iters", "0", "--num-workers", "0")
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training (Megatron-LM's flags and defaults)")
-    g.add_argument("--micro-batch-size", type=_positive_int, default=2)
-    g.add_argument("--global-batch-size", type=_positive_int, default=None,
+    g.add_argument("--micro-batch-size", type=positive_int, default=2)
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
                    help="default: micro-batch size x data-parallel size")
     g.add_argument("--step-batch-size-schedule", default=None, metavar="\"THRESHOLD:BATCH ...\"",
                    help="instead of --global-batch-size: the global batch steps up as training proceeds, e.g. "
                         "\"0:16 2.4B:320\" (thresholds in tokens, K/M/B/T suffixes; Megatron-LM's format)")
-    g.add_argument("--train-iters", type=_positive_int, default=None)
-    g.add_argument("--train-samples", type=_positive_int, default=None,
+    g.add_argument("--train-iters", type=positive_int, default=None)
+    g.add_argument("--train-samples", type=positive_int, default=None,
                    help="instead of --train-iters: train on this many samples (floor(samples / global batch) "
                         "iterations); LR warmup and decay are then given in samples")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (required, as in Megatron-LM)")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0)
-    g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=0)
+    g.add_argument("--lr-warmup-iters", type=non_negative_int, default=0)
+    g.add_argument("--lr-warmup-samples", type=non_negative_int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warmup as a fraction of the decay span (instead of --lr-warmup-iters/-samples)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup")
-    g.add_argument("--lr-decay-iters", type=_positive_int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-decay-samples", type=_positive_int, default=None, help="default: --train-samples")
+    g.add_argument("--lr-decay-iters", type=positive_int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=positive_int, default=None, help="default: --train-samples")
     g.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    g.add_argument("--lr-wsd-decay-iters", type=_positive_int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=_positive_int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=positive_int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=positive_int, default=None)
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
                    dest="override_opt_param_scheduler", action="store_true",
                    help="on resume, take the schedule from these flags, not from the checkpoint")
@@ -228,9 +194,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-LM's shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
                    help="with --recompute-granularity full; default uniform")
-    g.add_argument("--recompute-num-layers", type=_positive_int, default=None,
+    g.add_argument("--recompute-num-layers", type=positive_int, default=None,
                    help="with --recompute-granularity full; default 1")
-    g.add_argument("--exit-duration-in-mins", type=_positive_float, default=None,
+    g.add_argument("--exit-duration-in-mins", type=positive_float, default=None,
                    help="stop (saving a checkpoint with --save) once the run has lasted this long")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (or --exit-signal), save a checkpoint with --save after the current iteration "
@@ -251,64 +217,23 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--context-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--context-parallel-size", type=positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None,
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int, default=None,
                    help="decoder layers of the first pipeline stage (weight-passing schedules: of the first shard)")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None,
+    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int, default=None,
                    help="decoder layers of the last pipeline stage (weight-passing schedules: of the last shard)")
     g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
                    help="every stage's layers, megatron-core's layout string, e.g. 'Ettt|(tt|)*2,tL' "
                         "(weight-passing schedules: one stage per shard)")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl with CUDA, gloo otherwise")
-    g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10.0,
+    g.add_argument("--distributed-timeout-minutes", type=positive_float, default=10.0,
                    help="a peer that sends nothing for this long is reported as stopped (no silent hangs)")
     _add_data_parallel_args(parser)
-
-
-def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """This project's own flags, added the way Megatron-LM's ``extra_args_provider`` hook adds a
-    script's flags (``megatron.training.arguments.parse_args(extra_args_provider=add_tawpipe_args)``
-    takes it as is): the schedule, the weight pipeline's options, metrics and benchmarking."""
-    g = parser.add_argument_group("weight-passing pipeline (megatron_tawpipe)")
-    g.add_argument("--pipeline-schedule", default="1f1b",
-                   help=f"one of {', '.join(PIPELINE_SCHEDULES)}, or {PLAN_FILE_PREFIX}FILE: a weight-passing plan "
-                        "(JSON or CSV, as tools/plan.py build writes it) that passes the validator")
-    g.add_argument("--tawpipe-num-groups", type=_positive_int, default=None,
-                   help="groups (nodes) of the weight pipeline; default: one per node")
-    g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
-    g.add_argument("--tawpipe-nccl-faithful", action="store_true",
-                   help="weipipe/tawpipe on gloo: run the plan's transfers under NCCL's ordering rules "
-                        "(one FIFO per communicator, rendezvous sends), so that a plan that would hang "
-                        "on a GPU cluster fails here after --distributed-timeout-minutes, naming rank "
-                        "and step (tests; slower)")
-    g.add_argument("--tawpipe-microbatches-per-visit", type=_positive_int, default=1,
-                   help="tawpipe: micro-batches each rank runs per visit of a shard; the shard is broadcast "
-                        "in the group (and its gradient reduced) once per visit, so intra-node traffic falls "
-                        "by this factor while boundary activations of that many micro-batches are kept")
-    g.add_argument("--tawpipe-replicate-first-shard", action="store_true",
-                   help="tawpipe: every group (node) holds shard 0 (the first layers) -- master weights, optimizer "
-                        "state and gradient on one rank per group, gradients all-reduced among them -- so no group "
-                        "waits for it at the start of an iteration; costs that shard's state on one more rank per "
-                        "extra group. Needs two or more groups")
-    g.add_argument("--tawpipe-no-recompute", action="store_true",
-                   help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
-                        "in backward (faster, needs memory for N x L/P layers of activations)")
-    g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
-    g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
-                   help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "
-                        "of the seconds in FILE (tools/calibrate.py writes it; times recorded for another "
-                        "--micro-batch-size are scaled to this run's, linearly in its samples); communication "
-                        "stays real")
-    g.add_argument("--timeline-file", default=None, metavar="FILE",
-                   help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
-                        "iteration (compute and transfers, wall clock) as JSON; draw it with "
-                        "tools/plot_schedule.py --timeline FILE")
-    return parser
 
 
 def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -321,10 +246,10 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="distributed optimizer: all-gather updated weights during the next forward "
                         "(needs --use-distributed-optimizer and --overlap-grad-reduce)")
-    g.add_argument("--ddp-bucket-size", type=_positive_int, default=None,
+    g.add_argument("--ddp-bucket-size", type=positive_int, default=None,
                    help="parameters per gradient-reduction bucket with --overlap-grad-reduce (default: megatron's, "
                         "max(40M, 1M x data-parallel size); smaller buckets start reducing earlier in backward)")
-    g.add_argument("--num-distributed-optimizer-instances", type=_positive_int, default=1,
+    g.add_argument("--num-distributed-optimizer-instances", type=positive_int, default=1,
                    help="partial data parallelism: that many replicas of the sharded optimizer state, each over "
                         "consecutive ranks (one per node: reduce-scatter inside the node, one all-reduce "
                         "across nodes per iteration); with --use-torch-fsdp2, the replicas of HSDP's 2-D mesh")
@@ -360,7 +285,7 @@ def add_tokenizer_file_args(group) -> None:
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
-    group.add_argument("--tiktoken-num-special-tokens", type=_non_negative_int, default=1000,
+    group.add_argument("--tiktoken-num-special-tokens", type=non_negative_int, default=1000,
                        help="TikTokenizer: special-token ids before the vocabulary's (Megatron-LM's default 1000)")
     group.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
                        help="TikTokenizer: the special tokens' names (megatron-core's defaults otherwise)")
@@ -380,7 +305,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, metavar="TOKENIZER_TYPE",
                    help=f"required: {', '.join(SUPPORTED_TOKENIZERS)} (Megatron-LM's other types are refused)")
     add_tokenizer_file_args(g)
-    g.add_argument("--vocab-size", type=_positive_int, default=None,
+    g.add_argument("--vocab-size", type=positive_int, default=None,
                    help="NullTokenizer's ids; TikTokenizer's size with its special tokens")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
@@ -392,7 +317,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
                    action="store_false")
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false", default=True)
-    g.add_argument("--num-workers", type=_non_negative_int, default=2, help="data-loader worker processes per rank")
+    g.add_argument("--num-workers", type=non_negative_int, default=2, help="data-loader worker processes per rank")
     g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"],
                    help="single (default): every sample once, in the dataset's shuffled order; cyclic: "
                         "Megatron-LM's random sampler (epochs, each reshuffled by its number)")
@@ -402,7 +327,7 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--save-interval", type=positive_int, default=None)
     g.add_argument("--no-save-optim", action="store_true", help="checkpoints without optimizer state")
     g.add_argument("--no-save-rng", action="store_true", help="checkpoints without random-number states")
     g.add_argument("--no-load-optim", action="store_true")
@@ -415,10 +340,10 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="take the model flags (sizes, architecture, tokenizer) from the checkpoint under --load")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop if --load holds no checkpoint instead of starting from scratch")
-    g.add_argument("--log-interval", type=_positive_int, default=100)
+    g.add_argument("--log-interval", type=positive_int, default=100)
     g.add_argument("--log-throughput", action="store_true",
                    help="accepted: the log line always has tokens/s and TFLOP/s per rank")
-    g.add_argument("--eval-interval", type=_positive_int, default=None,
+    g.add_argument("--eval-interval", type=positive_int, default=None,
                    help="validate every this many iterations (default: only after training)")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per validation; 0 or less: no validation")
@@ -429,12 +354,12 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-save-dir", default=None, help="W&B's local directory (default: SAVE/wandb)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write Megatron-LM's TensorBoard scalars here (needs the tensorboard package)")
-    g.add_argument("--tensorboard-log-interval", type=_positive_int, default=1)
-    g.add_argument("--tensorboard-queue-size", type=_positive_int, default=1000)
+    g.add_argument("--tensorboard-log-interval", type=positive_int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=positive_int, default=1000)
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="iteration-time (and throughput with --log-throughput) every --log-interval")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
-    g.add_argument("--exit-interval", type=_positive_int, default=None, help="stop after this iteration")
+    g.add_argument("--exit-interval", type=positive_int, default=None, help="stop after this iteration")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

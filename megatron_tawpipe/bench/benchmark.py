@@ -43,6 +43,9 @@ STRATEGIES = {
     "tawpipe-tp": "TawPipe over tensor-parallel groups inside each node (--tensor-model-parallel-size: the "
                   "ranks per node unless --tensor-parallel-size says otherwise; --sequence-parallel)",
     "weipipe": "WeiPipe: weight passing in one ring",
+    "weipipe-zb1": "WeiPipe zero-bubble 1: backward split, the weight-gradient pass after the input gradient "
+                   "(--weipipe-zero-bubble 1)",
+    "weipipe-zb2": "WeiPipe zero-bubble 2: the weight-gradient pass one round later (--weipipe-zero-bubble 2)",
     "1f1b": "megatron 1F1B, one pipeline over all ranks",
     "interleaved": "megatron interleaved 1F1B over all ranks, 2 virtual stages",
     "pp-nodes": "megatron 1F1B with one stage per node, data parallel inside (distributed optimizer, "
@@ -124,9 +127,11 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         common += ["--num-layers", str(layers)]
     if config.emulated_compute_times:
         common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
-    if schedule in ("tawpipe", "weipipe", "tawpipe-tp", "tawpipe-rep"):
+    if schedule in ("tawpipe", "weipipe", "tawpipe-tp", "tawpipe-rep", "weipipe-zb1", "weipipe-zb2"):
         extra = [] if config.recompute else ["--tawpipe-no-recompute"]
-        if schedule != "weipipe" and config.tawpipe_microbatches_per_visit != 1:
+        if schedule.startswith("weipipe-zb"):
+            extra += ["--weipipe-zero-bubble", schedule[-1]]
+        if not schedule.startswith("weipipe") and config.tawpipe_microbatches_per_visit != 1:
             extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
         if schedule == "tawpipe-rep":
             extra += ["--tawpipe-replicate-first-shard"]

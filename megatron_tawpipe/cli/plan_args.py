@@ -21,7 +21,7 @@ from megatron_tawpipe.training.validate_args import validate_args
 ACTIVATION = ("gpipe", "1f1b", "interleaved")
 ANALYTIC = ("fsdp",) + tuple(STRATEGIES)      # not plan schedules
 ALL = ("tawpipe", "tawpipe-rep", "tawpipe-paper", "tawpipe-nooverlap", "tawpipe-flat", "weipipe",
-       "weipipe-naive", "gpipe", "1f1b", "interleaved", "fsdp") + tuple(STRATEGIES)
+       "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "gpipe", "1f1b", "interleaved", "fsdp") + tuple(STRATEGIES)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

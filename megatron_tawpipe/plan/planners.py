@@ -21,6 +21,14 @@ def _weipipe_naive(**kw):
     return plan_weipipe(interleave=False, **kw)
 
 
+def _weipipe_zb1(**kw):
+    return plan_weipipe(interleave=True, zero_bubble=1, **kw)
+
+
+def _weipipe_zb2(**kw):
+    return plan_weipipe(interleave=True, zero_bubble=2, **kw)
+
+
 def _tawpipe_nooverlap(**kw):
     return plan_tawpipe(**{**kw, "overlap": False})
 
@@ -46,6 +54,8 @@ def _activation(name):
 SCHEDULES = {
     "weipipe": _weipipe,
     "weipipe-naive": _weipipe_naive,
+    "weipipe-zb1": _weipipe_zb1,
+    "weipipe-zb2": _weipipe_zb2,
     "tawpipe": plan_tawpipe,
     "tawpipe-nooverlap": _tawpipe_nooverlap,
     "tawpipe-flat": _tawpipe_flat,

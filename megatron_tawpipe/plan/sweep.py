@@ -81,15 +81,25 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
 SPLITS = ("even", "uneven")
 
 
+SWEPT = ("tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "gpipe", "1f1b", "interleaved")
+
+
 def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
-               layers_per_shard: int = 1, splits: Sequence[str] = SPLITS) -> Iterator[Tuple[str, dict]]:
-    """(schedule, build_plan keyword arguments) for every planner, shape, option set and shard split:
-    ``"even"``, every shard (stage) ``layers_per_shard`` layers; ``"uneven"``, half of the shards
-    (rounded up, the first ones) one layer more, the default split of that many layers."""
+               layers_per_shard: int = 1, splits: Sequence[str] = SPLITS,
+               schedules: Optional[Sequence[str]] = None) -> Iterator[Tuple[str, dict]]:
+    """(schedule, build_plan keyword arguments) for every planner (or those of ``schedules``, names of
+    :data:`SWEPT`), shape, option set and shard split: ``"even"``, every shard (stage) ``layers_per_shard``
+    layers; ``"uneven"``, half of the shards (rounded up, the first ones) one layer more, the default split
+    of that many layers."""
     unknown = set(splits) - set(SPLITS)
     if unknown:
         raise ValueError(f"unknown shard splits {sorted(unknown)}; known: {', '.join(SPLITS)}")
+    unknown = set(schedules or ()) - set(SWEPT)
+    if unknown:
+        raise ValueError(f"unknown schedules {sorted(unknown)}; swept: {', '.join(SWEPT)}")
     for schedule, kwargs in _even_cases(ranks, microbatches, full_product_max_ranks, layers_per_shard):
+        if schedules and schedule not in schedules:
+            continue
         if "even" in splits:
             yield schedule, kwargs
         if "uneven" in splits:
@@ -109,6 +119,9 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
                 for interleave, overlap in itertools.product((True, False), (True, False)):
                     name = "weipipe" if interleave else "weipipe-naive"
                     yield name, dict(shape, overlap=overlap)
+                for name in ("weipipe-zb1", "weipipe-zb2"):
+                    for overlap in (True, False):
+                        yield name, dict(shape, overlap=overlap)
                 for name in ("gpipe", "1f1b"):
                     yield name, dict(shape)
                 yield "interleaved", dict(shape, num_layers=P * 2, virtual_stages=2)
@@ -116,9 +129,10 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
 
 def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
               stop_on_failure: bool = False, progress=None, splits: Sequence[str] = SPLITS,
-              report: bool = False) -> SweepResult:
+              report: bool = False, schedules: Optional[Sequence[str]] = None) -> SweepResult:
     result = SweepResult()
-    for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits):
+    for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits,
+                                       schedules=schedules):
         error: Optional[str] = None
         try:
             plan = build_plan(schedule, **kwargs)

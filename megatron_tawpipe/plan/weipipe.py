@@ -34,41 +34,48 @@ WAIT, POST, FWD, GWAIT, BWD, GPOST = range(6)
 END = 10 ** 9
 
 
-def _rank_turns(P: int, N: int, interleave: bool):
-    """{(rank, turn): (fwd, bwd)} with fwd/bwd = (mb, shard) or None."""
-    work: Dict[Tuple[int, int], Tuple[Optional[tuple], Optional[tuple]]] = {}
+def _rank_turns(P: int, N: int, interleave: bool, zero_bubble: int = 0):
+    """{(rank, turn): (fwd, bwd, wgrad)}, each (mb, shard) or None: the forward, the backward (its input
+    gradient where the backward is split) and the weight-gradient pass of the turn (the backward's own
+    where it is not split; WZB2: the backward of the same position one round earlier)."""
+    work: Dict[Tuple[int, int], Tuple[Optional[tuple], Optional[tuple], Optional[tuple]]] = {}
     for r in range(P):
         offset = (P - r) % P
-        rounds = N + 1 if interleave else 2 * N
+        rounds = (N + 1 if interleave else 2 * N) + (1 if zero_bubble == 2 else 0)
         for k in range(rounds):
             for i in range(P):
                 t = offset + k * P + i
                 if interleave:
                     f = (k, i) if k < N else None
-                    b = (k - 1, P - 1 - i) if k >= 1 else None
+                    b = (k - 1, P - 1 - i) if 1 <= k <= N else None
+                    lag = 2 if zero_bubble == 2 else 1
+                    w = (k - lag, P - 1 - i) if lag <= k <= N - 1 + lag else None
                 else:
                     f = (k // 2, i) if k % 2 == 0 else None
-                    b = (k // 2, P - 1 - i) if k % 2 == 1 else None
-                work[(r, t)] = (f, b)
+                    b = w = (k // 2, P - 1 - i) if k % 2 == 1 else None
+                work[(r, t)] = (f, b, w)
     return work
 
 
 def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
-                 interleave: bool = True, overlap: bool = True):
+                 interleave: bool = True, overlap: bool = True, zero_bubble: int = 0):
+    """WeiPipe's plan; ``zero_bubble`` 1 or 2 splits every backward (WZB1, WZB2: see the module's text)."""
     P, N = num_ranks, num_microbatches
+    if zero_bubble not in (0, 1, 2) or (zero_bubble and not interleave):
+        raise ValueError(f"zero_bubble must be 0, 1 or 2 (1 and 2 on the interleaved schedule), not {zero_bubble}")
     if num_layers < P:
         raise ValueError(f"num_layers ({num_layers}) must be at least the number of ranks ({P}): one shard each")
     b = PlanBuilder(P, num_groups)
-    work = _rank_turns(P, N, interleave)
+    work = _rank_turns(P, N, interleave, zero_bubble)
     last_turn = max(t for _, t in work)
 
     def holder(kind: str, s: int, t: int) -> int:
         return (s - t) % P if kind == "F" else (P - 1 - s - t) % P
 
     def uses(kind: str, s: int, t: int) -> bool:
-        f, bw = work.get((holder(kind, s, t), t), (None, None))
-        item = f if kind == "F" else bw
-        return item is not None and item[1] == s
+        f, bw, wg = work.get((holder(kind, s, t), t), (None, None, None))
+        items = (f,) if kind == "F" else (bw, wg)
+        return any(item is not None and item[1] == s for item in items)
 
     # Keys: with overlap the next turn's data is posted before this turn's
     # compute; without, it is exchanged (start+wait) after the compute.
@@ -107,9 +114,9 @@ def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
         t = 0
         while t <= last_turn or carried is not None:
             h = holder("B", s, t)
-            f, bw = work.get((h, t), (None, None))
+            wg = work.get((h, t), (None, None, None))[2]
             buf = carried
-            if bw is not None and bw[1] == s:
+            if wg is not None and wg[1] == s:
                 if buf is None and h != s:
                     buf = f"~g{s}.{t}"
                     b.emit(h, (t, GWAIT, 1), A.ZeroGrad, s, buf)
@@ -128,28 +135,37 @@ def plan_weipipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
             last_gturn = max(last_gturn, t + 1)
             t += 1
 
-    # Compute.
-    for (r, t), (f, bw) in work.items():
+    # Compute. Split (WZB): the input gradient right after the forward, before the gradient token is
+    # waited for; the weight-gradient pass, the token's only user, after it.
+    for (r, t), (f, bw, wg) in work.items():
         if f is not None:
             m, s = f
             b.emit(r, (t, FWD), A.Forward, m, s, weight_buf[("F", s, t)])
-        if bw is not None:
+        if zero_bubble:
+            if bw is not None:
+                m, s = bw
+                b.emit(r, (t, FWD, 1), A.BackwardInput, m, s, weight_buf[("B", s, t)])
+            if wg is not None:
+                m, s = wg
+                b.emit(r, (t, BWD), A.BackwardWeight, m, s, weight_buf[("B", s, t)], grad_buf[(s, t)])
+        elif bw is not None:
             m, s = bw
             b.emit(r, (t, BWD), A.Backward, m, s, weight_buf[("B", s, t)], grad_buf[(s, t)])
 
     last_bwd: Dict[int, int] = {}
     last_head: Dict[int, int] = {}
-    for (r, t), (_, bw) in work.items():
-        if bw is not None:
+    for (r, t), (_, _, wg) in work.items():
+        if wg is not None:
             last_bwd[r] = max(last_bwd.get(r, t), t)
-            if bw[1] == P - 1:
+            if wg[1] == P - 1:
                 last_head[r] = max(last_head.get(r, t), t)
     b.replicated_allreduce_parts({r: (last_head[r], GPOST, 9) for r in range(P)},
                                  {r: (last_bwd[r], GPOST, 9) for r in range(P)}, (END, 0))
     for r in range(P):
         b.emit(r, (END, 1), A.OptimizerStep)
-    name = "weipipe" if interleave else "weipipe-naive"
+    name = f"weipipe-zb{zero_bubble}" if zero_bubble else "weipipe" if interleave else "weipipe-naive"
+    options = {"interleave": interleave, "overlap": overlap, "turns": last_gturn + 1}
+    if zero_bubble:
+        options.update(zero_bubble=zero_bubble, split_backward=True)
     return b.build(schedule=name, family="weight", num_layers=num_layers,
-                   num_microbatches=N, owners=range(P), streams=range(P),
-                   options={"interleave": interleave, "overlap": overlap,
-                            "turns": last_gturn + 1})
+                   num_microbatches=N, owners=range(P), streams=range(P), options=options)

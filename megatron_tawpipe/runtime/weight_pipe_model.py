@@ -38,7 +38,8 @@ from megatron_tawpipe.runtime.warmup import launch_order_problem
 
 def plan_name(args) -> str:
     if args.pipeline_schedule == "weipipe":
-        return "weipipe"
+        zero_bubble = getattr(args, "weipipe_zero_bubble", 0)
+        return f"weipipe-zb{zero_bubble}" if zero_bubble else "weipipe"
     return "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe"
 
 

@@ -323,6 +323,8 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
         if args.tawpipe_replicate_first_shard:
             _validate_replicated_first_shard(args, world_size)
+        if getattr(args, "weipipe_zero_bubble", 0) and args.pipeline_schedule != "weipipe":
+            raise ArgumentError("--weipipe-zero-bubble applies to --pipeline-schedule weipipe only")
         backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
         if args.tawpipe_nccl_faithful and backend != "gloo":
             raise ArgumentError("--tawpipe-nccl-faithful runs NCCL's rules on gloo: it needs "
@@ -330,11 +332,11 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
             or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful
-            or args.tawpipe_replicate_first_shard):
+            or args.tawpipe_replicate_first_shard or getattr(args, "weipipe_zero_bubble", 0)):
         raise ArgumentError(
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
             "--tawpipe-microbatches-per-visit / --tawpipe-replicate-first-shard / --tawpipe-nccl-faithful / "
-            "--timeline-file need --pipeline-schedule tawpipe or weipipe")
+            "--weipipe-zero-bubble / --timeline-file need --pipeline-schedule tawpipe or weipipe")
     tp = args.tensor_model_parallel_size
     if world_size % (tp * pp):
         raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "

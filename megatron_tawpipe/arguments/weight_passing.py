@@ -1,0 +1,71 @@
+"""``--pipeline-schedule`` and the weight-passing runtime's own flags (added to the parser the way
+Megatron-LM's ``extra_args_provider`` hook adds a script's flags)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_tawpipe.arguments.choices import positive_int
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "weipipe", "tawpipe")
+WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
+# ``--pipeline-schedule plan:FILE`` runs the weight-passing plan in FILE (JSON or CSV, as Plan.to_json /
+# to_csv write it) on the same runtime as weipipe and tawpipe.
+PLAN_FILE_PREFIX = "plan:"
+
+
+def plan_file_of(schedule: str) -> Optional[str]:
+    """The plan file of ``--pipeline-schedule plan:FILE``, or None for a named schedule."""
+    return schedule[len(PLAN_FILE_PREFIX):] if schedule.startswith(PLAN_FILE_PREFIX) else None
+
+
+def is_weight_passing(schedule: str) -> bool:
+    """Whether ``--pipeline-schedule`` runs on the weight-passing runtime: weipipe, tawpipe, a plan file."""
+    return schedule in WEIGHT_PASSING_SCHEDULES or plan_file_of(schedule) is not None
+
+
+def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This project's own flags, added the way Megatron-LM's ``extra_args_provider`` hook adds a
+    script's flags (``megatron.training.arguments.parse_args(extra_args_provider=add_tawpipe_args)``
+    takes it as is): the schedule, the weight pipeline's options, metrics and benchmarking."""
+    g = parser.add_argument_group("weight-passing pipeline (megatron_tawpipe)")
+    g.add_argument("--pipeline-schedule", default="1f1b",
+                   help=f"one of {', '.join(PIPELINE_SCHEDULES)}, or {PLAN_FILE_PREFIX}FILE: a weight-passing plan "
+                        "(JSON or CSV, as tools/plan.py build writes it) that passes the validator")
+    g.add_argument("--tawpipe-num-groups", type=positive_int, default=None,
+                   help="groups (nodes) of the weight pipeline; default: one per node")
+    g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
+    g.add_argument("--tawpipe-nccl-faithful", action="store_true",
+                   help="weipipe/tawpipe on gloo: run the plan's transfers under NCCL's ordering rules "
+                        "(one FIFO per communicator, rendezvous sends), so that a plan that would hang "
+                        "on a GPU cluster fails here after --distributed-timeout-minutes, naming rank "
+                        "and step (tests; slower)")
+    g.add_argument("--tawpipe-microbatches-per-visit", type=positive_int, default=1,
+                   help="tawpipe: micro-batches each rank runs per visit of a shard; the shard is broadcast "
+                        "in the group (and its gradient reduced) once per visit, so intra-node traffic falls "
+                        "by this factor while boundary activations of that many micro-batches are kept")
+    g.add_argument("--tawpipe-replicate-first-shard", action="store_true",
+                   help="tawpipe: every group (node) holds shard 0 (the first layers) -- master weights, optimizer "
+                        "state and gradient on one rank per group, gradients all-reduced among them -- so no group "
+                        "waits for it at the start of an iteration; costs that shard's state on one more rank per "
+                        "extra group. Needs two or more groups")
+    g.add_argument("--weipipe-zero-bubble", type=int, choices=(0, 1, 2), default=0,
+                   help="weipipe: split every backward into its input-gradient pass and its weight-gradient pass, "
+                        "the only one the travelling gradient waits for: 1 (WZB1) runs the weight-gradient pass in "
+                        "the same turn, after the input gradient; 2 (WZB2) one round later, when the rank meets the "
+                        "same gradient again (holds one more round of activations, one more round of turns)")
+    g.add_argument("--tawpipe-no-recompute", action="store_true",
+                   help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
+                        "in backward (faster, needs memory for N x L/P layers of activations)")
+    g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
+    g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
+                   help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "
+                        "of the seconds in FILE (tools/calibrate.py writes it; times recorded for another "
+                        "--micro-batch-size are scaled to this run's, linearly in its samples); communication "
+                        "stays real")
+    g.add_argument("--timeline-file", default=None, metavar="FILE",
+                   help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
+                        "iteration (compute and transfers, wall clock) as JSON; draw it with "
+                        "tools/plot_schedule.py --timeline FILE")
+    return parser
