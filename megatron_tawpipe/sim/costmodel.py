@@ -82,6 +82,9 @@ class CostModel:
     grad_bytes: int = 4                   # partial gradients travel and accumulate in fp32
     activation_bytes: float = 0.0         # one boundary activation of one micro-batch
     layer_activation_bytes: float = 0.0   # everything one layer keeps for backward, one mb
+    # the gradients of one layer's matmul outputs, one mb: what a split backward keeps between its
+    # input-gradient pass and its weight-gradient pass besides the activations
+    layer_output_grad_bytes: float = 0.0
     tokens_per_microbatch: int = 0
     replicated_params: float = 0.0        # embedding + final norm + output layer
     embedding_params: float = 0.0         # the embedding's share of them (its all-reduce part)
@@ -133,6 +136,8 @@ class CostModel:
         fwd = fwd_flops / rate
         head = 2 * tokens * H * vocab_size / rate
         hbm = parse_rate(hbm_bandwidth)
+        kv = H * num_query_groups // num_attention_heads if num_attention_heads and num_query_groups else H
+        ffn = ffn_hidden_size or 8 * H / 3
         return cls(layer_forward=fwd, layer_backward=2 * fwd,
                    layer_recompute=fwd if recompute else 0.0,
                    head_forward=head, head_backward=2 * head, params_per_layer=ppl,
@@ -140,6 +145,8 @@ class CostModel:
                    # ~34 bytes per token and hidden unit for a bf16 layer with flash
                    # attention (no S^2 score matrix kept).
                    layer_activation_bytes=34 * tokens * H * dtype_bytes / 2,
+                   # outputs of QKV, the attention projection, the (gated) FC1 and FC2
+                   layer_output_grad_bytes=tokens * (3 * H + 2 * kv + 2 * ffn) * dtype_bytes,
                    tokens_per_microbatch=tokens,
                    replicated_params=(2 if untied_embeddings else 1) * vocab_size * H + H,
                    embedding_params=vocab_size * H,

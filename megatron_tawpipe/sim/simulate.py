@@ -147,8 +147,6 @@ class _Simulator:
         self.flows: List[Flow] = []
         self.net_time = 0.0
         self.net_version = 0
-        self.stash = [0] * plan.num_ranks
-        self.peak_stash = [0] * plan.num_ranks
         need = {}
         for r, acts in enumerate(plan.actions):
             for a in acts:
@@ -239,16 +237,12 @@ class _Simulator:
     def duration(self, r: int, a):
         cls = type(a)
         if cls is A.Forward:
-            self.stash[r] += 1
-            self.peak_stash[r] = max(self.peak_stash[r], self.stash[r])
             return self.fwd[a.shard], "F"
         if cls is A.Backward:
-            self.stash[r] -= 1
             return self.bwd[a.shard], "B"
         if cls is A.BackwardInput:
             return self.bwd_i[a.shard], "Bi"
         if cls is A.BackwardWeight:
-            self.stash[r] -= 1
             return self.bwd_w[a.shard], "Bw"
         if cls is A.LoadWeights:
             return self.copy[a.shard], "load"
@@ -383,11 +377,31 @@ class _Simulator:
 _STARTS = frozenset(A.STARTS)
 
 
-def memory_fields(plan: Plan, cost: CostModel, peak_stash: int) -> Dict[str, float]:
-    """A plan's per-rank memory fields of :class:`SimResult` (buffers, activations of
-    ``peak_stash`` stored micro-batch inputs, state), the largest over its ranks."""
+def peak_activation_bytes(plan: Plan, cost: CostModel) -> float:
+    """The most bytes a rank keeps for backward at once (plan order only): stored shard inputs (whole
+    shards' activations without recompute) until their (weight-gradient) backward, and between a split
+    backward's two passes what the weight-gradient pass needs -- the gradients of the shard's matmul
+    outputs and, with recompute, the recomputed activations, one set of which is the working set counted
+    beside this."""
     lps = plan.max_layers_per_shard    # uneven shards: a stored visit or working set of the largest
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
+    grads, recomputed = lps * cost.layer_output_grad_bytes, lps * cost.layer_activation_bytes
+    best = 0.0
+    for acts in plan.actions:
+        stash = pending = 0
+        for a in acts:
+            t = type(a)
+            stash += (t is A.Forward) - (t is A.Backward or t is A.BackwardWeight)
+            pending += (t is A.BackwardInput) - (t is A.BackwardWeight)
+            held = stash * per_stash + pending * grads + (max(pending - 1, 0) * recomputed if cost.recompute else 0)
+            best = max(best, held)
+    return best
+
+
+def memory_fields(plan: Plan, cost: CostModel) -> Dict[str, float]:
+    """A plan's per-rank memory fields of :class:`SimResult` (buffers, activations kept for backward,
+    state), the largest over its ranks."""
+    lps = plan.max_layers_per_shard
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
     held = max(plan.layers_held_by(r) for r in range(plan.num_ranks))
     # fp32 master + Adam moments + fp32 main grad (16 B/param) for held layers
@@ -397,7 +411,7 @@ def memory_fields(plan: Plan, cost: CostModel, peak_stash: int) -> Dict[str, flo
     return dict(weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
                 weight_buffer_bytes=plan.max_weight_buffers * cost.shard_bytes(plan),
                 grad_buffer_bytes=plan.max_grad_buffers * cost.grad_shard_bytes(plan),
-                activation_bytes=peak_stash * per_stash + working, state_bytes=state)
+                activation_bytes=peak_activation_bytes(plan, cost) + working, state_bytes=state)
 
 
 def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
@@ -416,5 +430,5 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
         tokens_per_sec_per_rank=(tokens / iteration / P) if iteration > 0 else INF,
         bubble_ratio=(1.0 - compute / (P * iteration)) if iteration > 0 else 0.0,
         link_bytes=lb, replicated_allreduce_bytes=rep["intra"] + rep["inter"],
-        **memory_fields(plan, cost, max(sim.peak_stash)), compute_time=sim.busy, finish_time=sim.finish,
+        **memory_fields(plan, cost), compute_time=sim.busy, finish_time=sim.finish,
         spans=sim.spans, transfers=sim.transfers, options=dict(plan.options))

@@ -227,7 +227,7 @@ def plan_memory_fields(plan, cost: CostModel):
     ``activation_bytes``, ``state_bytes`` as :func:`megatron_tawpipe.sim.simulate.simulate` sets them."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(**memory_fields(plan, cost, max(peak_stash(plan))))
+    return SimpleNamespace(**memory_fields(plan, cost))
 
 
 def plan_memory(result: SimResult, cost: CostModel, plan) -> MemoryBreakdown:
