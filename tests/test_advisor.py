@@ -395,6 +395,26 @@ def test_weight_passing_inter_bytes_include_the_replicated_allreduce(schedule):
     assert adv.comm_bound(Config(schedule, 1, True, dict(knobs))) == pytest.approx(ceiling)
 
 
+def test_advisor_tries_weipipes_zero_bubble_variants():
+    """WZB1 and WZB2 are WeiPipe knobs: ranked with their own simulated figures, WZB2 holding more memory,
+    and their commands carry --weipipe-zero-bubble and pass the trainer's validation."""
+    from megatron_tawpipe.arguments import parse_args
+
+    cl = tiny_cluster()
+    adv = Advisor(TINY, cl, 16, check_command=check_command)
+    configs, _ = enumerate_configs(TINY, cl, 16)
+    wei = {c.knobs.get("zero_bubble", 0): adv.evaluate(c) for c in configs
+           if c.strategy == "weipipe" and c.micro_batch_size == 1 and c.recompute and c.knobs.get("tp", 1) == 1}
+    assert set(wei) == {0, 1, 2}
+    assert wei[2].memory.activations > wei[1].memory.activations > wei[0].memory.activations
+    for z, cfg in wei.items():
+        assert cfg.trainable, cfg.note
+        assert (f"--weipipe-zero-bubble {z}" in cfg.command) == (z > 0) and (f"wzb{z}" in cfg.label()) == (z > 0)
+        args = parse_args(cfg.argv + ["--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer"])
+        assert args.weipipe_zero_bubble == z
+        assert cfg.tokens_per_sec_per_gpu <= adv.bound(cfg) * (1 + 1e-9)
+
+
 def test_advisor_ranks_and_prunes_consistently():
     s = advise(TINY, tiny_cluster(), 16, check_command=check_command)
     ranked = s["ranked"]

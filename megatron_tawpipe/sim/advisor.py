@@ -154,7 +154,10 @@ class Advisor:
                                 c.head_forward + c.head_backward)
             return m * c.tokens_per_microbatch / (pipeline_time_bound(works, p, m) * p)
         elif cfg.strategy == "weipipe":
-            t *= (mbs + P - 1) / mbs
+            # (P - 1) turns of the largest work of one turn (3 of F = 1, B = 2 once a round holds every
+            # pass; WZB2's trail: 1, 2 at 1, 2 micro-batches per rank; docs/plan-ir-and-schedules.md)
+            peak = min(3, mbs // P) if k.get("zero_bubble") == 2 else 3
+            t *= (3 * mbs + (P - 1) * peak) / (3 * mbs)
         return c.tokens_per_microbatch / t
 
     def comm_bound(self, cfg: Config) -> float:
@@ -209,7 +212,8 @@ class Advisor:
         if cfg.strategy in ("tawpipe", "weipipe"):
             N = self.G // cfg.micro_batch_size // cl.ranks
             c = cfg.knobs.get("chunk", 1)
-            probe = self._plan(cfg.strategy, min(N, 2 * c), **_wp_options(cfg))
+            # WZB2 keeps a third micro-batch while its weight-gradient passes trail a round
+            probe = self._plan(cfg.strategy, min(N, 2 * c + (cfg.knobs.get("zero_bubble") == 2)), **_wp_options(cfg))
             return weight_passing_breakdown(plan_memory_fields(probe, cost), cost, probe, c)
         pp = cfg.knobs["pipeline_size"]
         m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
@@ -359,6 +363,8 @@ def _wp_options(cfg: Config) -> dict:
         options = {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
         if cfg.knobs.get("replicate_first"):
             options["replicate_first"] = True
+    if cfg.knobs.get("zero_bubble"):
+        options["zero_bubble"] = cfg.knobs["zero_bubble"]
     if cfg.knobs.get("shard_layers"):
         options["shard_layers"] = tuple(cfg.knobs["shard_layers"])
     return options

@@ -113,6 +113,8 @@ class Config:
             parts.append("cache" if k["cache"] else "no-cache")
         if k.get("replicate_first"):
             parts.append("rep0")
+        if k.get("zero_bubble"):
+            parts.append(f"wzb{k['zero_bubble']}")
         split = k.get("shard_layers") or k.get("stage_layers")
         if split:
             parts.append(f"[{split_label(split)}]")
@@ -242,7 +244,8 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
     split where P does not divide L (``knobs["shard_layers"]``)."""
     split, flags = weight_passing_split(L, P, False)
     layers = {"shard_layers": split, "split_flags": flags} if split else {}
-    add("weipipe", **layers)
+    for zero_bubble in (0, 1, 2):       # --weipipe-zero-bubble
+        add("weipipe", **layers, **({"zero_bubble": zero_bubble} if zero_bubble else {}))
     # TawPipe: c micro-batches per visit cost what a c times larger micro-batch costs, with less memory:
     # micro-batch size 1 only.
     if b != 1:

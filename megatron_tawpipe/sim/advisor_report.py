@@ -39,6 +39,7 @@ def command(cfg, model, cluster, global_batch: int):
             comment = cfg.note + "; " + comment
     elif s == "weipipe":
         argv += ["--pipeline-schedule", "weipipe"] + ([] if cfg.recompute else ["--tawpipe-no-recompute"])
+        argv += ["--weipipe-zero-bubble", str(k["zero_bubble"])] if k.get("zero_bubble") else []
         argv += list(k.get("split_flags", []))
     elif s in ("pp-nodes", "1f1b", "interleaved"):
         pp = k["pipeline_size"]
