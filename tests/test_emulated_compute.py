@@ -95,6 +95,10 @@ def test_every_schedule_runs_emulated(schedule, times_file):
         for record in last:
             assert record["inter_group_bytes"] == record["planned_inter_group_bytes"] > 0
             assert record["intra_group_bytes"] == record["planned_intra_group_bytes"]
+            # where the iteration went: the plan, then the optimizer step, within the step's time
+            assert record["plan_seconds"] >= 0.95 * _compute_per_rank(schedule)
+            assert 0.0 < record["optimizer_seconds"] and \
+                record["plan_seconds"] + record["optimizer_seconds"] <= 1.05 * record["elapsed_ms"] / 1000
 
 
 def _collectives_rank(rank, argv):

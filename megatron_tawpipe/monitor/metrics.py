@@ -167,11 +167,12 @@ def max_over_ranks(value):
     return _all_reduce_scalar(value, dist.ReduceOp.MAX)
 
 
-def mean_over_ranks(value: float) -> float:
-    """The mean of ``value`` over all ranks, on every rank (one all-reduce)."""
+def mean_over_ranks(value):
+    """The mean of ``value`` over all ranks, on every rank (one all-reduce); a list: each entry's."""
     import torch.distributed as dist
 
-    return _all_reduce_scalar(value, dist.ReduceOp.SUM) / dist.get_world_size()
+    total, world = _all_reduce_scalar(value, dist.ReduceOp.SUM), dist.get_world_size()
+    return [v / world for v in total] if isinstance(value, (list, tuple)) else total / world
 
 
 def _all_reduce_scalar(value: float, op) -> float:

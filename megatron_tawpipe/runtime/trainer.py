@@ -133,10 +133,13 @@ class WeightPassingTrainer(CheckpointDefaults):
             self.model.executor.start_trace()
         start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
-        busy = self.model.executor.compute_seconds / max(time.perf_counter() - start, 1e-9)
+        plan_s = time.perf_counter() - start
+        busy = self.model.executor.compute_seconds / max(plan_s, 1e-9)
         if self.args.timeline_file:
             self._write_timeline()
+        step_start = time.perf_counter()
         grad_norm, skipped = self._optimizer_step()
+        busy, plan_s, step_s = mean_over_ranks([busy, plan_s, time.perf_counter() - step_start])
         loss_sum, tokens = self._reduce_reports(reports)
         sent = self._reduce_bytes()
         planned = self._planned_bytes.get(self.plan.num_microbatches) or self._planned_bytes.setdefault(
@@ -147,7 +150,10 @@ class WeightPassingTrainer(CheckpointDefaults):
                           extra={"inter_group_bytes": sent["inter"], "intra_group_bytes": sent["intra"],
                                  "planned_inter_group_bytes": planned["inter"],
                                  "planned_intra_group_bytes": planned["intra"],
-                                 "compute_busy_fraction": mean_over_ranks(busy)})
+                                 "compute_busy_fraction": busy,
+                                 # where an iteration's time goes (means over ranks): the plan, then the
+                                 # norm, clipping and optimizer step
+                                 "plan_seconds": plan_s, "optimizer_seconds": step_s})
 
     @torch.no_grad()
     def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
