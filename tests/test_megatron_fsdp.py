@@ -69,3 +69,39 @@ def test_sharding_strategies_without_megatron_fsdp_change_nothing(capsys):
 
     validate_args(parse_args(tiny_args("--outer-dp-sharding-strategy", "optim")), world_size=4)
     assert "--outer-dp-sharding-strategy optim: no effect without --use-megatron-fsdp" in capsys.readouterr().out
+
+
+def _count_outer_collectives(rank, argv):
+    """Train, counting the input bytes of every all-gather and reduce-scatter on the outer (cross-instance)
+    group: ranks {r, r + 2} of 2 instances of 2 ranks."""
+    import torch.distributed as dist
+
+    counted = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+    for name in counted:
+        original = getattr(dist, name)
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            group = kwargs.get("group")
+            if group is not None and sorted(dist.get_process_group_ranks(group)) == [rank % 2, rank % 2 + 2]:
+                tensor = kwargs.get("input_tensor", kwargs.get("input"))
+                counted[_name] += tensor.numel() * tensor.element_size()
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    train_rank(rank, argv)
+    return counted
+
+
+def test_hfsdp_gathers_the_weights_across_instances_twice_per_step():
+    """What the simulator's HFSDP model prices (sim/strategies.simulate_hfsdp): once per step megatron-core
+    reduce-scatters the gradients across instances, and gathers the updated weights across them when the
+    first micro-batch's forward needs them and again in its backward (microbatch_count is still 0 until
+    the root post-backward hook). Per iteration the outer gathers take in more than 1.5 times the one
+    gather a step needs (the reduce-scatter's input is an instance's shard: twice a rank's outer shard);
+    if megatron-core stops repeating the gather, this fails and the model must follow."""
+    iters = 3
+    argv = tiny_args(*SMALL, *HFSDP, train_iters=iters, global_batch=4) + ["--eval-iters", "0"]
+    for counted in run_ranks(_count_outer_collectives, 4, argv):
+        once = counted["reduce_scatter_tensor"] / iters / 2      # a rank's (outer, inner) shard, fp32
+        per_step = (counted["all_gather_into_tensor"] - once) / iters   # less the gather when the model is built
+        assert once > 0 and per_step > 1.5 * once, counted
