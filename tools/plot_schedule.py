@@ -126,7 +126,7 @@ def load_timeline(path: str):
                            num_layers=doc["num_layers"], num_microbatches=doc["num_microbatches"], family="weight",
                            max_weight_buffers=doc["max_weight_buffers"], max_grad_buffers=doc["max_grad_buffers"])
     iteration = max([s.end for s in spans] + [t.end for t in transfers])
-    busy = [sum(s.end - s.start for s in spans if s.rank == r and s.kind in ("F", "B")) for r in range(P)]
+    busy = [sum(s.end - s.start for s in spans if s.rank == r and s.kind in ("F", "B", "Bi", "Bw")) for r in range(P)]
     result = SimpleNamespace(spans=spans, transfers=transfers, iteration_time=iteration,
                              bubble_ratio=1.0 - sum(busy) / (P * iteration), link_bytes={"inter": 0.0, "intra": 0.0})
     return plan, result

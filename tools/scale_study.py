@@ -13,9 +13,9 @@ For every cell the advisor ranks all strategies (``prune="top2"``: winner,
 runner-up, margin and the best configuration pretrain_llama.py can run are exact;
 other strategies' figures are lower bounds of their best; TawPipe's cache as the
 runtime sets it) and the study records the winner, the runner-up (best of
-another strategy), the margin, and the best runnable strategy (HFSDP is
-simulator only; every other strategy, FSDP2 and HSDP with full recompute
-included, runs with pretrain_llama.py).
+another strategy), the margin, and the best runnable strategy (what
+pretrain_llama.py runs: every strategy, FSDP2 and HSDP with full recompute
+included, but HFSDP with tensor parallelism).
 
     python tools/scale_study.py                      # examples/results/scale_study.{json,png}
     python tools/scale_study.py --models 7b --gpus 16 --seq 8192 --out /tmp/s.json
