@@ -44,8 +44,8 @@ def test_inter_node_bytes_match_the_closed_forms():
     flat = simulate_distopt(c, P, D, L, N, instances=1)
     assert flat.options["inter_bytes_per_node"] == pytest.approx((P - 1) / P * (g + w) * psi)
     hf = simulate_hfsdp(c, P, D, L, N)
-    # megatron-core gathers the weights across nodes twice per step (the first micro-batch's backward
-    # again); on gloo its reduce-scatter moves an all-reduce's bytes
+    # megatron-core gathers the weights across nodes twice per step (after the optimizer step and in the
+    # first micro-batch's forward); on gloo its reduce-scatter moves an all-reduce's bytes
     assert hf.options["inter_bytes_per_node"] == pytest.approx((2 * w + g) * psi * (D - 1) / D)
     on_gloo = simulate_hfsdp(replace(c, backend="gloo"), P, D, L, N)
     assert on_gloo.options["inter_bytes_per_node"] == pytest.approx((2 * w + 2 * g) * psi * (D - 1) / D)
@@ -110,8 +110,8 @@ def test_first_gather_and_last_reduce_scatter_buckets_are_exposed():
     # HSDP: the last unit's cross-node all-reduce follows its (exposed) reduce-scatter in the node
     t_ar = ring_time(c.inter, g * psi, D, 2.0)
     assert simulate_hsdp(c, P, D, L, N).options["exposed_comm_s"] == pytest.approx(t_ar / L)
-    # HFSDP: the outer gather's first bucket; in the backward the repeated gathers share the link with the
-    # outer reduce-scatters, whose last bucket follows the last backward
+    # HFSDP: the first bucket of both outer gathers (the optimizer step's for the next iteration and the
+    # first forward's), the outer reduce-scatter's last bucket
     t_rs, t_ag = ring_time(c.inter, g * psi, D), ring_time(c.inter, w * psi, D)
     assert simulate_hfsdp(c, P, D, L, N).options["exposed_comm_s"] == pytest.approx((t_rs + 2 * t_ag) / L)
     # the rule: one bucket when the compute hides the rest, the excess when it does not, all when blocking

@@ -195,9 +195,10 @@ def simulate_hfsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers:
     sharding across nodes (HFSDP): per-micro-batch gathers and reduce-scatters
     inside the node; once per step the gradients are reduce-scattered across nodes
     and the updated weights all-gathered across nodes -- twice, as megatron-core
-    runs it: the first micro-batch's backward gathers them across nodes again
-    (``MegatronFSDP.microbatch_count`` is still 0 until its post-backward hook,
-    megatron_fsdp.py:444/:795 in 0.16.1, the same in 0.17 and later), so
+    runs it: the gather the optimizer step starts for the next iteration
+    (``start_param_sync`` with ``--overlap-param-gather``, megatron_fsdp.py:1120 in
+    0.16.1) and again in the first micro-batch's forward (the outer gather runs
+    whenever ``microbatch_count`` is 0, :444; the same in 0.17 and later), so
     ``(2w + g) Psi (D-1)/D`` bytes per node (the reduce-scatter's share doubled on
     gloo, which moves an all-reduce's bytes for it); memory
     ``Opt/(d D) + (Grad + Weight)/d``."""
@@ -211,9 +212,9 @@ def simulate_hfsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers:
     per_mb = units * per_unit + cost.head_forward + cost.head_backward
     t_rs = ring_time(cost.inter, grad_bytes * psi, D, factor=cost.reduce_scatter_factor)
     t_ag = ring_time(cost.inter, w * psi, D)
-    # per unit: the first unit's outer gather precedes the first forward; in the backward the repeated
-    # gathers and the reduce-scatters share the link, the last unit's reduce-scatter after the last backward
-    shown = exposed(t_rs + t_ag, bwd, units) + exposed(t_ag, fwd, units)
+    # per unit: both outer gathers before and beside the first forward, its first unit's exposed; the last
+    # unit's outer reduce-scatter after the last backward
+    shown = exposed(t_rs, bwd, units) + exposed(2 * t_ag, fwd, units)
     node_bytes = (2 * w + cost.reduce_scatter_factor * grad_bytes) * psi * (D - 1) / D
     iteration = N * per_mb + edges + shown + psi / P * cost.optimizer_time_per_param
     intra = N * units * P * (d - 1) / d * unit_params * (2 * w + cost.reduce_scatter_factor * grad_bytes)
