@@ -382,3 +382,18 @@ def test_equal_memory_results_compare_with_their_own_predictions():
     rows = {r["schedule"]: r for r in compare_with_simulation(result)["rows"]}
     assert rows["distopt"]["predicted"] == 125.0 and rows["tawpipe"]["predicted"] == 100.0
     assert rows["distopt"]["measured_over_predicted"] == pytest.approx(120 / 125)
+
+
+def test_simulator_matrix_replaces_the_rows_it_measures_again():
+    from megatron_tawpipe.bench.matrix import _replace_rows
+
+    previous = {"config": {"micro_batch_sizes": {"hfsdp": 4}},
+                "runs": [{"schedule": "tawpipe", "repetition": 0}, {"schedule": "hfsdp", "repetition": 0}],
+                "summary": [{"schedule": "tawpipe", "tokens_per_sec_per_rank": 1.0},
+                            {"schedule": "hfsdp", "tokens_per_sec_per_rank": 2.0}]}
+    new = {"runs": [{"schedule": "hfsdp", "repetition": 0}, {"schedule": "hfsdp", "repetition": 1}],
+           "summary": [{"schedule": "hfsdp", "tokens_per_sec_per_rank": 3.0}]}
+    out = _replace_rows(previous, new, ["hfsdp"])
+    assert [r["schedule"] for r in out["runs"]] == ["tawpipe", "hfsdp", "hfsdp"]
+    assert [(r["schedule"], r["tokens_per_sec_per_rank"]) for r in out["summary"]] == [("tawpipe", 1.0), ("hfsdp", 3.0)]
+    assert set(out["remeasured"]) == {"hfsdp"} and out["config"] == previous["config"]

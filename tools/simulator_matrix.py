@@ -34,6 +34,9 @@ def main(argv=None) -> int:
     p.add_argument("--equal-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="measure: each strategy at its own micro-batch size under TawPipe's activation memory "
                    "(tools/benchmark.py --equal-memory); --no-equal-memory runs every strategy at 1")
+    p.add_argument("--remeasure", default=None, metavar="S,S",
+                   help="measure: these strategies again in every measured configuration (at the micro-batch sizes "
+                        "its results chose) and replace their rows")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                    help="the simulator's collectives: as gloo runs them on CPU (the emulated runs), or NCCL on GPUs")
     p.add_argument("--json", default=None, help="report: write the comparison here")
@@ -53,10 +56,11 @@ def main(argv=None) -> int:
         outdir = os.path.join(args.out, c.name)
         os.makedirs(outdir, exist_ok=True)
         results = os.path.join(outdir, "results.json")
-        if args.stage in ("measure", "all") and not os.path.exists(results):
-            print(f"== {c.name}", flush=True)
+        if args.stage in ("measure", "all") and (not os.path.exists(results) or args.remeasure):
+            only = [s.strip() for s in (args.remeasure or "").split(",") if s.strip()] if os.path.exists(results) else []
+            print(f"== {c.name}" + (f" (again: {', '.join(only)})" if only else ""), flush=True)
             measure(c, outdir, args.repetitions, args.train_iters, progress=lambda line: print(line, flush=True),
-                    burst=args.burst, equal_memory=args.equal_memory)
+                    burst=args.burst, equal_memory=args.equal_memory, only=only)
         if args.stage in ("simulate", "all"):
             simulate(c, outdir, args.backend)
         if args.stage in ("report", "all"):

@@ -34,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -118,21 +119,46 @@ def calibrate(c: MatrixConfig, path: str) -> None:
 
 
 def measure(c: MatrixConfig, outdir: str, repetitions: int, train_iters: int,
-            progress=print, burst: Optional[str] = None, equal_memory: bool = True) -> dict:
+            progress=print, burst: Optional[str] = None, equal_memory: bool = True,
+            only: Sequence[str] = ()) -> dict:
+    """Measure the configuration into ``OUTDIR/results.json``; with ``only``, measure those strategies again
+    at the micro-batch sizes the existing results chose for them and replace their runs and rows."""
     times = os.path.join(outdir, "times.json")
-    calibrate(c, times)
-    config = BenchmarkConfig(schedules=c.schedules(), ranks=RANKS, repetitions=repetitions,
+    path = os.path.join(outdir, "results.json")
+    previous = None
+    if only:
+        with open(path, encoding="utf-8") as f:
+            previous = json.load(f)
+    else:
+        calibrate(c, times)
+    sizes = ran_sizes(c, previous) if previous else {}
+    config = BenchmarkConfig(schedules=list(only) or c.schedules(), ranks=RANKS, repetitions=repetitions,
                              train_iters=train_iters, warmup_iters=1, model_args=model_flags(c),
                              outdir=os.path.join(outdir, "runs"), cluster=(NODES, RANKS // NODES, c.rate),
                              recompute=False, emulated_compute_times=times,
                              tawpipe_microbatches_per_visit=c.visit, ddp_bucket_size=1_000_000, burst=burst,
-                             equal_memory=equal_memory)
+                             equal_memory=equal_memory and not only,
+                             micro_batch_sizes={s: sizes[s] for s in only if s in sizes})
     result = run_benchmark(config, progress=progress)
+    if previous is not None:
+        result = _replace_rows(previous, result, only)
     result["matrix_config"] = asdict(c)
     result["burst"] = burst
-    with open(os.path.join(outdir, "results.json"), "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def _replace_rows(previous: dict, new: dict, schedules: Sequence[str]) -> dict:
+    """``previous`` with the runs and summary rows of ``schedules`` taken from ``new`` (and when)."""
+    out = dict(previous)
+    out["runs"] = [r for r in previous["runs"] if r["schedule"] not in schedules] + new["runs"]
+    rows = {r["schedule"]: r for r in previous["summary"]}
+    rows.update({r["schedule"]: r for r in new["summary"]})
+    out["summary"] = [rows[s] for s in dict.fromkeys([r["schedule"] for r in previous["summary"]] +
+                                                     [r["schedule"] for r in new["summary"]])]
+    out["remeasured"] = dict(previous.get("remeasured") or {}, **{s: time.strftime("%Y-%m-%d") for s in schedules})
+    return out
 
 
 def simulate_command(c: MatrixConfig, times: str, backend: str = "gloo", schedules: Optional[Sequence[str]] = None,
