@@ -20,6 +20,13 @@ gradient when it passes by.  A copy is sent on only while some later holder
 needs it before it next passes its owner; the owner never receives its own
 shard (it loads from its master instead).  Both rules are derived per turn
 from the schedule, which is what makes the plan right for every P.
+
+Zero-bubble variants (``zero_bubble``, interleaved only): every backward is split into its input-gradient
+pass (``BackwardInput``, right after the turn's forward; nothing on the ring waits for it) and its
+weight-gradient pass (``BackwardWeight``, the only user of the travelling gradient, waited for just
+before it). WZB1 runs the weight-gradient pass in the turn of its input gradient; WZB2 one round (P
+turns) later, when the rank holds the same shard's gradient again, so the ring moves the same bytes for
+one more round of turns at the end.
 """
 
 from __future__ import annotations
