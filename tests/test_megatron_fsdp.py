@@ -92,16 +92,26 @@ def _count_outer_collectives(rank, argv):
     return counted
 
 
-def test_hfsdp_gathers_the_weights_across_instances_twice_per_step():
+def test_hfsdp_gathers_the_weights_across_instances_twice_per_step(tmp_path):
     """What the simulator's HFSDP model prices (sim/strategies.simulate_hfsdp): once per step megatron-core
-    reduce-scatters the gradients across instances, and gathers the updated weights across them when the
-    first micro-batch's forward needs them and again in its backward (microbatch_count is still 0 until
-    the root post-backward hook). Per iteration the outer gathers take in more than 1.5 times the one
-    gather a step needs (the reduce-scatter's input is an instance's shard: twice a rank's outer shard);
-    if megatron-core stops repeating the gather, this fails and the model must follow."""
+    reduce-scatters the gradients across instances, and gathers the updated weights across them twice: the
+    gather the optimizer step starts for the next iteration (start_param_sync, --overlap-param-gather) and
+    again in the first micro-batch's forward (the outer gather runs whenever microbatch_count is 0). Per
+    iteration the outer gathers take in more than 1.5 times the one gather a step needs (the reduce-scatter's
+    input is an instance's shard: twice a rank's outer shard); if megatron-core stops repeating it, this
+    fails and the model must follow. 4 micro-batches per rank: emulated compute sends exactly what real
+    compute does (its modules run as modules, so Megatron-FSDP's end-of-backward hook fires)."""
+    import json
+
     iters = 3
-    argv = tiny_args(*SMALL, *HFSDP, train_iters=iters, global_batch=4) + ["--eval-iters", "0"]
-    for counted in run_ranks(_count_outer_collectives, 4, argv):
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"layer_forward": 0.002, "layer_backward": 0.004, "layer_recompute": 0.002,
+                                 "head_forward": 0.001, "head_backward": 0.002}))
+    argv = tiny_args(*SMALL, *HFSDP, train_iters=iters, global_batch=16) + ["--eval-iters", "0"]
+    real = run_ranks(_count_outer_collectives, 4, argv)
+    emulated = run_ranks(_count_outer_collectives, 4, argv + ["--emulated-compute-times", str(times)])
+    assert emulated == real
+    for counted in real:
         once = counted["reduce_scatter_tensor"] / iters / 2      # a rank's (outer, inner) shard, fp32
         per_step = (counted["all_gather_into_tensor"] - once) / iters   # less the gather when the model is built
         assert once > 0 and per_step > 1.5 * once, counted

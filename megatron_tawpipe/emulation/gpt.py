@@ -4,8 +4,12 @@
 :class:`EmulatedTransformerLayer` (same submodules, so every parameter keeps its size and its DDP/FSDP
 hooks), and :class:`EmulatedGPTModel` replaces the model's forward by sleeps: its input is the embedding
 output on the first stage and the received activation elsewhere, its output a hidden state of the real shape
-``[s, b, h]`` or, on the last stage, per-token losses ``[b, s]``. Layers run as modules, so FSDP all-gathers
-each layer's weights as usual.
+``[s, b, h]`` or, on the last stage, per-token losses ``[b, s]``. Every module with parameters runs as a
+module, as in the real model -- the embedding, each layer, the final norm and the output layer (the last two
+sleep the output layer's calibrated times, the embedding none: as the weight-passing emulation) -- so the
+hooks a data-parallel library
+puts on them fire as they would: Megatron-FSDP, for one, notices the end of a micro-batch's backward through
+a hook on the output layer, and without it reduces and gathers across instances every micro-batch.
 """
 
 from __future__ import annotations
@@ -38,24 +42,45 @@ class EmulatedGPTModel(GPTModel):
     def __init__(self, *args, emulated_compute=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.emulated_compute = emulated_compute
+        if self.pre_process:
+            embedding = self.embedding
+
+            def embed(input_ids, position_ids, *args, **kwargs):
+                batch, seq = input_ids.shape
+                shape = (seq, batch, self.config.hidden_size)
+                params = list(embedding.parameters())
+                return emulated_compute.block(params[0].new_empty(shape), shape, 0.0, 0.0, params)
+
+            embedding.forward = embed
+        if self.post_process:
+            times = emulated_compute.times
+            if self.decoder.final_layernorm is not None:
+                _emulate(self.decoder.final_layernorm, emulated_compute, 0.0, 0.0, lambda x: x.shape)
+            # the output layer's logits and the loss, slept: per-token losses [b, s] from [s, b, h]
+            _emulate(self.output_layer, emulated_compute, times.head_forward, times.head_backward,
+                     lambda x: (x.shape[1], x.shape[0]))
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, **_):
-        compute = self.emulated_compute
-        batch, seq = input_ids.shape
-        hidden_shape = (seq, batch, self.config.hidden_size)
         if self.pre_process:
-            embedding = list(self.embedding.parameters())
-            hidden = compute.block(embedding[0].new_empty(hidden_shape), hidden_shape, 0.0, 0.0, embedding)
+            hidden = self.embedding(input_ids=input_ids, position_ids=position_ids)
         else:
             hidden = self.decoder.input_tensor
         for layer in self.decoder.layers:
             hidden = layer(hidden)
         if not self.post_process:
             return hidden
-        head = list(self.decoder.final_layernorm.parameters()) if self.decoder.final_layernorm is not None else []
-        head += list(self.output_layer.parameters())
-        per_token = compute.block(hidden, (batch, seq), compute.times.head_forward, compute.times.head_backward, head)
-        return per_token.float()
+        if self.decoder.final_layernorm is not None:
+            hidden = self.decoder.final_layernorm(hidden)
+        return self.output_layer(hidden).float()
+
+
+def _emulate(module, compute, forward_s: float, backward_s: float, out_shape) -> None:
+    """Make ``module`` (called as a module, so its hooks fire) sleep ``forward_s`` / ``backward_s`` on its own
+    parameters as registered when it runs, returning a tensor of ``out_shape(input)``."""
+    def forward(x, *args, **kwargs):
+        return compute.block(x, tuple(out_shape(x)), forward_s, backward_s, list(module.parameters()))
+
+    module.forward = forward
 
 
 def emulated_layer_spec(layer_spec, compute):
