@@ -264,3 +264,34 @@ def test_emulated_compute_scales_with_micro_batch_size(tmp_path):
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps(TIMES))
     assert load_compute_times(str(plain), micro_batch_size=4, seq_length=64).layer_forward == TIMES["layer_forward"]
+
+
+def _count_collectives(rank, argv):
+    """Train, counting calls and input bytes of megatron DDP's bucket all-gathers and reduce-scatters
+    (the functions megatron-core's param_and_grad_buffer bound when it was imported)."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    counted = {}
+    for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+        original = getattr(buffers, name)
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            tensor = args[1] if len(args) > 1 else next(iter(kwargs.values()))
+            calls, nbytes = counted.get(_name, (0, 0))
+            counted[_name] = (calls + 1, nbytes + tensor.numel() * tensor.element_size())
+            return _original(*args, **kwargs)
+
+        setattr(buffers, name, wrapper)
+    train_rank(rank, argv)
+    return counted
+
+
+def test_emulated_distributed_optimizer_gathers_its_parameters_as_real_compute_does(times_file):
+    """megatron's DDP dispatches each parameter all-gather bucket from a module's forward pre-hook: emulated
+    layers run their submodules as modules, so the distributed optimizer gathers exactly what it gathers
+    with real compute (it gathered nothing when only the layers ran)."""
+    argv = tiny_args("--num-layers", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                     "--overlap-param-gather", "--ddp-bucket-size", "20000", train_iters=2, global_batch=16)
+    real = run_ranks(_count_collectives, 4, argv)
+    emulated = run_ranks(_count_collectives, 4, argv + ["--emulated-compute-times", times_file])
+    assert emulated == real and real[0]["dist_all_gather_func"][0] > 0

@@ -21,19 +21,28 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 class EmulatedTransformerLayer(TransformerLayer):
-    """A decoder layer whose forward and backward sleep the calibrated times of one layer."""
+    """A decoder layer whose forward and backward sleep the calibrated times of one layer.
+
+    Its submodules with parameters (norms, linear layers) still run, in their order, as modules that take
+    no time and hand back a zero gradient of their parameters' size: megatron's DDP dispatches the next
+    parameter all-gather bucket from each module's forward pre-hook, and a module that never runs would
+    stop that chain."""
 
     def __init__(self, *args, emulated_compute=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.emulated_compute = emulated_compute
+        self._parts = [m for m in self.modules() if m is not self and next(m.parameters(recurse=False), None) is not None]
+        for module in self._parts:
+            _emulate(module, emulated_compute, 0.0, 0.0, lambda x: x.shape)
 
     def forward(self, hidden_states, *args, **kwargs):
-        # The layer's parameters as registered now: FSDP2 swaps in the gathered (unsharded)
-        # parameters for the forward, and only gradients on those are reduced.
         compute = self.emulated_compute
         times = compute.times
-        return compute.block(hidden_states, hidden_states.shape, times.layer_forward,
-                             times.backward_s(1, False, compute.recompute), list(self.parameters()))
+        hidden = hidden_states
+        for module in self._parts:   # each on its parameters as registered when it runs (FSDP: the gathered)
+            hidden = module(hidden)
+        return compute.block(hidden, hidden.shape, times.layer_forward, times.backward_s(1, False, compute.recompute),
+                             [p for p in self.parameters(recurse=False)])
 
 
 class EmulatedGPTModel(GPTModel):
@@ -78,6 +87,8 @@ def _emulate(module, compute, forward_s: float, backward_s: float, out_shape) ->
     """Make ``module`` (called as a module, so its hooks fire) sleep ``forward_s`` / ``backward_s`` on its own
     parameters as registered when it runs, returning a tensor of ``out_shape(input)``."""
     def forward(x, *args, **kwargs):
+        if isinstance(x, tuple):   # a part handed (output, bias)
+            x = x[0]
         return compute.block(x, tuple(out_shape(x)), forward_s, backward_s, list(module.parameters()))
 
     module.forward = forward
