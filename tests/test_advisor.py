@@ -49,6 +49,8 @@ def test_inter_node_bytes_match_the_closed_forms():
     assert hf.options["inter_bytes_per_node"] == pytest.approx((2 * w + g) * psi * (D - 1) / D)
     on_gloo = simulate_hfsdp(replace(c, backend="gloo"), P, D, L, N)
     assert on_gloo.options["inter_bytes_per_node"] == pytest.approx((2 * w + 2 * g) * psi * (D - 1) / D)
+    flat_gloo = simulate_distopt(replace(c, backend="gloo"), P, D, L, N, instances=1)
+    assert flat_gloo.options["inter_bytes_per_node"] == pytest.approx((P - 1) / P * (2 * g + w) * psi)
     for r in (hsdp, node, flat, hf):          # cluster totals, once per iteration
         assert r.link_bytes["inter"] == pytest.approx(D * r.options["inter_bytes_per_node"])
     # independent of the number of micro-batches (HSDP's per-micro-batch traffic stays in the node)
@@ -166,10 +168,12 @@ def test_gloo_backend_blocks_fsdp_and_partial_dp_but_not_one_instance():
     t_ar = 2 * (D - 1) / D * 4 * total_params(gloo, L) / gloo.inter.bandwidth + 2 * (D - 1) * gloo.inter.latency
     assert h.options["exposed_comm_s"] == pytest.approx(t_ar)
     assert h.iteration_time > simulate_hsdp(nccl, P, D, L, N).iteration_time
-    # The distributed optimizer: one instance's reductions are asynchronous gloo work (unchanged);
-    # one instance per node reduces synchronously.
-    assert simulate_distopt(gloo, P, D, L, N, instances=1).iteration_time == pytest.approx(
-        simulate_distopt(nccl, P, D, L, N, instances=1).iteration_time)
+    # The distributed optimizer: one instance's reductions are asynchronous gloo work, each moving an
+    # all-reduce's bytes; one instance per node reduces synchronously.
+    flat, flat_nccl = (simulate_distopt(c, P, D, L, N, instances=1) for c in (gloo, nccl))
+    assert flat.iteration_time > flat_nccl.iteration_time
+    assert flat.link_bytes["inter"] == pytest.approx(
+        flat_nccl.link_bytes["inter"] * (2 * 4 + gloo.dtype_bytes) / (4 + gloo.dtype_bytes))
     assert simulate_distopt(gloo, P, D, L, N, instances=D).options["exposed_comm_s"] > \
         simulate_distopt(nccl, P, D, L, N, instances=D).options["exposed_comm_s"]
     # Plan-based schedules are executed by this project's runtime: the backend changes nothing.

@@ -152,7 +152,8 @@ def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layer
     reduce-scattered inside the node, each shard all-reduced across instances,
     ``2 g Psi (D-1)/D`` bytes per node; parameters are all-gathered inside the
     node.  ``instances = 1`` (``distopt``): reduce-scatter of gradients and
-    all-gather of parameters over all P ranks, ``(P-1)/P (g+w) Psi`` per node."""
+    all-gather of parameters over all P ranks, ``(P-1)/P (g+w) Psi`` per node. A
+    reduce-scatter on gloo moves an all-reduce's bytes (``reduce_scatter_factor``)."""
     P, D, N, L = num_ranks, num_groups, num_microbatches, num_layers
     d = P // D
     w = cost.dtype_bytes
@@ -161,17 +162,19 @@ def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layer
     fwd, bwd = per_microbatch(cost, L)
     if instances == 1:
         link = cost.inter if D > 1 else cost.intra
-        t_rs, t_ag = ring_time(link, grad_bytes * psi, P), ring_time(link, w * psi, P)
-        node_bytes = (P - 1) / P * (grad_bytes + w) * psi if D > 1 else 0.0
-        intra = (P - (D if D > 1 else 0)) * (P - 1) / P * (grad_bytes + w) * psi
+        rsf = cost.reduce_scatter_factor
+        t_rs, t_ag = ring_time(link, grad_bytes * psi, P, factor=rsf), ring_time(link, w * psi, P)
+        node_bytes = (P - 1) / P * (rsf * grad_bytes + w) * psi if D > 1 else 0.0
+        intra = (P - (D if D > 1 else 0)) * (P - 1) / P * (rsf * grad_bytes + w) * psi
         name = "distopt"
     else:
         if instances != D:
             raise ValueError("distopt-node needs one instance per node (instances = num_groups)")
-        t_rs = ring_time(cost.intra, grad_bytes * psi, d) + ring_time(cost.inter, grad_bytes * psi, D, 2.0)
+        t_rs = ring_time(cost.intra, grad_bytes * psi, d, factor=cost.reduce_scatter_factor) + \
+            ring_time(cost.inter, grad_bytes * psi, D, 2.0)
         t_ag = ring_time(cost.intra, w * psi, d)
         node_bytes = 2 * grad_bytes * psi * (D - 1) / D
-        intra = P * (d - 1) / d * (grad_bytes + w) * psi
+        intra = P * (d - 1) / d * (cost.reduce_scatter_factor * grad_bytes + w) * psi
         name = "distopt-node"
     # Buckets of a layer: the last reduce-scatter follows the last backward, the first gather precedes
     # the first forward. More than one instance reduces each bucket synchronously, relying on a side
