@@ -42,21 +42,15 @@ def _one(args):
     return P, run_sweep([P], microbatches, full, splits=splits, report=report, schedules=schedules)
 
 
-def _schedules(text: str):
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [x for x in names if x not in SWEPT]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--schedules takes a comma-separated list of {', '.join(SWEPT)}; "
-                                         f"got {text!r}")
-    return names
-
-
-def _splits(text: str):
-    splits = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [x for x in splits if x not in SPLITS]
-    if unknown or not splits:
-        raise argparse.ArgumentTypeError(f"--splits takes a comma-separated list of {', '.join(SPLITS)}; got {text!r}")
-    return splits
+def _names(flag: str, known):
+    """An argparse type: a comma-separated list of names from ``known`` (``flag`` names it in the error)."""
+    def parse(text: str):
+        names = tuple(x.strip() for x in text.split(",") if x.strip())
+        if not names or any(x not in known for x in names):
+            raise argparse.ArgumentTypeError(f"{flag} takes a comma-separated list of {', '.join(known)}; "
+                                             f"got {text!r}")
+        return names
+    return parse
 
 
 def write_plans(path: str, ranks, microbatches, full_product_max_ranks: int, splits=SPLITS, schedules=None) -> int:
@@ -78,10 +72,10 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", type=_range, default=_range("1-6"), help="N range (default 1-6)")
     p.add_argument("--full-product-max-ranks", type=int, default=8,
                    help="check TawPipe's whole option product up to this P (default 8)")
-    p.add_argument("--splits", type=_splits, default=SPLITS,
+    p.add_argument("--splits", type=_names("--splits", SPLITS), default=SPLITS,
                    help="shard splits: even (every shard the same number of layers), uneven (half of them one "
                         "layer more); default: both")
-    p.add_argument("--schedules", type=_schedules, default=None,
+    p.add_argument("--schedules", type=_names("--schedules", SWEPT), default=None,
                    help=f"only these planners (comma-separated; default all: {', '.join(SWEPT)})")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     p.add_argument("--json", metavar="PATH", help="also write the counts and failures as JSON")

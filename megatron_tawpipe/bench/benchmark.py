@@ -127,7 +127,7 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         common += ["--num-layers", str(layers)]
     if config.emulated_compute_times:
         common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
-    if schedule in ("tawpipe", "weipipe", "tawpipe-tp", "tawpipe-rep", "weipipe-zb1", "weipipe-zb2"):
+    if schedule.startswith(("tawpipe", "weipipe")):
         extra = [] if config.recompute else ["--tawpipe-no-recompute"]
         if schedule.startswith("weipipe-zb"):
             extra += ["--weipipe-zero-bubble", schedule[-1]]

@@ -100,7 +100,8 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
     return cmd
 
 
-def _simulate(cmd: List[str]) -> List[dict]:
+def run_simulator(cmd: List[str]) -> List[dict]:
+    """``tools/simulate.py --json`` (``cmd``: its path and arguments) from the repository root: its rows."""
     done = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise BenchmarkError(f"the simulator failed ({' '.join(cmd)}): {done.stderr.strip()[-2000:]}")
@@ -108,7 +109,7 @@ def _simulate(cmd: List[str]) -> List[dict]:
 
 
 def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
-                             simulate: Callable[[List[str]], List[dict]] = _simulate) -> dict:
+                             simulate: Callable[[List[str]], List[dict]] = run_simulator) -> dict:
     """Each strategy's micro-batch size at equal activation memory (see the module's text).
 
     Returns ``{"budget_bytes", "budget_from", "candidates", "choices": {strategy: {"micro_batch_size",

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS, TOOL_FLAGS, llama_ffn_hidden_size
 from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkConfig, run_benchmark
-from megatron_tawpipe.bench.equal_memory import INTRA_BW, simulator_rate
+from megatron_tawpipe.bench.equal_memory import INTRA_BW, run_simulator, simulator_rate
 from megatron_tawpipe.bench.stages import interleaved_virtual_stages
 from megatron_tawpipe.common.layer_split import default_layer_split
 from megatron_tawpipe.common.atomic import atomic_write
@@ -193,8 +193,7 @@ def simulate(c: MatrixConfig, outdir: str, backend: str = "gloo") -> list:
     rows = []
     for m, schedules in sorted(by_size.items()):
         cmd = simulate_command(c, os.path.join(outdir, "times.json"), backend, schedules, m)
-        done = subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True, capture_output=True, text=True)
-        rows += [dict(row, micro_batch_size=m) for row in json.loads(done.stdout)]
+        rows += [dict(row, micro_batch_size=m) for row in run_simulator(cmd)]
     order = {s: i for i, s in enumerate(c.schedules())}
     rows.sort(key=lambda r: order.get(r["schedule"], len(order)))
     with atomic_write(os.path.join(outdir, "simulated.json")) as f:

@@ -7,8 +7,7 @@ output on the first stage and the received activation elsewhere, its output a hi
 ``[s, b, h]`` or, on the last stage, per-token losses ``[b, s]``. Every module with parameters runs as a
 module, as in the real model -- the embedding, each layer, the final norm and the output layer (the last two
 sleep the output layer's calibrated times, the embedding none: as the weight-passing emulation) -- so the
-hooks a data-parallel library
-puts on them fire as they would: Megatron-FSDP, for one, notices the end of a micro-batch's backward through
+hooks a data-parallel library puts on them fire as they would: Megatron-FSDP, for one, notices the end of a micro-batch's backward through
 a hook on the output layer, and without it reduces and gathers across instances every micro-batch.
 """
 
@@ -42,7 +41,7 @@ class EmulatedTransformerLayer(TransformerLayer):
         for module in self._parts:   # each on its parameters as registered when it runs (FSDP: the gathered)
             hidden = module(hidden)
         return compute.block(hidden, hidden.shape, times.layer_forward, times.backward_s(1, False, compute.recompute),
-                             [p for p in self.parameters(recurse=False)])
+                             list(self.parameters(recurse=False)))
 
 
 class EmulatedGPTModel(GPTModel):

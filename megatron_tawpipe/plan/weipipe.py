@@ -46,16 +46,16 @@ def _rank_turns(P: int, N: int, interleave: bool, zero_bubble: int = 0):
     gradient where the backward is split) and the weight-gradient pass of the turn (the backward's own
     where it is not split; WZB2: the backward of the same position one round earlier)."""
     work: Dict[Tuple[int, int], Tuple[Optional[tuple], Optional[tuple], Optional[tuple]]] = {}
+    lag = 2 if zero_bubble == 2 else 1    # rounds from a forward round to its weight-gradient passes
+    rounds = (N + 1 if interleave else 2 * N) + lag - 1
     for r in range(P):
         offset = (P - r) % P
-        rounds = (N + 1 if interleave else 2 * N) + (1 if zero_bubble == 2 else 0)
         for k in range(rounds):
             for i in range(P):
                 t = offset + k * P + i
                 if interleave:
                     f = (k, i) if k < N else None
                     b = (k - 1, P - 1 - i) if 1 <= k <= N else None
-                    lag = 2 if zero_bubble == 2 else 1
                     w = (k - lag, P - 1 - i) if lag <= k <= N - 1 + lag else None
                 else:
                     f = (k // 2, i) if k % 2 == 0 else None
