@@ -10,5 +10,5 @@ MODEL=("${LLAMA_FLAGS[@]}" --num-layers 8 --hidden-size 256 --ffn-hidden-size 70
 calibrate_times() {
   python tools/calibrate.py --output "$1" --from-cost-model --peak-tflops "$PEAK" --efficiency 1 \
       "${LLAMA_FLAGS[@]}" --ffn-hidden-size 704 --hidden-size 256 --num-attention-heads 4 --seq-length 3072 \
-      --micro-batch-size 1 --vocab-size 2048 --num-layers 8
+      --micro-batch-size 1 --vocab-size 2048 --num-layers 8 "${@:2}"
 }

@@ -295,3 +295,35 @@ def test_emulated_distributed_optimizer_gathers_its_parameters_as_real_compute_d
     real = run_ranks(_count_collectives, 4, argv)
     emulated = run_ranks(_count_collectives, 4, argv + ["--emulated-compute-times", times_file])
     assert emulated == real and real[0]["dist_all_gather_func"][0] > 0
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_emulated_split_backward_sleeps_where_the_weight_gradient_kernels_run(deferred):
+    """A split backward's input pass sleeps the whole backward and its weight pass nothing, as the runtime
+    computes both gradients in the input pass; with --emulated-deferred-weight-gradients the weight pass
+    sleeps the weight-gradient half (as the simulator's cost model prices the two cases)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_tawpipe.emulation.compute import EmulatedCompute
+    from megatron_tawpipe.plan import build_plan
+    from megatron_tawpipe.sim.costmodel import CostModel
+
+    plan = build_plan("weipipe-zb1", num_ranks=2, num_layers=4, num_microbatches=1)
+    times = ComputeTimes(**{k: v for k, v in TIMES.items() if k != "comment"})
+    clock = EmulatedCompute(times, recompute=False, deferred_weight_gradients=deferred)
+    model = SimpleNamespace(plan=plan, tensor_parallel_size=1, recompute=False,
+                            replicated_grads=lambda part: [torch.zeros(3)], microbatches=None)
+    compute = clock.shard_compute(model)
+    compute.backward_input(0, 1, torch.zeros(4))
+    after_input = clock.take_slept_s()
+    compute.backward_weight(0, 1, torch.zeros(4), torch.zeros(4))
+    after_weight = clock.take_slept_s()
+    whole = 2 * TIMES["layer_backward"] + TIMES["head_backward"]    # shard 1: two layers and the head
+    half = TIMES["layer_backward"] if deferred else 0.0       # half of its layers' backward
+    assert after_input == pytest.approx(whole - half) and after_weight == pytest.approx(half)
+    cost = CostModel(layer_forward=TIMES["layer_forward"], layer_backward=TIMES["layer_backward"],
+                     head_backward=TIMES["head_backward"], deferred_weight_gradients=deferred)
+    assert cost.backward_input_time(plan, 1) + cost.backward_weight_time(plan, 1) == pytest.approx(whole)
+    assert cost.backward_weight_time(plan, 1) == pytest.approx(TIMES["layer_backward"] if deferred else 0.0)

@@ -59,17 +59,35 @@ def test_weipipe_zero_bubble_closed_form(P, N):
     passes trail by a round, 1, 2 or 3 (N = 1, 2, 3+). Zero-bubble gains are the small-N ones here;
     WZB1's are in the gradient's arrival, which free communication does not show."""
     peaks = {"weipipe": min(3, N + 1), "weipipe-zb1": min(3, N + 1), "weipipe-zb2": min(3, N)}
+    deferred = replace(FREE, deferred_weight_gradients=True)
     for schedule, peak in peaks.items():
-        r = simulate(build_plan(schedule, num_ranks=P, num_microbatches=N), FREE)
+        r = simulate(build_plan(schedule, num_ranks=P, num_microbatches=N), deferred)
         assert r.iteration_time == pytest.approx(3 * N * P + (P - 1) * peak), schedule
+
+
+@pytest.mark.parametrize("P", [3, 4, 8])
+@pytest.mark.parametrize("N", [1, 2, 3])
+def test_weipipe_zero_bubble_as_the_runtime_computes_it(P, N):
+    """Without deferred weight-gradient kernels (the runtime's compute: the input pass is the whole
+    backward, the weight pass adds held gradients) WZB1 takes WeiPipe's time on free communication and
+    WZB2 no more; the backward's time is the same, all of it in the input pass."""
+    t = {s: simulate(build_plan(s, num_ranks=P, num_microbatches=N), FREE) for s in
+         ("weipipe", "weipipe-zb1", "weipipe-zb2")}
+    assert t["weipipe-zb1"].iteration_time == pytest.approx(t["weipipe"].iteration_time)
+    assert t["weipipe-zb2"].iteration_time <= t["weipipe"].iteration_time + 1e-9
+    spans = [sp for sp in t["weipipe-zb1"].spans if sp.kind in ("Bi", "Bw")]
+    assert {sp.end - sp.start for sp in spans if sp.kind == "Bi"} == {2.0}     # the whole backward
+    assert all(sp.end - sp.start == 0.0 for sp in spans if sp.kind == "Bw") or \
+        not any(sp.kind == "Bw" for sp in spans)
 
 
 def test_weipipe_zero_bubble_trades_memory_for_idle():
     """On the FLOP model with real communication: WZB1 idles less than WeiPipe, keeping one shard's
     matmul-output gradients between its two backward passes; WZB2 less again, holding one more round of
     stored activations (N >= 2) and a round of those gradients."""
-    cost = CostModel.from_flops(hidden_size=1024, seq_length=8192, micro_batch_size=1, num_attention_heads=8,
-                                vocab_size=32000, recompute=False, dtype_bytes=2)
+    built = CostModel.from_flops(hidden_size=1024, seq_length=8192, micro_batch_size=1, num_attention_heads=8,
+                                 vocab_size=32000, recompute=False, dtype_bytes=2)
+    cost = replace(built, deferred_weight_gradients=True)
     for P, N in ((3, 2), (4, 2), (4, 4)):
         rows = {s: simulate(build_plan(s, num_ranks=P, num_layers=2 * P, num_microbatches=N), cost, record=False)
                 for s in ("weipipe", "weipipe-zb1", "weipipe-zb2")}
@@ -79,6 +97,12 @@ def test_weipipe_zero_bubble_trades_memory_for_idle():
         grads = 2 * cost.layer_output_grad_bytes     # one shard's (two layers) between its B and W
         assert act["weipipe-zb1"] == pytest.approx(act["weipipe"] + grads), (P, N, act)
         assert act["weipipe-zb2"] > act["weipipe-zb1"] + (P - 1) * grads, (P, N, act)
+        # As the runtime computes them: the input pass frees the activations and holds the shard's weight
+        # gradients (far smaller), and the backward no longer waits for the travelling gradient.
+        rows = {s: simulate(build_plan(s, num_ranks=P, num_layers=2 * P, num_microbatches=N), built, record=False)
+                for s in ("weipipe", "weipipe-zb1")}
+        assert rows["weipipe-zb1"].activation_bytes == pytest.approx(rows["weipipe"].activation_bytes)
+        assert rows["weipipe-zb1"].bubble_ratio < rows["weipipe"].bubble_ratio, (P, N)
 
 
 @pytest.mark.parametrize("schedule,bound", [("tawpipe", 0.10), ("tawpipe-paper", 0.15)])

@@ -87,6 +87,16 @@ def main(argv=None) -> int:
                    help="--tensor-model-parallel-size of the tawpipe-tp runs (default: the ranks per node)")
     p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
                    help="emulated compute for every schedule (see tools/calibrate.py)")
+    p.add_argument("--deferred-weight-gradients", action="store_true",
+                   help="weipipe-zb1/zb2: emulate (--emulated-deferred-weight-gradients) and simulate their split "
+                        "backwards with the weight-gradient kernels deferred to the weight pass, as the plan "
+                        "intends; default: as the runtime computes them, in the input pass")
+    p.add_argument("--record-plan-memory", action="store_true",
+                   help="weight-passing runs: --record-plan-memory (what each plan's compute held; set against the "
+                        "memory model's activations in the comparison)")
+    p.add_argument("--measured-times", default=None, metavar="FILE",
+                   help="the simulator's measured times (and tools/calibrate.py --measure-activations' bytes) for "
+                        "--equal-memory's predictions (default: --emulated-compute-times)")
     p.add_argument("--compare-simulated", default=None, metavar="SIM_JSON",
                    help="with --results: print measured against tools/simulate.py --json output (default for an "
                         "--equal-memory run: the predictions it chose the micro-batch sizes by); run nothing")
@@ -135,9 +145,14 @@ def main(argv=None) -> int:
                              model_args=model_args if model_args is not None else DEFAULT_MODEL,
                              outdir=args.outdir, cluster=cluster, timeout_s=args.timeout,
                              recompute=not args.no_recompute, emulated_compute_times=args.emulated_compute_times,
+                             deferred_weight_gradients=args.deferred_weight_gradients,
+                             record_plan_memory=args.record_plan_memory, measured_times=args.measured_times,
                              tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
                              ddp_bucket_size=args.ddp_bucket_size, tensor_parallel_size=args.tensor_parallel_size,
                              micro_batch_sizes=own_sizes, equal_memory=args.equal_memory, activation_budget=budget)
+    if args.deferred_weight_gradients and not args.emulated_compute_times:
+        p.error("--deferred-weight-gradients needs --emulated-compute-times (the runtime's own compute runs the "
+                "weight-gradient kernels in the input-gradient pass)")
     if args.warmup_iters >= args.train_iters:
         print("benchmark.py: error: --warmup-iters must be smaller than --train-iters", file=sys.stderr)
         return 2

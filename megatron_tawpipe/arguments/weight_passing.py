@@ -64,6 +64,16 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "of the seconds in FILE (tools/calibrate.py writes it; times recorded for another "
                         "--micro-batch-size are scaled to this run's, linearly in its samples); communication "
                         "stays real")
+    g.add_argument("--emulated-deferred-weight-gradients", action="store_true",
+                   help="with --emulated-compute-times and a split backward (--weipipe-zero-bubble): sleep the "
+                        "weight-gradient half of each backward in its weight pass, as a runtime that defers those "
+                        "kernels would; by default the input pass sleeps the whole backward, as the runtime "
+                        "computes both gradients there")
+    g.add_argument("--record-plan-memory", action="store_true",
+                   help="weipipe/tawpipe: after every compute action of the plan note the bytes this process "
+                        "holds (GPU: memory allocated; CPU: what glibc's allocator has handed out) and report the "
+                        "most the plan held beyond its start, over ranks, as plan_memory_growth_bytes_max_rank "
+                        "(activations, held gradients, logits; a few ms per action on a CPU)")
     g.add_argument("--timeline-file", default=None, metavar="FILE",
                    help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
                         "iteration (compute and transfers, wall clock) as JSON; draw it with "

@@ -84,6 +84,9 @@ class BenchmarkConfig:
     timeout_s: Optional[float] = None
     recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
+    deferred_weight_gradients: bool = False  # split backwards emulated (and simulated) with deferred wgrad kernels
+    record_plan_memory: bool = False  # --record-plan-memory on the weight-passing runs
+    measured_times: Optional[str] = None  # the simulator's --measured-times (default: emulated_compute_times)
     tawpipe_microbatches_per_visit: int = 1
     tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
@@ -129,8 +132,12 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
     if schedule.startswith(("tawpipe", "weipipe")):
         extra = [] if config.recompute else ["--tawpipe-no-recompute"]
+        if config.record_plan_memory:
+            extra.append("--record-plan-memory")
         if schedule.startswith("weipipe-zb"):
             extra += ["--weipipe-zero-bubble", schedule[-1]]
+            if config.deferred_weight_gradients:
+                extra.append("--emulated-deferred-weight-gradients")
         if not schedule.startswith("weipipe") and config.tawpipe_microbatches_per_visit != 1:
             extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
         if schedule == "tawpipe-rep":
@@ -216,6 +223,7 @@ def summarize_run(records: List[dict], warmup: int) -> dict:
         "optimizer_seconds": med("optimizer_seconds"),
         "memory_since_model_bytes_max_rank": _max_of(measured, "memory_since_model_bytes_max_rank"),
         "memory_held_since_model_bytes_max_rank": _max_of(measured, "memory_held_since_model_bytes_max_rank"),
+        "plan_memory_growth_bytes_max_rank": _max_of(measured, "plan_memory_growth_bytes_max_rank"),
         "lm_loss": [r.get("lm_loss") for r in records],
     }
 
@@ -378,5 +386,6 @@ def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
             "optimizer_seconds": med("optimizer_seconds"),
             "memory_since_model_bytes_max_rank": med("memory_since_model_bytes_max_rank"),
             "memory_held_since_model_bytes_max_rank": med("memory_held_since_model_bytes_max_rank"),
+            "plan_memory_growth_bytes_max_rank": med("plan_memory_growth_bytes_max_rank"),
         })
     return rows

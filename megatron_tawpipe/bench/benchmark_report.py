@@ -81,9 +81,10 @@ def simulated_rows(result: dict) -> List[dict]:
     for s, c in (selection.get("choices") or {}).items():
         size = ran.get(s, c["micro_batch_size"])
         priced = [c] + list(c.get("tried") or [])
-        speed = next((p["predicted_tokens_per_sec_per_rank"] for p in priced if p["micro_batch_size"] == size), None)
-        if speed:
-            rows.append({"schedule": s, "tokens_per_sec_per_rank": speed})
+        row = next((p for p in priced if p["micro_batch_size"] == size), None)
+        if row and row.get("predicted_tokens_per_sec_per_rank"):
+            rows.append({"schedule": s, "tokens_per_sec_per_rank": row["predicted_tokens_per_sec_per_rank"],
+                         "busy": row.get("predicted_busy"), "activation_bytes": row.get("activation_bytes")})
     return rows
 
 
@@ -98,8 +99,15 @@ def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None
         simulated = simulated_rows(result)
     measured = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in result["summary"]}
     predicted = {row["schedule"]: row["tokens_per_sec_per_rank"] for row in simulated}
+    summary = {row["schedule"]: row for row in result["summary"]}
+    sim = {row["schedule"]: row for row in simulated}
     rows = [{"schedule": s, "measured": measured[s], "predicted": predicted[s],
-             "measured_over_predicted": measured[s] / predicted[s]}
+             "measured_over_predicted": measured[s] / predicted[s],
+             "busy_measured": summary[s].get("compute_busy_fraction"), "busy_predicted": _predicted_busy(sim[s]),
+             # what the plan's compute held beyond its start (--record-plan-memory), against the memory
+             # model's activations and logits
+             "plan_memory_measured": summary[s].get("plan_memory_growth_bytes_max_rank"),
+             "plan_memory_predicted": sim[s].get("activation_bytes")}
             for s in measured if s in predicted]
     ratios = []
     if reference in measured and reference in predicted:
@@ -110,11 +118,30 @@ def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None
     return {"rows": rows, "ratios": ratios}
 
 
+def _predicted_busy(row: dict) -> Optional[float]:
+    if row.get("busy") is not None:
+        return row["busy"]
+    return 1.0 - row["bubble_ratio"] if row.get("bubble_ratio") is not None else None
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _mb(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1e6:.0f} MB"
+
+
 def format_comparison(comparison: dict) -> str:
-    out = [f"{'schedule':<12}  {'measured tok/s/rank':>19}  {'simulated':>9}  {'measured/simulated':>18}"]
+    memory = any(r.get("plan_memory_measured") is not None for r in comparison["rows"])
+    out = [f"{'schedule':<12}  {'measured tok/s/rank':>19}  {'simulated':>9}  {'measured/simulated':>18}  "
+           f"{'busy':>5}  {'simulated':>9}" + (f"  {'plan memory':>11}  {'simulated':>9}" if memory else "")]
     for r in comparison["rows"]:
         out.append(f"{r['schedule']:<12}  {r['measured']:>19.1f}  {r['predicted']:>9.1f}  "
-                   f"{r['measured_over_predicted']:>18.2f}")
+                   f"{r['measured_over_predicted']:>18.2f}  {_pct(r.get('busy_measured')):>5}  "
+                   f"{_pct(r.get('busy_predicted')):>9}" +
+                   (f"  {_mb(r.get('plan_memory_measured')):>11}  {_mb(r.get('plan_memory_predicted')):>9}"
+                    if memory else ""))
     out.append("")
     out.append(f"{'ratio':<20}  {'measured':>8}  {'simulated':>9}  {'deviation':>9}")
     for r in comparison["ratios"]:

@@ -197,6 +197,9 @@ def main(argv=None) -> int:
                         help="use the simulator's FLOP model instead of measuring on this device")
     parser.add_argument("--peak-tflops", type=float, default=None, help="with --from-cost-model")
     parser.add_argument("--efficiency", type=float, default=0.5, help="with --from-cost-model")
+    parser.add_argument("--measure-activations", action="store_true",
+                        help="also measure what one decoder layer keeps for its backward on this device "
+                             "(layer_activation_bytes: the simulator's memory model reads it from the file)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0,
@@ -233,6 +236,18 @@ def main(argv=None) -> int:
         initialize_model_parallel(args)
         try:
             result = measure_compute_times(args, tool.repeats, tool.warmup)
+        finally:
+            destroy()
+    if tool.measure_activations:
+        from megatron_tawpipe.bench.activation_bytes import measure_layer_activation_bytes
+        from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
+
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("RANK", "0")
+        initialize_distributed(args)
+        initialize_model_parallel(args)
+        try:
+            result["layer_activation_bytes"] = measure_layer_activation_bytes(args, current_device())
         finally:
             destroy()
     if tool.scale != 1.0:

@@ -93,8 +93,11 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
         cmd += ["--virtual-stages", str(interleaved_virtual_stages(layers, config.ranks))]
     if not config.recompute:
         cmd.append("--no-recompute")
-    if config.emulated_compute_times:
-        cmd += ["--measured-times", os.path.abspath(config.emulated_compute_times)]
+    if getattr(config, "deferred_weight_gradients", False):
+        cmd.append("--deferred-weight-gradients")
+    times = getattr(config, "measured_times", None) or config.emulated_compute_times
+    if times:
+        cmd += ["--measured-times", os.path.abspath(times)]
     rate = config.cluster[2] if config.cluster is not None else None
     cmd += ["--inter-bw", simulator_rate(rate) if rate else INTRA_BW]
     return cmd
@@ -106,6 +109,11 @@ def run_simulator(cmd: List[str]) -> List[dict]:
     if done.returncode != 0:
         raise BenchmarkError(f"the simulator failed ({' '.join(cmd)}): {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)
+
+
+def _busy(row: dict) -> Optional[float]:
+    """The compute's share of a simulated row's iteration (1 - its bubble ratio), where the row has one."""
+    return 1.0 - float(row["bubble_ratio"]) if row.get("bubble_ratio") is not None else None
 
 
 def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
@@ -138,10 +146,11 @@ def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
             row = predicted[fixed].get(s, {})
             choices[s] = {"micro_batch_size": fixed, "fits": True, "activation_bytes": activation_memory(row) if row
                           else None, "predicted_tokens_per_sec_per_rank": row.get("tokens_per_sec_per_rank"),
-                          "tried": []}
+                          "predicted_busy": _busy(row), "tried": []}
             continue
         tried = [{"micro_batch_size": m, "activation_bytes": activation_memory(predicted[m][s]),
-                  "predicted_tokens_per_sec_per_rank": predicted[m][s]["tokens_per_sec_per_rank"]} for m in sizes]
+                  "predicted_tokens_per_sec_per_rank": predicted[m][s]["tokens_per_sec_per_rank"],
+                  "predicted_busy": _busy(predicted[m][s])} for m in sizes]
         fits = [t for t in tried if t["activation_bytes"] <= budget_bytes * (1 + 1e-9)]
         if fits:
             best_speed = max(t["predicted_tokens_per_sec_per_rank"] for t in fits)

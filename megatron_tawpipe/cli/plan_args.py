@@ -54,6 +54,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--no-recompute", action="store_true", help="keep all activations instead "
                    "of recomputing shards in backward")
     m.add_argument("--dtype-bytes", type=int, default=2, help="compute dtype size (bf16: 2)")
+    m.add_argument("--deferred-weight-gradients", action="store_true",
+                   help="split backwards (weipipe-zb1/zb2) with their weight-gradient kernels deferred to the "
+                        "weight pass, as the plan intends; default: as the runtime runs them, in the input pass "
+                        "(emulated runs: --emulated-deferred-weight-gradients)")
     s = p.add_argument_group("schedule options")
     s.add_argument("--no-overlap", action="store_true", help="tawpipe/weipipe without "
                    "comm/compute overlap")
@@ -84,7 +88,8 @@ def cost_model(args) -> CostModel:
         intra_bw=parse_rate(args.intra_bw), intra_latency=parse_time(args.intra_latency),
         inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
         dtype_bytes=args.dtype_bytes)
-    cost = replace(cost, backend=args.backend)
+    cost = replace(cost, backend=args.backend,
+                   deferred_weight_gradients=bool(getattr(args, "deferred_weight_gradients", False)))
     if args.measured_times:
         cost = cost.with_measured(args.measured_times, micro_batch_size=args.micro_batch_size,
                                   seq_length=args.seq_length)

@@ -36,9 +36,11 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_tawpipe.sim.costmodel import MEASURED_INFO_KEYS as INFO_KEYS
+from megatron_tawpipe.sim.costmodel import MEASURED_INFO_KEYS, MEASURED_MEMORY_KEYS
 from megatron_tawpipe.sim.costmodel import MEASURED_TIME_KEYS as TIME_KEYS
 from megatron_tawpipe.sim.costmodel import measured_time_scale
+
+INFO_KEYS = MEASURED_INFO_KEYS + MEASURED_MEMORY_KEYS   # read by the simulator's memory model, not slept
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,12 @@ def load_compute_times(path: str, flag: str = "--emulated-compute-times", micro_
 class EmulatedCompute:
     """Calibrated sleeps in place of compute, and the seconds slept since the last :meth:`take_slept_s`."""
 
-    def __init__(self, times: ComputeTimes, recompute: bool):
+    def __init__(self, times: ComputeTimes, recompute: bool, deferred_weight_gradients: bool = False):
         self.times = times
         self.recompute = recompute   # whether each backward also recomputes the forward (full recompute)
+        # a split backward's weight-gradient half slept in its weight pass (deferred kernels) or in its
+        # input pass, as the runtime computes it (--emulated-deferred-weight-gradients)
+        self.deferred_weight_gradients = deferred_weight_gradients
         self.slept_s = 0.0
 
     @classmethod
@@ -115,7 +120,7 @@ class EmulatedCompute:
             return None
         times = load_compute_times(path, micro_batch_size=getattr(args, "micro_batch_size", None),
                                    seq_length=getattr(args, "seq_length", None))
-        return cls(times, recompute)
+        return cls(times, recompute, bool(getattr(args, "emulated_deferred_weight_gradients", False)))
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -243,8 +248,12 @@ class EmulatedShardCompute:
         self._weight_grads(mb, shard, grad_buffer)
 
     def _weight_half_s(self, shard: int) -> float:
-        """A split backward's weight-gradient pass: half of the backward without recompute."""
-        return 0.5 * self.clock.times.backward_s(self.layers[shard], shard == self.last, False) / self.tp
+        """A split backward's weight-gradient pass: half of its layers' backward (not the output layer's, nor
+        a recompute) where its kernels are deferred (--emulated-deferred-weight-gradients), as the
+        simulator's cost model prices it; none where, as in the runtime, the input pass computes them."""
+        if not self.clock.deferred_weight_gradients:
+            return 0.0
+        return 0.5 * self.layers[shard] * self.clock.times.layer_backward / self.tp
 
     def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
         self._backward_pass(shard, leave_s=self._weight_half_s(shard))

@@ -105,6 +105,9 @@ class PlanExecutor:
         self._entries_cache: Optional[Tuple[list, dict]] = None
         self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
         self._posted: Dict[int, Tuple[float, object]] = {}
+        # --record-plan-memory: bytes held after each compute action (a callable returning them), the most seen
+        self.memory_probe: Optional[Callable[[], Optional[int]]] = None
+        self.memory_peak: Optional[int] = None
         self.reset_counters()
         self._handlers = {
             A.Forward: self._forward,
@@ -197,6 +200,10 @@ class PlanExecutor:
                 self._handlers[type(action)](action)
                 if self.trace is not None:
                     self._record(action, started, self.timer.stamp(time.time()))
+                if self.memory_probe is not None and type(action) in _COMPUTE:
+                    held = self.memory_probe()
+                    if held is not None:
+                        self.memory_peak = held if self.memory_peak is None else max(self.memory_peak, held)
             except PeerFailure as exc:
                 raise PeerFailure(f"{self.name}, step {step} of {len(actions)}, {action}: {exc}") from exc
             except ExecutionError as exc:
@@ -404,6 +411,7 @@ class PlanExecutor:
         op.after()
 
 
+_COMPUTE = (A.Forward, A.Backward, A.BackwardInput, A.BackwardWeight)
 _SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw",
                A.LoadWeights: "load", A.AccumulateToOwner: "acc", A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
 

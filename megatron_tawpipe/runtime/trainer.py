@@ -26,7 +26,7 @@ from megatron_tawpipe.common.atomic import atomic_write_json
 from megatron_tawpipe.common.checkpointable import CheckpointDefaults
 from megatron_tawpipe.common.step import StepResult
 from megatron_tawpipe.emulation.compute import EmulatedCompute
-from megatron_tawpipe.monitor.metrics import mean_over_ranks
+from megatron_tawpipe.monitor.metrics import held_memory_bytes, max_over_ranks, mean_over_ranks
 from megatron_tawpipe.models.parameters import global_shape, is_gated_fc1, tensor_parallel_slice
 from megatron_tawpipe.optimizer.clip import clip_gradients_, squared_l2_norm
 from megatron_tawpipe.optimizer.param_groups import megatron_param_groups
@@ -131,9 +131,19 @@ class WeightPassingTrainer(CheckpointDefaults):
         self.model.zero_grads()
         if self.args.timeline_file:
             self.model.executor.start_trace()
+        executor = self.model.executor
+        held_before = None
+        if getattr(self.args, "record_plan_memory", False):
+            executor.memory_probe, executor.memory_peak = held_memory_bytes, None
+            held_before = held_memory_bytes()
         start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
         plan_s = time.perf_counter() - start
+        memory = {}
+        if held_before is not None and executor.memory_peak is not None:
+            # the most the plan's compute held beyond what the rank held when it started (activations, held
+            # gradients, logits): the largest over ranks
+            memory["plan_memory_growth_bytes_max_rank"] = int(max_over_ranks(executor.memory_peak - held_before))
         busy = self.model.executor.compute_seconds / max(plan_s, 1e-9)
         if self.args.timeline_file:
             self._write_timeline()
@@ -153,7 +163,7 @@ class WeightPassingTrainer(CheckpointDefaults):
                                  "compute_busy_fraction": busy,
                                  # where an iteration's time goes (means over ranks): the plan, then the
                                  # norm, clipping and optimizer step
-                                 "plan_seconds": plan_s, "optimizer_seconds": step_s})
+                                 "plan_seconds": plan_s, "optimizer_seconds": step_s, **memory})
 
     @torch.no_grad()
     def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:

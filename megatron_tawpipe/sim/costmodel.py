@@ -40,6 +40,9 @@ class Link:
 # The measured-times JSON (tools/calibrate.py writes it): seconds per layer and micro-batch,
 # plus descriptive keys that say where the figures come from.
 MEASURED_TIME_KEYS = ("layer_forward", "layer_backward", "layer_recompute", "head_forward", "head_backward")
+# Bytes measured on the device (tools/calibrate.py --measure-activations): what one decoder layer keeps for
+# its backward per micro-batch (autograd's saved tensors, weights excluded), for the memory model.
+MEASURED_MEMORY_KEYS = ("layer_activation_bytes",)
 MEASURED_INFO_KEYS = ("comment", "device", "source", "attention", "dtype", "hidden_size", "seq_length",
                       "micro_batch_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
@@ -99,6 +102,11 @@ class CostModel:
     # The rate two ranks' opposite messages take turns on (gloo; see GLOO_PAIR_DUPLEX_BYTES): the node
     # link's (None) unless ``inter`` is a share of it (pp-nodes' pipelines share a node's link).
     pair_bandwidth: Optional[float] = None
+    # Where a split backward's weight-gradient kernels run. False: in its input-gradient pass, as the
+    # runtime does (megatron's linear layers compute both gradients in one backward; the weight pass adds
+    # the held gradients); True: deferred to the weight-gradient pass, as the plan's BackwardWeight stands
+    # for (the schedule's intent; a runtime with deferred kernels).
+    deferred_weight_gradients: bool = False
 
     @property
     def library_collectives_block(self) -> bool:
@@ -170,11 +178,14 @@ class CostModel:
         else:
             with open(path_or_dict) as f:
                 data = json.load(f)
-        unknown = set(data) - set(MEASURED_TIME_KEYS) - set(MEASURED_INFO_KEYS)
+        unknown = set(data) - set(MEASURED_TIME_KEYS) - set(MEASURED_MEMORY_KEYS) - set(MEASURED_INFO_KEYS)
         if unknown:
             raise ValueError(f"unknown keys in measured times: {sorted(unknown)}")
-        scale = measured_time_scale(data, micro_batch_size, seq_length)
-        times = {k: scale * float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS}
+        scale = measured_time_scale(data, micro_batch_size, seq_length)   # bytes scale with the samples too
+        times = {k: scale * float(v) for k, v in data.items() if k in MEASURED_TIME_KEYS + MEASURED_MEMORY_KEYS}
+        if "layer_activation_bytes" in times and self.layer_activation_bytes:   # the model's other byte
+            ratio = times["layer_activation_bytes"] / self.layer_activation_bytes  # terms follow it
+            times["layer_output_grad_bytes"] = self.layer_output_grad_bytes * ratio
         if not self.recompute:  # a measured recompute time does not bring recompute back
             times.pop("layer_recompute", None)
         return replace(self, **times)
@@ -215,11 +226,15 @@ class CostModel:
         return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_input_time(self, plan, shard: int) -> float:
-        # Input and weight gradients cost about the same; recompute goes first.
-        t = (self.layer_recompute + self.layer_backward / 2) * plan.shard_layers[shard]
+        # Input and weight gradients cost about the same; recompute goes first. Without deferred
+        # weight-gradient kernels the input pass is the whole backward.
+        share = 0.5 if self.deferred_weight_gradients else 1.0
+        t = (self.layer_recompute + self.layer_backward * share) * plan.shard_layers[shard]
         return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_weight_time(self, plan, shard: int) -> float:
+        if not self.deferred_weight_gradients:   # adding the held gradients: a copy's time
+            return self.copy_time(plan, shard)
         return self.layer_backward / 2 * plan.shard_layers[shard]
 
     def copy_time(self, plan, shard: Optional[int] = None) -> float:

@@ -379,21 +379,26 @@ _STARTS = frozenset(A.STARTS)
 
 def peak_activation_bytes(plan: Plan, cost: CostModel) -> float:
     """The most bytes a rank keeps for backward at once (plan order only): stored shard inputs (whole
-    shards' activations without recompute) until their (weight-gradient) backward, and between a split
-    backward's two passes what the weight-gradient pass needs -- the gradients of the shard's matmul
-    outputs and, with recompute, the recomputed activations, one set of which is the working set counted
-    beside this."""
+    shards' activations without recompute) until their backward, and between a split backward's two
+    passes what the weight-gradient pass needs. With deferred weight-gradient kernels
+    (``cost.deferred_weight_gradients``) that is the gradients of the shard's matmul outputs, the
+    activations (kept until the weight pass) and, with recompute, the recomputed activations, one set of
+    which is the working set counted beside this; without (the runtime), the input pass frees the
+    activations and the shard's weight gradients, in the compute dtype, wait for the weight pass."""
     lps = plan.max_layers_per_shard    # uneven shards: a stored visit or working set of the largest
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
-    grads, recomputed = lps * cost.layer_output_grad_bytes, lps * cost.layer_activation_bytes
+    deferred = cost.deferred_weight_gradients
+    grads = lps * (cost.layer_output_grad_bytes if deferred else cost.params_per_layer * cost.dtype_bytes)
+    recomputed = lps * cost.layer_activation_bytes if cost.recompute and deferred else 0.0
+    freed_by = A.BackwardWeight if deferred else A.BackwardInput
     best = 0.0
     for acts in plan.actions:
         stash = pending = 0
         for a in acts:
             t = type(a)
-            stash += (t is A.Forward) - (t is A.Backward or t is A.BackwardWeight)
+            stash += (t is A.Forward) - (t is A.Backward or t is freed_by)
             pending += (t is A.BackwardInput) - (t is A.BackwardWeight)
-            held = stash * per_stash + pending * grads + (max(pending - 1, 0) * recomputed if cost.recompute else 0)
+            held = stash * per_stash + pending * grads + max(pending - 1, 0) * recomputed
             best = max(best, held)
     return best
 

@@ -56,6 +56,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             raise ArgumentError("--emulated-compute-times with --tensor-model-parallel-size > 1 is emulated for "
                                 "--pipeline-schedule tawpipe / weipipe only (the native emulation replaces whole "
                                 "layers and would drop megatron's tensor-parallel collectives)")
+    if getattr(args, "emulated_deferred_weight_gradients", False) and not args.emulated_compute_times:
+        raise ArgumentError("--emulated-deferred-weight-gradients needs --emulated-compute-times (the runtime's "
+                            "own compute runs the weight-gradient kernels in the input-gradient pass)")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
     _validate_parallel_layout(args, world_size)
@@ -332,11 +335,13 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
             or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful
-            or args.tawpipe_replicate_first_shard or getattr(args, "weipipe_zero_bubble", 0)):
+            or args.tawpipe_replicate_first_shard or getattr(args, "weipipe_zero_bubble", 0)
+            or getattr(args, "record_plan_memory", False)):
         raise ArgumentError(
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
             "--tawpipe-microbatches-per-visit / --tawpipe-replicate-first-shard / --tawpipe-nccl-faithful / "
-            "--weipipe-zero-bubble / --timeline-file need --pipeline-schedule tawpipe or weipipe")
+            "--weipipe-zero-bubble / --timeline-file / --record-plan-memory need --pipeline-schedule tawpipe or "
+            "weipipe")
     tp = args.tensor_model_parallel_size
     if world_size % (tp * pp):
         raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
