@@ -106,6 +106,15 @@ def test_schedule_commands_are_valid_pretrain_flags():
     assert hfsdp.use_distributed_optimizer and hfsdp.overlap_grad_reduce and hfsdp.overlap_param_gather
     assert parsed["tawpipe-rep"].pipeline_schedule == "tawpipe" and parsed["tawpipe-rep"].tawpipe_replicate_first_shard
     assert not parsed["tawpipe"].tawpipe_replicate_first_shard
+    assert parsed["weipipe-zb2"].weipipe_zero_bubble == 2 and not parsed["weipipe-zb2"].record_plan_memory
+    # The zero-bubble benchmark's options: plan memory recorded, weight-gradient kernels emulated as deferred.
+    times = os.path.join(ROOT, "examples", "results", "zero_bubble_times.json")
+    config = BenchmarkConfig(ranks=4, model_args=model, groups=2, record_plan_memory=True,
+                             deferred_weight_gradients=True, emulated_compute_times=times)
+    zb1 = validate_args(parse_args(schedule_command("weipipe-zb1", config, "/tmp/m.jsonl")[1:]), world_size=4)
+    assert zb1.weipipe_zero_bubble == 1 and zb1.record_plan_memory and zb1.emulated_deferred_weight_gradients
+    taw = validate_args(parse_args(schedule_command("tawpipe", config, "/tmp/m.jsonl")[1:]), world_size=4)
+    assert taw.record_plan_memory and not taw.emulated_deferred_weight_gradients
 
 
 def test_cli_with_torchrun(tmp_path):
@@ -382,6 +391,17 @@ def test_equal_memory_results_compare_with_their_own_predictions():
     rows = {r["schedule"]: r for r in compare_with_simulation(result)["rows"]}
     assert rows["distopt"]["predicted"] == 125.0 and rows["tawpipe"]["predicted"] == 100.0
     assert rows["distopt"]["measured_over_predicted"] == pytest.approx(120 / 125)
+    # Busy and what the plan held (--record-plan-memory) beside their predictions at the size that ran.
+    from megatron_tawpipe.bench.benchmark_report import format_comparison
+
+    result["summary"][0].update(compute_busy_fraction=0.8, plan_memory_growth_bytes_max_rank=2.1e9)
+    result["equal_memory"]["choices"]["tawpipe"].update(predicted_busy=0.9, activation_bytes=2e9)
+    comparison = compare_with_simulation(result)
+    rows = {r["schedule"]: r for r in comparison["rows"]}
+    assert (rows["tawpipe"]["busy_measured"], rows["tawpipe"]["busy_predicted"]) == (0.8, 0.9)
+    assert (rows["tawpipe"]["plan_memory_measured"], rows["tawpipe"]["plan_memory_predicted"]) == (2.1e9, 2e9)
+    text = format_comparison(comparison)
+    assert "plan memory" in text and "2100 MB" in text and "2000 MB" in text and "90%" in text
 
 
 def test_simulator_matrix_replaces_the_rows_it_measures_again():
