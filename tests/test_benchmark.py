@@ -73,7 +73,7 @@ def test_benchmark_two_schedules_two_repetitions(tmp_path):
     assert chart.stat().st_size > 1000
 
 
-def test_schedule_commands_are_valid_pretrain_flags():
+def test_schedule_commands_are_valid_pretrain_flags(tmp_path):
     """Every strategy's command line passes the project's own argument checks for 2 nodes x 2 ranks,
     with the data-parallel flags its users would pass."""
     from megatron_tawpipe.arguments import parse_args
@@ -108,9 +108,10 @@ def test_schedule_commands_are_valid_pretrain_flags():
     assert not parsed["tawpipe"].tawpipe_replicate_first_shard
     assert parsed["weipipe-zb2"].weipipe_zero_bubble == 2 and not parsed["weipipe-zb2"].record_plan_memory
     # The zero-bubble benchmark's options: plan memory recorded, weight-gradient kernels emulated as deferred.
-    times = os.path.join(ROOT, "examples", "results", "zero_bubble_times.json")
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"layer_forward": 0.01, "layer_backward": 0.02}))
     config = BenchmarkConfig(ranks=4, model_args=model, groups=2, record_plan_memory=True,
-                             deferred_weight_gradients=True, emulated_compute_times=times)
+                             deferred_weight_gradients=True, emulated_compute_times=str(times))
     zb1 = validate_args(parse_args(schedule_command("weipipe-zb1", config, "/tmp/m.jsonl")[1:]), world_size=4)
     assert zb1.weipipe_zero_bubble == 1 and zb1.record_plan_memory and zb1.emulated_deferred_weight_gradients
     taw = validate_args(parse_args(schedule_command("tawpipe", config, "/tmp/m.jsonl")[1:]), world_size=4)
