@@ -6,9 +6,9 @@
 #      (the weight-gradient kernels in the input pass): bubble (busy) measured against predicted;
 #   2. the same with the weight-gradient kernels deferred to the weight pass (emulated only:
 #      --deferred-weight-gradients), what the plans are built for;
-#   3. real compute on 4 local CPU ranks (memory does not depend on the link), each strategy at the
-#      micro-batch size of run 1, --record-plan-memory: what each plan's compute held against the memory
-#      model, priced with one layer's activation bytes measured on this machine.
+#   3. real compute on the same emulated cluster, each strategy at the micro-batch size of run 1,
+#      --record-plan-memory: what each plan's compute held against the memory model, priced with one
+#      layer's activation bytes measured on this machine (its speeds are the CPU's, not the device's).
 #   sudo bash examples/benchmark_zero_bubble.sh        (REPS=3 ITERS=4 RATE=1gbit VISIT=4)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,7 @@ for mode in built deferred; do
 done
 SIZES=($(python -c "import json,sys; r=json.load(open(sys.argv[1]))['equal_memory']['choices']
 print(' '.join(f'--micro-batch-size-of {s}={c[\"micro_batch_size\"]}' for s, c in r.items()))" "$OUT/built.json"))
-python tools/benchmark.py --ranks 4 --groups 2 --repetitions 1 "${COMMON[@]}" "${SIZES[@]}" --train-iters 3 \
+python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions 1 "${COMMON[@]}" "${SIZES[@]}" --train-iters 3 \
     --record-plan-memory --measured-times "$OUT/times.json" --outdir "$OUT/memory/runs" --json "$OUT/memory.json" \
     -- "${MODEL[@]}"
 python tools/benchmark.py --results "$OUT/memory.json"
