@@ -110,12 +110,16 @@ def test_schedule_commands_are_valid_pretrain_flags(tmp_path):
     # The zero-bubble benchmark's options: plan memory recorded, weight-gradient kernels emulated as deferred.
     times = tmp_path / "times.json"
     times.write_text(json.dumps({"layer_forward": 0.01, "layer_backward": 0.02}))
-    config = BenchmarkConfig(ranks=4, model_args=model, groups=2, record_plan_memory=True,
-                             deferred_weight_gradients=True, emulated_compute_times=str(times))
+    config = BenchmarkConfig(ranks=4, model_args=model, groups=2, deferred_weight_gradients=True,
+                             emulated_compute_times=str(times))
     zb1 = validate_args(parse_args(schedule_command("weipipe-zb1", config, "/tmp/m.jsonl")[1:]), world_size=4)
-    assert zb1.weipipe_zero_bubble == 1 and zb1.record_plan_memory and zb1.emulated_deferred_weight_gradients
+    assert zb1.weipipe_zero_bubble == 1 and zb1.emulated_deferred_weight_gradients and not zb1.record_plan_memory
     taw = validate_args(parse_args(schedule_command("tawpipe", config, "/tmp/m.jsonl")[1:]), world_size=4)
-    assert taw.record_plan_memory and not taw.emulated_deferred_weight_gradients
+    assert not taw.emulated_deferred_weight_gradients     # no split backward to defer
+    config = BenchmarkConfig(ranks=4, model_args=model, groups=2, record_plan_memory=True)   # real compute
+    for schedule in ("weipipe-zb2", "tawpipe"):
+        args = validate_args(parse_args(schedule_command(schedule, config, "/tmp/m.jsonl")[1:]), world_size=4)
+        assert args.record_plan_memory and not args.emulated_compute_times
 
 
 def test_cli_with_torchrun(tmp_path):

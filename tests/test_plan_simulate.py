@@ -75,10 +75,12 @@ def test_weipipe_zero_bubble_as_the_runtime_computes_it(P, N):
          ("weipipe", "weipipe-zb1", "weipipe-zb2")}
     assert t["weipipe-zb1"].iteration_time == pytest.approx(t["weipipe"].iteration_time)
     assert t["weipipe-zb2"].iteration_time <= t["weipipe"].iteration_time + 1e-9
-    spans = [sp for sp in t["weipipe-zb1"].spans if sp.kind in ("Bi", "Bw")]
-    assert {sp.end - sp.start for sp in spans if sp.kind == "Bi"} == {2.0}     # the whole backward
-    assert all(sp.end - sp.start == 0.0 for sp in spans if sp.kind == "Bw") or \
-        not any(sp.kind == "Bw" for sp in spans)
+    plan = build_plan("weipipe-zb1", num_ranks=P, num_microbatches=N)
+    assert {sp.end - sp.start for sp in t["weipipe-zb1"].spans if sp.kind == "Bi"} == {2.0}   # the whole backward
+    assert all(FREE.backward_weight_time(plan, s) == 0.0 for s in range(plan.num_shards))
+    deferred = replace(FREE, deferred_weight_gradients=True)
+    assert all(deferred.backward_input_time(plan, s) == deferred.backward_weight_time(plan, s) == 1.0
+               for s in range(plan.num_shards))
 
 
 def test_weipipe_zero_bubble_trades_memory_for_idle():

@@ -106,6 +106,8 @@ BAD_FLAGS = [
     (["--record-plan-memory"], 1, "--record-plan-memory need --pipeline-schedule tawpipe or"),
     (["--pipeline-schedule", "weipipe", "--emulated-deferred-weight-gradients"], 4,
      "--emulated-deferred-weight-gradients needs --emulated-compute-times"),
+    (["--pipeline-schedule", "weipipe", "--record-plan-memory", "--emulated-compute-times", "TIMES"], 4,
+     "--record-plan-memory measures what real compute holds"),
     (["--pipeline-schedule", "weipipe", "--tawpipe-replicate-first-shard"], 4,
      "--tawpipe-replicate-first-shard applies to --pipeline-schedule tawpipe"),
     (["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "1", "--tawpipe-replicate-first-shard"], 4,

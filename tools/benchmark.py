@@ -153,6 +153,10 @@ def main(argv=None) -> int:
     if args.deferred_weight_gradients and not args.emulated_compute_times:
         p.error("--deferred-weight-gradients needs --emulated-compute-times (the runtime's own compute runs the "
                 "weight-gradient kernels in the input-gradient pass)")
+    if args.record_plan_memory and args.emulated_compute_times:
+        p.error("--record-plan-memory measures what real compute holds: not with --emulated-compute-times")
+    if args.measured_times and not args.equal_memory:
+        p.error("--measured-times prices --equal-memory's predictions: give --equal-memory")
     if args.warmup_iters >= args.train_iters:
         print("benchmark.py: error: --warmup-iters must be smaller than --train-iters", file=sys.stderr)
         return 2

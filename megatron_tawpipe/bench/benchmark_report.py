@@ -84,7 +84,8 @@ def simulated_rows(result: dict) -> List[dict]:
         row = next((p for p in priced if p["micro_batch_size"] == size), None)
         if row and row.get("predicted_tokens_per_sec_per_rank"):
             rows.append({"schedule": s, "tokens_per_sec_per_rank": row["predicted_tokens_per_sec_per_rank"],
-                         "busy": row.get("predicted_busy"), "activation_bytes": row.get("activation_bytes")})
+                         "busy": row.get("predicted_busy"),
+                         "activation_memory_bytes": row.get("activation_bytes")})
     return rows
 
 
@@ -107,7 +108,7 @@ def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None
              # what the plan's compute held beyond its start (--record-plan-memory), against the memory
              # model's activations and logits
              "plan_memory_measured": summary[s].get("plan_memory_growth_bytes_max_rank"),
-             "plan_memory_predicted": sim[s].get("activation_bytes")}
+             "plan_memory_predicted": _activation_memory(sim[s])}
             for s in measured if s in predicted]
     ratios = []
     if reference in measured and reference in predicted:
@@ -116,6 +117,15 @@ def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None
                 m, p = measured[reference] / measured[s], predicted[reference] / predicted[s]
                 ratios.append({"ratio": f"{reference}/{s}", "measured": m, "predicted": p, "deviation": m / p - 1})
     return {"rows": rows, "ratios": ratios}
+
+
+def _activation_memory(row: dict) -> Optional[float]:
+    """Activations and logits of a prediction: an equal-memory choice's, or a ``tools/simulate.py`` row's."""
+    from megatron_tawpipe.bench.equal_memory import activation_memory
+
+    if "activation_memory_bytes" in row:
+        return row["activation_memory_bytes"]
+    return activation_memory(row) if "activation_bytes" in row else None
 
 
 def _predicted_busy(row: dict) -> Optional[float]:

@@ -131,19 +131,23 @@ class WeightPassingTrainer(CheckpointDefaults):
         self.model.zero_grads()
         if self.args.timeline_file:
             self.model.executor.start_trace()
-        executor = self.model.executor
         held_before = None
         if getattr(self.args, "record_plan_memory", False):
-            executor.memory_probe, executor.memory_peak = held_memory_bytes, None
+            # on the model, so that an executor built for another plan (a batch-size ramp) samples too
+            self.model.memory_probe = self.model.executor.memory_probe = held_memory_bytes
+            self.model.executor.memory_peak = None
             held_before = held_memory_bytes()
         start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
         plan_s = time.perf_counter() - start
         memory = {}
-        if held_before is not None and executor.memory_peak is not None:
+        if getattr(self.args, "record_plan_memory", False):
             # the most the plan's compute held beyond what the rank held when it started (activations, held
-            # gradients, logits): the largest over ranks
-            memory["plan_memory_growth_bytes_max_rank"] = int(max_over_ranks(executor.memory_peak - held_before))
+            # gradients, logits), the largest over ranks; every rank joins the reduction (-1: nothing sampled)
+            peak = self.model.executor.memory_peak
+            growth = max_over_ranks(peak - held_before if peak is not None and held_before is not None else -1)
+            if growth >= 0:
+                memory["plan_memory_growth_bytes_max_rank"] = int(growth)
         busy = self.model.executor.compute_seconds / max(plan_s, 1e-9)
         if self.args.timeline_file:
             self._write_timeline()

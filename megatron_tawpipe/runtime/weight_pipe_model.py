@@ -175,6 +175,7 @@ class WeightPipeModel:
                                 timeout=datetime.timedelta(minutes=self.args.distributed_timeout_minutes),
                                 nccl_faithful=getattr(self.args, "tawpipe_nccl_faithful", False), transport=transport)
         executor.connect()
+        executor.memory_probe = getattr(self, "memory_probe", None)   # --record-plan-memory
         return executor
 
     def use_plan_for(self, num_microbatches: int) -> None:

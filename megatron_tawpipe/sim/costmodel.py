@@ -233,8 +233,8 @@ class CostModel:
         return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_weight_time(self, plan, shard: int) -> float:
-        if not self.deferred_weight_gradients:   # adding the held gradients: a copy's time
-            return self.copy_time(plan, shard)
+        if not self.deferred_weight_gradients:   # adding the held gradients, as a plain backward does: not
+            return 0.0                           # priced for either
         return self.layer_backward / 2 * plan.shard_layers[shard]
 
     def copy_time(self, plan, shard: Optional[int] = None) -> float:

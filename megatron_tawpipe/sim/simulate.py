@@ -388,17 +388,29 @@ def peak_activation_bytes(plan: Plan, cost: CostModel) -> float:
     lps = plan.max_layers_per_shard    # uneven shards: a stored visit or working set of the largest
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     deferred = cost.deferred_weight_gradients
-    grads = lps * (cost.layer_output_grad_bytes if deferred else cost.params_per_layer * cost.dtype_bytes)
     recomputed = lps * cost.layer_activation_bytes if cost.recompute and deferred else 0.0
     freed_by = A.BackwardWeight if deferred else A.BackwardInput
+    last = plan.num_shards - 1
+
+    def held_grads(shard: int) -> float:
+        if deferred:
+            return lps * cost.layer_output_grad_bytes
+        # the shard's layers' gradients, and the embedding's (shard 0) or the head's (last shard) it reaches
+        params = plan.shard_layers[shard] * cost.params_per_layer
+        params += cost.replicated_part_params("embedding") if shard == 0 else 0.0
+        params += cost.replicated_part_params("head") if shard == last else 0.0
+        return params * cost.dtype_bytes
+
     best = 0.0
     for acts in plan.actions:
         stash = pending = 0
+        grads = 0.0
         for a in acts:
             t = type(a)
             stash += (t is A.Forward) - (t is A.Backward or t is freed_by)
             pending += (t is A.BackwardInput) - (t is A.BackwardWeight)
-            held = stash * per_stash + pending * grads + max(pending - 1, 0) * recomputed
+            grads += held_grads(a.shard) if t is A.BackwardInput else -held_grads(a.shard) if t is A.BackwardWeight else 0.0
+            held = stash * per_stash + grads + max(pending - 1, 0) * recomputed
             best = max(best, held)
     return best
 

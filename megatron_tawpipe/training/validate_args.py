@@ -44,6 +44,16 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         _apply_checkpoint_args(args)
     _validate_model(args)
     _validate_required(args)
+    if getattr(args, "emulated_deferred_weight_gradients", False):
+        if not args.emulated_compute_times:
+            raise ArgumentError("--emulated-deferred-weight-gradients needs --emulated-compute-times (the runtime's "
+                                "own compute runs the weight-gradient kernels in the input-gradient pass)")
+        if not (getattr(args, "weipipe_zero_bubble", 0) or str(args.pipeline_schedule).startswith("plan:")):
+            raise ArgumentError("--emulated-deferred-weight-gradients applies to split backwards: "
+                                "--weipipe-zero-bubble 1/2 or a --pipeline-schedule plan:FILE")
+    if getattr(args, "record_plan_memory", False) and args.emulated_compute_times:
+        raise ArgumentError("--record-plan-memory measures what real compute holds; emulated compute "
+                            "(--emulated-compute-times) keeps no activations")
     if args.emulated_compute_times:
         from megatron_tawpipe.emulation.compute import load_compute_times
 
@@ -56,9 +66,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             raise ArgumentError("--emulated-compute-times with --tensor-model-parallel-size > 1 is emulated for "
                                 "--pipeline-schedule tawpipe / weipipe only (the native emulation replaces whole "
                                 "layers and would drop megatron's tensor-parallel collectives)")
-    if getattr(args, "emulated_deferred_weight_gradients", False) and not args.emulated_compute_times:
-        raise ArgumentError("--emulated-deferred-weight-gradients needs --emulated-compute-times (the runtime's "
-                            "own compute runs the weight-gradient kernels in the input-gradient pass)")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
     _validate_parallel_layout(args, world_size)
