@@ -9,8 +9,6 @@ match.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 
@@ -19,17 +17,9 @@ def measure_layer_activation_bytes(args, device: torch.device) -> float:
     the tensors autograd saves in a forward of the runtime's shard template (one layer, the run's
     micro-batch), the layer's weights excluded, plus its output (which the next layer's graph or the
     runtime keeps)."""
-    from megatron_tawpipe.models.llama import params_dtype
-    from megatron_tawpipe.runtime.shard_model import ShardTemplate
+    from megatron_tawpipe.runtime.shard_model import bound_shard_template
 
-    layer_args = copy.copy(args)
-    layer_args.num_layers = 1
-    dtype = params_dtype(layer_args)
-    template = ShardTemplate(layer_args, shard_layers=(1,), device=device)
-    weights = torch.empty(template.shard_numel, dtype=dtype, device=device)
-    template.init_shard(0, weights)
-    template.bind(weights)
-    template.train(True)
+    template, weights = bound_shard_template(args, 1, device)
     own = {p.untyped_storage().data_ptr() for p in template.model.parameters()} | {weights.untyped_storage().data_ptr()}
     saved = {}
 
@@ -41,7 +31,7 @@ def measure_layer_activation_bytes(args, device: torch.device) -> float:
 
     generator = torch.Generator().manual_seed(args.seed)
     hidden_in = torch.randn(args.seq_length, args.micro_batch_size, args.hidden_size, generator=generator)
-    hidden_in = hidden_in.to(device, dtype).requires_grad_(True)
+    hidden_in = hidden_in.to(device, weights.dtype).requires_grad_(True)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = template.run_layers(hidden_in, template.rotary(args.seq_length), None)
     saved[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from megatron_tawpipe.bench.equal_memory import activation_memory
+
 
 def _fmt_bytes(value: Optional[float]) -> str:
     if value is None:
@@ -121,8 +123,6 @@ def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None
 
 def _activation_memory(row: dict) -> Optional[float]:
     """Activations and logits of a prediction: an equal-memory choice's, or a ``tools/simulate.py`` row's."""
-    from megatron_tawpipe.bench.equal_memory import activation_memory
-
     if "activation_memory_bytes" in row:
         return row["activation_memory_bytes"]
     return activation_memory(row) if "activation_bytes" in row else None

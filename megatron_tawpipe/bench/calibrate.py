@@ -227,18 +227,7 @@ def main(argv=None) -> int:
 
     if tool.from_cost_model:
         result = cost_model_times(args, tool.peak_tflops, tool.efficiency)
-    else:
-        from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
-
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("RANK", "0")
-        initialize_distributed(args)
-        initialize_model_parallel(args)
-        try:
-            result = measure_compute_times(args, tool.repeats, tool.warmup)
-        finally:
-            destroy()
-    if tool.measure_activations:
+    if not tool.from_cost_model or tool.measure_activations:   # measured on this device
         from megatron_tawpipe.bench.activation_bytes import measure_layer_activation_bytes
         from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
 
@@ -247,7 +236,10 @@ def main(argv=None) -> int:
         initialize_distributed(args)
         initialize_model_parallel(args)
         try:
-            result["layer_activation_bytes"] = measure_layer_activation_bytes(args, current_device())
+            if not tool.from_cost_model:
+                result = measure_compute_times(args, tool.repeats, tool.warmup)
+            if tool.measure_activations:
+                result["layer_activation_bytes"] = measure_layer_activation_bytes(args, current_device())
         finally:
             destroy()
     if tool.scale != 1.0:

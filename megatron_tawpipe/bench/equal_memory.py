@@ -93,9 +93,9 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
         cmd += ["--virtual-stages", str(interleaved_virtual_stages(layers, config.ranks))]
     if not config.recompute:
         cmd.append("--no-recompute")
-    if getattr(config, "deferred_weight_gradients", False):
+    if config.deferred_weight_gradients:
         cmd.append("--deferred-weight-gradients")
-    times = getattr(config, "measured_times", None) or config.emulated_compute_times
+    times = config.measured_times or config.emulated_compute_times
     if times:
         cmd += ["--measured-times", os.path.abspath(times)]
     rate = config.cluster[2] if config.cluster is not None else None

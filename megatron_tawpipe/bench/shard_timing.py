@@ -19,7 +19,6 @@ keys ``tools/simulate.py --measured-times`` and ``--emulated-compute-times`` rea
 
 from __future__ import annotations
 
-import copy
 from typing import Dict
 
 import torch
@@ -40,19 +39,11 @@ def _shard_inputs(args, device: torch.device, dtype: torch.dtype):
 def measure_shard_times(args, layers_per_shard: int, device: torch.device, repeats: int,
                         warmup: int) -> Dict[str, float]:
     """Seconds per shard (``shard_forward``, ``shard_recompute``, ``shard_backward``) and head."""
-    from megatron_tawpipe.models.llama import params_dtype
-    from megatron_tawpipe.runtime.shard_model import ShardTemplate
+    from megatron_tawpipe.runtime.shard_model import bound_shard_template
 
-    shard_args = copy.copy(args)
-    shard_args.num_layers = layers_per_shard
-    dtype = params_dtype(shard_args)
-    template = ShardTemplate(shard_args, shard_layers=(layers_per_shard,), device=device)
-    weights = torch.empty(template.shard_numel, dtype=dtype, device=device)
-    template.init_shard(0, weights)
-    template.bind(weights)
+    template, weights = bound_shard_template(args, layers_per_shard, device)
     grad_buffer = torch.zeros(template.shard_numel, dtype=torch.float32, device=device)
-    template.train(True)
-    hidden_in, grad_out, tokens, labels, position_ids = _shard_inputs(args, device, dtype)
+    hidden_in, grad_out, tokens, labels, position_ids = _shard_inputs(args, device, weights.dtype)
     rotary = template.rotary(args.seq_length)
     state: dict = {}
 

@@ -17,6 +17,7 @@ is about 1/T of the shard; the embedding and output layer are vocabulary-paralle
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import zlib
 from typing import List, Optional, Sequence, Tuple
@@ -25,7 +26,7 @@ import torch
 
 from megatron_tawpipe.common.layer_split import layer_offsets
 from megatron_tawpipe.models.initialization import init_parameter
-from megatron_tawpipe.models.llama import construct_llama_model, llama_config
+from megatron_tawpipe.models.llama import construct_llama_model, llama_config, params_dtype
 from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights
 
 
@@ -270,3 +271,16 @@ class ShardTemplate:
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
+
+
+def bound_shard_template(args, layers: int, device: torch.device) -> Tuple[ShardTemplate, torch.Tensor]:
+    """A template of one shard of ``layers`` decoder layers on ``device``, in training mode, bound to a weight
+    buffer holding shard 0's initial weights: ``(template, weights)`` (the measuring tools' shard)."""
+    shard_args = copy.copy(args)
+    shard_args.num_layers = layers
+    template = ShardTemplate(shard_args, shard_layers=(layers,), device=device)
+    weights = torch.empty(template.shard_numel, dtype=params_dtype(shard_args), device=device)
+    template.init_shard(0, weights)
+    template.bind(weights)
+    template.train(True)
+    return template, weights

@@ -131,8 +131,8 @@ class WeightPassingTrainer(CheckpointDefaults):
         self.model.zero_grads()
         if self.args.timeline_file:
             self.model.executor.start_trace()
-        held_before = None
-        if getattr(self.args, "record_plan_memory", False):
+        record_memory = getattr(self.args, "record_plan_memory", False)
+        if record_memory:
             # on the model, so that an executor built for another plan (a batch-size ramp) samples too
             self.model.memory_probe = self.model.executor.memory_probe = held_memory_bytes
             self.model.executor.memory_peak = None
@@ -141,7 +141,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         reports = self._forward_backward(data_iterators, forward_only=False)
         plan_s = time.perf_counter() - start
         memory = {}
-        if getattr(self.args, "record_plan_memory", False):
+        if record_memory:
             # the most the plan's compute held beyond what the rank held when it started (activations, held
             # gradients, logits), the largest over ranks; every rank joins the reduction (-1: nothing sampled)
             peak = self.model.executor.memory_peak
