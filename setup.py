@@ -11,7 +11,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tawpipe", "megatron_tawpipe.*"]),
     py_modules=["pretrain_llama"],
-    package_data={"megatron_tawpipe.compat": ["megatron_lm_flags.txt"]},
+    # Megatron-LM's flag table pretrain_llama.py answers from, and the recorded parsers it is made of.
+    package_data={"megatron_tawpipe.compat": ["flag_data/*.tsv"]},
     # torch is not pinned here on purpose: install the build you want first
     # (the CPU build with `pip install torch==2.13.0` on CPU machines, a CUDA
     # build on GPU clusters); any torch >= 2.6 satisfies this requirement.

@@ -22,10 +22,30 @@ except ImportError:
     pass
 
 
+def megatron_core_api_files():
+    """``(selected, left_out)``: the test files of CI's second pass (newest megatron-core, Python 3.12), and
+    those left to the first pass with the reason, from ``tests/megatron_core_api_files.txt``."""
+    selected, left_out = [], {}
+    with open(os.path.join(TESTS, "megatron_core_api_files.txt"), encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("- "):
+                name, _, reason = line[2:].partition(":")
+                left_out[name.strip()] = reason.strip()
+            else:
+                selected.append(line)
+    return selected, left_out
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs one CUDA device (skipped without one); run them with python -m pytest -m gpu tests "
         "on a GPU machine (tools/gpu_bringup.sh does)")
+    config.addinivalue_line(
+        "markers", "megatron_core_api: in a file of CI's second pass (tests/megatron_core_api_files.txt), run "
+        "under the newest megatron-core release")
     for pattern in (
         "ignore:.*Transformer Engine and Apex are not installed.*:UserWarning",
         "ignore::DeprecationWarning",
@@ -49,12 +69,17 @@ def cuda_absent_reason():
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests are skipped, with the reason, where torch sees no CUDA device."""
+    """Tests of the second pass's files are marked ``megatron_core_api``; ``gpu`` tests are skipped, with the
+    reason, where torch sees no CUDA device."""
+    import pytest
+
+    selected = set(megatron_core_api_files()[0])
+    for item in items:
+        if os.path.basename(str(item.fspath)) in selected:
+            item.add_marker(pytest.mark.megatron_core_api)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
-    import pytest
-
     reason = cuda_absent_reason()
     if reason is not None:
         for item in gpu_items:

@@ -1,10 +1,17 @@
 """tools/gpu_bringup.sh on a machine without a GPU: --help, --dry-run (which wheels are found or missing,
-every step with its command, exit 0 or 2), and a real run's refusal (no CUDA, unusable wheels). The three
-runs start together (each imports torch once to ask about CUDA), so the file takes a few seconds."""
+the budgeted plan, every step with its command, exit 0 or 2), a real run's refusal (no CUDA, unusable
+wheels), and real runs through the script's test hook (GPU_BRINGUP_TEST_STEP replaces every step's
+command): a slow step cut by the budget, later steps recorded as skipped, the archive rewritten after
+every step, --step-timeout. The runs start together (each imports torch once to ask about CUDA); the
+budgeted run takes about 30 s."""
 
+import json
 import os
+import re
 import subprocess
 import sys
+import tarfile
+import time
 import zipfile
 
 import pytest
@@ -27,9 +34,29 @@ def fake_wheel(folder, filename, requires=(), requires_python=None):
         z.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(lines) + "\n\nDescription.\n")
 
 
-def start(*args):
-    return subprocess.Popen(["bash", SCRIPT, "--python", sys.executable, *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+CUT_BUDGET = 30
+MAIN_STEPS = ["install", "install-repo", "imports", "pretrain-tawpipe", "pretrain-1f1b", "compare-losses",
+              "gpu_check-compute", "pytest-gpu", "gpu_check-others"]
+
+
+def start(*args, env=None):
+    proc = subprocess.Popen(["bash", SCRIPT, "--python", sys.executable, *args], cwd=ROOT, text=True,
+                            env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.started = time.monotonic()
+    return proc
+
+
+PLAN_LINE = re.compile(r"^\s+(\d+)  \[([^]]+)\] (\S+)  \((.*)\)$")
+
+
+def plan(out):
+    """The dry run's step lines: (number, pass, step, what the parentheses say)."""
+    return [(int(m[1]), m[2], m[3], m[4]) for m in map(PLAN_LINE.match, out.splitlines()) if m]
+
+
+def steps_of(results):
+    with open(os.path.join(results, "summary.json")) as f:
+        return json.load(f)["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +82,25 @@ def runs(tmp_path_factory):
     # naming every problem, and writes nothing.
     procs = {case: start(*(["--dry-run"] if case != "problems" else []), "--wheels", w, "--out", o, "--install-dir", i)
              for case, (w, o, i) in folders.items()}
+    procs["budget-300"] = start("--dry-run", "--budget", "300", "--wheels", folders["present"][0])
+    procs["step-timeout-30"] = start("--dry-run", "--step-timeout", "30", "--budget", "0", "--wheels", folders["present"][0])
+    # Real runs through the test hook: each step lists the archive as it stands when the step starts.
+    for case, flags, slow in (("cut", ["--budget", str(CUT_BUDGET), "--min-start", "1"], "pretrain-tawpipe"),
+                              ("capped", ["--budget", "0", "--step-timeout", "2"], "environment")):
+        root = base / case
+        folders[case] = (str(root / "wheels"), str(root / "results"), str(root / "installs"), str(root / "r.tar.gz"))
+        snippet = f'tar -tzf "{folders[case][3]}" | sort; [ "$2" != {slow} ] || sleep 120'
+        procs[case] = start(*flags, "--wheels", folders[case][0], "--out", folders[case][1], "--install-dir",
+                            folders[case][2], "--tar", folders[case][3], env={"GPU_BRINGUP_TEST_STEP": snippet})
     results = {}
     for case, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        results[case] = (proc.returncode, out, err, folders[case])
+        out, err = proc.communicate(timeout=180)
+        results[case] = (proc.returncode, out, err, folders.get(case), time.monotonic() - proc.started)
     return results
 
 
 def _nothing_written(folders):
-    _, out, installs = folders
+    _, out, installs = folders[:3]
     assert not os.path.exists(out) and not os.path.exists(installs)
 
 
@@ -82,7 +119,7 @@ def test_a_wrong_flag_is_refused_in_one_line():
 
 
 def test_dry_run_without_wheels_names_the_missing_one_and_prints_every_step(runs):
-    status, out, err, folders = runs["none"]
+    status, out, err, folders, _ = runs["none"]
     wheels = folders[0]
     assert status == 2, out + err
     errors = [line for line in err.splitlines() if line.startswith("gpu_bringup.sh: error:")]
@@ -95,9 +132,8 @@ def test_dry_run_without_wheels_names_the_missing_one_and_prints_every_step(runs
     assert "absent   megatron-core 0.16.1 (optional second pass)" in out
     assert "torch sees no CUDA device: a real run needs one GPU" in out
     # Every step, with its command, though the wheel is missing.
-    steps = [line.split("] ", 1)[1] for line in out.splitlines() if line.lstrip()[:1].isdigit() and "] " in line]
-    assert steps == ["nvidia-smi-q", "environment", "install", "install-repo", "imports", "gpu_check", "pytest-gpu",
-                     "pretrain-tawpipe", "pretrain-1f1b", "compare-losses"]
+    steps = [step for _, _, step, _ in plan(out)]
+    assert steps == ["nvidia-smi-q", "environment"] + MAIN_STEPS
     for command in ("nvidia-smi -q", " -m pip install --no-index --no-deps", "--target",
                     "tools/gpu_check.py --json", "-m pytest -m gpu -q -rs -p no:cacheprovider tests --junitxml",
                     "pretrain_llama.py", "--pipeline-schedule tawpipe", "--pipeline-schedule 1f1b",
@@ -108,7 +144,7 @@ def test_dry_run_without_wheels_names_the_missing_one_and_prints_every_step(runs
 
 
 def test_dry_run_with_the_wheels_lists_both_passes_and_exits_0(runs):
-    status, out, err, folders = runs["present"]
+    status, out, err, folders, _ = runs["present"]
     wheels, results, installs = folders
     assert status == 0, out + err
     assert out.rstrip().endswith("gpu_bringup.sh --dry-run: the inputs would do.")
@@ -120,24 +156,24 @@ def test_dry_run_with_the_wheels_lists_both_passes_and_exits_0(runs):
     for requirement in ("torch>=2.6.0", "packaging>=24.2", "sentencepiece>=0.2", "pytest"):
         assert f"ok       {requirement}  (" in out, requirement
     assert "wandb" not in out  # an extra's requirement
-    steps = [line.split("] ", 1) for line in out.splitlines() if line.lstrip()[:1].isdigit() and "] " in line]
-    passes = [step[0].split("[", 1)[1] for step in steps]
-    assert passes.count("mcore-0.19.2") == passes.count("mcore-0.16.1") == 8 and passes.count("machine") == 2
+    passes = [p for _, p, _, _ in plan(out)]
+    assert passes.count("mcore-0.19.2") == passes.count("mcore-0.16.1") == 9 and passes.count("machine") == 2
     installs_lines = [line for line in out.splitlines() if "-m pip install --no-index --no-deps --no-compile" in line]
     assert len(installs_lines) == 2
     assert os.path.join(wheels, MAIN) in installs_lines[0] and os.path.join(installs, "mcore-0.19.2", "site") in installs_lines[0]
     assert os.path.join(wheels, SECOND) in installs_lines[1] and os.path.join(installs, "mcore-0.16.1", "site") in installs_lines[1]
     assert all(os.path.join(wheels, "einops-0.8.1-py3-none-any.whl") in line for line in installs_lines)
-    assert f"--json {results}/mcore-0.19.2/gpu_check.json" in out
+    assert f"--json {results}/mcore-0.19.2/gpu_check-compute.json" in out
     assert f"--junitxml {results}/mcore-0.16.1/pytest-gpu.xml" in out
     assert f"PYTHONPATH={installs}/mcore-0.19.2/site" in out
     assert f"then: summary.md and summary.json in {results}" in out
+    assert "budget: 540 s from the start" in out
     assert "error" not in err, err
     _nothing_written(folders)
 
 
 def test_a_run_names_every_unusable_wheel_and_refuses_without_cuda(runs):
-    status, out, err, folders = runs["problems"]
+    status, out, err, folders, _ = runs["problems"]
     wheels = folders[0]
     assert status == 2, out + err
     errors = [line for line in err.splitlines() if line.startswith("gpu_bringup.sh: error:")]
@@ -154,3 +190,100 @@ def test_a_run_names_every_unusable_wheel_and_refuses_without_cuda(runs):
     assert "UNUSABLE old-pkg 1.0" in err  # the inventory comes first, on stderr
     assert out == ""
     _nothing_written(folders)
+
+
+def test_steps_come_most_valuable_first_and_the_second_release_last(runs):
+    steps = [(p, step) for _, p, step, _ in plan(runs["present"][1])]
+    assert steps == ([("machine", "nvidia-smi-q"), ("machine", "environment")]
+                     + [("mcore-0.19.2", s) for s in MAIN_STEPS] + [("mcore-0.16.1", s) for s in MAIN_STEPS])
+
+
+@pytest.mark.parametrize("case, budget", [("present", 540), ("budget-300", 300)])
+def test_the_dry_run_plan_keeps_within_the_budget(runs, case, budget):
+    status, out, err, _, _ = runs[case]
+    assert status == 0, out + err
+    usable = budget - 8                                  # the script's reserve for the end
+    ends, skipped, previous = [], [], 0
+    for number, pass_, step, what in plan(out):
+        cap = int(re.match(r"cap (\d+) s", what)[1])
+        if "worst case: skipped: budget" in what:
+            skipped.append(number)
+            continue
+        timeout, end, of = map(int, re.search(r"timeout (\d+) s; worst case ends at (\d+) s of (\d+) s", what).groups())
+        assert of == usable and 0 < timeout <= cap
+        assert end == previous + timeout + 4              # its timeout and the per-step overhead
+        assert not skipped, f"step {number} planned after a skipped one"  # the plan fills in order
+        ends.append(end)
+        previous = end
+    assert ends and max(ends) <= usable
+    assert skipped, "the whole plan fits: the test's budget no longer forces a choice"
+    assert f"within the {usable} s of the {budget}-s budget" in out
+    if budget == 300:   # the first steps run to their caps; what is left goes to the next, then nothing
+        assert ends[0] == 20 + 4 and skipped[0] == len(ends) + 1
+
+
+def test_step_timeout_replaces_every_cap_in_the_plan(runs):
+    status, out, err, _, _ = runs["step-timeout-30"]
+    assert status == 0, out + err
+    whats = [what for _, _, _, what in plan(out)]
+    assert len(whats) == 20 and all(w.startswith("cap 30 s; timeout 30 s;") for w in whats), whats
+    assert "budget: none" in out
+
+
+def test_a_slow_step_is_cut_by_the_budget_and_later_steps_are_skipped(runs):
+    status, out, err, (_, results, _, archive), wall = runs["cut"]
+    assert status == 1, out + err
+    assert wall < CUT_BUDGET, wall                       # the script kept its budget
+    steps = {(s["pass"], s["step"]): s for s in steps_of(results)}
+    cut = steps[("mcore-0.19.x", "pretrain-tawpipe")]
+    assert re.fullmatch(r"timed out \(\d+ s: budget\)", cut["status"]) and cut["exit"] == 124, cut
+    assert cut["timeout"] < 120 and cut["seconds"] < CUT_BUDGET
+    for name in MAIN_STEPS[:3]:
+        assert steps[("mcore-0.19.x", name)]["status"] == "ok"
+    assert steps[("mcore-0.19.x", "compare-losses")]["status"] == "skipped: budget (pretrain-1f1b was skipped)"
+    for name in ("pretrain-1f1b", "gpu_check-compute", "pytest-gpu", "gpu_check-others"):
+        assert steps[("mcore-0.19.x", name)]["status"].startswith("skipped: budget ("), name
+    summary = json.load(open(os.path.join(results, "summary.json")))
+    assert summary["failed"] and "mcore-0.19.x/pytest-gpu" in summary["skipped_for_budget"]
+    assert "skipped for the budget: mcore-0.19.x/pretrain-1f1b" in open(os.path.join(results, "summary.md")).read()
+
+
+def test_the_archive_is_rewritten_after_every_step_and_unpacks_to_the_results(runs, tmp_path):
+    status, out, err, (_, results, _, archive), _ = runs["cut"]
+    name = os.path.basename(results)
+    # Each step listed the archive when it started: every earlier step's log was in it.
+    order = ["nvidia-smi-q.txt", "environment.log"] + [f"mcore-0.19.x/{s}.log" for s in MAIN_STEPS[:4]]
+    for i, log in enumerate(order):
+        listed = set(open(os.path.join(results, log)).read().split())
+        assert {f"{name}/{earlier}" for earlier in order[:i]} <= listed, (log, listed)
+        assert f"{name}/{log}" not in listed
+    assert not os.path.exists(archive + ".part")
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    assert os.listdir(unpacked) == [name]
+    packed = {os.path.relpath(os.path.join(d, f), unpacked / name) for d, _, fs in os.walk(unpacked / name) for f in fs}
+    on_disk = {os.path.relpath(os.path.join(d, f), results) for d, _, fs in os.walk(results) for f in fs}
+    assert packed == on_disk and "summary.json" in packed
+    assert (unpacked / name / "summary.json").read_text() == open(os.path.join(results, "summary.json")).read()
+
+
+def test_step_timeout_cuts_a_step_at_its_cap_without_a_budget(runs):
+    status, out, err, (_, results, _, _), _ = runs["capped"]
+    assert status == 1, out + err
+    steps = {(s["pass"], s["step"]): s for s in steps_of(results)}
+    assert steps[("machine", "environment")]["status"] == "timed out (2 s)"
+    assert steps[("machine", "environment")]["seconds"] < 6
+    ran = [s for s in steps.values() if s["pass"] == "mcore-0.19.x"]
+    assert [s["step"] for s in ran] == MAIN_STEPS and all(s["status"] == "ok" and s["timeout"] == 2 for s in ran)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "abc"], "--budget must be a whole number of seconds (0: none), got 'abc'"),
+    (["--budget", "5"], "--budget must be 0 (none) or more than 12 s"),
+    (["--step-timeout", "-1"], "--step-timeout must be a whole number of seconds (0: no cap), got '-1'"),
+    (["--min-start", "0"], "--min-start must be a whole number of seconds, at least 1, got '0'"),
+])
+def test_bad_budget_flags_are_refused_in_one_line(flags, message):
+    proc = subprocess.run(["bash", SCRIPT, *flags], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"gpu_bringup.sh: error: {message}"), proc.stderr

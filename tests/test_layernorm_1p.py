@@ -11,8 +11,8 @@ import torch
 
 from distributed_harness import run_ranks
 # The single-process reference runs (a module-scoped fixture, cached per shape) and their arguments.
-from test_weight_passing_equivalence import ITERS, _args, assert_same_parameters, reference  # noqa: F401
-from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, train_rank
+from test_weight_passing_equivalence import ITERS, _args, reference  # noqa: F401
+from training_helpers import GPT_FLAGS, assert_close_rel, assert_matches_reference, losses, tiny_args, train_rank
 from megatron_tawpipe.arguments import LLAMA_FLAGS
 
 EPS = 1e-5
@@ -185,11 +185,8 @@ def test_tawpipe_with_layernorm_1p_matches_single_process_reference(world, extra
         assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in ref_records], 1e-5,
                          "grad norm")
     assert losses(ref_records)[0] != losses(ref_records)[-1]
-    for iteration in range(1, ITERS + 1):
-        # As in test_tensor_parallel_weight_passing: the key bias's exact gradient is zero (rounding
-        # noise that Adam scales up), LayerNorm biases sum partial products in another order.
-        assert_same_parameters(save, ref_save, iteration, rtol_by_suffix={"linear_qkv.bias": 2e-3,
-                                                                          "layer_norm_bias": 1e-4})
+    # Gradients entering every optimizer step within 1e-5, parameters within what Adam makes of that.
+    assert_matches_reference(save, ref_save, ITERS)
     # The checkpoint holds gamma - 1: the norm weights moved away from 0, not from 1.
     import os
 

@@ -115,7 +115,7 @@ BAD_FLAGS = [
     # Megatron-LM's flags that are not implemented: one line each, never "unrecognized arguments".
     (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp needs --use-distributed-optimizer"),
     (["--fsdp-double-buffer"], 1, "--fsdp-double-buffer: Megatron-FSDP's fp8 / double-buffer options are not supported"),
-    (["--moe-router-topk", "4"], 1, "--moe-router-topk: mixture-of-experts models are not supported"),
+    (["--moe-router-topk", "4"], 1, "--moe-router-topk 4: mixture-of-experts models are not supported"),
     (["--log-straggler"], 1, "--log-straggler is a Megatron-LM flag this project does not implement"),
     (["--position-embedding-type", "yarn"], 1, "--position-embedding-type yarn is not supported yet"),
     (["--train-samples", "64"], 1, "give exactly one of --train-iters and --train-samples"),

@@ -72,6 +72,10 @@ def main(argv=None) -> int:
                    help="--ddp-bucket-size for the megatron DDP strategies (pp-nodes, distopt-node, distopt): "
                         "on a small model megatron's default (40M parameters) is one bucket, reduced only after "
                         "the whole backward")
+    p.add_argument("--bf16-gradients", action="store_true",
+                   help="with --bf16 in the model flags: every strategy's bf16 gradients (weight passing: "
+                        "--use-precision-aware-optimizer --main-grads-dtype bf16; megatron's DDP and FSDP2: "
+                        "--grad-reduce-in-bf16)")
     p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=1,
                    help="passed to the tawpipe runs (see pretrain_llama.py --help)")
     p.add_argument("--equal-memory", action="store_true",
@@ -149,7 +153,10 @@ def main(argv=None) -> int:
                              record_plan_memory=args.record_plan_memory, measured_times=args.measured_times,
                              tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
                              ddp_bucket_size=args.ddp_bucket_size, tensor_parallel_size=args.tensor_parallel_size,
-                             micro_batch_sizes=own_sizes, equal_memory=args.equal_memory, activation_budget=budget)
+                             micro_batch_sizes=own_sizes, equal_memory=args.equal_memory, activation_budget=budget,
+                             bf16_gradients=args.bf16_gradients)
+    if args.bf16_gradients and "--bf16" not in config.model_args:
+        p.error("--bf16-gradients needs --bf16 among the model flags (bf16 main gradients hold bf16 compute's)")
     if args.deferred_weight_gradients and not args.emulated_compute_times:
         p.error("--deferred-weight-gradients needs --emulated-compute-times (the runtime's own compute runs the "
                 "weight-gradient kernels in the input-gradient pass)")

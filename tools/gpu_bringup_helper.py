@@ -380,31 +380,42 @@ def imports(site, version):
     return 0
 
 
-def summary(out):
+def summary(out, elapsed=None):
     rows = list(csv.reader(open(os.path.join(out, "steps.tsv")), delimiter="\t"))
-    steps = [dict(zip(("pass", "step", "status", "exit", "seconds", "log", "command"), r)) for r in rows]
+    fields = ("pass", "step", "status", "exit", "seconds", "log", "command", "timeout")
+    steps = [dict(zip(fields, r)) for r in rows]
     for s in steps:
         s["exit"] = int(s["exit"]) if s["exit"] not in ("", "-") else None
         s["seconds"] = float(s["seconds"]) if s["seconds"] not in ("", "-") else None
+        s["timeout"] = int(s["timeout"]) if s.get("timeout") not in (None, "", "-") else None
     meta = json.load(open(os.path.join(out, "run.json")))
-    failed = [s for s in steps if s["status"] not in ("ok", "skipped")]
-    meta.update(steps=steps, failed=bool(failed))
+    failed = [s for s in steps if s["status"] != "ok" and not s["status"].startswith("skipped")]
+    budget_skips = [s for s in steps if s["status"].startswith("skipped: budget")]
+    meta.update(steps=steps, failed=bool(failed), skipped_for_budget=[f"{s['pass']}/{s['step']}" for s in budget_skips],
+                elapsed_s=None if elapsed is None else int(elapsed))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
+    budget = meta.get("budget_s")
     md_lines = [f"# GPU bring-up: {meta.get('gpu') or 'no GPU'}", "",
                 f"- started {meta.get('started')}, repository {meta.get('commit')}",
                 f"- python {meta.get('python')}, torch {meta.get('torch')}",
-                f"- passes: {', '.join(meta.get('passes') or []) or 'none'}"]
+                f"- passes: {', '.join(meta.get('passes') or []) or 'none'}",
+                f"- budget: {f'{budget} s' if budget else 'none'}, step caps: {meta.get('step_timeout')}"
+                + ("" if elapsed is None else f"; {int(elapsed)} s used when this was written")]
     for note in meta.get("skipped_passes") or []:
         md_lines.append(f"- skipped: {note}")
-    md_lines += [f"- result: {'FAILED: ' + ', '.join(s['pass'] + '/' + s['step'] for s in failed) if failed else 'every step passed'}",
-                 "", "| pass | step | status | exit | seconds | log | command |", "|---|---|---|---|---|---|---|"]
+    if budget_skips:
+        md_lines.append("- skipped for the budget: " + ", ".join(f"{s['pass']}/{s['step']}" for s in budget_skips))
+    md_lines += [f"- result: {'FAILED: ' + ', '.join(s['pass'] + '/' + s['step'] for s in failed) if failed else 'no step failed'}",
+                 "", "| pass | step | status | exit | seconds | timeout | log | command |",
+                 "|---|---|---|---|---|---|---|---|"]
     for s in steps:
         sec = "" if s["seconds"] is None else f"{s['seconds']:.1f}"
         ex = "" if s["exit"] is None else str(s["exit"])
+        limit = "" if s["timeout"] is None else ("none" if s["timeout"] == 0 else str(s["timeout"]))
         cmd = s["command"].replace("|", "\\|")
-        md_lines.append(f"| {s['pass']} | {s['step']} | {s['status']} | {ex} | {sec} | {s['log']} | `{cmd}` |")
+        md_lines.append(f"| {s['pass']} | {s['step']} | {s['status']} | {ex} | {sec} | {limit} | {s['log']} | `{cmd}` |")
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(md_lines) + "\n")
     return 0
@@ -421,5 +432,5 @@ if __name__ == "__main__":
     if cmd == "imports":
         sys.exit(imports(rest[0], rest[1]))
     if cmd == "summary":
-        sys.exit(summary(rest[0]))
+        sys.exit(summary(rest[0], rest[1] if len(rest) > 1 else None))
     sys.exit(f"unknown helper command {cmd}")

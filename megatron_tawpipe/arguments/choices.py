@@ -18,8 +18,10 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "GPTSentencePieceT
 
 
 # Checkpoint formats this project writes (and reads), and Megatron-LM's others (refused in one line).
-CKPT_FORMATS = ("torch_dist", "tawpipe")
-MEGATRON_LM_ONLY_CKPT_FORMATS = ("torch", "zarr", "torch_dcp", "fsdp_dtensor")
+CKPT_FORMATS = ("torch_dist", "tawpipe", "torch")
+MEGATRON_LM_ONLY_CKPT_FORMATS = ("zarr", "torch_dcp", "fsdp_dtensor")
+# Megatron-LM's --async-strategy values (its default nvrx needs nvidia-resiliency-ext).
+ASYNC_STRATEGIES = ("nvrx", "mcore")
 
 
 def positive_int(text: str) -> int:

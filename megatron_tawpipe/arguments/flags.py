@@ -11,15 +11,16 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown, settle_megatron_lm_flags
+from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown, settle_compat_flags
 from megatron_tawpipe.common.errors import ArgumentError
-from megatron_tawpipe.arguments.choices import (CKPT_FORMATS, FILE_TOKENIZERS,  # noqa: F401 (flags' names)
+from megatron_tawpipe.arguments.choices import (ASYNC_STRATEGIES, CKPT_FORMATS, FILE_TOKENIZERS,  # noqa: F401
                                                 MEGATRON_LM_ONLY_CKPT_FORMATS, SENTENCEPIECE_TOKENIZERS,
                                                 SUPPORTED_TOKENIZERS, TOKENIZER_TYPES, non_negative_int,
                                                 positive_float, positive_int)
 from megatron_tawpipe.arguments.weight_passing import (PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,  # noqa: F401
                                                        WEIGHT_PASSING_SCHEDULES, add_tawpipe_args,
                                                        is_weight_passing, plan_file_of)
+from megatron_tawpipe.arguments.native_pipeline import add_native_pipeline_args, native_pipeline_notices
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_checkpoint_and_logging_args(parser)
+    add_native_pipeline_args(parser)
     add_tawpipe_args(parser)
     add_compat_args(parser)
     return parser
@@ -179,6 +181,20 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="native schedules: accumulate and reduce gradients in fp32 (on by default with --bf16)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="native schedules with --bf16: reduce gradients in bf16")
+    # Megatron-LM's precision-aware optimizer (megatron-core's OptimizerConfig fields of the same names);
+    # 'fp8' is megatron's name for Transformer Engine's scaled fp8 storage (torch.uint8).
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="keep main gradients, main parameters and Adam's moments in the dtypes below")
+    g.add_argument("--main-grads-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="dtype of the main gradients (accumulators and, with weight passing, the travelling "
+                        "partial gradients); bf16 needs --bf16 and --use-precision-aware-optimizer")
+    g.add_argument("--main-params-dtype", default="fp32", choices=["fp32", "fp16"],
+                   help="dtype of the main (master) parameters with --use-precision-aware-optimizer")
+    g.add_argument("--exp-avg-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="dtype Adam's first moment is stored in with --use-precision-aware-optimizer "
+                        "(the update is computed in fp32)")
+    g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="dtype Adam's second moment is stored in with --use-precision-aware-optimizer")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="average the loss over the tokens of the whole global batch")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
@@ -298,8 +314,18 @@ def add_tokenizer_file_args(group) -> None:
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="dataset prefix(es) of .bin/.idx files, optionally weighted: W1 P1 W2 P2")
-    g.add_argument("--split", default="969,30,1")
+                   help="dataset prefix(es) of .bin/.idx files, optionally weighted: W1 P1 W2 P2; cut into "
+                        "train/valid/test by --split")
+    g.add_argument("--split", default=None, help="train,valid,test shares of --data-path (default 969,30,1)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own prefix(es), as --data-path (instead of --data-path and --split)")
+    g.add_argument("--data-args-path", default=None,
+                   help="a file holding the --data-path list (whitespace-separated), for long blends")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help="a JSON file with keys train, valid, test, each a --*-data-path list or string")
+    g.add_argument("--num-dataset-builder-threads", type=positive_int, default=1,
+                   help="threads per rank building the blended datasets' parts (megatron-core's builder)")
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of --data-path")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES, metavar="TOKENIZER_TYPE",
@@ -335,11 +361,34 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true", help="load weights only, restart iteration count")
     g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS + MEGATRON_LM_ONLY_CKPT_FORMATS,
                    help="torch_dist (default): Megatron-LM's format through megatron-core's dist_checkpointing; "
-                        "tawpipe: this project's earlier per-parameter files. Loading reads either")
+                        "torch: Megatron-LM's legacy per-rank files (weights); "
+                        "tawpipe: this project's earlier per-parameter files. Loading reads any of them")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model flags (sizes, architecture, tokenizer) from the checkpoint under --load")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="stop if --load holds no checkpoint instead of starting from scratch")
+    # Megatron-LM's checkpoint companions (docs/checkpoints.md).
+    g.add_argument("--save-retain-interval", type=positive_int, default=None,
+                   help="keep only checkpoints whose iteration is a multiple of this, and the latest")
+    g.add_argument("--async-save", action="store_true",
+                   help="write torch_dist checkpoints in the background while training goes on")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="--async-save on megatron-core's persistent writer process (needs a GPU)")
+    g.add_argument("--async-strategy", default="nvrx", choices=ASYNC_STRATEGIES,
+                   help="Megatron-LM's default nvrx (nvidia-resiliency-ext) or mcore; this project writes with mcore")
+    g.add_argument("--async-ckpt-cpu-priority", type=int, default=10,
+                   help="nice value (0-19) of the background checkpoint writer")
+    g.add_argument("--async-ckpt-io-priority", type=int, default=3, help="I/O class (0-3, 3 = idle) of that writer")
+    g.add_argument("--async-ckpt-use-cpu-shm", action="store_true",
+                   help="Megatron-LM: nvrx's CPU shared-memory staging; answered in one line")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="the distributed optimizer's state in model space: what this project always writes")
+    g.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
+                   help="Megatron-LM's low-memory gathering for the above; answered in one line")
+    g.add_argument("--use-dist-ckpt", dest="use_dist_ckpt_deprecated", action="store_true",
+                   help="deprecated in Megatron-LM, no effect: see --ckpt-format")
+    g.add_argument("--dist-ckpt-format", dest="dist_ckpt_format_deprecated", default=None,
+                   help="deprecated in Megatron-LM, no effect: see --ckpt-format")
     g.add_argument("--log-interval", type=positive_int, default=100)
     g.add_argument("--log-throughput", action="store_true",
                    help="accepted: the log line always has tokens/s and TFLOP/s per rank")
@@ -360,19 +409,33 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="iteration-time (and throughput with --log-throughput) every --log-interval")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--exit-interval", type=positive_int, default=None, help="stop after this iteration")
+    # Megatron-LM's logging switches (monitor/): names, meanings and defaults as Megatron-LM's.
+    g.add_argument("--log-progress", action="store_true",
+                   help="append job start and, after every checkpoint, job and cumulative throughput, "
+                        "floating-point operations and tokens to SAVE/progress.txt")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   dest="log_loss_scale_to_tensorboard", action="store_false", default=True,
+                   help="leave loss-scale out of TensorBoard/W&B (written by default, 1.0 without --fp16)")
+    g.add_argument("--no-log-learnig-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                   action="store_false", default=True,
+                   help="leave learning-rate out of TensorBoard/W&B (Megatron-LM's spelling)")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="memory scalars (mem-allocated-bytes, ...) to TensorBoard every --tensorboard-log-interval")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="world-size to TensorBoard/W&B every --tensorboard-log-interval")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="the root logger's level (10 DEBUG, 20 INFO, ...); default: MEGATRON_LOGGING_LEVEL if set")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parse ``argv``; a Megatron-LM flag this project does not implement is an ArgumentError naming it."""
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
-        try:
-            unknown, notices = settle_megatron_lm_flags(unknown)
-        except ValueError as exc:
-            raise ArgumentError(str(exc)) from None
-        if unknown:
-            raise ArgumentError(explain_unknown(unknown))
-        args.megatron_lm_default_notices = notices
+        raise ArgumentError(explain_unknown(unknown))
+    try:   # Megatron-LM's flags answered from the flag table: refused in one line, or notices
+        args.megatron_lm_notices = settle_compat_flags(args) + native_pipeline_notices(args)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
     fill_defaults(args)
     return args
 

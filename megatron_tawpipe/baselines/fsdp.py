@@ -81,12 +81,14 @@ def build_mesh(replicas: int):
 
 
 def mixed_precision_policy(args) -> dict:
-    """``fully_shard`` keyword for ``--bf16``: bf16 compute, fp32 reductions and accumulation."""
+    """``fully_shard`` keyword for ``--bf16``: bf16 compute, fp32 reductions and accumulation (bf16
+    reductions with --grad-reduce-in-bf16, Megatron-LM's flag for megatron's DDP)."""
     if not args.bf16:
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    reduce_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

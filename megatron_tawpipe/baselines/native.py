@@ -28,6 +28,7 @@ from megatron_tawpipe.emulation.compute import EmulatedCompute
 from megatron_tawpipe.arguments import virtual_pipeline_size
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import build_llama_model, llama_config
+from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
 from megatron_tawpipe.models.parameters import global_parameter_names, global_shape, tensor_parallel_slice, unwrap_model
 from megatron_tawpipe.common.errors import PeerFailure, first_line
 from megatron_tawpipe.distributed.megatron_schedules import megatron_forward_backward_func
@@ -87,13 +88,26 @@ def optimizer_config(args) -> OptimizerConfig:
         hysteresis=args.hysteresis,
         loss_scale_window=args.loss_scale_window,
         min_loss_scale=args.min_loss_scale,
+        **precision_aware_fields(args),
     )
+
+
+def precision_aware_fields(args) -> dict:
+    """megatron-core's precision-aware optimizer fields from Megatron-LM's flags (validate_args has refused
+    them where Transformer Engine's FusedAdam or the distributed optimizer is missing)."""
+    if not getattr(args, "use_precision_aware_optimizer", False):
+        return {}
+    dtypes = OptimizerDtypes.from_args(args)
+    return {"use_precision_aware_optimizer": True, "main_grads_dtype": dtypes.main_grads,
+            "main_params_dtype": dtypes.main_params, "exp_avg_dtype": dtypes.exp_avg,
+            "exp_avg_sq_dtype": dtypes.exp_avg_sq}
 
 
 def grad_reduce_in_fp32(args) -> bool:
     """Megatron-LM's rule: fp32 gradient buffers with --accumulate-allreduce-grads-in-fp32, which
-    --bf16 turns on unless --grad-reduce-in-bf16 (fp32 training has fp32 gradients anyway)."""
-    if args.bf16 and not args.grad_reduce_in_bf16:
+    --bf16 turns on unless --grad-reduce-in-bf16 or --main-grads-dtype bf16 (fp32 training has fp32
+    gradients anyway)."""
+    if args.bf16 and not args.grad_reduce_in_bf16 and OptimizerDtypes.from_args(args).main_grads == torch.float32:
         return True
     return bool(args.accumulate_allreduce_grads_in_fp32) or not (args.bf16 or args.fp16)
 
@@ -112,6 +126,8 @@ def ddp_config(args) -> DistributedDataParallelConfig:
         use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=args.ddp_bucket_size,
+        # Megatron-LM's --no-align-param-gather: interleaved chunks gather together unless given.
+        align_param_gather=virtual_pipeline_size(args) is not None and getattr(args, "align_param_gather", True),
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
 
 
@@ -135,9 +151,12 @@ class NativeTrainer(CheckpointDefaults):
             self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
         else:
             self.config.no_sync_func = self.model[0].no_sync
-        if args.overlap_grad_reduce:  # Megatron-LM's --align-grad-reduce (its default)
+        if args.overlap_grad_reduce and getattr(args, "align_grad_reduce", True):  # --no-align-grad-reduce
             sync = [chunk.start_grad_sync for chunk in self.model]
             self.config.grad_sync_func = sync if len(sync) > 1 else sync[0]
+        if args.overlap_param_gather and self.model[0].ddp_config.align_param_gather:  # --no-align-param-gather
+            gather = [chunk.start_param_sync for chunk in self.model]
+            self.config.param_sync_func = gather if len(gather) > 1 else gather[0]
         self.forward_backward = megatron_forward_backward_func(args.pipeline_model_parallel_size, vpp)
         report_pipeline_waits()
 

@@ -90,6 +90,7 @@ class BenchmarkConfig:
     tawpipe_microbatches_per_visit: int = 1
     tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
+    bf16_gradients: bool = False  # every strategy's bf16 gradient option (bf16_gradient_flags), with --bf16
     micro_batch_sizes: Dict[str, int] = field(default_factory=dict)  # a strategy's own --micro-batch-size
     equal_memory: bool = False   # choose each strategy's micro-batch size under an activation budget (.equal_memory)
     activation_budget: Optional[float] = None  # bytes; default: TawPipe's activation memory
@@ -113,6 +114,18 @@ class BenchmarkConfig:
         return 2 if self.ranks % 2 == 0 and self.ranks > 1 else 1
 
 
+def bf16_gradient_flags(schedule: str) -> List[str]:
+    """A strategy's bf16 gradients (with --bf16): weight passing's precision-aware optimizer with bf16 main
+    gradients (accumulators and travelling partial gradients); megatron's DDP and FSDP2 accumulate and reduce
+    in bf16 with --grad-reduce-in-bf16 (megatron-core's own precision-aware optimizer needs Transformer
+    Engine's FusedAdam)."""
+    if schedule.startswith(("tawpipe", "weipipe")):
+        return ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"]
+    if schedule == "hfsdp":
+        raise BenchmarkError("--bf16-gradients: Megatron-FSDP's gradient dtype is not wired to a flag here")
+    return ["--grad-reduce-in-bf16"]
+
+
 def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) -> List[str]:
     """Script and arguments of one run (what follows ``torchrun ... ``).
 
@@ -130,6 +143,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
         common += ["--num-layers", str(layers)]
     if config.emulated_compute_times:
         common += ["--emulated-compute-times", os.path.abspath(config.emulated_compute_times)]
+    if config.bf16_gradients:
+        common += bf16_gradient_flags(schedule)
     if schedule.startswith(("tawpipe", "weipipe")):
         extra = [] if config.recompute else ["--tawpipe-no-recompute"]
         if config.record_plan_memory:

@@ -1,10 +1,14 @@
 """Checkpoints that any schedule can resume from.
 
-Two formats, chosen with ``--ckpt-format`` when saving and recognised by their files when loading:
+Three formats, chosen with ``--ckpt-format`` when saving and recognised by their files when loading:
 
 * ``torch_dist`` (the default, Megatron-LM's): megatron-core's ``dist_checkpointing``, tensors under
-  megatron-core's model-space keys (:mod:`.torch_dist`);
+  megatron-core's model-space keys (:mod:`.torch_dist`), written in the background with ``--async-save``
+  (:mod:`.async_save`);
+* ``torch``: Megatron-LM's legacy per-rank files, weights (:mod:`.legacy_torch`);
 * ``tawpipe``: this project's earlier per-parameter files (:mod:`.per_parameter`), still loadable.
+
+``--save-retain-interval`` applies to all of them (:mod:`.retention`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_tawpipe.checkpoint import per_parameter
-from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, iteration_dir,
-                                                latest_iteration, model_signature)
+from megatron_tawpipe.checkpoint import async_save, legacy_torch, per_parameter
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, checkpoint_dir,
+                                                iteration_dir, latest_iteration, model_signature)
 from megatron_tawpipe.common.checkpointable import Checkpointable
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 
@@ -27,17 +31,34 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer: C
         return per_parameter.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
     from megatron_tawpipe.checkpoint import torch_dist
 
+    if args.ckpt_format == "torch":
+        return legacy_torch.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args,
+                                            torch_dist.saved_arguments(args, consumed_samples))
+
     return torch_dist.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
 
 
+def finalize_async_saves(blocking: bool = False) -> None:
+    """``--async-save``: make the background saves that are done on every rank visible (all of them, waiting,
+    with ``blocking``); collective, called by every rank at the same points of the training loop."""
+    async_save.finalize(blocking)
+
+
+def close_async_saves(abort: bool) -> None:
+    """End of training: finalize pending background saves, or with ``abort`` (a failed run) drop them unfinished."""
+    async_save.close(abort)
+
+
 def checkpoint_format(directory: str) -> str:
-    """``torch_dist`` or ``tawpipe``, from the files in a checkpoint directory."""
+    """``torch_dist``, ``torch`` or ``tawpipe``, from the files in a checkpoint directory."""
     if os.path.isfile(os.path.join(directory, ".metadata")):
         return "torch_dist"
     if os.path.isfile(os.path.join(directory, "common.pt")):
         return "tawpipe"
-    raise CheckpointError(f"{directory}: neither a torch_dist checkpoint (.metadata) nor this project's "
-                          "per-parameter format (common.pt)")
+    if legacy_torch.is_legacy_dir(directory):
+        return "torch"
+    raise CheckpointError(f"{directory}: neither a torch_dist checkpoint (.metadata), Megatron-LM's legacy torch "
+                          "format (mp_rank_*/model_optim_rng.pt) nor this project's per-parameter format (common.pt)")
 
 
 def load_checkpoint(root: str, trainer: Checkpointable, scheduler, args) -> Tuple[int, int]:
@@ -46,11 +67,14 @@ def load_checkpoint(root: str, trainer: Checkpointable, scheduler, args) -> Tupl
     iteration = latest_iteration(root)
     if iteration is None:
         return 0, 0
-    directory = iteration_dir(root, iteration)
+    directory = checkpoint_dir(root)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{root}: the tracker names iteration {iteration}, but {directory} is missing")
-    if checkpoint_format(directory) == "tawpipe":
+    kind = checkpoint_format(directory)
+    if kind == "tawpipe":
         return per_parameter.load_checkpoint(root, trainer, scheduler, args)
+    if kind == "torch":
+        return legacy_torch.load_checkpoint(root, trainer, scheduler, args)
     from megatron_tawpipe.checkpoint import torch_dist
 
     return torch_dist.load_checkpoint(root, trainer, scheduler, args)
@@ -65,13 +89,14 @@ CHECKPOINT_ARGS = tuple(key for key in SHAPE_KEYS if key != "padded_vocab_size")
 def checkpoint_arguments(root: str) -> Optional[Tuple[str, Dict[str, object]]]:
     """``(directory, {argument: value})`` of the model arguments the latest checkpoint under ``root``
     was trained with; None when ``root`` holds no checkpoint."""
-    iteration = latest_iteration(root)
-    if iteration is None:
+    if latest_iteration(root) is None:
         return None
-    directory = iteration_dir(root, iteration)
+    directory = checkpoint_dir(root)
     path = os.path.join(directory, "common.pt")
     try:
-        if checkpoint_format(directory) == "torch_dist":
+        if checkpoint_format(directory) == "torch":
+            saved = vars(legacy_torch.saved_args(directory))
+        elif checkpoint_format(directory) == "torch_dist":
             # Megatron-LM stores its argparse namespace in the common part: common.pt up to megatron-core
             # 0.18, an object inside the .distcp files from 0.19 (megatron-core reads either).
             from megatron.core import dist_checkpointing
@@ -91,11 +116,13 @@ def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
     checkpoint names them by megatron-core's keys (a local layer's norms under Transformer Engine's names)."""
     if checkpoint_format(directory) == "tawpipe":
         return per_parameter.read_parameters(directory)
+    if checkpoint_format(directory) == "torch":
+        return legacy_torch.read_parameters(directory)
     from megatron_tawpipe.checkpoint import torch_dist
 
     return torch_dist.read_parameters(directory)
 
 
 __all__ = ["ARCHITECTURE_KEYS", "CHECKPOINT_ARGS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
-           "checkpoint_arguments", "checkpoint_format", "iteration_dir", "latest_iteration", "load_checkpoint",
-           "model_signature", "read_parameters", "save_checkpoint"]
+           "checkpoint_arguments", "checkpoint_format", "close_async_saves", "finalize_async_saves", "iteration_dir",
+           "latest_iteration", "load_checkpoint", "model_signature", "read_parameters", "save_checkpoint"]

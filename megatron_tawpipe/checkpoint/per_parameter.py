@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.common.atomic import atomic_torch_save, atomic_write_text
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
-from megatron_tawpipe.checkpoint.state import (barrier, check_signature, iteration_dir,
+from megatron_tawpipe.checkpoint.state import (barrier, check_signature, checkpoint_dir,
                                                 latest_iteration, load_scheduler, model_signature, rank,
                                                 promote_checkpoint_dir, restore_optimizer_state, rng_state, set_rng_state,
                                                 start_checkpoint_dir, tied_alias, world, writer_entries)
@@ -106,7 +106,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         summary = {k: v for k, v in common.items() if k not in ("scheduler", "grad_scaler", "index")}
         summary["num_parameters"] = len(index)
         atomic_write_text(os.path.join(tmp_dir, "metadata.json"), json.dumps(summary, indent=1), durable=True)
-        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration)
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, getattr(args, "save_retain_interval", None))
     barrier()
     return final_dir
 
@@ -165,7 +165,7 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     iteration = latest_iteration(root)
     if iteration is None:
         return 0, 0
-    directory = iteration_dir(root, iteration)
+    directory = checkpoint_dir(root)
     common = _load(os.path.join(directory, "common.pt"))
     _check_format(common, args, directory)
     tied = not args.untie_embeddings_and_output_weights

@@ -167,11 +167,31 @@ def saved_signature(saved: dict) -> dict:
     return completed
 
 
+RELEASE = "release"  # Megatron-LM's tracker text for a released (converted) checkpoint, in SAVE/release/
+
+
+def is_release(root: str) -> bool:
+    """Whether the tracker under ``root`` names Megatron-LM's ``release`` checkpoint (weights, iteration 0)."""
+    tracker = os.path.join(root, TRACKER_FILE)
+    return os.path.isfile(tracker) and open(tracker, encoding="utf-8").read().strip() == RELEASE
+
+
+def checkpoint_dir(root: str) -> Optional[str]:
+    """The directory the tracker under ``root`` names (``iter_NNNNNNN`` or ``release``); None without a tracker."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    return os.path.join(root, RELEASE) if is_release(root) else iteration_dir(root, iteration)
+
+
 def latest_iteration(root: str) -> Optional[int]:
+    """The iteration the tracker under ``root`` names (0 for Megatron-LM's ``release``); None without one."""
     tracker = os.path.join(root, TRACKER_FILE)
     if not os.path.isfile(tracker):
         return None
     text = open(tracker, encoding="utf-8").read().strip()
+    if text == RELEASE:
+        return 0
     try:
         return int(text)
     except ValueError as exc:
@@ -241,13 +261,23 @@ def start_checkpoint_dir(root: str, iteration: int):
     return tmp_dir, final_dir
 
 
-def promote_checkpoint_dir(tmp_dir: str, final_dir: str, root: str, iteration: int) -> None:
+def promote_checkpoint_dir(tmp_dir: str, final_dir: str, root: str, iteration: int,
+                           retain_interval: Optional[int] = None) -> None:
     """Rank 0, once every file is written and fsynced: rename the temporary directory into place, then
-    replace the tracker (a run killed before this leaves the previous checkpoint as the latest)."""
+    replace the tracker (a run killed before this leaves the previous checkpoint as the latest); then, with
+    ``--save-retain-interval``, delete the previous latest checkpoint if its iteration is not retained."""
     import shutil
 
+    from megatron_tawpipe.checkpoint import retention
+
+    try:
+        previous = latest_iteration(root)
+    except CheckpointError:
+        previous = None
     fsync_dir(tmp_dir)
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(tmp_dir, final_dir)
     fsync_dir(root)
     atomic_write_text(os.path.join(root, TRACKER_FILE), f"{iteration}\n", durable=True)
+    if retention.expendable(previous, iteration, retain_interval):
+        retention.delete_checkpoint(root, previous, latest=iteration)

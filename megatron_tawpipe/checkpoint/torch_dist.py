@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -44,11 +43,12 @@ from megatron_tawpipe.arguments import plain_arguments
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.common.atomic import fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
+from megatron_tawpipe.checkpoint import async_save
 from megatron_tawpipe.checkpoint.model_space import (CHECKPOINT_VERSION, CONTENT_METADATA, MOMENTS, RECORD_KEY,
                                                       RNG_KEY, SAVE_STRATEGY, layer_extra_states, layer_keys_map,
                                                       model_space_key, rng_object, sharded_pieces, sharded_tensor)
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS,
-                                                barrier, check_signature, iteration_dir,
+                                                barrier, check_signature, checkpoint_dir,
                                                 latest_iteration, load_scheduler, model_signature,
                                                 promote_checkpoint_dir, rank, restore_optimizer_state, rng_state,
                                                 set_rng_state, start_checkpoint_dir, tied_alias, world,
@@ -56,7 +56,7 @@ from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS,
 
 # ---- saving ---------------------------------------------------------------------------------
 
-def _saved_args(args, consumed_samples: int) -> argparse.Namespace:
+def saved_arguments(args, consumed_samples: int) -> argparse.Namespace:
     """The run's arguments as Megatron-LM stores them (``consumed_train_samples`` included)."""
     saved = argparse.Namespace(**plain_arguments(args))
     saved.consumed_train_samples = consumed_samples
@@ -155,17 +155,6 @@ def whole_parameter_state(trainer, args, with_optimizer: bool) -> dict:
     return result
 
 
-def _in_process_results_queue() -> None:
-    """megatron-core's torch_dist writer hands its results back through a queue served by a spawned
-    multiprocessing manager: a second interpreter per rank (importing the main module), kept for the
-    life of the process and orphaned when a rank is killed. A synchronous save, the only kind made
-    here, puts and gets in this process: a plain queue does."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", "absent") is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def _comparable_common(common: dict) -> dict:
     """The common part every rank must agree on: a weight-passing rank's (empty) containers of the tensors
     it wrote are its own, and so are the arguments' per-rank values (rank 0's are written)."""
@@ -176,15 +165,15 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     """Collectively write ``iter_XXXXXXX`` under ``root`` with megatron-core's dist_checkpointing."""
     from megatron.core import dist_checkpointing
 
-    _in_process_results_queue()
-
+    async_save.use_results_queue(args)
+    async_save.finalize(blocking=True)  # a background save still pending completes first (--async-save)
     tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
     with_optimizer = not args.no_save_optim
     state = trainer.megatron_sharded_state_dict(with_optimizer)
     if state is None:
         state = whole_parameter_state(trainer, args, with_optimizer)
     state.update({
-        "args": _saved_args(args, consumed_samples),
+        "args": saved_arguments(args, consumed_samples),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "num_floating_point_operations_so_far": 0,
@@ -203,15 +192,35 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         state[RNG_KEY] = rng_object(rng_state())
-    dist_checkpointing.save(state, tmp_dir, sharded_strategy=SAVE_STRATEGY, content_metadata=dict(CONTENT_METADATA),
-                            preprocess_common_before_consistancy_check=_comparable_common)
-    barrier()
-    if rank() == 0:
-        for name in os.listdir(tmp_dir):
-            fsync_file(os.path.join(tmp_dir, name))
-        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration)
-    barrier()
+    retain = getattr(args, "save_retain_interval", None)
+
+    def make_visible() -> None:
+        """Every rank, once every rank's files are written: rank 0 fsyncs and promotes the checkpoint."""
+        barrier()
+        if rank() == 0:
+            for name in os.listdir(tmp_dir):
+                fsync_file(os.path.join(tmp_dir, name))
+            promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, retain)
+        barrier()
+
+    # (The strategy object, not its (backend, version) name: megatron-core's async path needs an instance.)
+    request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=_save_strategy(),
+                                      content_metadata=dict(CONTENT_METADATA),
+                                      preprocess_common_before_consistancy_check=_comparable_common,
+                                      async_sharded_save=async_save.enabled(args))
+    if request is None:
+        make_visible()
+    else:  # --async-save: written in the background; visible once finalized (async_save.finalize)
+        request.add_finalize_fn(make_visible)
+        async_save.schedule(request, args)
     return final_dir
+
+
+def _save_strategy():
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    # The backend only: megatron-core 0.19 dropped the version argument (1, the default, before).
+    return get_default_save_sharded_strategy(SAVE_STRATEGY[0])
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -345,7 +354,7 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
-    directory = iteration_dir(root, iteration)
+    directory = checkpoint_dir(root)
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
         metadata = dist_checkpointing.load_tensors_metadata(directory)

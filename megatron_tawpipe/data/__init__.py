@@ -16,7 +16,7 @@ Everything here runs on megatron-core's data stack:
 are not present fall back to Megatron-LM's defaults.
 
 Modules: :mod:`.tokenizers`, :mod:`.preprocess` (corpus -> ``.bin``/``.idx``), :mod:`.validation`
-(the data flags), :mod:`.dataset_builder` (the splits), :mod:`.iterators` (samplers, batches),
+(the data flags), :mod:`.blends` (``--data-path`` or a dataset per split, as Megatron-LM reads them), :mod:`.dataset_builder` (the splits), :mod:`.iterators` (samplers, batches),
 :mod:`.checks` (file integrity), :mod:`.batch_schedule`, :mod:`.default_corpus`.
 """
 

@@ -1,5 +1,10 @@
 """Training, validation and test datasets: megatron-core's ``BlendedMegatronDatasetBuilder`` with
 ``GPTDataset`` (or ``MockGPTDataset`` for ``--mock-data``), sized as Megatron-LM sizes the splits.
+
+The data come as Megatron-LM takes them (:mod:`.blends`): ``--data-path`` cut by ``--split`` (the config's
+``blend`` and ``split``) or a dataset per split (``--train-data-path`` ...: its ``blend_per_split``).
+``--num-dataset-builder-threads`` is the config's ``num_dataset_builder_threads`` (the threads that build a
+blend's datasets).
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ import logging
 from typing import Callable, List, Optional
 
 from megatron_tawpipe.data.tokenizers import _arg
-from megatron_tawpipe.data.validation import DEFAULT_SPLIT, _check_splits_nonempty, check_data_files, parse_data_path
+from megatron_tawpipe.data.validation import DEFAULT_SPLIT, _check_splits_nonempty, check_data_files, data_blends
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,8 @@ def build_dataset_config(args, tokenizer):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     mock = bool(getattr(args, "mock_data", False))
-    blend = None if mock else parse_data_path(getattr(args, "data_path", None))
+    # --data-path cut by --split, or one blend per split (--train-data-path ...): Megatron-LM's two ways.
+    blend, blend_per_split = (None, None) if mock else data_blends(args)
     reset_attention_mask = bool(getattr(args, "reset_attention_mask", False))
     create_mask = getattr(args, "create_attention_mask_in_dataloader", None)
     if create_mask is None:
@@ -44,7 +50,7 @@ def build_dataset_config(args, tokenizer):
         # needed for document-level masking (and costs O(S^2) memory at long context).
         create_mask = reset_attention_mask
     cache = getattr(args, "data_cache_path", None)
-    blended = blend is not None and (len(blend[0]) > 1 or blend[1] is not None)
+    blended = any(b is not None and (len(b[0]) > 1 or b[1] is not None) for b in [blend] + list(blend_per_split or []))
     if cache and blended and not _dist_initialized():
         # megatron-core's BlendedDataset calls torch.distributed.get_rank() on a cache miss
         # whenever a cache path is set, which fails in a single process without a process
@@ -55,7 +61,8 @@ def build_dataset_config(args, tokenizer):
         random_seed=int(_arg(args, "seed", 1234)),
         sequence_length=int(args.seq_length),
         blend=blend,
-        split=None if mock else _arg(args, "split", DEFAULT_SPLIT),
+        blend_per_split=blend_per_split,
+        split=None if mock or blend_per_split is not None else _arg(args, "split", DEFAULT_SPLIT),
         path_to_cache=cache,
         mmap_bin_files=bool(_arg(args, "mmap_bin_files", True)),
         tokenizer=tokenizer,
@@ -67,7 +74,8 @@ def build_dataset_config(args, tokenizer):
         mid_level_dataset_surplus=float(_arg(args, "mid_level_dataset_surplus", 0.005)),
     )
     names = {f.name for f in dataclasses.fields(GPTDatasetConfig) if f.init}
-    for required in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+    for required in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "blend_per_split",
+                     "num_dataset_builder_threads"):
         assert required in names, f"GPTDatasetConfig has no field {required}"
     return GPTDatasetConfig(**{k: v for k, v in kwargs.items() if k in names})
 
@@ -95,7 +103,8 @@ def build_datasets(args, tokenizer, is_built_on_rank: Optional[Callable[[], bool
     config = build_dataset_config(args, tokenizer)
     if not config.mock:
         check_data_files(args, getattr(tokenizer, "vocab_size", None))
-        _check_splits_nonempty(config.blend[0], config.split)
+        if config.blend is not None:
+            _check_splits_nonempty(config.blend[0], config.split)
     cls = MockGPTDataset if config.mock else GPTDataset
     sizes = dataset_sizes(args)
     built_on_rank = is_built_on_rank if is_built_on_rank is not None else (lambda: True)

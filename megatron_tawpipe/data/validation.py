@@ -13,6 +13,7 @@ import os
 import re
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_tawpipe.data import blends
 from megatron_tawpipe.data.checks import (check_indexed_dataset, check_token_ids, check_tokenizer_record,
                                           tokenizer_fingerprint)
 from megatron_tawpipe.data.tokenizers import (SENTENCEPIECE_TOKENIZERS, SUPPORTED_TOKENIZERS, _arg, load_tokenizer,
@@ -21,8 +22,9 @@ from megatron_tawpipe.data.tokenizers import (SENTENCEPIECE_TOKENIZERS, SUPPORTE
 DEFAULT_SPLIT = "969,30,1"
 
 
-def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Tuple[List[str], Optional[List[float]]]]:
-    """Megatron blend syntax -> (prefixes, weights or None).
+def parse_data_path(data_path: Optional[Sequence[str]],
+                    flag: str = "--data-path") -> Optional[Tuple[List[str], Optional[List[float]]]]:
+    """Megatron blend syntax -> (prefixes, weights or None); errors name ``flag``.
 
     ``["prefix"]`` or ``["p1", "p2"]`` -> weights None (proportional to dataset sizes);
     ``["w1", "p1", "w2", "p2"]`` -> explicit weights.  Items may also hold several
@@ -49,10 +51,10 @@ def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Tuple[List[s
         return items, None
     if any(w is None for w in weights):
         raise ValueError(
-            f"--data-path {' '.join(items)!r} mixes weights and prefixes; use 'prefix ...' or 'w1 prefix1 w2 prefix2 ...'"
+            f"{flag} {' '.join(items)!r} mixes weights and prefixes; use 'prefix ...' or 'w1 prefix1 w2 prefix2 ...'"
         )
     if any(w <= 0 or not math.isfinite(w) for w in weights):
-        raise ValueError(f"--data-path weights must be positive numbers, got {items[0::2]}")
+        raise ValueError(f"{flag} weights must be positive numbers, got {items[0::2]}")
     return list(items[1::2]), weights
 
 
@@ -123,18 +125,25 @@ def _tokenizer_vocab(args, vocab_size: Optional[int] = None) -> Optional[Tuple[i
             "the data was tokenized with another tokenizer or a larger --vocab-size")
 
 
+def data_blends(args):
+    """``(blend, blend_per_split)`` of the data flags, as megatron-core's dataset config takes them
+    (:mod:`megatron_tawpipe.data.blends`)."""
+    return blends.data_blends(args, parse_data_path)
+
+
 def check_data_files(args, vocab_size: Optional[int] = None) -> None:
-    """Check each --data-path prefix: an intact .bin/.idx pair whose ids fit the tokenizer.
+    """Check each prefix of the data flags: an intact .bin/.idx pair whose ids fit the tokenizer.
 
     Raises ValueError with one line naming the flag and file (see ``data_checks``).  A
     no-op for --mock-data.  ``vocab_size`` overrides the tokenizer size read from the flags.
     """
     if getattr(args, "mock_data", False):
         return
-    blend = parse_data_path(getattr(args, "data_path", None))
-    if blend is None:
+    sources = blends.data_sources(args, parse_data_path)
+    infos = [check_indexed_dataset(prefix, flag)
+             for prefix, flag in {p: f for f, blend in sources for p in blend[0]}.items()]
+    if not infos:
         return
-    infos = [check_indexed_dataset(prefix, "--data-path") for prefix in dict.fromkeys(blend[0])]
     vocab = _tokenizer_vocab(args, vocab_size)
     if vocab is not None:
         tokenizer_type = getattr(args, "tokenizer_type", None)
@@ -216,23 +225,39 @@ def validate_data_args(args) -> None:
         if int(vocab) <= 0:
             raise ValueError(f"--vocab-size must be positive, got {vocab}")
 
+    blends.check_data_sources(args)
     if getattr(args, "mock_data", False):
         return
-    blend = parse_data_path(getattr(args, "data_path", None))
-    if blend is None:
-        raise ValueError("no training data: give --data-path PREFIX (Megatron .bin/.idx) or --mock-data")
-    parse_split(_arg(args, "split", DEFAULT_SPLIT))
-    for prefix in blend[0]:
+    blend, per_split = data_blends(args)
+    if blend is None and per_split is None:
+        raise ValueError("no training data: give --data-path PREFIX (Megatron .bin/.idx), --train-data-path PREFIX "
+                         "(with --valid-data-path, --test-data-path) or --mock-data")
+    if per_split is not None and per_split[0] is None:
+        raise ValueError(f"no training data: {blends.PER_SPLIT_FLAGS[0]} (or the train entry of "
+                         "--per-split-data-args-path) is required with per-split data")
+    if blend is not None:
+        parse_split(_arg(args, "split", DEFAULT_SPLIT))
+    for flag, source in blends.data_sources(args, parse_data_path):
+        _check_prefix_files(flag, source[0])
+    check_data_files(args)
+    if blend is not None:
+        _check_splits_nonempty(blend[0], _arg(args, "split", DEFAULT_SPLIT))
+    for flag, source in blends.data_sources(args, parse_data_path) if per_split is not None else ():
+        for prefix in source[0]:
+            if _idx_counts(prefix)[0] == 0:
+                raise ValueError(f"{flag}: {prefix} holds no documents")
+
+
+def _check_prefix_files(flag: str, prefixes: Sequence[str]) -> None:
+    for prefix in prefixes:
         for ext in (".bin", ".idx"):
             if prefix.endswith(ext):
                 raise ValueError(
-                    f"--data-path takes the prefix without {ext}: use {prefix[: -len(ext)]}"
+                    f"{flag} takes the prefix without {ext}: use {prefix[: -len(ext)]}"
                 )
         for ext in (".bin", ".idx"):
             path = prefix + ext
             if not os.path.isfile(path):
-                raise ValueError(f"--data-path: {path} not found")
+                raise ValueError(f"{flag}: {path} not found")
             if not os.access(path, os.R_OK):
-                raise ValueError(f"--data-path: {path} is not readable")
-    check_data_files(args)
-    _check_splits_nonempty(blend[0], _arg(args, "split", DEFAULT_SPLIT))
+                raise ValueError(f"{flag}: {path} is not readable")

@@ -218,10 +218,28 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
         **_te_attention_backend(args),
         deallocate_pipeline_outputs=on_gpu,
         variable_seq_lengths=False,
-        # With pp = 2, interleaving needs overlapped, unbatched p2p (a megatron restriction).
-        overlap_p2p_comm=virtual_pipeline_model_parallel_size is not None,
-        batch_p2p_comm=virtual_pipeline_model_parallel_size is None,
+        **native_pipeline_settings(args, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+                                   fusions.get("gradient_accumulation_fusion", False)),
     )
+
+
+def native_pipeline_settings(args, pipeline_size: int, virtual_size: Optional[int],
+                             gradient_accumulation_fusion: bool) -> Dict[str, object]:
+    """megatron-core's p2p and deferred-wgrad fields from Megatron-LM's flags, as Megatron-LM sets them:
+    p2p overlap (``--no-overlap-p2p-communication``, on by default) only with the interleaved schedule,
+    batched p2p otherwise; ``--defer-embedding-wgrad-compute`` only with pipelines (it needs CUDA's fused
+    gradient accumulation, as in megatron-core)."""
+    overlap = virtual_size is not None and getattr(args, "overlap_p2p_comm", True)
+    defer = pipeline_size > 1 and getattr(args, "defer_embedding_wgrad_compute", False)
+    if defer and not gradient_accumulation_fusion:
+        raise ValueError("--defer-embedding-wgrad-compute needs fused gradient accumulation (CUDA with Transformer "
+                         "Engine or Apex, without --no-gradient-accumulation-fusion)")
+    return dict(overlap_p2p_comm=overlap, batch_p2p_comm=not overlap,
+                overlap_p2p_comm_warmup_flush=overlap and getattr(args, "overlap_p2p_comm_warmup_flush", False),
+                defer_embedding_wgrad_compute=defer,
+                wgrad_deferral_limit=getattr(args, "wgrad_deferral_limit", 0) if defer else 0,
+                microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None)
+                if virtual_size is not None else None)
 
 
 def _te_attention_backend(args) -> Dict[str, object]:

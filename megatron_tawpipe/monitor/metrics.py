@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import IO, Optional
 
 
-def model_flops_per_iteration(args, recompute: bool = False) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3 x forward), Megatron-LM's count.
+def model_flops_per_sample(args) -> float:
+    """Model FLOPs of one sample of ``--seq-length`` tokens (forward + backward = 3 x forward), Megatron-LM's count.
 
     Dense matmuls per token per layer: the query, key and value projections (q = kv_channels x
     heads outputs for the query, kv_channels x groups each for key and value), attention scores
@@ -33,8 +33,12 @@ def model_flops_per_iteration(args, recompute: bool = False) -> float:
     mlp_matrices = 3 if getattr(args, "swiglu", True) else 2
     per_token_layer = 2 * h * (q + 2 * kv) + 2 * 2 * s * q * 0.5 + 2 * q * h + mlp_matrices * 2 * h * f
     per_token = args.num_layers * per_token_layer + 2 * h * args.padded_vocab_size
-    tokens = args.global_batch_size * s
-    return 3.0 * per_token * tokens
+    return 3.0 * per_token * s
+
+
+def model_flops_per_iteration(args, recompute: bool = False) -> float:
+    """Model FLOPs of one training iteration of ``--global-batch-size`` samples (:func:`model_flops_per_sample`)."""
+    return model_flops_per_sample(args) * args.global_batch_size
 
 
 @dataclass
@@ -77,6 +81,7 @@ class MetricsWriter:
         self.args = args
         self.world_size = world_size
         self.is_writer = is_writer
+        self.flops_per_sample = model_flops_per_sample(args)
         self.flops_per_iteration = model_flops_per_iteration(args)
         self._file: Optional[IO[str]] = None
         if is_writer and args.metrics_file:

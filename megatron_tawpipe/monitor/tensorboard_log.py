@@ -1,8 +1,13 @@
 """``--tensorboard-dir``: the scalars Megatron-LM writes, under Megatron-LM's names.
 
 Written by the last rank (the one that prints the log line), every ``--tensorboard-log-interval``
-iterations: ``learning-rate``, ``batch-size``, ``lm loss``, ``grad-norm`` and, with ``--fp16``,
-``loss-scale``, each also as ``<name> vs samples`` over consumed samples. Every
+iterations: ``learning-rate`` (not with ``--no-log-learnig-rate-to-tensorboard``), ``batch-size``, ``lm loss``,
+``loss-scale`` (1.0 without ``--fp16``; not with ``--no-log-loss-scale-to-tensorboard``), ``grad-norm``,
+with ``--log-world-size-to-tensorboard`` ``world-size``, each also as ``<name> vs samples`` over consumed
+samples; with ``--log-memory-to-tensorboard`` (TensorBoard only, as Megatron-LM) ``mem-reserved-bytes``,
+``mem-allocated-bytes``, ``mem-max-allocated-bytes`` and ``mem-allocated-count`` from
+``torch.cuda.memory_stats()``; on a CPU ``mem-allocated-bytes`` is the heap in use (glibc's ``mallinfo2``)
+and ``mem-max-allocated-bytes`` the peak resident set (the two the metrics file has). Every
 ``--log-interval`` iterations, ``iteration-time`` (seconds) with ``--log-timers-to-tensorboard``,
 and ``throughput`` (TFLOP/s per rank) with both that and ``--log-throughput``, as Megatron-LM
 does. Validation: ``lm loss validation`` (and ``... vs samples``), with
@@ -19,6 +24,26 @@ import importlib.util
 import math
 import os
 from typing import Optional
+
+
+def memory_scalars() -> dict:
+    """``--log-memory-to-tensorboard``'s scalars: Megatron-LM's four from ``torch.cuda.memory_stats()`` on a
+    GPU; on a CPU the heap in use and the peak resident set."""
+    import torch
+
+    from megatron_tawpipe.monitor.metrics import held_memory_bytes, peak_memory_bytes
+
+    if torch.cuda.is_available():
+        stats = torch.cuda.memory_stats()
+        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"]}
+    scalars = {"mem-max-allocated-bytes": peak_memory_bytes()}
+    held = held_memory_bytes()
+    if held is not None:
+        scalars["mem-allocated-bytes"] = held
+    return scalars
 
 
 def tensorboard_available() -> bool:
@@ -43,6 +68,9 @@ class TensorboardLog:
     def __init__(self, args, is_writer: bool):
         self.args = args
         self.writer = None
+        import torch.distributed as dist
+
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.wandb = None
         if is_writer and getattr(args, "tensorboard_dir", None):
             from torch.utils.tensorboard import SummaryWriter
@@ -73,13 +101,19 @@ class TensorboardLog:
             return
         args, it, samples = self.args, record.iteration, record.consumed_samples
         if it % (getattr(args, "tensorboard_log_interval", None) or 1) == 0:
-            self._pair("learning-rate", record.learning_rate, it, samples)
+            if getattr(args, "log_learning_rate_to_tensorboard", True):
+                self._pair("learning-rate", record.learning_rate, it, samples)
             self._pair("batch-size", batch_size, it, samples)
             self._pair("lm loss", record.lm_loss, it, samples)
-            if record.loss_scale is not None:
-                self._pair("loss-scale", record.loss_scale, it, samples)
+            if getattr(args, "log_loss_scale_to_tensorboard", True):
+                self._pair("loss-scale", 1.0 if record.loss_scale is None else record.loss_scale, it, samples)
+            if getattr(args, "log_world_size_to_tensorboard", False):
+                self._pair("world-size", self.world_size, it, samples)
             if record.grad_norm is not None:
                 self._pair("grad-norm", record.grad_norm, it, samples)
+            if getattr(args, "log_memory_to_tensorboard", False) and self.writer is not None:
+                for name, value in memory_scalars().items():
+                    self.writer.add_scalar(name, value, it)
         if it % args.log_interval == 0 and getattr(args, "log_timers_to_tensorboard", False):
             self._scalar("iteration-time", record.elapsed_ms / 1000.0, it)
             if getattr(args, "log_throughput", False):

@@ -67,7 +67,7 @@ class PlanExecutor:
     backwards ``backward_input(mb, shard, weights)``, ``backward_weight(mb, shard, weights, grad)``),
     ``master(shard)``, ``main_grad(shard)``, ``replicated_grads(part="all")``,
     ``optimizer_step()`` and ``shard_numel`` (the largest shard's elements: a buffer's)/``compute_dtype``/
-    ``device``. With shards of different sizes (``plan.shard_layers``) every action on shard ``s`` uses the
+    ``device`` (and ``grad_dtype``, the gradient buffers' dtype, where not fp32). With shards of different sizes (``plan.shard_layers``) every action on shard ``s`` uses the
     first ``shard_numel * shard_layers[s] / max_layers_per_shard`` elements of its buffer.
 
     ``rank`` is the plan's rank; with tensor parallelism inside the weight pipeline that is
@@ -141,8 +141,9 @@ class PlanExecutor:
         c = self.compute
         weights = {n: torch.empty(c.shard_numel, dtype=c.compute_dtype, device=c.device)
                    for n in sorted(names["weight"])}
-        grads = {n: torch.zeros(c.shard_numel, dtype=torch.float32, device=c.device)
-                 for n in sorted(names["grad"])}
+        # partial gradients in the main gradients' dtype (fp32, or bf16 with --main-grads-dtype bf16)
+        grad_dtype = getattr(c, "grad_dtype", torch.float32)
+        grads = {n: torch.zeros(c.shard_numel, dtype=grad_dtype, device=c.device) for n in sorted(names["grad"])}
         return weights, grads
 
     def shard_elements(self, shard: int) -> int:

@@ -30,6 +30,7 @@ from megatron_tawpipe.monitor.metrics import held_memory_bytes, max_over_ranks, 
 from megatron_tawpipe.models.parameters import global_shape, is_gated_fc1, tensor_parallel_slice
 from megatron_tawpipe.optimizer.clip import clip_gradients_, squared_l2_norm
 from megatron_tawpipe.optimizer.param_groups import megatron_param_groups
+from megatron_tawpipe.optimizer.precision_aware import PrecisionAwareAdamW
 from megatron_tawpipe.plan.traffic import link_bytes
 from megatron_tawpipe.common.errors import NonFiniteGradientError
 from megatron_tawpipe.runtime.precision import GradScaling, find_non_finite
@@ -105,17 +106,26 @@ class WeightPassingTrainer(CheckpointDefaults):
             print(message, file=sys.stderr, flush=True)
 
     def _build_optimizer(self) -> None:
-        """AdamW over the owned shards' fp32 master views and the replicated fp32 masters."""
+        """AdamW over the owned shards' master views and the replicated masters: torch's over fp32 masters and
+        gradients, or with --use-precision-aware-optimizer :class:`PrecisionAwareAdamW` (gradients given as
+        ``decoupled_grad``, moments stored in --exp-avg-dtype / --exp-avg-sq-dtype)."""
+        a, dtypes = self.args, self.model.dtypes
+        precision_aware = bool(getattr(a, "use_precision_aware_optimizer", False))
         self._named_masters = []
         for name, master, grad in self.model.named_masters():
-            if master.grad is None:
+            if precision_aware:
+                master.decoupled_grad = grad
+            elif master.grad is None:
                 master.grad = grad
             self._named_masters.append((name, master))
-        a = self.args
-        self._adamw = torch.optim.AdamW(
-            megatron_param_groups(self._named_masters, a),
-            lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, weight_decay=a.weight_decay,
-            **adamw_kernel_options([master for _, master in self._named_masters]))
+        groups = megatron_param_groups(self._named_masters, a)
+        options = dict(lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, weight_decay=a.weight_decay)
+        if precision_aware:
+            self._adamw = PrecisionAwareAdamW(groups, exp_avg_dtype=dtypes.exp_avg,
+                                              exp_avg_sq_dtype=dtypes.exp_avg_sq, **options)
+        else:
+            self._adamw = torch.optim.AdamW(groups, **options,
+                                            **adamw_kernel_options([master for _, master in self._named_masters]))
         self.optimizer = _ParamGroupsView(self._adamw)
 
     # ---- iteration ----------------------------------------------------------------------
@@ -258,7 +268,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         """Bytes per link class per iteration that the plan prescribes, with this run's buffer dtypes
         (each of the T tensor-parallel indices runs the plan on its 1/T of every shard)."""
         weight_bytes = self.model.shard_numel * torch.finfo(self.model.compute_dtype).bits // 8
-        grad_bytes = self.model.shard_numel * 4
+        grad_bytes = self.model.shard_numel * torch.finfo(self.model.grad_dtype).bits // 8
         planned = link_bytes(self.plan, weight_bytes, bytes_per_grad=grad_bytes)
         return {link: value * self.model.tensor_parallel_size for link, value in planned.items()}
 
@@ -294,6 +304,8 @@ class WeightPassingTrainer(CheckpointDefaults):
     def _place_state(self, key: str, value: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """Where torch's own ``load_state_dict`` puts a loaded state tensor: moments beside the
         parameter; the step count on the host, or beside the parameter as fp32 for the fused kernel."""
+        if isinstance(self._adamw, PrecisionAwareAdamW):
+            return self._adamw.place_state(key, value, master)
         defaults = self._adamw.defaults
         if key == "step" and not (defaults.get("fused") or defaults.get("capturable")):
             return value

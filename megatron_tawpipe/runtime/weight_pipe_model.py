@@ -1,9 +1,11 @@
 """The weight-pipeline model of one rank: owned shards, replicated parts, per-shard compute.
 
-Each rank owns one shard (device-bound storage): its fp32 master weights and
+Each rank owns one shard (device-bound storage): its master weights and
 its gradient accumulator stay on the owner; only compute-dtype weight copies
-and fp32 partial gradients travel, as the plan says. The replicated parts
-(embedding, final norm, output layer) live on every rank with fp32 masters.
+and partial gradients travel, as the plan says. The replicated parts
+(embedding, final norm, output layer) live on every rank with their own masters.
+Masters and gradients are fp32, or with --use-precision-aware-optimizer
+--main-params-dtype / --main-grads-dtype (``optimizer.precision_aware``).
 
 This object is the ``model`` that :func:`megatron_tawpipe.runtime.schedules.forward_backward_tawpipe`
 takes, and the ``compute`` side of the plan executor: the executor calls
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import params_dtype
+from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
 from megatron_tawpipe.arguments import plan_file_of
 from megatron_tawpipe.plan import Plan, build_plan, read_plan, validate_plan
 from megatron_tawpipe.data import batch_schedule
@@ -119,16 +122,24 @@ class WeightPipeModel:
         self.shard_numel = self.template.shard_numel   # the largest shard's: the executor's buffers
         self._check_same_layout()
         self.compute_dtype = params_dtype(args)
+        # masters' and gradients' dtypes: fp32, or --main-params-dtype / --main-grads-dtype
+        self.dtypes = OptimizerDtypes.from_args(args)
+        self.grad_dtype = self.dtypes.main_grads   # the executor's gradient buffers too: they travel in it
         # Every shard whose master this rank keeps and steps (owned or replicated, --tawpipe-replicate-first-shard);
         # ``counted`` are the ones it counts in the global norm and writes to checkpoints (owned).
         self.owned = self.topology.held_shards()
         self.counted = self.topology.owned_shards()
-        self._masters = {s: torch.empty(self.template.numel_of(s), dtype=torch.float32, device=self.device)
+        self._masters = {s: torch.empty(self.template.numel_of(s), dtype=self.dtypes.main_params, device=self.device)
                          for s in self.owned}
-        self._main_grads = {s: torch.zeros(self.template.numel_of(s), dtype=torch.float32, device=self.device)
+        self._main_grads = {s: torch.zeros(self.template.numel_of(s), dtype=self.grad_dtype, device=self.device)
                             for s in self.owned}
         for shard, flat in self._masters.items():
-            self.template.init_shard(shard, flat)
+            if flat.dtype == torch.float32:
+                self.template.init_shard(shard, flat)
+            else:   # initialised in fp32 (partition-independent values), then rounded
+                whole = torch.empty(flat.shape, dtype=torch.float32, device=self.device)
+                self.template.init_shard(shard, whole)
+                flat.copy_(whole)
         self._build_replicated_masters()
         self._replica_names = {self.template.global_name(shard, slot) for shard in self.owned
                                if shard not in self.counted for slot in self.template.slots_of(shard)}
@@ -195,9 +206,14 @@ class WeightPipeModel:
     def _build_replicated_masters(self) -> None:
         self.replicated = self.template.replicated_parameters()
         self.replicated_masters: List[torch.Tensor] = []
+        self._replicated_grads: List[torch.Tensor] = []
         for _, param in self.replicated:
-            master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
-            master.grad = torch.zeros_like(master)
+            dtype = self.dtypes.main_params
+            master = param.data if param.dtype == dtype else param.detach().to(dtype).clone()
+            grad = torch.zeros_like(master, dtype=self.grad_dtype)
+            if grad.dtype == master.dtype:
+                master.grad = grad
+            self._replicated_grads.append(grad)
             for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel"):
                 if hasattr(param, attribute):   # (``param.data`` is a new tensor without them)
                     setattr(master, attribute, getattr(param, attribute))
@@ -206,15 +222,15 @@ class WeightPipeModel:
     # ---- parameters ---------------------------------------------------------------------
 
     def named_masters(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(global name, fp32 master, fp32 gradient)`` for every parameter this rank updates."""
+        """``(global name, master, gradient)`` for every parameter this rank updates."""
         out = []
         for shard in self.owned:
             views = self.template.tagged_views(self._masters[shard])
             grads = self.template.views(self._main_grads[shard])
             for slot, view, grad in zip(self.template.slots_of(shard), views, grads):
                 out.append((self.template.global_name(shard, slot), view, grad))
-        for (name, _), master in zip(self.replicated, self.replicated_masters):
-            out.append((name, master, master.grad))
+        for (name, _), master, grad in zip(self.replicated, self.replicated_masters, self._replicated_grads):
+            out.append((name, master, grad))
         return out
 
     def shard_grads(self) -> List[torch.Tensor]:
@@ -239,7 +255,7 @@ class WeightPipeModel:
             return [self._main_grads[s] for s in self.counted], self.replicated_grads()
         first = self.tensor_parallel_rank == 0
         shards = [view for slot, view in self._owned_grad_slots(self.counted) if first or slot.partition_dim >= 0]
-        replicated = [master.grad for master in self.replicated_masters
+        replicated = [grad for master, grad in zip(self.replicated_masters, self._replicated_grads)
                       if first or getattr(master, "tensor_model_parallel", False)]
         return shards, replicated
 
@@ -252,7 +268,7 @@ class WeightPipeModel:
         from megatron.core import parallel_state as megatron_state
 
         partial = [view for slot, view in self._owned_grad_slots() if slot.tp_reduce]
-        partial += [master.grad for (name, param), master in zip(self.replicated, self.replicated_masters)
+        partial += [grad for (name, param), grad in zip(self.replicated, self._replicated_grads)
                     if self.template.gradient_is_partial(name, param)]
         if not partial:
             return
@@ -307,11 +323,11 @@ class WeightPipeModel:
         return self._main_grads[shard]
 
     def replicated_grads(self, part: str = "all") -> List[torch.Tensor]:
-        """fp32 gradients of the replicated parameters; ``part`` as in the plan's
+        """Gradients of the replicated parameters (``grad_dtype``); ``part`` as in the plan's
         ``ReplicatedAllReduceStart``: "embedding" (what shard 0's backward writes,
         a tied output layer included), "head" (the rest: final norm, untied output
         layer) or "all"."""
-        return [master.grad for (name, _), master in zip(self.replicated, self.replicated_masters)
+        return [grad for (name, _), grad in zip(self.replicated, self._replicated_grads)
                 if part == "all" or (name.startswith("embedding.") == (part == "embedding"))]
 
     def optimizer_step(self) -> None:

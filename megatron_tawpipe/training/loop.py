@@ -21,12 +21,15 @@ from megatron_tawpipe.compat import cpu as cpu_compat
 from megatron_tawpipe.monitor import exits
 from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.arguments import is_weight_passing
-from megatron_tawpipe.checkpoint import load_checkpoint, save_checkpoint
+from megatron_tawpipe.checkpoint import close_async_saves, finalize_async_saves, load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
 from megatron_tawpipe.distributed.initialize import initialize_distributed, initialize_model_parallel
 from megatron_tawpipe.monitor.metrics import (IterationRecord, MetricsWriter, held_memory_bytes, max_over_ranks, mean_over_ranks,
                                       peak_memory_bytes)
 from megatron_tawpipe.monitor.tensorboard_log import TensorboardLog
+from megatron_tawpipe.training.summary import print_closing_summary
+from megatron_tawpipe.monitor.log_level import set_logging_level
+from megatron_tawpipe.monitor.progress_log import ProgressLog
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.common.errors import NonFiniteGradientError, PeerFailure, TrainingError, first_line
 
@@ -161,6 +164,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 def _train(args, trainer_factory) -> List[IterationRecord]:
     started = getattr(args, "program_start_time", None) or time.time()
+    set_logging_level(args)  # --logging-level
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
     before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
@@ -174,6 +178,8 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
     _check_batch_layout(args, consumed_samples)
 
     writer = MetricsWriter(args, dist.get_world_size(), _is_writer())
+    progress_log = ProgressLog(args, dist.get_rank(), dist.get_world_size(), writer.flops_per_sample)  # --log-progress
+    progress_log.starting(consumed_samples)
     board = TensorboardLog(args, _is_writer())
     # One loader per model chunk: worker processes are for the single-chunk case (Megatron-LM's --num-workers).
     workers = args.num_workers if trainer.num_data_iterators == 1 else 0
@@ -228,18 +234,24 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             board.validation(extra.get("validation_lm_loss"), iteration, consumed_samples)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+                progress_log.saved(iteration, consumed_samples)
                 last_saved = iteration
+            finalize_async_saves(blocking=False)  # --async-save: make finished background saves visible
             if reason:
                 break
         if args.save and last_saved != iteration:
             save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+            progress_log.saved(iteration, consumed_samples)
+        close_async_saves(abort=False)  # before exiting: wait for background saves and finalize them
         if reason and _is_writer():
             print(f" exiting after iteration {iteration}: {reason}", flush=True)
     finally:
+        close_async_saves(abort=True)  # a failed run: unfinished background saves never become the latest
         stop.close()
         board.close()
         writer.close()
         trainer.close()
+    print_closing_summary(args, records, iteration, reason, started, _is_writer())
     return records
 
 

@@ -10,8 +10,9 @@ from typing import Optional
 from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,
                                               SUPPORTED_TOKENIZERS, ArgumentError, is_weight_passing, plan_file_of)
 from megatron_tawpipe.arguments.layout import data_parallel_size
-from megatron_tawpipe.compat.megatron_lm import compat_notices, compat_refusal
+from megatron_tawpipe.compat.megatron_lm import NOTICES
 from megatron_tawpipe.data import batch_schedule
+from megatron_tawpipe.optimizer.precision_aware import precision_refusal
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
 from megatron_tawpipe.training.data_parallel_args import notice, validate_data_parallel
 from megatron_tawpipe.training.plan_file_args import check_plan_file
@@ -26,6 +27,16 @@ def weight_passing_runtime_available() -> bool:
     return importlib.util.find_spec("megatron_tawpipe.runtime.trainer") is not None
 
 
+def _validate_logging(args: argparse.Namespace) -> None:
+    """--logging-level / MEGATRON_LOGGING_LEVEL must be a level (monitor.log_level)."""
+    from megatron_tawpipe.monitor.log_level import logging_level
+
+    try:
+        logging_level(args)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+
+
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check flags before any process group is created; raise ArgumentError naming the flag."""
     world_size = world_size_from_env() if world_size is None else world_size
@@ -37,13 +48,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not part of this "
             "version yet; use --pipeline-schedule 1f1b or interleaved")
-    refusal = compat_refusal(args)
-    if refusal:
-        raise ArgumentError(refusal)
     if args.use_checkpoint_args:
         _apply_checkpoint_args(args)
     _validate_model(args)
     _validate_required(args)
+    _validate_logging(args)
     if getattr(args, "emulated_deferred_weight_gradients", False):
         if not args.emulated_compute_times:
             raise ArgumentError("--emulated-deferred-weight-gradients needs --emulated-compute-times (the runtime's "
@@ -68,6 +77,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
                                 "layers and would drop megatron's tensor-parallel collectives)")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are mutually exclusive")
+    precision = precision_refusal(args, weight_passing=is_weight_passing(args.pipeline_schedule))
+    if precision:
+        raise ArgumentError(precision)
     _validate_parallel_layout(args, world_size)
     validate_data_parallel(args, world_size)
     _validate_batch(args, world_size)
@@ -78,7 +90,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
-    for message in compat_notices(args) + list(vars(args).pop("megatron_lm_default_notices", ())):
+    for message in vars(args).pop(NOTICES, ()):   # the Megatron-LM flags that change nothing here
         notice(message)
     return args
 
@@ -256,9 +268,14 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
         notice("--wandb-exp-name / --wandb-save-dir: no effect without --wandb-project")
     if args.save_interval is not None and not args.save:
         notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
+    from megatron_tawpipe.checkpoint.flag_checks import check_checkpoint_flags
+
+    for line in check_checkpoint_flags(args):
+        notice(line)
     if args.ckpt_format not in CKPT_FORMATS:
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: this project writes torch_dist (Megatron-LM's default, "
-                            "megatron-core's dist_checkpointing) or tawpipe (its own per-parameter files); "
+                            "megatron-core's dist_checkpointing), torch (Megatron-LM's legacy files, weights) or "
+                            "tawpipe (its own per-parameter files); "
                             f"Megatron-LM's {args.ckpt_format} format is not supported")
     if args.ckpt_format == "torch_dist" and args.save:
         try:

@@ -1,0 +1,120 @@
+"""``--async-save`` (Megatron-LM's): the tensors of a torch_dist checkpoint are written in the background
+while training goes on, with megatron-core's ``dist_checkpointing`` async machinery.
+
+``dist_checkpointing.save(..., async_sharded_save=True)`` does the collective part in the training loop
+(planning, the common part, the save plan) and returns an ``AsyncRequest``: the write of this rank's tensor
+files. It is scheduled on megatron-core's ``AsyncCallsQueue``:
+
+* by default on a *temporal* worker: a process forked at the save (the fork is a copy-on-write snapshot of
+  the host tensors; on a GPU megatron-core's preload first copies them to the host), which writes and exits;
+* with ``--use-persistent-ckpt-worker`` on megatron-core's *persistent* worker (one spawned process per rank,
+  kept for the run; megatron-core 0.16.1's sets a CUDA device in it, so it needs a GPU).
+
+The checkpoint becomes visible only when the request is *finalized* on every rank: megatron-core gathers the
+write results and writes ``.metadata``, then rank 0 fsyncs the files, renames ``iter_NNNNNNN.tmp`` into place
+and replaces ``latest_checkpointed_iteration.txt`` (then ``--save-retain-interval`` applies). Finalizing is
+collective: the training loop checks every iteration without waiting (:func:`finalize`), waits before the
+next save and before exiting; a run that fails or is killed before that leaves the previous checkpoint as the
+latest one, intact (the unfinished one stays a ``.tmp`` directory, removed by the next save of that iteration).
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import queue
+from typing import List, Optional
+
+_calls = None            # megatron-core's AsyncCallsQueue, made at the first async save
+_results_queues: dict = {}  # the writer's results queue, per kind of worker
+
+
+def enabled(args) -> bool:
+    return bool(getattr(args, "async_save", False))
+
+
+def _calls_queue(args):
+    global _calls
+    if _calls is None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        _calls = AsyncCallsQueue(persistent=bool(getattr(args, "use_persistent_ckpt_worker", False)))
+    return _calls
+
+
+def use_results_queue(args) -> None:
+    """Point megatron-core's torch_dist writer at a results queue the worker can reach.
+
+    The writer hands each rank's write results back through a module-level queue, by default served by a
+    spawned multiprocessing manager (a second interpreter per rank). A synchronous save puts and gets in this
+    process (a plain queue does); a temporal worker is forked, so a fork-inherited queue does; only the
+    persistent worker, a spawned process, needs megatron-core's manager queue."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    kind = "sync" if not enabled(args) else (
+        "persistent" if getattr(args, "use_persistent_ckpt_worker", False) else "fork")
+    if kind not in _results_queues:
+        if kind == "sync":
+            _results_queues[kind] = queue.Queue()
+        elif kind == "fork":
+            _results_queues[kind] = mp.get_context("fork").Queue()
+        else:
+            filesystem_async._results_queue = None
+            _results_queues[kind] = filesystem_async._get_write_results_queue()
+    filesystem_async._results_queue = _results_queues[kind]
+
+
+def _write_with_priority(cpu_priority: Optional[int], io_priority: Optional[int], write, *args, **kwargs):
+    """The writer process's body: lower its CPU priority (``--async-ckpt-cpu-priority``: a nice value, raised
+    to the target, at most 19, never lowered) and I/O class (``--async-ckpt-io-priority``, 3 = idle), then write."""
+    if cpu_priority is not None:
+        current = os.nice(0)
+        target = min(int(cpu_priority), 19)
+        if target > current:
+            os.nice(target - current)
+    if io_priority is not None:
+        try:
+            import psutil
+
+            psutil.Process().ionice(int(io_priority))
+        except (ImportError, OSError, ValueError, AttributeError):  # class 1 (real time) needs privileges
+            pass
+    return write(*args, **kwargs)
+
+
+def schedule(request, args) -> None:
+    """Start the background write of ``request`` (every rank calls it); a save still pending is finalized first."""
+    finalize(blocking=True)
+    if request.async_fn is not None:
+        request = request._replace(async_fn=functools.partial(
+            _write_with_priority, getattr(args, "async_ckpt_cpu_priority", None),
+            getattr(args, "async_ckpt_io_priority", None), request.async_fn))
+    _calls_queue(args).schedule_async_request(request)
+
+
+def pending() -> int:
+    """How many scheduled saves are not finalized yet."""
+    return 0 if _calls is None else _calls.get_num_unfinalized_calls()
+
+
+def finalize(blocking: bool) -> List[int]:
+    """Finalize the saves whose background writes are done on every rank (all of them, waiting, with
+    ``blocking``); collective: every rank calls it at the same points. Returns the finalized calls' indices."""
+    if _calls is None or not _calls.get_num_unfinalized_calls():
+        return []
+    return _calls.maybe_finalize_async_calls(blocking=blocking)
+
+
+def close(abort: bool = False) -> None:
+    """End of the run: finalize what is pending (collective), or with ``abort`` (the run failed) kill the
+    background writers without finalizing: their checkpoints never become the latest."""
+    global _calls
+    if _calls is None:
+        return
+    calls, _calls = _calls, None
+    if abort:
+        for active in list(calls.async_calls):
+            active.async_caller.close(abort=True)
+        calls.async_calls.clear()
+    calls.close(abort=abort)

@@ -1,0 +1,271 @@
+"""Megatron-LM's legacy checkpoint format, ``--ckpt-format torch`` (what its Hugging Face converters write).
+
+Layout, as Megatron-LM's ``get_checkpoint_name`` makes it::
+
+    SAVE/latest_checkpointed_iteration.txt          the iteration, or ``release``
+    SAVE/iter_0000100/mp_rank_TT/model_optim_rng.pt          (one pipeline stage)
+    SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt      (pipeline stage PPP)
+    SAVE/release/...                                          (a converted checkpoint)
+
+TT is the tensor-parallel rank (two digits), PPP the pipeline rank (three; a third ``_EEE`` is the
+expert-parallel rank). Each file is a ``torch.save`` of ``{args, checkpoint_version (3.0), iteration,
+model (model0, model1, ... with virtual stages), optimizer, opt_param_scheduler, rng_state,
+num_floating_point_operations_so_far}``: ``model`` is the stage's ``state_dict_for_save_checkpoint()`` (its
+own tensor-parallel slices, decoder layers numbered within the stage), ``optimizer`` megatron-core's per-rank
+optimizer ``state_dict`` (indexed by that rank's parameter order), ``rng_state`` a list of per-rank RNG dicts.
+
+Loading reads the weights under any schedule: every file of the checkpoint, memory-mapped; the layers of
+each stage (and virtual stage) numbered over the whole model; tensor-parallel slices joined into whole
+tensors (column-parallel weights along rows, SwiGLU's [gate; up] halves rank by rank, row-parallel ones along
+columns); then each rank takes what it holds, as for torch_dist. The optimizer state is not mapped (it is
+indexed by Megatron-LM's per-rank parameter order): loading needs ``--no-load-optim`` or ``--finetune`` (a
+``release`` checkpoint is loaded as Megatron-LM does: weights, iteration 0). Saving writes the weights
+(``--no-save-optim``) as one tensor- and pipeline-parallel rank, ``mp_rank_00/``, gathered on rank 0: a file
+Megatron-LM loads with ``--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1`` (or reshards with
+its converter), written atomically like every format here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe.common.atomic import atomic_torch_save, fsync_dir
+from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
+from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, barrier, check_signature,
+                                                checkpoint_dir, is_release, promote_checkpoint_dir, rank,
+                                                start_checkpoint_dir, tied_alias, writer_entries)
+
+FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# megatron-core's local layer names and Transformer Engine's for the same norms (a checkpoint may use either).
+_NORM_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+               ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+_ROWS = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+         "word_embeddings.weight", "output_layer.weight")   # column-parallel: slices stacked along rows
+_COLUMNS = ("linear_proj.weight", "linear_fc2.weight")       # row-parallel: slices side by side
+
+
+def is_legacy_dir(directory: str) -> bool:
+    return os.path.isdir(directory) and any(
+        _RANK_DIR.match(name) and os.path.isfile(os.path.join(directory, name, FILE)) for name in os.listdir(directory))
+
+
+def _rank_files(directory: str) -> Dict[Tuple[int, int], str]:
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        match = _RANK_DIR.match(name)
+        if not match or not os.path.isfile(os.path.join(directory, name, FILE)):
+            continue
+        if match.group(3) is not None:
+            raise CheckpointError(f"{directory}: {name} is an expert-parallel rank's file; this project's models "
+                                  "have no experts")
+        files[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(directory, name, FILE)
+    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
+    if missing:
+        raise CheckpointError(f"{directory}: the files of tensor/pipeline ranks {missing} are missing "
+                              f"(the others describe {tp} x {pp} ranks)")
+    return files
+
+
+def _load(path: str) -> dict:
+    try:  # Megatron-LM's files hold its argparse namespace (and enums): not loadable with weights_only
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as exc:  # truncated or corrupt file
+        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+
+
+def _merge(name: str, slices: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The whole tensor from its tensor-parallel slices (rank order)."""
+    if len(slices) == 1:
+        return slices[0]
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and swiglu:
+        halves = [piece.chunk(2, dim=0) for piece in slices]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if name.endswith(_ROWS):
+        return torch.cat(slices, dim=0)
+    if name.endswith(_COLUMNS):
+        return torch.cat(slices, dim=1)
+    return slices[0]  # replicated over tensor-parallel ranks (norms, row-parallel biases)
+
+
+class LegacyCheckpoint:
+    """The weights of a ``--ckpt-format torch`` checkpoint under global names, joined when asked for."""
+
+    def __init__(self, directory: str, swiglu: bool):
+        self.directory, self.swiglu = directory, swiglu
+        files = _rank_files(directory)
+        tp = 1 + max(t for t, _ in files)
+        pp = 1 + max(p for _, p in files)
+        loaded = {key: _load(path) for key, path in files.items()}
+        self.common = {key: value for key, value in loaded[(0, 0)].items() if not key.startswith("model")}
+        chunks = sorted((key for key in loaded[(0, 0)] if re.fullmatch(r"model\d*", key)),
+                        key=lambda key: int(key[5:] or 0))
+        if not chunks:
+            raise CheckpointError(f"{files[(0, 0)]}: no model weights (model or model0, model1, ...)")
+        self.slices: Dict[str, List[torch.Tensor]] = {}
+        offset = 0
+        for chunk in chunks:              # virtual stages in order, each over the pipeline stages
+            for stage in range(pp):
+                parts = [loaded[(t, stage)].get(chunk) for t in range(tp)]
+                if any(part is None for part in parts):
+                    raise CheckpointError(f"{directory}: pipeline stage {stage} lacks {chunk!r}")
+                local_layers = set()
+                for name, value in parts[0].items():
+                    if not isinstance(value, torch.Tensor) or name.endswith("_extra_state"):
+                        continue
+                    match = _LAYER.match(name)
+                    if match:
+                        local_layers.add(int(match.group(1)))
+                        name = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
+                    self.slices.setdefault(name, [part[_orig(name, match)] for part in parts])
+                offset += len(local_layers)
+        self.num_layers = offset
+
+    def tensor(self, name: str) -> Optional[torch.Tensor]:
+        """The whole tensor of parameter ``name`` (this project's global name), or None if absent."""
+        for candidate in spellings(name):
+            if candidate in self.slices:
+                return _merge(candidate, self.slices[candidate], self.swiglu)
+        return None
+
+    def names(self) -> List[str]:
+        return sorted(self.slices)
+
+
+def _orig(name: str, match) -> str:
+    """The name a stage's file uses for ``name`` (the layer numbered within the stage)."""
+    return name if match is None else f"decoder.layers.{match.group(1)}.{match.group(2)}"
+
+
+def spellings(name: str) -> List[str]:
+    """``name`` and its other layer-norm spelling (megatron-core's local layer / Transformer Engine's)."""
+    match = _LAYER.match(name)
+    if not match:
+        return [name]
+    head, rest = f"decoder.layers.{match.group(1)}.", match.group(2)
+    result = [name]
+    for local, fused in _NORM_NAMES:
+        if rest.startswith(local):
+            result.append(head + fused + rest[len(local):])
+        elif rest.startswith(fused):
+            result.append(head + local + rest[len(fused):])
+    return result
+
+
+def saved_model_signature(common: dict, directory: str) -> dict:
+    saved_args = common.get("args")
+    if saved_args is None:
+        raise CheckpointError(f"{directory}: the checkpoint holds no args")
+    return {key: getattr(saved_args, key) for key in SHAPE_KEYS + tuple(ARCHITECTURE_KEYS) if hasattr(saved_args, key)}
+
+
+def _piece(whole: torch.Tensor, fragments) -> torch.Tensor:
+    """A weight-passing tensor-parallel rank's slice: its pieces ``(axis, index, count)`` of the whole, joined."""
+    pieces = [whole.chunk(count, dim=axis)[index] for axis, index, count in fragments]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+    """Load the weights of the ``--ckpt-format torch`` checkpoint the tracker under ``root`` names."""
+    directory = checkpoint_dir(root)
+    release = is_release(root)
+    source = LegacyCheckpoint(directory, swiglu=bool(args.swiglu))
+    common = source.common
+    check_signature(saved_model_signature(common, directory), args, directory)
+    if not (args.no_load_optim or args.finetune or release):
+        why = ("its optimizer state is megatron-core's per-rank state_dict, indexed by each Megatron-LM rank's "
+               "parameter order, which this project does not map" if "optimizer" in common else
+               "it holds no optimizer state (weights only, as Megatron-LM's converters write it)")
+        raise CheckpointSetupError(f"{directory} is a --ckpt-format torch checkpoint: {why}; pass --no-load-optim "
+                                   "(or --finetune) to load its weights and start the optimizer afresh")
+    tied = not args.untie_embeddings_and_output_weights
+    with torch.no_grad():
+        for name, param, master in trainer.named_master_parameters():
+            wanted = tied_alias(name, tied) or name
+            whole = source.tensor(wanted)
+            if whole is None:
+                raise CheckpointError(f"{directory}: parameter {wanted} is missing from the checkpoint")
+            expected = list(trainer.checkpoint_shape(name, param) or master.shape)
+            if list(whole.shape) != expected:
+                raise CheckpointError(f"{directory}: parameter {wanted} has shape {list(whole.shape)}, "
+                                      f"the model {expected}")
+            fragments = trainer.checkpoint_fragments(name, master)
+            value = _piece(whole, fragments) if fragments else trainer.checkpoint_slice(name, param, whole)
+            master.copy_(value.to(device=master.device, dtype=torch.float32))
+            if param is not master:
+                param.copy_(value.to(device=param.device, dtype=param.dtype))
+    trainer.after_parameters_loaded()
+    if "rng_state" in common and not (args.no_load_rng or args.finetune or release) and rank() == 0:
+        print(f" {directory}: the RNG states of a --ckpt-format torch checkpoint are not restored (they are "
+              "Megatron-LM's per-rank states of its layout): dropout continues from --seed", flush=True)
+    if args.finetune or release:
+        return 0, 0
+    saved_args = common.get("args")
+    return int(common.get("iteration", 0)), int(getattr(saved_args, "consumed_train_samples", 0) or 0)
+
+
+def _megatron_rng_state() -> dict:
+    """This rank's RNG states in Megatron-LM's layout (``get_rng_state``'s dict)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
+            "rng_tracker_states": get_cuda_rng_tracker().get_states()}
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args, saved_args) -> str:
+    """Collectively write the weights as Megatron-LM's ``iter_NNNNNNN/mp_rank_00/model_optim_rng.pt``
+    (validate_args requires --no-save-optim and one tensor-parallel rank)."""
+    tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
+    tied = not args.untie_embeddings_and_output_weights
+    dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    local = {name: master.detach().to(dtype).cpu().clone() for name, master, _state in writer_entries(trainer)
+             if tied_alias(name, tied) is None and not trainer.skip_in_checkpoint(name)}
+    parts = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.gather_object(local, parts if rank() == 0 else None, dst=0)
+    else:
+        parts = [local]
+    rng = _megatron_rng_state() if not args.no_save_rng else None
+    if rank() == 0:
+        model: Dict[str, torch.Tensor] = {}
+        for part in parts:
+            for name, tensor in part.items():
+                model.setdefault(name, tensor)
+        saved_args.tensor_model_parallel_size = saved_args.pipeline_model_parallel_size = 1  # the files' layout
+        saved_args.virtual_pipeline_model_parallel_size = None
+        saved_args.ckpt_format = "torch"
+        state = {"args": saved_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                 "model": dict(sorted(model.items())), "num_floating_point_operations_so_far": 0}
+        if rng is not None:
+            state["rng_state"] = [rng]
+        rank_dir = os.path.join(tmp_dir, "mp_rank_00")
+        os.makedirs(rank_dir)
+        atomic_torch_save(state, os.path.join(rank_dir, FILE))
+        fsync_dir(rank_dir)
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, getattr(args, "save_retain_interval", None))
+    barrier()
+    return final_dir
+
+
+def saved_args(directory: str):
+    """The argparse namespace the checkpoint in ``directory`` was saved with (its first rank's file)."""
+    return _load(_rank_files(directory)[(0, 0)]).get("args")
+
+
+def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
+    """Every weight of the checkpoint in ``directory``, whole, as fp32, under global names (SwiGLU is read from
+    the checkpoint's args)."""
+    source = LegacyCheckpoint(directory, bool(getattr(saved_args(directory), "swiglu", False)))
+    return {name: source.tensor(name).float() for name in source.names()}

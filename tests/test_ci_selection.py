@@ -1,0 +1,46 @@
+"""CI's second pass (newest megatron-core, Python 3.12) runs the files tests/megatron_core_api_files.txt
+selects: they exist, and no test file that builds or trains a model through megatron-core, or parses
+Megatron-LM's flags, escapes the choice (each is selected or left out with a reason)."""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import TESTS, megatron_core_api_files
+
+# What makes a test file touch megatron-core's API: importing it, training (train_rank / pretrain /
+# pretrain_llama.py) or parsing the flags.
+TOUCHES_MEGATRON = re.compile(r"megatron\.core|megatron\.training|train_rank|pretrain\(|pretrain_llama|parse_args")
+
+
+def test_every_listed_file_exists_once_and_has_a_reason_if_left_out():
+    selected, left_out = megatron_core_api_files()
+    listed = selected + list(left_out)
+    assert len(listed) == len(set(listed)), sorted(n for n in listed if listed.count(n) > 1)
+    missing = [name for name in listed if not os.path.isfile(os.path.join(TESTS, name))]
+    assert not missing, f"tests/megatron_core_api_files.txt names files that do not exist: {missing}"
+    assert all(left_out.values()), [name for name, reason in left_out.items() if not reason]
+    # The equivalence, checkpoint, parser and tensor-parallel files are among the selected.
+    for name in ("test_weight_passing_equivalence.py", "test_native_equivalence.py", "test_checkpoint.py",
+                 "test_megatron_lm_compat.py", "test_tensor_parallel_weight_passing.py", "test_data.py"):
+        assert name in selected
+
+
+def test_every_test_file_touching_megatron_core_is_selected_or_left_out_with_a_reason():
+    selected, left_out = megatron_core_api_files()
+    unlisted = []
+    for name in sorted(os.listdir(TESTS)):
+        if name.startswith("test_") and name.endswith(".py") and name not in selected and name not in left_out:
+            with open(os.path.join(TESTS, name), encoding="utf-8") as f:
+                if TOUCHES_MEGATRON.search(f.read()):
+                    unlisted.append(name)
+    assert not unlisted, (f"{unlisted} use megatron-core's API: add them to tests/megatron_core_api_files.txt "
+                          "(or leave them out there, with a reason)")
+
+
+def test_the_marker_selects_exactly_the_listed_files():
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "megatron_core_api",
+                          "-p", "no:cacheprovider", TESTS], capture_output=True, text=True, timeout=300)
+    files = {line.split("::")[0].rsplit("/", 1)[-1] for line in out.stdout.splitlines() if "::" in line}
+    assert files == set(megatron_core_api_files()[0]), out.stdout[-2000:] + out.stderr[-2000:]

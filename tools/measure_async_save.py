@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""What a checkpoint save costs the training loop, with and without --async-save.
+
+Trains one rank of a small Llama on mock data three times (no checkpoints; --save every --save-interval
+iterations, synchronous; the same with --async-save) and times every iteration from the start of one
+training step to the start of the next, so an iteration's time includes whatever the loop did after the
+step: the save (synchronous), or planning it and handing the write to a background process (--async-save).
+
+    python tools/measure_async_save.py --train-iters 31 --save-interval 10 --dir /tmp/async_measure
+
+Prints, per mode: the median iteration time without a save, the mean time of the iterations that saved,
+and the checkpoint size. Flags after ``--`` replace the model flags (pretrain_llama.py's).
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODEL = ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "1408", "--num-attention-heads", "8",
+         "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+         "--global-batch-size", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000",
+         "--untie-embeddings-and-output-weights", "--lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
+         "--log-interval", "1000", "--num-workers", "0", "--seed", "1"]
+
+
+def _run(mode: str, argv, port: int, results) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.distributed.initialize import destroy
+    from megatron_tawpipe.training import pretrain
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
+    from megatron_tawpipe.training.loop import build_trainer
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    starts = []
+
+    def timed_trainer(args, forward_step):
+        trainer = build_trainer(args, forward_step)
+        step = trainer.train_step
+
+        def train_step(iterators):
+            starts.append(time.perf_counter())
+            return step(iterators)
+
+        trainer.train_step = train_step
+        return trainer
+
+    args = validate_args(parse_args(argv))
+    try:
+        pretrain(args, gpt_forward_step, trainer_factory=timed_trainer)
+    finally:
+        destroy()
+    results.put((mode, [b - a for a, b in zip(starts, starts[1:])]))
+
+
+def _size(path: str) -> int:
+    return int(subprocess.run(["du", "-sb", path], capture_output=True, text=True, check=True).stdout.split()[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train-iters", type=int, default=31)
+    parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--dir", default="/tmp/async_save_measure", help="checkpoints go here (removed after)")
+    parser.add_argument("model", nargs="*", help="after --: model flags replacing the default small Llama")
+    options = parser.parse_args()
+    from megatron_tawpipe.arguments import LLAMA_FLAGS
+
+    model = list(LLAMA_FLAGS) + (options.model or MODEL)
+    base = model + ["--train-iters", str(options.train_iters)]
+    modes = {"no checkpoints": [], "--save (synchronous)": ["--save", os.path.join(options.dir, "sync")],
+             "--save --async-save": ["--save", os.path.join(options.dir, "async"), "--async-save"]}
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    timings, sizes = {}, {}
+    for mode, extra in modes.items():
+        shutil.rmtree(options.dir, ignore_errors=True)
+        flags = extra + (["--save-interval", str(options.save_interval)] if extra else [])
+        proc = ctx.Process(target=_run, args=(mode, base + flags, _port(), results))
+        proc.start()
+        name, gaps = results.get()
+        proc.join()
+        timings[name] = gaps
+        if extra:
+            latest = open(os.path.join(extra[1], "latest_checkpointed_iteration.txt")).read().strip()
+            sizes[name] = _size(os.path.join(extra[1], f"iter_{int(latest):07d}"))
+    shutil.rmtree(options.dir, ignore_errors=True)
+    saving = [i for i in range(len(timings["no checkpoints"])) if (i + 1) % options.save_interval == 0]
+    print(f"{len(saving)} saves (after iterations {', '.join(str(i + 1) for i in saving)}), "
+          f"{options.train_iters} iterations, 1 rank")
+    print(f"{'mode':<24}{'iteration (median)':>20}{'iteration with a save':>24}{'checkpoint':>12}")
+    for name, gaps in timings.items():
+        plain = statistics.median(g for i, g in enumerate(gaps) if i not in saving and i > 0)
+        with_save = statistics.mean(gaps[i] for i in saving)
+        size = f"{sizes[name] / 2**20:.0f} MiB" if name in sizes else "-"
+        print(f"{name:<24}{plain:>19.3f}s{with_save:>23.3f}s{size:>12}")
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
