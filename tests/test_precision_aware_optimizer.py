@@ -245,3 +245,14 @@ def test_checkpoint_resume_with_low_precision_state_is_exact(ckpt_format, tmp_pa
         optim = torch.load(path, weights_only=False)["optimizer"]
         name = next(n for n in optim if n.startswith("decoder.layers."))
         assert optim[name]["exp_avg"].dtype == torch.bfloat16 and optim[name]["exp_avg_sq"].dtype == torch.float16
+
+
+def test_benchmark_gives_every_strategy_its_bf16_gradient_option():
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, schedule_command
+
+    config = BenchmarkConfig(model_args=["--bf16"], bf16_gradients=True)
+    tawpipe = schedule_command("tawpipe", config, "m.json")
+    assert tawpipe[tawpipe.index("--main-grads-dtype") + 1] == "bf16" and "--use-precision-aware-optimizer" in tawpipe
+    for strategy in ("distopt", "fsdp"):
+        assert "--grad-reduce-in-bf16" in schedule_command(strategy, config, "m.json")
+    assert "--grad-reduce-in-bf16" not in schedule_command("distopt", BenchmarkConfig(model_args=["--bf16"]), "m.json")
