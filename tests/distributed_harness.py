@@ -14,10 +14,32 @@ import traceback
 from typing import Any, Callable, List
 
 
+# Ports for the ranks' rendezvous are drawn below Linux's ephemeral range (32768-60999 by default), where the
+# kernel's own choices for other connections cannot take one between this check and the store's bind.
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
+    """A port nothing listens on now, at random below the ephemeral range (the kernel's pick otherwise)."""
+    import random
+
+    draw = random.SystemRandom()   # not the random module's state, which runs seed the same way
+    for _ in range(50):
+        port = draw.choice(_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _port_taken(errors: List[str]) -> bool:
+    """The run failed only because another process took the rendezvous port before rank 0's store bound it."""
+    return bool(errors) and "EADDRINUSE" in errors[0]
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, queue, args, kwargs, stderr_path=None) -> None:
@@ -45,7 +67,19 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, queue, args, kwa
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, **kwargs) -> List[Any]:
-    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` forked ranks; return results by rank."""
+    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` forked ranks; return results by rank. A run whose
+    rendezvous port was taken by another process before rank 0 bound it (nothing ran yet) is started again
+    on another port, up to twice."""
+    for attempt in range(3):
+        errors, results = _run_ranks_once(fn, world_size, args, kwargs, timeout)
+        if not (_port_taken(errors) and attempt < 2):
+            break
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[rank] for rank in range(world_size)]
+
+
+def _run_ranks_once(fn: Callable, world_size: int, args, kwargs, timeout: float):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
@@ -71,9 +105,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, **kw
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[rank] for rank in range(world_size)]
+    return errors, results
 
 
 def run_ranks_outcomes(fn: Callable, world_size: int, *args, timeout: float = 120.0,

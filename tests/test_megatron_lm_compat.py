@@ -11,8 +11,7 @@ import os
 import pytest
 
 from distributed_harness import run_ranks
-from test_weight_passing_equivalence import assert_same_parameters
-from training_helpers import GPT_FLAGS, assert_close_rel, losses, tiny_args, train_rank
+from training_helpers import GPT_FLAGS, assert_close_rel, assert_matches_reference, losses, tiny_args, train_rank
 
 
 # examples/llama/train_llama3_8b_h100_fp8.sh, every block, sizes scaled down (4 layers, hidden 64,
@@ -353,11 +352,9 @@ def test_weight_passing_matches_reference_on_megatron_lms_gpt(world, extra, laye
         assert_close_rel(losses(records), losses(reference), 1e-5)
         assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], 1e-5, "grad norm")
     assert max(r["grad_norm"] for r in reference) > 1.0                  # clipping was active
-    for iteration in (1, 2, 3):
-        # The key bias's exact gradient is zero (a constant added to every key leaves the softmax
-        # unchanged), so its computed gradient is rounding noise, which Adam scales up to updates of
-        # about --lr: the QKV bias is compared to 2e-4 of its size, everything else to 1e-5.
-        assert_same_parameters(save, ref_save, iteration, rtol=1e-5, rtol_by_suffix={"linear_qkv.bias": 2e-4})
+    # Gradients entering every step within 1e-5, parameters within what Adam makes of that (the key bias's
+    # exact gradient is zero: rounding noise, which Adam scales to updates of about --lr).
+    assert_matches_reference(save, ref_save, 3)
     for record in per_rank[0]:
         assert record["inter_group_bytes"] == record["planned_inter_group_bytes"]
 

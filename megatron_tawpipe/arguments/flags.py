@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megatron_tawpipe.compat.megatron_lm import add_compat_args, explain_unknown, settle_compat_flags
+from megatron_tawpipe.compat.megatron_lm import NOTICES, add_compat_args, explain_unknown, settle_compat_flags
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.arguments.choices import (ASYNC_STRATEGIES, CKPT_FORMATS, FILE_TOKENIZERS,  # noqa: F401
                                                 MEGATRON_LM_ONLY_CKPT_FORMATS, SENTENCEPIECE_TOKENIZERS,
@@ -433,9 +433,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if unknown:
         raise ArgumentError(explain_unknown(unknown))
     try:   # Megatron-LM's flags answered from the flag table: refused in one line, or notices
-        args.megatron_lm_notices = settle_compat_flags(args) + native_pipeline_notices(args)
+        notices = settle_compat_flags(args) + native_pipeline_notices(args)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
+    if notices:    # validate_args prints and removes them
+        setattr(args, NOTICES, notices)
     fill_defaults(args)
     return args
 

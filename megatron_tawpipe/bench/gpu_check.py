@@ -2,6 +2,9 @@
 
 Checks, in order (``--checks`` picks a subset):
 
+``compute``  the decoder layers' forward + backward as a weight-passing rank runs them against
+             native megatron-core's on the same layers and weights: tokens/s of each, their
+             ratio, and the same output and gradients within a dtype-derived tolerance.
 ``te``       Transformer Engine's layer spec against the local spec, same weights,
              bf16 and fp32: output, input gradient and weight gradients within tolerance.
 ``losses``   a one-rank ``--pipeline-schedule tawpipe`` run against native 1F1B with
@@ -14,7 +17,7 @@ Checks, in order (``--checks`` picks a subset):
              simulator's prediction for the same configuration.
 
 A table (check, result, figures) goes to stdout; ``--json PATH`` writes everything.
-The exit status is 1 when a correctness check (``te``, ``losses``) FAILED or a
+The exit status is 1 when a correctness check (``compute``, ``te``, ``losses``) FAILED or a
 check could not run, 0 otherwise (``differs`` in ``memory`` is a finding, not a failure).
 """
 
@@ -36,7 +39,7 @@ from megatron_tawpipe.bench.one_rank import LlamaRun
 from megatron_tawpipe.common.atomic import atomic_write_json
 
 PROG = "gpu_check.py"
-CHECKS = ("te", "losses", "wait", "timings", "memory")
+CHECKS = ("compute", "te", "losses", "wait", "timings", "memory")
 DEFAULT_LOSS_RTOL = {"bf16": 1e-2, "fp32": 1e-4}
 
 
@@ -60,7 +63,8 @@ class CheckRow:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description="Check and measure one rank on one GPU: TE layer spec vs local, TawPipe vs "
+        prog=PROG, description="Check and measure one rank on one GPU: weight-passing compute vs native megatron-core "
+        "(tokens/s), TE layer spec vs local, TawPipe vs "
         "native 1F1B losses, host time per plan Wait, per-shard compute times (calibration JSON), memory "
         "against the simulator.", allow_abbrev=False)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -74,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype of the training runs and timings (the TE check runs both)")
     p.add_argument("--attention-backend", choices=("auto", "te", "sdpa", "local"), default="auto",
                    help="layer spec of the runs and timings (auto: TE when installed, else SDPA)")
-    real = p.add_argument_group("real size (timings, memory)")
+    real = p.add_argument_group("real size (compute, timings, memory)")
     real.add_argument("--hidden-size", type=int, default=4096)
     real.add_argument("--num-attention-heads", type=int, default=32)
     real.add_argument("--num-query-groups", type=int, default=None, help="default: --num-attention-heads")
@@ -85,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument("--vocab-size", type=int, default=32000)
     real.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the fastest counts)")
     real.add_argument("--warmup", type=int, default=2, help="untimed runs before them")
+    real.add_argument("--compute-rtol", type=float, default=None,
+                      help="relative tolerance of the compute check's output and gradients (default: from the "
+                           "dtype, bf16 1.6e-2, fp32 1e-4)")
     real.add_argument("--memory-microbatches", type=int, default=2, help="micro-batches of the memory run")
     real.add_argument("--memory-rtol", type=float, default=0.25,
                       help="|measured / predicted - 1| up to which memory 'agrees'")
@@ -142,7 +149,7 @@ def _flag_problem(tool: argparse.Namespace) -> Optional[str]:
     for name in ("num_query_groups", "ffn_hidden_size"):
         if getattr(tool, name) is not None and getattr(tool, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(tool, name)}"
-    for name in ("memory_rtol", "wait_probe_ms", "loss_rtol", "te_rtol"):
+    for name in ("memory_rtol", "wait_probe_ms", "loss_rtol", "te_rtol", "compute_rtol"):
         value = getattr(tool, name)
         if value is not None and not value > 0:
             return f"--{name.replace('_', '-')} must be > 0, got {value}"
@@ -222,6 +229,22 @@ class Session:
         self.tool = tool
         self.device = _device(tool)
         self.tawpipe_waits = None        # WaitTimer of the small TawPipe run
+
+
+def check_compute(session: Session) -> List[CheckRow]:
+    from megatron_tawpipe.bench.compute_check import compare_compute, default_tolerance
+    from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS, one_rank_process_group, parsed_args
+    from megatron_tawpipe.models.llama import params_dtype
+
+    tool = session.tool
+    args = parsed_args(real_run(tool), *TAWPIPE_FLAGS)
+    tolerance = tool.compute_rtol or default_tolerance(params_dtype(args))
+    with one_rank_process_group(args):
+        comparison = compare_compute(args, tool.layers_per_shard, session.device, tool.repeats, tool.warmup,
+                                     tolerance)
+    _release_memory()
+    return [CheckRow("compute", "ok" if comparison.passed else "FAILED", comparison.summary(),
+                     comparison.to_json())]
 
 
 def check_te(session: Session) -> List[CheckRow]:
@@ -361,7 +384,8 @@ def check_memory(session: Session) -> List[CheckRow]:
 
 
 CHECK_FUNCTIONS: Dict[str, Callable[[Session], List[CheckRow]]] = {
-    "te": check_te, "losses": check_losses, "wait": check_wait, "timings": check_timings, "memory": check_memory,
+    "compute": check_compute, "te": check_te, "losses": check_losses, "wait": check_wait, "timings": check_timings,
+    "memory": check_memory,
 }
 
 
