@@ -151,6 +151,58 @@ def test_layer_spec_comparison_agrees_on_equal_weights_and_catches_a_wrong_one(f
     assert norm_grad > 1e-2
 
 
+# ---- compute: weight-passing against native megatron-core ------------------------------------------
+
+
+def _compute_case(rank, args):
+    """Runs in a forked child (see _layer_spec_case): equal weights, then one native weight changed."""
+    from megatron_tawpipe.bench import compute_check
+
+    cpu = torch.device("cpu")
+    tolerance = compute_check.default_tolerance(torch.float32)
+    with one_rank_process_group(args):
+        same = compute_check.compare_compute(args, 2, cpu, repeats=2, warmup=1, tolerance=tolerance)
+        load = compute_check.load_native_weights
+
+        def load_all_but_one(ours, native):
+            count = load(ours, native)
+            with torch.no_grad():
+                dict(native.gpt.decoder.layers.named_parameters())["1.mlp.linear_fc2.weight"].mul_(3.0)
+            return count
+
+        compute_check.load_native_weights = load_all_but_one
+        wrong = compute_check.compare_compute(args, 2, cpu, repeats=1, warmup=0, tolerance=tolerance)
+    return same.to_json(), same.summary(), wrong.to_json()
+
+
+def _assert_compute_figures(details):
+    """Positive figures, tokens/s from the fastest call, the ratio their quotient."""
+    rates = details["tokens_per_s"]
+    assert set(rates) == {"weight_passing", "weight_passing_recompute", "native"}
+    for path, rate in rates.items():
+        assert rate > 0 and len(details["seconds"][path]) >= 1
+        assert rate == pytest.approx(details["tokens"] / min(details["seconds"][path]))
+        assert details["fastest_s"][path] == min(details["seconds"][path]) > 0
+    assert details["ratio"] == pytest.approx(rates["weight_passing"] / rates["native"])
+    assert details["recompute_ratio"] == pytest.approx(rates["weight_passing_recompute"] / rates["native"])
+
+
+def test_compute_check_agrees_on_the_same_weights_and_fails_on_a_wrong_one(fp32_args):
+    """The weight-passing shard and native megatron-core's middle stage on the same fp32 layers (CPU)."""
+    ((same, summary, wrong),) = run_ranks(_compute_case, 1, fp32_args, timeout=180)
+    assert same["passed"], summary
+    assert same["tolerance"] == pytest.approx(1e-4) and same["tokens"] == 32 and same["dtype"] == "fp32"
+    assert len(same["seconds"]["native"]) == 2
+    _assert_compute_figures(same)
+    for figures in same["differences"].values():
+        assert set(figures) == {"output", "input_grad", "weight_grads"} and max(figures.values()) <= 1e-4
+    # One native weight tripled (the last MLP's output projection): the output, the input gradient and
+    # the weight gradients all show it.
+    assert not wrong["passed"]
+    for figures in wrong["differences"].values():
+        assert min(figures.values()) > 10 * 1e-4, figures
+
+
 # ---- waits ---------------------------------------------------------------------------------------
 
 
@@ -256,7 +308,7 @@ def test_tool_hides_gpus_for_device_cpu(monkeypatch):
 
 
 def test_every_check_end_to_end_on_cpu(tmp_path):
-    """The command as users run it, with --device cpu and tiny sizes: all five checks, table and JSON."""
+    """The command as users run it, with --device cpu and tiny sizes: all six checks, table and JSON."""
     from megatron_tawpipe.emulation.compute import load_compute_times
     from megatron_tawpipe.sim.costmodel import CostModel
 
@@ -266,9 +318,17 @@ def test_every_check_end_to_end_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     rows = {row["check"]: row for row in report["checks"]}
-    assert list(rows) == ["te", "losses", "wait", "timings", "memory"]
+    assert list(rows) == ["compute", "te", "losses", "wait", "timings", "memory"]
     for name in rows:
         assert name in proc.stdout
+
+    # (0) compute: weight-passing against native megatron-core on the same bf16 layers, equal.
+    compute = rows["compute"]
+    assert compute["result"] == "ok" and compute["details"]["passed"], compute["figures"]
+    assert compute["details"]["dtype"] == "bf16" and compute["details"]["tokens"] == 64
+    assert compute["details"]["tolerance"] == pytest.approx(2 ** -6)
+    assert "tokens/s" in compute["figures"] and "wall clock" in compute["figures"]
+    _assert_compute_figures(compute["details"])
 
     # (a) TE: never silently absent.
     reason = layer_specs.transformer_engine_unavailable_reason()
@@ -337,7 +397,10 @@ def test_every_check_end_to_end_on_cuda(tmp_path):
     report = json.loads(report_path.read_text())
     rows = {row["check"]: row for row in report["checks"]}
     te_rows = [name for name in rows if name.startswith("te")]
-    assert [name for name in rows if not name.startswith("te")] == ["losses", "wait", "timings", "memory"]
+    assert [name for name in rows if not name.startswith("te")] == ["compute", "losses", "wait", "timings", "memory"]
+    compute = rows["compute"]
+    assert compute["result"] == "ok" and "CUDA events" in compute["figures"], compute["figures"]
+    _assert_compute_figures(compute["details"])
     reason = layer_specs.transformer_engine_unavailable_reason()
     if reason is None:
         assert te_rows == ["te (bf16)", "te (fp32)"] and all(rows[name]["result"] == "ok" for name in te_rows)

@@ -96,10 +96,10 @@ def _run_script(out_dir, restarts, *extra):
 def test_a_refused_flag_runs_once_and_exits_2(tmp_path):
     """Every rank refuses the flag before training: torchrun says 1, the ranks' records say refused; the
     script prints the line once, restarts nothing, exits 2."""
-    proc, _ = _run_script(tmp_path / "refused", 3, "--ckpt-format", "torch")
+    proc, _ = _run_script(tmp_path / "refused", 3, "--ckpt-format", "zarr")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "restart 1 of" not in proc.stderr
-    assert proc.stderr.count("--ckpt-format torch: this project writes torch_dist") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("--ckpt-format zarr: this project writes torch_dist") == 1, proc.stderr[-3000:]
     assert "run_with_restarts: not restarted (refused on 4 rank(s) of this node" in proc.stderr
 
 

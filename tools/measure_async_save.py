@@ -6,10 +6,11 @@ iterations, synchronous; the same with --async-save) and times every iteration f
 training step to the start of the next, so an iteration's time includes whatever the loop did after the
 step: the save (synchronous), or planning it and handing the write to a background process (--async-save).
 
-    python tools/measure_async_save.py --train-iters 31 --save-interval 10 --dir /tmp/async_measure
+    python tools/measure_async_save.py --train-iters 26 --save-interval 4 --dir /tmp/async_measure
 
 Prints, per mode: the median iteration time without a save, the mean time of the iterations that saved,
-and the checkpoint size. Flags after ``--`` replace the model flags (pretrain_llama.py's).
+what a save added (each saving iteration against the mean of the iterations before and after it: the
+machine's load may drift), and the checkpoint size. Flags after ``--`` replace the model flags (pretrain_llama.py's).
 """
 
 import argparse
@@ -24,8 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "1408", "--num-attention-heads", "8",
-         "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
-         "--global-batch-size", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000",
+         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+         "--global-batch-size", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000",
          "--untie-embeddings-and-output-weights", "--lr", "1e-4", "--lr-warmup-iters", "1", "--eval-iters", "0",
          "--log-interval", "1000", "--num-workers", "0", "--seed", "1"]
 
@@ -66,8 +67,8 @@ def _size(path: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train-iters", type=int, default=31)
-    parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--train-iters", type=int, default=26)
+    parser.add_argument("--save-interval", type=int, default=4)
     parser.add_argument("--dir", default="/tmp/async_save_measure", help="checkpoints go here (removed after)")
     parser.add_argument("model", nargs="*", help="after --: model flags replacing the default small Llama")
     options = parser.parse_args()
@@ -95,12 +96,15 @@ def main() -> None:
     saving = [i for i in range(len(timings["no checkpoints"])) if (i + 1) % options.save_interval == 0]
     print(f"{len(saving)} saves (after iterations {', '.join(str(i + 1) for i in saving)}), "
           f"{options.train_iters} iterations, 1 rank")
-    print(f"{'mode':<24}{'iteration (median)':>20}{'iteration with a save':>24}{'checkpoint':>12}")
+    print(f"{'mode':<24}{'iteration (median)':>20}{'iteration with a save':>24}{'added by a save':>18}"
+          f"{'checkpoint':>12}")
     for name, gaps in timings.items():
         plain = statistics.median(g for i, g in enumerate(gaps) if i not in saving and i > 0)
         with_save = statistics.mean(gaps[i] for i in saving)
+        # Against the iterations just before and after (the machine's load drifts): what the save added.
+        added = statistics.mean(gaps[i] - (gaps[i - 1] + gaps[i + 1]) / 2 for i in saving if 0 < i < len(gaps) - 1)
         size = f"{sizes[name] / 2**20:.0f} MiB" if name in sizes else "-"
-        print(f"{name:<24}{plain:>19.3f}s{with_save:>23.3f}s{size:>12}")
+        print(f"{name:<24}{plain:>19.3f}s{with_save:>23.3f}s{added:>17.3f}s{size:>12}")
 
 
 def _port() -> int:

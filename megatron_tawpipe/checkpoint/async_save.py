@@ -61,7 +61,9 @@ def use_results_queue(args) -> None:
             _results_queues[kind] = mp.get_context("fork").Queue()
         else:
             filesystem_async._results_queue = None
-            _results_queues[kind] = filesystem_async._get_write_results_queue()
+            make = (getattr(filesystem_async, "get_write_results_queue", None)       # megatron-core 0.19
+                    or getattr(filesystem_async, "_get_write_results_queue"))        # 0.16
+            _results_queues[kind] = make()
     filesystem_async._results_queue = _results_queues[kind]
 
 
