@@ -94,13 +94,15 @@ def corpus_for(tokenizer_type, root):
 
 def cpu_argv(script, tmp, corpora=None):
     """The command line: the script's flags scaled and swapped, paths filled in, ``--pipeline-schedule tawpipe``."""
-    tokenizer_type = dict(cpu_items(script)).get("--tokenizer-type")
-    corpus = corpus_for(tokenizer_type, corpora) if corpora is not None else CORPUS / "corpus_text_document"
+    items = cpu_items(script)
+    corpus = CORPUS / "corpus_text_document"
+    if corpora is not None and any(value and "{corpus}" in value for _, value in items):
+        corpus = corpus_for(dict(items).get("--tokenizer-type"), corpora)
     paths = {"save": tmp / "ckpt", "tensorboard": tmp / "tensorboard", "data_cache": tmp / "cache",
              "wandb": tmp / "wandb", "wandb_exp": "launch-script", "corpus": corpus,
              "tokenizer_model": CORPUS / "tokenizer.model"}
     argv = []
-    for flag, value in cpu_items(script):
+    for flag, value in items:
         argv.append(flag)
         if value is not None:
             for name, path in paths.items():
@@ -130,11 +132,48 @@ def _train_rank(rank, argv):
         destroy()
 
 
-def train(argv):
+def run_script(argv):
+    """``("records", records)`` of the last rank, or ``("refused", line)`` when the flags stop the run."""
     per_rank = run_ranks(_train_rank, RANKS, argv, timeout=600)
     refused = [result["refused"] for result in per_rank if "refused" in result]
-    assert not refused, f"stopped at: {refused[0]}"
-    return per_rank[-1]["records"]
+    return ("refused", refused[0]) if refused else ("records", per_rank[-1]["records"])
+
+
+def train(argv):
+    outcome, value = run_script(argv)
+    assert outcome == "records", f"stopped at: {value}"
+    return value
+
+
+def without(argv, flag):
+    """``argv`` less ``flag`` and its values."""
+    i = argv.index(flag)
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return argv[:i] + argv[j:]
+
+
+# Flags that still stop a script here, each with the start of the line that stops it. Such a script is run
+# without them, to show that nothing else stops it, and is reported as an expected failure; once a flag is
+# answered, its entry must go (the test fails while an entry names a flag that no longer stops the script).
+STOPS = {
+    "gpt3_15b_8t_release": {
+        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
+    },
+    "gpt3_7b_tp1_pp4_memory_speed": {
+        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
+    },
+    "gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap": {
+        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
+    },
+    "gpt3_mcore_te_tp2_pp2_defer_embedding_wgrad_compute": {
+        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
+    },
+    "gpt3_mcore_tp4_pp1_resume_torch": {      # without the flag: the default format, torch_dist
+        "--ckpt-format": "--ckpt-format torch: this project writes Megatron-LM's legacy files with the weights only",
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -172,18 +211,34 @@ def test_nothing_but_the_listed_swaps_leaves_the_command_line(script, tmp_path):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_launch_script_trains_under_tawpipe(script, corpora, tmp_path, monkeypatch):
+    """The script's command line (scaled, CPU swaps only) trains under tawpipe on 2 CPU ranks."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     data = load_script(script)
-    expect = data["expect"]
     argv = cpu_argv(data, tmp_path, corpora)
-    records = train(argv)
+    stops = dict(STOPS.get(script, {}))
+    stopped = []
+    while True:
+        outcome, value = run_script(argv)
+        if outcome == "records":
+            break
+        flag = next((f for f, line in stops.items() if value.startswith(line)), None)
+        assert flag is not None, f"stopped at: {value}"
+        stopped.append(value)
+        del stops[flag]
+        argv = without(argv, flag)
+    assert not stops, f"no longer stopped by {sorted(stops)}: remove them from STOPS"
+    assert_trained(value, argv, data["expect"], tmp_path)
+    if stopped:
+        pytest.xfail("stops at: " + " | ".join(stopped))
 
+
+def assert_trained(records, argv, expect, tmp_path):
     iterations = expect["iterations"]
     assert [r["iteration"] for r in records] == list(range(1, iterations + 1)), records
     loss = [r["lm_loss"] for r in records]
     assert all(math.isfinite(value) for value in loss), loss
     vocab = 250 if "NullTokenizer" in argv else 8000
-    # A fresh model guesses about uniformly over its (padded) vocabulary; a few steps barely move that.
+    # A fresh model guesses about uniformly over its (padded) vocabulary; two or three steps barely move that.
     assert 0.8 * math.log(vocab) < loss[0] < 1.25 * math.log(vocab), loss
     assert loss[-1] <= loss[0] * 1.02, loss
 
@@ -194,8 +249,9 @@ def test_launch_script_trains_under_tawpipe(script, corpora, tmp_path, monkeypat
         assert (save / f"iter_{kept:07d}").is_dir(), sorted(os.listdir(save))
     for removed in expect.get("checkpoints_removed", []):
         assert not (save / f"iter_{removed:07d}").exists(), sorted(os.listdir(save))
-    if "--log-progress" in argv:
-        assert "Saved checkpoint" in (save / "progress.txt").read_text()
+    if "--log-progress" in argv:      # Megatron-LM's line for every save (its prefix says whether it is async)
+        prefix = "Saving async checkpoint" if "--async-save" in argv else "Saved checkpoint"
+        assert f"{prefix}\tIteration: {iterations}\t" in (save / "progress.txt").read_text()
     if "--tensorboard-dir" in argv:
         assert any(name.startswith("events.") for name in os.listdir(tmp_path / "tensorboard"))
 

@@ -506,8 +506,11 @@ def test_wandb_logs_megatron_lms_scalars_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     (records,) = run_ranks(train_rank, 1, tiny_args("--wandb-project", "tawpipe-test", "--wandb-exp-name", "tiny",
-                                                    "--wandb-save-dir", str(tmp_path / "wb"), train_iters=3))
+                                                    "--wandb-save-dir", str(tmp_path / "wb"), "--wandb-entity",
+                                                    "tawpipe-team", train_iters=3))
     (run_file,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    with open(run_file, "rb") as stream:
+        assert b"tawpipe-team" in stream.read()      # the run is logged under --wandb-entity
     rows = [row for row in _wandb_history(run_file) if "lm loss" in row]
     assert [row["_step"] for row in rows] == [1, 2, 3]
     assert [row["lm loss"] for row in rows] == pytest.approx(losses(records))

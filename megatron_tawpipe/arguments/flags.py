@@ -401,6 +401,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                         "WANDB_MODE=offline works without network)")
     g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
     g.add_argument("--wandb-save-dir", default=None, help="W&B's local directory (default: SAVE/wandb)")
+    g.add_argument("--wandb-entity", default=None, help="the W&B team or user the run is logged under (default: "
+                   "the account's own)")
     g.add_argument("--tensorboard-dir", default=None,
                    help="write Megatron-LM's TensorBoard scalars here (needs the tensorboard package)")
     g.add_argument("--tensorboard-log-interval", type=positive_int, default=1)

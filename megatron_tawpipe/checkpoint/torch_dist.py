@@ -207,13 +207,24 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=_save_strategy(),
                                       content_metadata=dict(CONTENT_METADATA),
                                       preprocess_common_before_consistancy_check=_comparable_common,
-                                      async_sharded_save=async_save.enabled(args))
+                                      async_sharded_save=async_save.enabled(args), **_mcore_async_writer())
     if request is None:
         make_visible()
     else:  # --async-save: written in the background; visible once finalized (async_save.finalize)
         request.add_finalize_fn(make_visible)
         async_save.schedule(request, args)
     return final_dir
+
+
+def _mcore_async_writer() -> dict:
+    """megatron-core's own background writer: from 0.19 ``dist_checkpointing.save`` defaults to
+    nvidia-resiliency-ext's (``async_strategy="nvrx"``), which is not installed here; earlier releases
+    have only their own and no such argument."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters else {}
 
 
 def _save_strategy():

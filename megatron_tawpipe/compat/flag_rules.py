@@ -93,8 +93,6 @@ EXPLICIT: Dict[str, Tuple[str, str]] = {
                                       "the weight-passing schedules' phases"),
     "--timing-log-option": (NO_EFFECT, "no per-phase timers: the log line has the iteration time"),
     "--no-barrier-with-level-1-timing": (NO_EFFECT, "no per-phase timers, so no barriers for them"),
-    "--log-memory-to-tensorboard": (NO_EFFECT, _TENSORBOARD),
-    "--log-world-size-to-tensorboard": (NO_EFFECT, _TENSORBOARD),
     "--log-params-norm": (NO_EFFECT, "the parameter norm is not computed (the gradient norm is logged)"),
     "--log-num-zeros-in-grad": (NO_EFFECT, "zeros in the gradient are not counted"),
     "--ckpt-fully-parallel-save": (NO_EFFECT, "deprecated in Megatron-LM; checkpoints are written by every rank in "
@@ -118,6 +116,64 @@ EXPLICIT: Dict[str, Tuple[str, str]] = {
     "--deepspeed_config": (NO_EFFECT, _DEEPSPEED),
     "--deepspeed-activation-checkpointing": (NO_EFFECT, "DeepSpeed is not used; --recompute-granularity full "
                                                         "recomputes activations"),
+    # Logging with no target here (they change nothing that is computed or saved).
+    "--log-device-memory-used": (NO_EFFECT, "device memory is not logged per iteration (--log-memory-to-tensorboard "
+                                            "writes the allocator's figures)"),
+    "--log-memory-interval": (NO_EFFECT, "memory scalars follow --tensorboard-log-interval here"),
+    "--log-max-attention-logit": (NO_EFFECT, "the largest attention logit is not computed or logged"),
+    "--log-energy": (NO_EFFECT, "needs NVML's GPU energy counters: energy is not logged here"),
+    "--log-straggler": (NO_EFFECT, "straggler detection (nvidia-resiliency-ext) is not used"),
+    "--log-batch-size-to-tensorboard": (NO_EFFECT, "batch-size is always written to TensorBoard (Megatron-LM removed "
+                                                   "this switch for the same reason)"),
+    "--exit-signal-handler-for-training": (NO_EFFECT, "a signal without --exit-signal-handler stops the run as it "
+                                                      "would anyway; --exit-signal-handler saves a checkpoint first"),
+    "--use-same-sampling-seed-across-dp-ranks": (NO_EFFECT, _INFERENCE),
+    "--fsdp-manual-registration": (NO_EFFECT, _NCCL),
+    "--suggested-communication-unit-size": (NO_EFFECT, "how many elements Megatron-FSDP moves per collective; "
+                                                       "the values are the same"),
+    "--fsdp-db-use-persist-buf-on-alloc-fail": (NO_EFFECT, "applies to Megatron-FSDP's double buffer, which is not "
+                                                           "used here"),
+    # Data, checkpoint and precision options that change what is computed or saved, not built here.
+    "--allow-ambiguous-pad-tokens": (REFUSED, "changes which tokens the loss masks; not supported (megatron-core's "
+                                              "default masking applies)"),
+    "--mid-level-dataset-surplus": (REFUSED, "blended datasets are built with megatron-core's default surplus "
+                                             "(leave it out)"),
+    "--multiple-validation-sets": (REFUSED, "one validation set: --valid-data-path (several prefixes, optionally "
+                                            "weighted, blend into it)"),
+    "--validation-set-names": (REFUSED, "one validation set: --valid-data-path (several prefixes, optionally "
+                                        "weighted, blend into it)"),
+    "--per-dataset-sequences-path": (REFUSED, "not read: megatron-core builds the dataset indices from the .idx files "
+                                              "(leave it out)"),
+    "--phase-transition-iterations": (REFUSED, "phased training is not supported; --step-batch-size-schedule steps "
+                                               "the batch up"),
+    "--sample-rate": (REFUSED, "sub-sampling the training data is not supported: every sample of the blend is used"),
+    "--load-main-params-from-ckpt": (REFUSED, "the fp32 main weights are always rebuilt from the loaded weights "
+                                              "when the optimizer state is not loaded (--no-load-optim)"),
+    "--verify-integrity": (REFUSED, "checkpoint files are not hashed; writes are atomic and loading names any "
+                                    "missing tensor"),
+    "--test-mode": (REFUSED, "Megatron-LM's internal test mode is not available"),
+    "--tensor-parallel-num-weight-shards": (REFUSED, "tensor-parallel weights are sharded --tensor-model-parallel-size "
+                                                     "ways, not otherwise"),
+    "--no-use-layer-wise-param-layout": (REFUSED, _OPTIMIZER_ONLY),
+    "--megatron-fsdp-enable-fine-grained-param-gather": (REFUSED, "not supported yet: --use-megatron-fsdp gathers "
+                                                                  "whole layers' weights"),
+    "--megatron-fsdp-grad-comm-dtype": (REFUSED, "Megatron-FSDP's dtypes follow --bf16 here; its own dtype flags are "
+                                                 "not supported yet"),
+    "--megatron-fsdp-main-grads-dtype": (REFUSED, "Megatron-FSDP's dtypes follow --bf16 here; its own dtype flags are "
+                                                  "not supported yet"),
+    "--megatron-fsdp-main-params-dtype": (REFUSED, "Megatron-FSDP's dtypes follow --bf16 here; its own dtype flags "
+                                                   "are not supported yet"),
+    "--megatron-fsdp-max-pool-double-buffer": (REFUSED, "Megatron-FSDP's fp8 / double-buffer options are not "
+                                                        "supported; --use-megatron-fsdp runs without them"),
+    # Flags of Megatron-LM's development branch that no megatron-core release (0.16-0.19) has.
+    **{flag: (REFUSED, "a flag of Megatron-LM's development branch that no megatron-core release 0.16-0.19 has: "
+                       "not supported yet")
+       for flag in ("--ckpt-drop-redundant-extra-state", "--ckpt-pg-tensors-cache-create",
+                    "--ckpt-pg-tensors-cache-path", "--gtp-remat-nccl-ub", "--gtp-remat-opt-in-modules",
+                    "--gtp-remat-reduce-scatter-with-fp32-accumulation", "--megatron-fsdp-version",
+                    "--output-logit-dtype", "--use-gigatoken")},
+    "--no-scatter-gather-tensors-in-pipeline": (REFUSED, "pipeline stages send whole activations here (megatron-core's "
+                                                         "default)"),
     # Earlier refusals.
     "--use-legacy-models": (REFUSED, "legacy models are gone from Megatron-LM; this project trains megatron-core's "
                                      "GPTModel"),

@@ -59,6 +59,7 @@ def _start_wandb(args):
     from megatron_tawpipe.arguments import plain_arguments
 
     return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=save_dir,
+                      entity=getattr(args, "wandb_entity", None) or None,
                       config=plain_arguments(args))
 
 

@@ -264,8 +264,8 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
-    elif args.wandb_exp_name or args.wandb_save_dir:
-        notice("--wandb-exp-name / --wandb-save-dir: no effect without --wandb-project")
+    elif args.wandb_exp_name or args.wandb_save_dir or args.wandb_entity:
+        notice("--wandb-exp-name / --wandb-save-dir / --wandb-entity: no effect without --wandb-project")
     if args.save_interval is not None and not args.save:
         notice(f"--save-interval {args.save_interval} without --save: no checkpoints are written")
     from megatron_tawpipe.checkpoint.flag_checks import check_checkpoint_flags
