@@ -105,7 +105,10 @@ def _slow_writer_job(save: str, marks: str) -> None:
 
     from megatron_tawpipe.monitor.metrics import MetricsWriter
 
-    original_write = FileSystemWriterAsync.write_preloaded_data_multiproc
+    # The background writer's per-bucket write: ..._multiproc up to megatron-core 0.18, ..._multithread in 0.19.
+    writer_name = next(name for name in ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")
+                       if hasattr(FileSystemWriterAsync, name))
+    original_write = getattr(FileSystemWriterAsync, writer_name)
     original_record = MetricsWriter.record
 
     def stalled_write(*args, **kwargs):
@@ -120,7 +123,7 @@ def _slow_writer_job(save: str, marks: str) -> None:
             pass
         return original_record(self, iteration, *args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(stalled_write)
+    setattr(FileSystemWriterAsync, writer_name, staticmethod(stalled_write))
     MetricsWriter.record = noted_record
     try:
         train_rank(0, tiny_args("--save", save, "--save-interval", "2", "--async-save", train_iters=ITERS))

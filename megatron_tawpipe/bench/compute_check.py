@@ -149,6 +149,8 @@ class NativeLayers:
     """The same layers as a middle pipeline stage of native megatron-core."""
 
     def __init__(self, args, device: torch.device):
+        from megatron.core.distributed import DistributedDataParallel
+
         from megatron_tawpipe.baselines.native import ddp_config
         from megatron_tawpipe.models.llama import construct_llama_model, llama_config, params_dtype
 
@@ -156,8 +158,6 @@ class NativeLayers:
         self.gpt = construct_llama_model(args, config, pre_process=False, post_process=False).to(device)
         self.gpt.to(params_dtype(args))   # as Float16Module does
         self.gpt.train(True)
-        from megatron.core.distributed import DistributedDataParallel
-
         self.ddp = DistributedDataParallel(config, ddp_config(args), self.gpt)
 
     def step(self, hidden: torch.Tensor, grad_out: torch.Tensor):
@@ -210,7 +210,8 @@ def compare_compute(args, layers: int, device: torch.device, repeats: int, warmu
 
     def snapshot(step: Callable, side) -> tuple:
         out, dx = step()
-        return out.detach().clone(), dx.detach().clone(), {n: g.detach().clone() for n, g in side.weight_grads().items()}
+        grads = {name: grad.detach().clone() for name, grad in side.weight_grads().items()}
+        return out.detach().clone(), dx.detach().clone(), grads
 
     native.ddp.zero_grad_buffer()
     reference = snapshot(lambda: native.step(hidden, grad_out), native)
