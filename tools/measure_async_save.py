@@ -6,16 +6,17 @@ iterations, synchronous; the same with --async-save) and times every iteration f
 training step to the start of the next, so an iteration's time includes whatever the loop did after the
 step: the save (synchronous), or planning it and handing the write to a background process (--async-save).
 
-    python tools/measure_async_save.py --train-iters 26 --save-interval 4 --dir /tmp/async_measure
+    python tools/measure_async_save.py --train-iters 26 --save-interval 4 --repetitions 2
 
 Prints, per mode: the median iteration time without a save, the mean time of the iterations that saved,
 what a save added (each saving iteration against the mean of the iterations before and after it: the
-machine's load may drift), and the checkpoint size. Flags after ``--`` replace the model flags (pretrain_llama.py's).
+machine's load may drift), the median time the loop spent in the save call, and the checkpoint size. Flags after ``--`` replace the model flags (pretrain_llama.py's).
 """
 
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -53,12 +54,26 @@ def _run(mode: str, argv, port: int, results) -> None:
         trainer.train_step = train_step
         return trainer
 
+    from megatron_tawpipe.training import loop
+
+    saves = []
+    save = loop.save_checkpoint
+
+    def timed_save(*save_args, **save_kwargs):
+        began = time.perf_counter()
+        try:
+            return save(*save_args, **save_kwargs)
+        finally:
+            saves.append(time.perf_counter() - began)
+
+    loop.save_checkpoint = timed_save
     args = validate_args(parse_args(argv))
     try:
         pretrain(args, gpt_forward_step, trainer_factory=timed_trainer)
     finally:
         destroy()
-    results.put((mode, [b - a for a, b in zip(starts, starts[1:])]))
+    # (The last save, after the last iteration, is left out: the run ends with it.)
+    results.put((mode, ([b - a for a, b in zip(starts, starts[1:])], saves[:-1])))
 
 
 def _size(path: str) -> int:
@@ -69,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train-iters", type=int, default=26)
     parser.add_argument("--save-interval", type=int, default=4)
+    parser.add_argument("--repetitions", type=int, default=2, help="runs of each mode, alternating")
     parser.add_argument("--dir", default="/tmp/async_save_measure", help="checkpoints go here (removed after)")
     parser.add_argument("model", nargs="*", help="after --: model flags replacing the default small Llama")
     options = parser.parse_args()
@@ -80,31 +96,41 @@ def main() -> None:
              "--save --async-save": ["--save", os.path.join(options.dir, "async"), "--async-save"]}
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    timings, sizes = {}, {}
-    for mode, extra in modes.items():
+    timings, calls, sizes = {name: [] for name in modes}, {name: [] for name in modes}, {}
+    for _repetition, (mode, extra) in ((r, item) for r in range(options.repetitions) for item in modes.items()):
         shutil.rmtree(options.dir, ignore_errors=True)
         flags = extra + (["--save-interval", str(options.save_interval)] if extra else [])
         proc = ctx.Process(target=_run, args=(mode, base + flags, _port(), results))
         proc.start()
-        name, gaps = results.get()
+        while True:
+            try:
+                name, (gaps, save_calls) = results.get(timeout=5)
+                break
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise SystemExit(f"the {mode} run failed (exit code {proc.exitcode}); its error is above")
         proc.join()
-        timings[name] = gaps
+        timings[name].append(gaps)
+        calls[name].extend(save_calls)
         if extra:
             latest = open(os.path.join(extra[1], "latest_checkpointed_iteration.txt")).read().strip()
             sizes[name] = _size(os.path.join(extra[1], f"iter_{int(latest):07d}"))
     shutil.rmtree(options.dir, ignore_errors=True)
-    saving = [i for i in range(len(timings["no checkpoints"])) if (i + 1) % options.save_interval == 0]
+    saving = [i for i in range(len(timings["no checkpoints"][0])) if (i + 1) % options.save_interval == 0]
     print(f"{len(saving)} saves (after iterations {', '.join(str(i + 1) for i in saving)}), "
-          f"{options.train_iters} iterations, 1 rank")
+          f"{options.train_iters} iterations, 1 rank; median over {options.repetitions} alternating repetitions")
     print(f"{'mode':<24}{'iteration (median)':>20}{'iteration with a save':>24}{'added by a save':>18}"
-          f"{'checkpoint':>12}")
-    for name, gaps in timings.items():
-        plain = statistics.median(g for i, g in enumerate(gaps) if i not in saving and i > 0)
-        with_save = statistics.mean(gaps[i] for i in saving)
+          f"{'save call':>12}{'checkpoint':>12}")
+    for name, runs in timings.items():
+        plain = statistics.median(statistics.median(g for i, g in enumerate(gaps) if i not in saving and i > 0)
+                                  for gaps in runs)
+        with_save = statistics.median(statistics.mean(gaps[i] for i in saving) for gaps in runs)
         # Against the iterations just before and after (the machine's load drifts): what the save added.
-        added = statistics.mean(gaps[i] - (gaps[i - 1] + gaps[i + 1]) / 2 for i in saving if 0 < i < len(gaps) - 1)
+        added = statistics.median(statistics.mean(gaps[i] - (gaps[i - 1] + gaps[i + 1]) / 2
+                                                  for i in saving if 0 < i < len(gaps) - 1) for gaps in runs)
         size = f"{sizes[name] / 2**20:.0f} MiB" if name in sizes else "-"
-        print(f"{name:<24}{plain:>19.3f}s{with_save:>23.3f}s{added:>17.3f}s{size:>12}")
+        call = f"{statistics.median(calls[name]):.3f}s" if calls[name] else "-"
+        print(f"{name:<24}{plain:>19.3f}s{with_save:>23.3f}s{added:>17.3f}s{call:>12}{size:>12}")
 
 
 def _port() -> int:

@@ -130,6 +130,9 @@ class LegacyCheckpoint:
                     self.slices.setdefault(name, [part[_orig(name, match)] for part in parts])
                 offset += len(local_layers)
         self.num_layers = offset
+        if not any(name.startswith(("embedding.", "decoder.")) for name in self.slices):
+            raise CheckpointError(f"{directory}: no megatron-core model weights (embedding.*, decoder.*): a checkpoint "
+                                  "of Megatron-LM's older model (language_model.*) needs its converter first")
 
     def tensor(self, name: str) -> Optional[torch.Tensor]:
         """The whole tensor of parameter ``name`` (this project's global name), or None if absent."""
