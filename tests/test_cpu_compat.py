@@ -58,6 +58,25 @@ def test_rng_tracker_forks_the_generator_dropout_uses():
     assert not parallel_state.model_parallel_is_initialized()
 
 
+def test_fork_warning_about_the_cpu_generator_is_dropped_only_on_the_cpu(caplog):
+    import logging
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(11, tp_rank=0, ep_rank=0, etp_rank=0)
+    logger = "megatron.core.tensor_parallel.random"
+    with caplog.at_level(logging.WARNING, logger=logger):
+        with get_cuda_rng_tracker().fork():
+            torch.rand(4)               # draws from the CPU generator: the "CUDA" one here
+        logging.getLogger(logger).warning("another warning of that logger")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["another warning of that logger"]
+    cpu_compat.remove()
+    with caplog.at_level(logging.WARNING, logger=logger):
+        logging.getLogger(logger).warning("CPU RNG state changed within GPU RNG context")
+    assert caplog.records[-1].getMessage() == "CPU RNG state changed within GPU RNG context"
+
+
 def test_tensors_created_during_backward_are_mapped_too():
     devices = []
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -228,6 +229,20 @@ def _patch_table() -> List[Tuple[str, str, Any]]:
 _saved: Dict[Tuple[str, str], Any] = {}
 _mode: _CudaToCpuMode | None = None
 
+# megatron's RNG tracker warns when the CPU generator changes inside a fork of the "CUDA" one. Here the
+# "CUDA" generator *is* the CPU one, so it changes inside every fork (dropout draws from it): the warning
+# says nothing on a CPU and came dozens of times per iteration. Only that message is dropped.
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+_RNG_MESSAGE = "CPU RNG state changed within GPU RNG context"
+
+
+class _SameGeneratorFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _RNG_MESSAGE
+
+
+_rng_filter = _SameGeneratorFilter()
+
 
 def is_applied() -> bool:
     return _mode is not None
@@ -273,6 +288,7 @@ def apply(force: bool = False) -> bool:
         setattr(module, attr, replacement)
     _mode = _CudaToCpuMode()
     _mode.__enter__()
+    logging.getLogger(_RNG_LOGGER).addFilter(_rng_filter)
     _self_check()
     return True
 
@@ -284,6 +300,7 @@ def remove() -> None:
         return
     _mode.__exit__(None, None, None)
     _mode = None
+    logging.getLogger(_RNG_LOGGER).removeFilter(_rng_filter)
     for (module_name, attr), original in _saved.items():
         setattr(importlib.import_module(module_name), attr, original)
     _saved.clear()
