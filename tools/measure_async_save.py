@@ -6,11 +6,13 @@ iterations, synchronous; the same with --async-save) and times every iteration f
 training step to the start of the next, so an iteration's time includes whatever the loop did after the
 step: the save (synchronous), or planning it and handing the write to a background process (--async-save).
 
-    python tools/measure_async_save.py --train-iters 26 --save-interval 4 --repetitions 2
+    python tools/measure_async_save.py --train-iters 26 --save-interval 4 --repetitions 3
 
-Prints, per mode: the median iteration time without a save, the mean time of the iterations that saved,
-what a save added (each saving iteration against the mean of the iterations before and after it: the
-machine's load may drift), the median time the loop spent in the save call, and the checkpoint size. Flags after ``--`` replace the model flags (pretrain_llama.py's).
+Prints, per mode (medians over the repetitions): the median time of the iterations without a save (with
+--async-save these include the ones a background write overlaps), the mean time of the iterations that
+saved, the median time the loop spent in the save call (what the loop waits for), and the checkpoint
+size. Flags after ``--`` replace the model flags (pretrain_llama.py's). The figures in docs/checkpoints.md
+come from ``--repetitions 3``.
 """
 
 import argparse
@@ -119,18 +121,14 @@ def main() -> None:
     saving = [i for i in range(len(timings["no checkpoints"][0])) if (i + 1) % options.save_interval == 0]
     print(f"{len(saving)} saves (after iterations {', '.join(str(i + 1) for i in saving)}), "
           f"{options.train_iters} iterations, 1 rank; median over {options.repetitions} alternating repetitions")
-    print(f"{'mode':<24}{'iteration (median)':>20}{'iteration with a save':>24}{'added by a save':>18}"
-          f"{'save call':>12}{'checkpoint':>12}")
+    print(f"{'mode':<24}{'iteration, no save':>20}{'iteration with a save':>24}{'save call':>12}{'checkpoint':>12}")
     for name, runs in timings.items():
         plain = statistics.median(statistics.median(g for i, g in enumerate(gaps) if i not in saving and i > 0)
                                   for gaps in runs)
         with_save = statistics.median(statistics.mean(gaps[i] for i in saving) for gaps in runs)
-        # Against the iterations just before and after (the machine's load drifts): what the save added.
-        added = statistics.median(statistics.mean(gaps[i] - (gaps[i - 1] + gaps[i + 1]) / 2
-                                                  for i in saving if 0 < i < len(gaps) - 1) for gaps in runs)
         size = f"{sizes[name] / 2**20:.0f} MiB" if name in sizes else "-"
         call = f"{statistics.median(calls[name]):.3f}s" if calls[name] else "-"
-        print(f"{name:<24}{plain:>19.3f}s{with_save:>23.3f}s{added:>17.3f}s{call:>12}{size:>12}")
+        print(f"{name:<24}{plain:>19.3f}s{with_save:>23.3f}s{call:>12}{size:>12}")
 
 
 def _port() -> int:
