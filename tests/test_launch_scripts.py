@@ -161,18 +161,6 @@ def without(argv, flag):
 # without them, to show that nothing else stops it, and is reported as an expected failure; once a flag is
 # answered, its entry must go (the test fails while an entry names a flag that no longer stops the script).
 STOPS = {
-    "gpt3_15b_8t_release": {
-        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
-    },
-    "gpt3_7b_tp1_pp4_memory_speed": {
-        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
-    },
-    "gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap": {
-        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
-    },
-    "gpt3_mcore_te_tp2_pp2_defer_embedding_wgrad_compute": {
-        "--use-persistent-ckpt-worker": "--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker",
-    },
     "gpt3_mcore_tp4_pp1_resume_torch": {      # without the flag: the default format, torch_dist
         "--ckpt-format": "--ckpt-format torch: this project writes Megatron-LM's legacy files with the weights only",
     },

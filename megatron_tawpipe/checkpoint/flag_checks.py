@@ -62,8 +62,10 @@ def _check_async(args) -> List[str]:
         import torch
 
         if not torch.cuda.is_available():
-            raise ArgumentError("--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker sets a "
-                                "CUDA device and needs a GPU; without it --async-save forks a writer per save")
+            # Which process writes changes nothing that is written: the same files, made visible the same way.
+            notices.append("--use-persistent-ckpt-worker: megatron-core's persistent checkpoint worker sets a CUDA "
+                           "device; without a GPU --async-save forks a writer per save instead (the same files)")
+            args.use_persistent_ckpt_worker = False
     return notices
 
 
