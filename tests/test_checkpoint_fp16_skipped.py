@@ -1,0 +1,51 @@
+"""fp16 starts at Megatron-LM's loss scale 2**32, so its first iterations overflow and skip the optimizer
+step: a checkpoint saved then holds Adam's state before its first step (zero moments, step 0), and resuming
+from it continues the uninterrupted run exactly (losses, loss scale, parameters)."""
+
+import os
+
+import pytest
+
+from distributed_harness import run_ranks
+from training_helpers import losses, tiny_args, train_rank
+
+ITERS = 5
+SAVED = 2      # every iteration up to here skips its step (the loss scale halves from 2**32)
+FP16 = ["--fp16", "--initial-loss-scale", str(2 ** 32), "--hysteresis", "1"]
+SCHEDULES = {"tawpipe": (2, ["--pipeline-schedule", "tawpipe"]),
+             "1f1b": (2, ["--pipeline-model-parallel-size", "2"])}
+
+
+def _run(world, extra, save=None, load=None, exit_interval=None, fmt="torch_dist"):
+    argv = tiny_args(*FP16, *extra, "--ckpt-format", fmt, train_iters=ITERS)
+    if save:
+        argv += ["--save", save, "--save-interval", "1"]
+    if load:
+        argv += ["--load", load]
+    if exit_interval:
+        argv += ["--exit-interval", str(exit_interval)]
+    return run_ranks(train_rank, world, argv)[-1]
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "tawpipe"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_resume_from_a_checkpoint_saved_before_the_first_step(tmp_path, schedule, fmt):
+    from megatron_tawpipe.checkpoint import read_parameters
+
+    world, extra = SCHEDULES[schedule]
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    uninterrupted = _run(world, extra, save=whole, fmt=fmt)
+    assert [r["skipped"] for r in uninterrupted[:SAVED]] == [True] * SAVED, uninterrupted
+    assert not uninterrupted[-1]["skipped"]
+    first = _run(world, extra, save=part, exit_interval=SAVED, fmt=fmt)
+    second = _run(world, extra, save=part, load=part, fmt=fmt)
+    resumed = first + second
+    assert [r["iteration"] for r in resumed] == list(range(1, ITERS + 1))
+    assert losses(resumed) == losses(uninterrupted)
+    assert [r["loss_scale"] for r in resumed] == [r["loss_scale"] for r in uninterrupted]
+    assert [r["skipped"] for r in resumed] == [r["skipped"] for r in uninterrupted]
+    final = f"iter_{ITERS:07d}"
+    ours, theirs = (read_parameters(os.path.join(root, final)) for root in (part, whole))
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].equal(theirs[name]), name
