@@ -43,7 +43,8 @@ def test_flag_refusals_and_answers(tmp_path, capsys):
     assert "multiple of --save-interval 2" in _refusal("--save", save, "--save-interval", "2",
                                                        "--save-retain-interval", "3")
     assert "torch_dist only" in _refusal("--save", save, "--async-save", "--ckpt-format", "tawpipe")
-    assert "--no-save-optim" in _refusal("--save", save, "--ckpt-format", "torch")
+    assert "not under --pipeline-schedule tawpipe; pass --no-save-optim" in _refusal(
+        "--save", save, "--ckpt-format", "torch", "--pipeline-schedule", "tawpipe")
     assert "I/O scheduling class" in _refusal("--async-ckpt-io-priority", "5")
     if not torch.cuda.is_available():     # the persistent worker needs a GPU: a forked writer per save instead
         args = _validate("--save", save, "--async-save", "--use-persistent-ckpt-worker")
@@ -315,3 +316,35 @@ def test_legacy_save_and_load_round_trip(tmp_path):
         assert torch.equal(value, source), name
     (resumed,) = run_ranks(train_rank, 1, tiny_args("--load", legacy, "--no-load-optim", train_iters=3))
     assert [r["iteration"] for r in resumed] == [3]
+
+
+@pytest.mark.parametrize("extra", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
+                                   ["--use-distributed-optimizer"]])
+def test_legacy_format_with_the_optimizer_resumes_exactly(tmp_path, extra):
+    """megatron-core's own schedules write Megatron-LM's legacy files with the optimizer state (one file per tensor-
+    and pipeline-parallel rank: megatron-core's optimizer.state_dict(), the LR schedule, the RNG states; the
+    distributed optimizer's distrib_optim.pt): resuming at the same layout continues the uninterrupted run exactly;
+    another layout or schedule is refused, naming what differs."""
+    from megatron_tawpipe.checkpoint import read_parameters
+
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    argv = tiny_args(*extra, "--ckpt-format", "torch", "--save-interval", "2", train_iters=4)
+    uninterrupted = run_ranks(train_rank, 2, argv + ["--save", whole])[-1]
+    first = run_ranks(train_rank, 2, argv + ["--save", part, "--exit-interval", "2"])[-1]
+    second = run_ranks(train_rank, 2, argv + ["--save", part, "--load", part])[-1]
+    assert losses(first + second) == losses(uninterrupted)
+    directory = os.path.join(part, "iter_0000002")
+    ranks = sorted(os.listdir(directory))
+    assert ranks == {"--tensor-model-parallel-size": ["mp_rank_00", "mp_rank_01"],
+                     "--pipeline-model-parallel-size": ["mp_rank_00_000", "mp_rank_00_001"],
+                     "--use-distributed-optimizer": ["mp_rank_00"]}[extra[0]]
+    saved = torch.load(os.path.join(directory, ranks[0], "model_optim_rng.pt"), weights_only=False)
+    assert {"args", "iteration", "model", "optimizer", "opt_param_scheduler", "rng_state"} <= set(saved)
+    if extra[0] == "--use-distributed-optimizer":
+        assert os.path.isfile(os.path.join(directory, ranks[0], "distrib_optim.pt"))
+    else:
+        assert saved["optimizer"]["state"] and "param_groups" in saved["optimizer"]
+    ours, theirs = (read_parameters(os.path.join(root, "iter_0000004")) for root in (part, whole))
+    assert set(ours) == set(theirs) and all(ours[name].equal(theirs[name]) for name in theirs)
+    with pytest.raises(AssertionError, match="differs: .*(this run: 1)"):
+        run_ranks(train_rank, 1, tiny_args("--load", part, train_iters=4))

@@ -162,16 +162,12 @@ def without(argv, flag):
 # answered, its entry must go (the test fails while an entry names a flag that no longer stops the script).
 STOPS = {
     "gpt3_mcore_tp4_pp1_resume_torch": {      # without the flag: the default format, torch_dist
-        "--ckpt-format": "--ckpt-format torch: this project writes Megatron-LM's legacy files with the weights only",
+        "--ckpt-format": "--ckpt-format torch: the optimizer state of Megatron-LM's legacy files is megatron-core's",
     },
 }
 
-# Resume tests that fail here, with what the failure says. fp16 starts at Megatron-LM's loss scale 2**32, so the
-# first iterations overflow and skip their step: a checkpoint saved then holds no Adam moments yet, and resuming
-# from it stops, although Adam's state before its first step is known (zero moments, step 0).
-RESUME_FAILS = {
-    "gpt3_mcore_tp4_pp1_resume_torch": "no optimizer state (exp_avg)",
-}
+# Resume tests that fail here, with what the failure says.
+RESUME_FAILS = {}
 
 
 @pytest.fixture(scope="module")

@@ -99,8 +99,9 @@ def assert_matches_reference(root, reference_root, iterations, rtol=1e-5):
 
 def assert_trains_like(per_rank: List[List[dict]], reference: List[dict], save: str, reference_save: str,
                        iterations: int, rtol: float = 1e-5) -> None:
-    """Every rank's losses and gradient norms, and every parameter after every step, within ``rtol`` of a
-    single-process reference that trains (its loss moves, its gradient norm exceeds 1: clipping active)."""
+    """Every rank's losses and gradient norms within ``rtol`` of a single-process reference that trains (its
+    loss moves, its gradient norm exceeds 1: clipping active); gradients and parameters after every step as
+    :func:`assert_matches_reference` compares them."""
     for records in per_rank:
         assert_close_rel(losses(records), losses(reference), rtol)
         assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol, "grad norm")

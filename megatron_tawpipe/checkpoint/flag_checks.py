@@ -70,10 +70,18 @@ def _check_async(args) -> List[str]:
 
 
 def _check_torch_format_save(args) -> None:
+    from megatron_tawpipe.arguments import is_weight_passing
+
     if not args.no_save_optim:
-        raise ArgumentError("--ckpt-format torch: this project writes Megatron-LM's legacy files with the weights "
-                            "only (its optimizer state is megatron-core's per-rank state_dict, indexed by each "
-                            "Megatron-LM rank's parameter order); pass --no-save-optim, or use --ckpt-format torch_dist")
+        if is_weight_passing(args.pipeline_schedule) or args.use_torch_fsdp2 or args.use_megatron_fsdp:
+            where = (f"--pipeline-schedule {args.pipeline_schedule}" if is_weight_passing(args.pipeline_schedule)
+                     else "FSDP")
+            raise ArgumentError(f"--ckpt-format torch: the optimizer state of Megatron-LM's legacy files is "
+                                f"megatron-core's per-rank optimizer.state_dict(), written from megatron-core's own "
+                                f"optimizer (the native schedules), not under {where}; pass --no-save-optim (weights "
+                                "only), or use --ckpt-format torch_dist (which carries this schedule's optimizer state)")
+        return      # one file per tensor- and pipeline-parallel rank, as Megatron-LM writes them
     if args.tensor_model_parallel_size != 1:
-        raise ArgumentError(f"--ckpt-format torch writes whole weights (mp_rank_00) from --tensor-model-parallel-size "
-                            f"1 only, not {args.tensor_model_parallel_size}; use --ckpt-format torch_dist")
+        raise ArgumentError(f"--ckpt-format torch --no-save-optim writes whole weights (mp_rank_00) from "
+                            f"--tensor-model-parallel-size 1 only, not {args.tensor_model_parallel_size}; save the "
+                            "optimizer state too (one file per rank) or use --ckpt-format torch_dist")

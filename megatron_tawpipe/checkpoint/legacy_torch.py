@@ -17,12 +17,16 @@ optimizer ``state_dict`` (indexed by that rank's parameter order), ``rng_state``
 Loading reads the weights under any schedule: every file of the checkpoint, memory-mapped; the layers of
 each stage (and virtual stage) numbered over the whole model; tensor-parallel slices joined into whole
 tensors (column-parallel weights along rows, SwiGLU's [gate; up] halves rank by rank, row-parallel ones along
-columns); then each rank takes what it holds, as for torch_dist. The optimizer state is not mapped (it is
-indexed by Megatron-LM's per-rank parameter order): loading needs ``--no-load-optim`` or ``--finetune`` (a
-``release`` checkpoint is loaded as Megatron-LM does: weights, iteration 0). Saving writes the weights
-(``--no-save-optim``) as one tensor- and pipeline-parallel rank, ``mp_rank_00/``, gathered on rank 0: a file
-Megatron-LM loads with ``--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1`` (or reshards with
-its converter), written atomically like every format here.
+columns); then each rank takes what it holds, as for torch_dist. The optimizer state (indexed by each rank's
+parameter order in megatron-core's optimizer) loads as Megatron-LM loads it, into megatron-core's own optimizer
+(the native schedules) at the layout that saved it: each rank's ``optimizer.load_state_dict`` of its own file,
+then the distributed optimizer's ``load_parameter_state`` of ``distrib_optim.pt``, the LR schedule and the RNG
+states; elsewhere loading needs ``--no-load-optim`` or ``--finetune`` (a ``release`` checkpoint is loaded as
+Megatron-LM does: weights, iteration 0). Saving with the optimizer state (the native schedules) writes one file
+per tensor- and pipeline-parallel rank as Megatron-LM does; with ``--no-save-optim`` (any schedule) the weights
+as one tensor- and pipeline-parallel rank, ``mp_rank_00/``, gathered on rank 0: a file Megatron-LM loads with
+``--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1`` (or reshards with its converter). Written
+atomically like every format here.
 """
 
 from __future__ import annotations
@@ -36,13 +40,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.common.atomic import atomic_torch_save, fsync_dir
+from megatron_tawpipe.arguments import is_weight_passing, virtual_pipeline_size
+from megatron_tawpipe.common.atomic import atomic_torch_save, fsync_dir, fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, barrier, check_signature,
-                                                checkpoint_dir, is_release, promote_checkpoint_dir, rank,
-                                                start_checkpoint_dir, tied_alias, writer_entries)
+                                                checkpoint_dir, is_release, load_scheduler, promote_checkpoint_dir,
+                                                rank, rng_device_type, start_checkpoint_dir, tied_alias,
+                                                writer_entries)
 
 FILE = "model_optim_rng.pt"
+DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"   # Megatron-LM's, beside FILE, with --use-distributed-optimizer
 CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -185,12 +192,14 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     source = LegacyCheckpoint(directory, swiglu=bool(args.swiglu))
     common = source.common
     check_signature(saved_model_signature(common, directory), args, directory)
-    if not (args.no_load_optim or args.finetune or release):
-        why = ("its optimizer state is megatron-core's per-rank state_dict, indexed by each Megatron-LM rank's "
-               "parameter order, which this project does not map" if "optimizer" in common else
-               "it holds no optimizer state (weights only, as Megatron-LM's converters write it)")
-        raise CheckpointSetupError(f"{directory} is a --ckpt-format torch checkpoint: {why}; pass --no-load-optim "
-                                   "(or --finetune) to load its weights and start the optimizer afresh")
+    restore_optimizer = not (args.no_load_optim or args.finetune or release)
+    if restore_optimizer:
+        why = ("it holds no optimizer state (weights only, as Megatron-LM's converters write it)"
+               if "optimizer" not in common else _optimizer_layout_problem(common.get("args"), args))
+        if why is not None:
+            raise CheckpointSetupError(f"{directory} is a --ckpt-format torch checkpoint: {why}; pass "
+                                       "--no-load-optim (or --finetune) to load its weights and start the optimizer "
+                                       "afresh")
     tied = not args.untie_embeddings_and_output_weights
     with torch.no_grad():
         for name, param, master in trainer.named_master_parameters():
@@ -207,29 +216,113 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
             master.copy_(value.to(device=master.device, dtype=torch.float32))
             if param is not master:
                 param.copy_(value.to(device=param.device, dtype=param.dtype))
+    own = _own_file(directory) if restore_optimizer else None
+    if own is not None:
+        trainer.load_megatron_legacy_optimizer(own["state"]["optimizer"], own["parameter_state"])
     trainer.after_parameters_loaded()
-    if "rng_state" in common and not (args.no_load_rng or args.finetune or release) and rank() == 0:
-        print(f" {directory}: the RNG states of a --ckpt-format torch checkpoint are not restored (they are "
-              "Megatron-LM's per-rank states of its layout): dropout continues from --seed", flush=True)
     if args.finetune or release:
         return 0, 0
     saved_args = common.get("args")
-    return int(common.get("iteration", 0)), int(getattr(saved_args, "consumed_train_samples", 0) or 0)
+    iteration, consumed = int(common.get("iteration", 0)), int(getattr(saved_args, "consumed_train_samples", 0) or 0)
+    if own is not None and scheduler is not None and own["state"].get("opt_param_scheduler") is not None:
+        load_scheduler(scheduler, {"scheduler": own["state"]["opt_param_scheduler"], "scheduler_units": "samples",
+                                   "iteration": iteration, "consumed_samples": consumed}, directory)
+    if "rng_state" in common and not args.no_load_rng:
+        if own is not None and own["state"].get("rng_state"):
+            _set_megatron_rng_state(own["state"]["rng_state"][0])
+        elif rank() == 0:
+            print(f" {directory}: the RNG states of a --ckpt-format torch checkpoint are restored only at the layout "
+                  "that saved them, with its optimizer state: dropout continues from --seed", flush=True)
+    return iteration, consumed
+
+
+def _optimizer_layout_problem(saved, args) -> Optional[str]:
+    """Why this run cannot take the checkpoint's optimizer state (None when it can): it is megatron-core's
+    per-rank ``optimizer.state_dict()``, indexed by the parameter order of each rank of the saving layout, so it
+    loads into megatron-core's own optimizer at the same layout (as Megatron-LM loads it)."""
+    if is_weight_passing(args.pipeline_schedule) or args.use_torch_fsdp2 or args.use_megatron_fsdp:
+        return ("its optimizer state is megatron-core's per-rank optimizer.state_dict(), which loads into "
+                "megatron-core's own optimizer (the native schedules without FSDP), not under "
+                f"--pipeline-schedule {args.pipeline_schedule}" + (" with FSDP" if not is_weight_passing(
+                    args.pipeline_schedule) else ""))
+    differing = []
+    here = dict(vars(args), virtual_pipeline_model_parallel_size=virtual_pipeline_size(args))
+    for key, default in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+                         ("virtual_pipeline_model_parallel_size", None), ("decoder_first_pipeline_num_layers", None),
+                         ("decoder_last_pipeline_num_layers", None), ("pipeline_model_parallel_layout", None),
+                         ("data_parallel_size", None), ("use_distributed_optimizer", False), ("fp16", False),
+                         ("bf16", False)):
+        value = getattr(saved, key, default)
+        if key == "data_parallel_size" and (value is None or not getattr(saved, "use_distributed_optimizer", False)):
+            continue     # the non-distributed optimizer's state is the same on every data-parallel rank
+        if value != here.get(key, default):
+            differing.append(f"{key}={value} (this run: {here.get(key, default)})")
+    if getattr(saved, "pipeline_schedule", "1f1b") != args.pipeline_schedule and is_weight_passing(
+            getattr(saved, "pipeline_schedule", "1f1b")):
+        differing.append(f"pipeline_schedule={saved.pipeline_schedule}")
+    if differing:
+        return ("its optimizer state is megatron-core's per-rank optimizer.state_dict(), indexed by the parameter "
+                "order of the layout that saved it, which differs: " + ", ".join(differing))
+    return None
+
+
+def _own_file(directory: str) -> dict:
+    """This rank's file of the checkpoint (a private copy, not memory-mapped) and its ``distrib_optim.pt``."""
+    from megatron.core import parallel_state as mpu
+
+    pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
+    rank_dir = os.path.join(directory, _rank_dir_name(mpu.get_tensor_model_parallel_rank(),
+                                                      mpu.get_pipeline_model_parallel_rank(), pipelined))
+    path = os.path.join(rank_dir, FILE)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # missing, truncated or corrupt
+        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+    if "optimizer" not in state:
+        raise CheckpointSetupError(f"{path} holds no optimizer state; pass --no-load-optim (or --finetune)")
+    parameter_state = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE)
+    return {"state": state, "parameter_state": parameter_state if os.path.isfile(parameter_state) else None}
 
 
 def _megatron_rng_state() -> dict:
-    """This rank's RNG states in Megatron-LM's layout (``get_rng_state``'s dict)."""
+    """This rank's RNG states in Megatron-LM's layout (``get_rng_state``'s dict), with the device type they
+    were taken on (``device``, this project's entry: without a GPU the tracker holds CPU generator states)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
-            "rng_tracker_states": get_cuda_rng_tracker().get_states()}
+            "rng_tracker_states": get_cuda_rng_tracker().get_states(), "device": rng_device_type()}
+
+
+def _set_megatron_rng_state(state: dict) -> None:
+    """Restore :func:`_megatron_rng_state`'s states; the CUDA generator and the tracker only on the device type
+    that saved them (a file without ``device`` counts as a GPU's, as Megatron-LM writes it)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("device", "cuda") != rng_device_type():
+        if rank() == 0:
+            print(" RNG state saved on another device type: Python, NumPy and torch's CPU generator restored; the "
+                  "device generators keep the states seeded from --seed", flush=True)
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _rank_dir_name(tp_rank: int, pp_rank: int, pipelined: bool) -> str:
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" if pipelined else f"mp_rank_{tp_rank:02d}"
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args, saved_args) -> str:
-    """Collectively write the weights as Megatron-LM's ``iter_NNNNNNN/mp_rank_00/model_optim_rng.pt``
-    (validate_args requires --no-save-optim and one tensor-parallel rank)."""
+    """Collectively write Megatron-LM's legacy files: with the optimizer state (megatron-core's own schedules),
+    one file per tensor- and pipeline-parallel rank as Megatron-LM writes them; with --no-save-optim, the
+    weights gathered as one rank, ``mp_rank_00/model_optim_rng.pt`` (from one tensor-parallel rank)."""
+    if not args.no_save_optim:
+        return _save_per_rank(root, iteration, trainer, scheduler, args, saved_args)
     tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
     tied = not args.untie_embeddings_and_output_weights
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
@@ -257,6 +350,45 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         os.makedirs(rank_dir)
         atomic_torch_save(state, os.path.join(rank_dir, FILE))
         fsync_dir(rank_dir)
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, getattr(args, "save_retain_interval", None))
+    barrier()
+    return final_dir
+
+
+def _save_per_rank(root: str, iteration: int, trainer, scheduler, args, saved_args) -> str:
+    """Each tensor- and pipeline-parallel rank's ``mp_rank_TT[_PPP]/model_optim_rng.pt``, written by its
+    data-parallel rank 0: its model chunks, megatron-core's ``optimizer.state_dict()``, the LR schedule, its RNG
+    states; with the distributed optimizer also ``distrib_optim.pt`` (megatron-core's ``save_parameter_state``)."""
+    from megatron.core import parallel_state as mpu
+
+    tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
+    pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
+    rank_dir = os.path.join(tmp_dir, _rank_dir_name(mpu.get_tensor_model_parallel_rank(),
+                                                    mpu.get_pipeline_model_parallel_rank(), pipelined))
+    writer = mpu.get_data_parallel_rank() == 0
+    if writer:
+        os.makedirs(rank_dir, exist_ok=True)
+    barrier()
+    parameter_state = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE) if args.use_distributed_optimizer else None
+    state = trainer.megatron_legacy_state_dict(True, parameter_state)
+    if state is None:   # (validate_args refuses this case)
+        raise CheckpointSetupError("--ckpt-format torch with the optimizer state is written from megatron-core's own "
+                                   "optimizer only; pass --no-save-optim or use --ckpt-format torch_dist")
+    if writer:
+        saved_args.ckpt_format = "torch"
+        saved_args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(args)   # (Megatron-LM's argument)
+        state.update({"args": saved_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                      "num_floating_point_operations_so_far": 0})
+        if scheduler is not None:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+        if not args.no_save_rng:
+            state["rng_state"] = [_megatron_rng_state()]
+        atomic_torch_save(state, os.path.join(rank_dir, FILE))
+        if parameter_state is not None:
+            fsync_file(parameter_state)
+        fsync_dir(rank_dir)
+    barrier()
+    if rank() == 0:
         promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, getattr(args, "save_retain_interval", None))
     barrier()
     return final_dir

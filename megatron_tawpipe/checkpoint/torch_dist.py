@@ -312,9 +312,22 @@ def _value(loaded: dict, ident, name: str, param, local) -> torch.Tensor:
     return local(name, param, loaded[ident])
 
 
-def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer: bool):
+def optimizer_before_first_step(metadata: dict, step: Optional[torch.Tensor]) -> bool:
+    """Whether the checkpoint holds Adam's state before its first step: no step count (megatron-core writes
+    ``common_step`` only once it is positive; it creates Adam's moments lazily, at the first step taken) and no
+    moment of any parameter. fp16 runs skip their first steps while the loss scale overflows, and a checkpoint
+    saved then is such a one: Adam's state is known exactly (zero moments, step 0), and resuming leaves it
+    to be created at the first step, as in the uninterrupted run."""
+    if step is not None and float(step) > 0:
+        return False
+    return not any(key.startswith(f"optimizer.state.{moment}.") for key in metadata for moment in MOMENTS)
+
+
+def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer: bool, initial: bool = False):
     """The tensors this rank reads (a request) and where each goes: ``(name, param, master, value id,
-    {moment: id})`` per parameter. Raises CheckpointError naming what the checkpoint lacks."""
+    {moment: id})`` per parameter. Raises CheckpointError naming what the checkpoint lacks. ``initial``:
+    the checkpoint holds Adam's state before its first step (:func:`optimizer_before_first_step`), nothing
+    to read."""
     request = _Request(metadata, args.num_layers)
     tied = not args.untie_embeddings_and_output_weights
     targets = []
@@ -336,7 +349,7 @@ def _requested(trainer, args, metadata: dict, directory: str, restore_optimizer:
         value = (request.ask("optimizer.state.fp32_param." + key, layer, fragments)
                  or request.ask("optimizer.state.param." + key, layer, fragments) or request.ask(key, layer, fragments))
         moments = {}
-        if restore_optimizer:
+        if restore_optimizer and not initial:
             for moment in MOMENTS:
                 moments[moment] = request.ask(f"optimizer.state.{moment}.{key}", layer, fragments)
                 if moments[moment] is None:
@@ -377,9 +390,11 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     if restore_optimizer and not record.get("optimizer_saved", "optimizer" in common):
         raise CheckpointSetupError(f"{directory} was saved with --no-save-optim: it has no optimizer state to resume "
                                    "from; pass --no-load-optim (or --finetune) to start the optimizer afresh")
+    step = _saved_step(common.get("optimizer")) if restore_optimizer else None
+    initial = restore_optimizer and optimizer_before_first_step(metadata, step)
     problem = None
     try:
-        request, targets = _requested(trainer, args, metadata, directory, restore_optimizer)
+        request, targets = _requested(trainer, args, metadata, directory, restore_optimizer, initial)
     except CheckpointError as exc:
         problem = exc
     _agree(problem, directory)
@@ -392,14 +407,13 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
         loaded = dist_checkpointing.load(request.items, directory, validate_access_integrity=False)
     except (Exception, CheckpointException) as exc:  # a truncated or missing tensor file
         raise CheckpointError(f"{directory}: reading its tensors failed: {_last_line(exc)}") from exc
-    step = _saved_step(common.get("optimizer")) if restore_optimizer else None
     with torch.no_grad():
         for name, param, master, value, moments in targets:
             whole = _value(loaded, value, name, param, trainer.checkpoint_slice)
             master.copy_(whole.to(device=master.device, dtype=torch.float32))
             if param is not master:
                 param.copy_(whole.to(device=param.device, dtype=param.dtype))
-            if restore_optimizer:
+            if restore_optimizer and not initial:
                 state = {moment: _value(loaded, ident, name, param, trainer.checkpoint_slice).float()
                          for moment, ident in moments.items()}
                 if step is not None:

@@ -64,6 +64,14 @@ class Checkpointable(Protocol):
     def megatron_sharded_state_dict(self, with_optimizer: bool) -> Optional[dict]:
         """megatron-core's own sharded state dict, where the trainer has one (its native models); else None."""
 
+    def megatron_legacy_state_dict(self, with_optimizer: bool, parameter_state: Optional[str]) -> Optional[dict]:
+        """This rank's ``model`` (or ``model0``, ...) and ``optimizer`` entries as Megatron-LM's legacy format
+        writes them (megatron-core's own objects), the distributed optimizer's parameter state written to
+        ``parameter_state`` (collective over data-parallel ranks); None where the trainer has no such objects."""
+
+    def load_megatron_legacy_optimizer(self, optimizer_state: dict, parameter_state: Optional[str]) -> None:
+        """Load what :meth:`megatron_legacy_state_dict` wrote into megatron-core's optimizer."""
+
 
 class CheckpointDefaults:
     """The optional hooks of :class:`Checkpointable` with their plain meaning."""
@@ -88,3 +96,9 @@ class CheckpointDefaults:
 
     def megatron_sharded_state_dict(self, with_optimizer: bool) -> Optional[dict]:
         return None
+
+    def megatron_legacy_state_dict(self, with_optimizer: bool, parameter_state: Optional[str]) -> Optional[dict]:
+        return None
+
+    def load_megatron_legacy_optimizer(self, optimizer_state: dict, parameter_state: Optional[str]) -> None:
+        raise TypeError("only a trainer with megatron-core's own optimizer loads its legacy optimizer state")
