@@ -240,9 +240,12 @@ def test_blend_names_the_bad_prefix(good, copy):
     assert msg.startswith(f"--data-path {copy}: {copy}.bin is 10 bytes")
 
 
-def test_mock_data_skips_the_checks(copy):
+def test_mock_data_reads_no_file_and_is_the_only_source(copy):
     _poke(copy + ".idx", 0, b"GARBAGE!!")
-    data.validate_data_args(_args(copy, mock_data=True, vocab_size=10))
+    data.validate_data_args(_args(None, mock_data=True, vocab_size=10))
+    # Megatron-LM's rule: one data source in training; --mock-data beside --data-path is refused, not preferred.
+    with pytest.raises(ValueError, match="--mock-data, --data-path: give a single data source"):
+        data.validate_data_args(_args(copy, mock_data=True, vocab_size=10))
 
 
 # ---------------------------------------------------------------------------------------

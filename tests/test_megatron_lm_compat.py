@@ -179,7 +179,9 @@ def test_project_flags_join_megatron_lms_parser_through_its_hook(monkeypatch):
     (["--yaml-cfg", "run.yaml"], "--yaml-cfg run.yaml: YAML configurations are not read: give the flags"),
     (["--moe-router-topk", "4"], "--moe-router-topk 4: mixture-of-experts models are not supported"),
     (["--rerun-mode", "bogus"], "--rerun-mode bogus: gradient / loss checks beyond NaN detection are not made"),
-    (["--use-gigatoken"], "--use-gigatoken is a Megatron-LM flag this project does not implement"),
+    (["--use-gigatoken"], "--use-gigatoken: a flag of Megatron-LM's development branch that no megatron-core "
+                          "release 0.16-0.19 has"),
+    (["--DDP-impl", "local"], "--DDP-impl is a Megatron-DeepSpeed flag this project does not implement"),
 ])
 def test_megatron_lm_flags_are_answered_from_the_flag_table(extra, outcome, capsys, monkeypatch, tmp_path):
     """The same answers under megatron-core 0.16 and 0.19: the committed table decides, not the installed parser."""
