@@ -10,7 +10,7 @@ from distributed_harness import run_ranks
 from training_helpers import losses, tiny_args, train_rank
 
 ITERS = 5
-SAVED = 2      # every iteration up to here skips its step (the loss scale halves from 2**32)
+SAVED = 2      # every iteration up to here skips its step (the loss scale halves from 2**23 to 2**21)
 # (2**23 rather than 2**32: this tiny model overflows at every scale above 2**21, so the same thing happens in
 # two iterations rather than eleven.)
 FP16 = ["--fp16", "--initial-loss-scale", str(2 ** 23), "--hysteresis", "1"]

@@ -22,7 +22,18 @@ Two things the path must get right (both as Megatron-LM's training loop does, or
   (``megatron/core/optimizer/__init__.py:459``, ``grad_stats_parallel_group = intra_dist_opt_group``),
   but the gradient shards then span the whole data-parallel group: each instance holds only part of the
   gradient, so the reported norm is too small and clipping too weak. :func:`fix_grad_stats_group`
-  reduces over every rank that holds a distinct shard instead (megatron-core 0.16.1 and 0.17.1).
+  reduces over every rank that holds a distinct shard instead (megatron-core 0.16.1 and 0.17.1; in
+  0.19.2 the same choice sits at ``optimizer/__init__.py:1086-1090`` and ``:678``).
+* The gradient average (megatron-core 0.19.x): with an outer sharding, the gradients are reduced through
+  an inner-DP helper buffer (``hfsdp_helper_gbuf``) that ``_create_hfsdp_helper_buffer``
+  (``megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:3718-3741``) builds
+  without the buffer's ``gradient_scaling_factor``. The scale then is None, so
+  ``gradient_reduce_preprocessing`` (param_and_grad_buffer.py:4738-4741) sums without the 1/dp factor,
+  and the outer reduction (param_and_grad_buffer.py:4137-4142) sums too, trusting that the scale was
+  applied: the gradients come out dp times too large (Adam and clipping hide it in the loss, not in
+  the norm). :func:`restore_hfsdp_grad_scaling` gives each helper buffer its main buffer's factor
+  (1/dp, 1 with ``average_in_collective``, None with ``calculate_per_token_loss``), as megatron-core
+  0.16.1's ``hsdp_gbuf`` had (param_and_grad_buffer.py:2079-2089 there); a no-op where the factor is set.
 
 On the CPU (gloo), :mod:`megatron_tawpipe.compat.cpu` runs the CUDA streams, events and allocations
 on the host, the wrapper gets ``device=cpu``, and ``gradient_reduce_div_fusion`` is off (it needs
@@ -70,6 +81,22 @@ def fix_grad_stats_group(optimizer, args) -> None:
         chained.grad_stats_parallel_group = dist.group.WORLD
 
 
+def restore_hfsdp_grad_scaling(model) -> int:
+    """Give every HFSDP helper gradient buffer its main gradient buffer's scaling factor (see the module
+    docstring); return how many were missing it. Only buffers built without a factor are touched."""
+    restored = 0
+    for group in model.param_and_grad_buffer.parameter_groups:
+        helper = getattr(group, "hfsdp_helper_gbuf", None)
+        if helper is None or group.main_grad_buffer is None:
+            continue
+        expected = group.main_grad_buffer.gradient_scaling_factor
+        if helper.gradient_scaling_factor is None and expected is not None:
+            helper.gradient_scaling_factor = expected
+            restored += 1
+        assert helper.gradient_scaling_factor == expected, (helper.gradient_scaling_factor, expected)
+    return restored
+
+
 class MegatronFsdpTrainer(NativeTrainer):
     """NativeTrainer with Megatron-FSDP in place of megatron's DDP (no pipelining, one model chunk)."""
 
@@ -86,7 +113,9 @@ class MegatronFsdpTrainer(NativeTrainer):
 
             model = Float16Module(self.config, model)
         device = None if torch.cuda.is_available() else torch.device("cpu")
-        return [FullyShardedDataParallel(self.config, megatron_fsdp_config(self.args), model, device=device)]
+        wrapped = FullyShardedDataParallel(self.config, megatron_fsdp_config(self.args), model, device=device)
+        restore_hfsdp_grad_scaling(wrapped)
+        return [wrapped]
 
     def megatron_sharded_state_dict(self, with_optimizer: bool) -> dict:
         raise NotImplementedError("checkpoints are not supported with --use-megatron-fsdp")

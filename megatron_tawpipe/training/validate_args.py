@@ -274,7 +274,7 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
         notice(line)
     if args.ckpt_format not in CKPT_FORMATS:
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: this project writes torch_dist (Megatron-LM's default, "
-                            "megatron-core's dist_checkpointing), torch (Megatron-LM's legacy files, weights) or "
+                            "megatron-core's dist_checkpointing), torch (Megatron-LM's legacy files) or "
                             "tawpipe (its own per-parameter files); "
                             f"Megatron-LM's {args.ckpt_format} format is not supported")
     if args.ckpt_format == "torch_dist" and args.save:
