@@ -28,7 +28,7 @@ Two things the path must get right (both as Megatron-LM's training loop does, or
   an inner-DP helper buffer (``hfsdp_helper_gbuf``) that ``_create_hfsdp_helper_buffer``
   (``megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:3718-3741``) builds
   without the buffer's ``gradient_scaling_factor``. The scale then is None, so
-  ``gradient_reduce_preprocessing`` (param_and_grad_buffer.py:4738-4741) sums without the 1/dp factor,
+  ``gradient_reduce_preprocessing`` (param_and_grad_buffer.py:4740-4742) sums without the 1/dp factor,
   and the outer reduction (param_and_grad_buffer.py:4137-4142) sums too, trusting that the scale was
   applied: the gradients come out dp times too large (Adam and clipping hide it in the loss, not in
   the norm). :func:`restore_hfsdp_grad_scaling` gives each helper buffer its main buffer's factor
