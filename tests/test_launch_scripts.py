@@ -13,17 +13,19 @@ The CPU swaps, all listed in the data files:
     Transformer Engine's kernels need a CUDA GPU; ``local`` is megatron-core's own layers and attention.
   * ``--distributed-backend nccl`` -> ``gloo``: NCCL needs CUDA GPUs.
   * data and tokenizer files that are not public or not here (cluster blends, CI data sets, GPT-2 BPE files,
-    Hugging Face hub tokenizers) -> the project's default corpus (``data/default``, built by
-    ``tools/build_default_corpus.py``) and its SentencePiece model; for another SentencePiece tokenizer type
+    Hugging Face hub tokenizers) -> the project's default corpus (built once per test session, as
+    ``tools/build_default_corpus.py`` builds it) and its SentencePiece model; for another SentencePiece tokenizer type
     (its special tokens give other ids) part of the corpus is tokenized again by ``tools/preprocess_data.py``.
 Pipeline sizes above 2 become 2 (the 2 ranks, which the weight pipeline takes); tensor parallel sizes become 1.
 """
 
+import functools
 import json
 import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,9 +35,19 @@ from distributed_harness import run_ranks
 SCRIPTS_DIR = Path(__file__).parent / "data" / "megatron_lm_scripts"
 SCRIPTS = sorted(path.stem for path in SCRIPTS_DIR.glob("*.json"))
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CORPUS = REPO_ROOT / "data" / "default"          # tools/build_default_corpus.py: SentencePieceTokenizer's ids
 RANKS = 2
 CORPUS_DOCUMENTS = 300                            # of the default corpus, for a tokenizer type of its own
+
+
+@functools.lru_cache(maxsize=1)
+def default_corpus() -> Path:
+    """The default corpus and its SentencePiece model (SentencePieceTokenizer's ids), built in the system's
+    temporary folder (a clean clone has no data/default) and reused while its manifest matches."""
+    from megatron_tawpipe.data.default_corpus import build_default_corpus
+
+    out = Path(tempfile.gettempdir()) / f"tawpipe-launch-scripts-corpus-py{sys.version_info[0]}{sys.version_info[1]}"
+    build_default_corpus(str(out), workers=1, log=lambda line: None)
+    return out
 
 
 def load_script(name):
@@ -78,18 +90,18 @@ def corpus_for(tokenizer_type, root):
     the committed one for SentencePieceTokenizer, else the first documents preprocessed by tools/preprocess_data.py
     (ids differ between SentencePiece tokenizer types: their special tokens differ)."""
     if tokenizer_type == "SentencePieceTokenizer":
-        return CORPUS / "corpus_text_document"
+        return default_corpus() / "corpus_text_document"
     prefix = root / tokenizer_type / "corpus"
     if not prefix.parent.exists():
         prefix.parent.mkdir(parents=True)
-        with open(CORPUS / "corpus.jsonl") as source:
+        with open(default_corpus() / "corpus.jsonl") as source:
             documents = [next(source) for _ in range(CORPUS_DOCUMENTS)]
         (prefix.parent / "corpus.jsonl").write_text("".join(documents))
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "preprocess_data.py"),
                                "--input", str(prefix.parent / "corpus.jsonl"), "--append-eod", "--workers", "1",
                                "--output-prefix", str(prefix), "--tokenizer-type", tokenizer_type,
-                               "--tokenizer-model", str(CORPUS / "tokenizer.model")],
+                               "--tokenizer-model", str(default_corpus() / "tokenizer.model")],
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(f"{prefix}_text_document")
@@ -98,12 +110,12 @@ def corpus_for(tokenizer_type, root):
 def cpu_argv(script, tmp, corpora=None):
     """The command line: the script's flags scaled and swapped, paths filled in, ``--pipeline-schedule tawpipe``."""
     items = cpu_items(script)
-    corpus = CORPUS / "corpus_text_document"
+    corpus = default_corpus() / "corpus_text_document"
     if corpora is not None and any(value and "{corpus}" in value for _, value in items):
         corpus = corpus_for(dict(items).get("--tokenizer-type"), corpora)
     paths = {"save": tmp / "ckpt", "tensorboard": tmp / "tensorboard", "data_cache": tmp / "cache",
              "wandb": tmp / "wandb", "wandb_exp": "launch-script", "corpus": corpus,
-             "tokenizer_model": CORPUS / "tokenizer.model"}
+             "tokenizer_model": default_corpus() / "tokenizer.model"}
     argv = []
     for flag, value in items:
         argv.append(flag)
@@ -160,11 +172,7 @@ def without(argv, flag):
 # Flags that still stop a script here, each with the start of the line that stops it. Such a script is run
 # without them, to show that nothing else stops it, and is reported as an expected failure; once a flag is
 # answered, its entry must go (the test fails while an entry names a flag that no longer stops the script).
-STOPS = {
-    "gpt3_mcore_tp4_pp1_resume_torch": {      # without the flag: the default format, torch_dist
-        "--ckpt-format": "--ckpt-format torch: the optimizer state of Megatron-LM's legacy files is megatron-core's",
-    },
-}
+STOPS = {}
 
 # Resume tests that fail here, with what the failure says.
 RESUME_FAILS = {}
