@@ -43,8 +43,13 @@ def test_flag_refusals_and_answers(tmp_path, capsys):
     assert "multiple of --save-interval 2" in _refusal("--save", save, "--save-interval", "2",
                                                        "--save-retain-interval", "3")
     assert "torch_dist only" in _refusal("--save", save, "--async-save", "--ckpt-format", "tawpipe")
-    assert "not under --pipeline-schedule tawpipe; pass --no-save-optim" in _refusal(
-        "--save", save, "--ckpt-format", "torch", "--pipeline-schedule", "tawpipe")
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.common.errors import ArgumentError
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    with pytest.raises(ArgumentError, match="from --tensor-model-parallel-size 1 only, not 2"):
+        validate_args(parse_args(tiny_args("--save", save, "--ckpt-format", "torch", "--pipeline-schedule", "tawpipe",
+                                           "--tensor-model-parallel-size", "2")), world_size=2)
     assert "I/O scheduling class" in _refusal("--async-ckpt-io-priority", "5")
     if not torch.cuda.is_available():     # the persistent worker needs a GPU: a forked writer per save instead
         args = _validate("--save", save, "--async-save", "--use-persistent-ckpt-worker")
@@ -286,9 +291,11 @@ def test_legacy_checkpoint_with_optimizer_needs_no_load_optim(tmp_path, source_w
     root = str(tmp_path / "legacy")
     args = validate_args(parse_args(tiny_args()), world_size=1)
     args.consumed_train_samples = 40
-    write_megatron_legacy(root, source_weights, args, tp=1, pp=1, tracker="iteration", iteration=5, optimizer=True)
-    # megatron-core's per-rank optimizer state loads into megatron-core's own optimizer only
-    with pytest.raises(AssertionError, match="not under --pipeline-schedule tawpipe; pass --no-load-optim"):
+    write_megatron_legacy(root, source_weights, args, tp=2, pp=1, tracker="iteration", iteration=5, optimizer=True)
+    # megatron-core's per-rank optimizer state loads into megatron-core's own optimizer at the layout that saved it;
+    # under a weight-passing schedule from tensor/pipeline size 1 only
+    with pytest.raises(AssertionError, match="size 1 with the non-distributed optimizer only, which differs: "
+                                             "tensor_model_parallel_size=2; pass --no-load-optim"):
         run_ranks(_loaded_masters, 2, tiny_args("--load", root, "--pipeline-schedule", "tawpipe"))
     ((position, _masters),) = run_ranks(_loaded_masters, 1, tiny_args("--load", root, "--no-load-optim"))
     assert position == (5, 40)
@@ -349,3 +356,40 @@ def test_legacy_format_with_the_optimizer_resumes_exactly(tmp_path, extra):
     assert set(ours) == set(theirs) and all(ours[name].equal(theirs[name]) for name in theirs)
     with pytest.raises(AssertionError, match="differs: .*(this run: 1)"):
         run_ranks(train_rank, 1, tiny_args("--load", part, train_iters=4))
+
+
+def test_legacy_format_with_the_optimizer_under_tawpipe(tmp_path):
+    """tawpipe writes Megatron-LM's legacy file with the optimizer state as native 1f1b at tensor/pipeline size 1
+    writes it (megatron-core's optimizer.state_dict() of the whole model): tawpipe resumes from it exactly, native
+    1f1b resumes from it exactly as from the same run's torch_dist checkpoint, and tawpipe resumes from native
+    1f1b's file exactly as from native's torch_dist checkpoint."""
+    tawpipe = ["--pipeline-schedule", "tawpipe"]
+    legacy, dist_ckpt, native_legacy, native_dist = (str(tmp_path / name) for name in ("l", "d", "nl", "nd"))
+    first = tiny_args("--save-interval", "2", "--exit-interval", "2", train_iters=3)
+    uninterrupted = run_ranks(train_rank, 2, tiny_args(*tawpipe))[-1]
+    before = run_ranks(train_rank, 2, first + tawpipe + ["--ckpt-format", "torch", "--save", legacy])[-1]
+    after = run_ranks(train_rank, 2, tiny_args(*tawpipe, "--load", legacy))[-1]
+    assert losses(before + after) == losses(uninterrupted)
+    run_ranks(train_rank, 2, first + tawpipe + ["--save", dist_ckpt])
+    run_ranks(train_rank, 2, first + ["--ckpt-format", "torch", "--save", native_legacy])
+    ours = torch.load(os.path.join(legacy, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+    theirs = torch.load(os.path.join(native_legacy, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"),
+                        weights_only=False)
+    assert sorted(os.listdir(os.path.join(legacy, "iter_0000002"))) == ["mp_rank_00"]
+    assert set(ours) >= {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
+                         "rng_state"} and ours["iteration"] == 2 and ours["args"].tensor_model_parallel_size == 1
+    assert set(ours["model"]) == set(theirs["model"])
+    assert ours["opt_param_scheduler"] == theirs["opt_param_scheduler"]
+    mine, native = ours["optimizer"], theirs["optimizer"]
+    assert [group["params"] for group in mine["param_groups"]] == [group["params"] for group in native["param_groups"]]
+    assert [group["lr"] for group in mine["param_groups"]] == [group["lr"] for group in native["param_groups"]]
+    assert set(mine["state"]) == set(native["state"]) and all(
+        mine["state"][i][key].shape == native["state"][i][key].shape for i in native["state"] for key in
+        ("exp_avg", "exp_avg_sq"))
+    native_from = {root: run_ranks(train_rank, 2, tiny_args("--load", root))[-1] for root in (legacy, dist_ckpt)}
+    assert [r["iteration"] for r in native_from[legacy]] == [3]
+    assert losses(native_from[legacy]) == losses(native_from[dist_ckpt])
+    run_ranks(train_rank, 2, first + ["--save", native_dist])
+    tawpipe_from = {root: run_ranks(train_rank, 2, tiny_args(*tawpipe, "--load", root))[-1]
+                    for root in (native_legacy, native_dist)}
+    assert losses(tawpipe_from[native_legacy]) == losses(tawpipe_from[native_dist])

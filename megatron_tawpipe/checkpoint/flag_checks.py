@@ -73,14 +73,20 @@ def _check_torch_format_save(args) -> None:
     from megatron_tawpipe.arguments import is_weight_passing
 
     if not args.no_save_optim:
-        if is_weight_passing(args.pipeline_schedule) or args.use_torch_fsdp2 or args.use_megatron_fsdp:
-            where = (f"--pipeline-schedule {args.pipeline_schedule}" if is_weight_passing(args.pipeline_schedule)
-                     else "FSDP")
-            raise ArgumentError(f"--ckpt-format torch: the optimizer state of Megatron-LM's legacy files is "
-                                f"megatron-core's per-rank optimizer.state_dict(), written from megatron-core's own "
-                                f"optimizer (the native schedules), not under {where}; pass --no-save-optim (weights "
-                                "only), or use --ckpt-format torch_dist (which carries this schedule's optimizer state)")
-        return      # one file per tensor- and pipeline-parallel rank, as Megatron-LM writes them
+        if args.use_torch_fsdp2 or args.use_megatron_fsdp:
+            raise ArgumentError("--ckpt-format torch: the optimizer state of Megatron-LM's legacy files is "
+                                "megatron-core's per-rank optimizer.state_dict(), written from megatron-core's own "
+                                "optimizer (the native and weight-passing schedules), not under FSDP; pass "
+                                "--no-save-optim (weights only), or use --ckpt-format torch_dist (which carries "
+                                "FSDP's optimizer state)")
+        if is_weight_passing(args.pipeline_schedule) and args.tensor_model_parallel_size != 1:
+            raise ArgumentError(f"--ckpt-format torch under --pipeline-schedule {args.pipeline_schedule} writes the "
+                                "files of a native run at tensor/pipeline size 1 (megatron-core's optimizer state "
+                                "of the whole model), from --tensor-model-parallel-size 1 only, not "
+                                f"{args.tensor_model_parallel_size}; pass --no-save-optim or use --ckpt-format "
+                                "torch_dist")
+        return      # native: one file per tensor- and pipeline-parallel rank, as Megatron-LM writes them;
+        # weight passing: the file of a native run at tensor/pipeline size 1 with the non-distributed optimizer
     if args.tensor_model_parallel_size != 1:
         raise ArgumentError(f"--ckpt-format torch --no-save-optim writes whole weights (mp_rank_00) from "
                             f"--tensor-model-parallel-size 1 only, not {args.tensor_model_parallel_size}; save the "

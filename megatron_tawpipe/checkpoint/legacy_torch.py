@@ -21,9 +21,12 @@ columns); then each rank takes what it holds, as for torch_dist. The optimizer s
 parameter order in megatron-core's optimizer) loads as Megatron-LM loads it, into megatron-core's own optimizer
 (the native schedules) at the layout that saved it: each rank's ``optimizer.load_state_dict`` of its own file,
 then the distributed optimizer's ``load_parameter_state`` of ``distrib_optim.pt``, the LR schedule and the RNG
-states; elsewhere loading needs ``--no-load-optim`` or ``--finetune`` (a ``release`` checkpoint is loaded as
-Megatron-LM does: weights, iteration 0). Saving with the optimizer state (the native schedules) writes one file
-per tensor- and pipeline-parallel rank as Megatron-LM does; with ``--no-save-optim`` (any schedule) the weights
+states; under the weight-passing schedules a tensor/pipeline-size-1 file through megatron-core's optimizer of that
+layout (:mod:`.legacy_reference`); elsewhere loading needs ``--no-load-optim`` or ``--finetune`` (a ``release``
+checkpoint is loaded as Megatron-LM does: weights, iteration 0). Saving with the optimizer state writes one file
+per tensor- and pipeline-parallel rank as Megatron-LM does (the native schedules), or the weight-passing run's state
+as a native run at tensor/pipeline size 1 with the non-distributed optimizer writes it (:mod:`.legacy_reference`);
+with ``--no-save-optim`` (any schedule) the weights
 as one tensor- and pipeline-parallel rank, ``mp_rank_00/``, gathered on rank 0: a file Megatron-LM loads with
 ``--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1`` (or reshards with its converter). Written
 atomically like every format here.
@@ -43,10 +46,11 @@ import torch.distributed as dist
 from megatron_tawpipe.arguments import is_weight_passing, virtual_pipeline_size
 from megatron_tawpipe.common.atomic import atomic_torch_save, fsync_dir, fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
+from megatron_tawpipe.checkpoint import legacy_reference
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, barrier, check_signature,
                                                 checkpoint_dir, is_release, load_scheduler, promote_checkpoint_dir,
                                                 rank, rng_device_type, start_checkpoint_dir, tied_alias,
-                                                writer_entries)
+                                                world, writer_entries)
 
 FILE = "model_optim_rng.pt"
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"   # Megatron-LM's, beside FILE, with --use-distributed-optimizer
@@ -216,8 +220,11 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
             master.copy_(value.to(device=master.device, dtype=torch.float32))
             if param is not master:
                 param.copy_(value.to(device=param.device, dtype=param.dtype))
-    own = _own_file(directory) if restore_optimizer else None
-    if own is not None:
+    weight_passing = is_weight_passing(args.pipeline_schedule)
+    own = _own_file(directory, private=not weight_passing or rank() == 0) if restore_optimizer else None
+    if own is not None and weight_passing:   # megatron-core's optimizer on rank 0 reads it, hands each rank its part
+        legacy_reference.load_reference_optimizer(own["state"]["optimizer"] if rank() == 0 else None, trainer, args)
+    elif own is not None:
         trainer.load_megatron_legacy_optimizer(own["state"]["optimizer"], own["parameter_state"])
     trainer.after_parameters_loaded()
     if args.finetune or release:
@@ -227,9 +234,12 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
     if own is not None and scheduler is not None and own["state"].get("opt_param_scheduler") is not None:
         load_scheduler(scheduler, {"scheduler": own["state"]["opt_param_scheduler"], "scheduler_units": "samples",
                                    "iteration": iteration, "consumed_samples": consumed}, directory)
+    same_schedule = getattr(saved_args, "pipeline_schedule", "1f1b") == args.pipeline_schedule or not (
+        weight_passing or is_weight_passing(getattr(saved_args, "pipeline_schedule", "1f1b")))
     if "rng_state" in common and not args.no_load_rng:
-        if own is not None and own["state"].get("rng_state"):
-            _set_megatron_rng_state(own["state"]["rng_state"][0])
+        states = own["state"].get("rng_state") if own is not None and same_schedule else None
+        if states:   # one per rank from a weight-passing run (Megatron-LM's list, as with data-parallel random init)
+            _set_megatron_rng_state(states[rank()] if weight_passing and len(states) == world() else states[0])
         elif rank() == 0:
             print(f" {directory}: the RNG states of a --ckpt-format torch checkpoint are restored only at the layout "
                   "that saved them, with its optimizer state: dropout continues from --seed", flush=True)
@@ -240,9 +250,12 @@ def _optimizer_layout_problem(saved, args) -> Optional[str]:
     """Why this run cannot take the checkpoint's optimizer state (None when it can): it is megatron-core's
     per-rank ``optimizer.state_dict()``, indexed by the parameter order of each rank of the saving layout, so it
     loads into megatron-core's own optimizer at the same layout (as Megatron-LM loads it)."""
+    if is_weight_passing(args.pipeline_schedule) and args.tensor_model_parallel_size == 1:
+        return _reference_layout_problem(saved, args)
     if is_weight_passing(args.pipeline_schedule) or args.use_torch_fsdp2 or args.use_megatron_fsdp:
         return ("its optimizer state is megatron-core's per-rank optimizer.state_dict(), which loads into "
-                "megatron-core's own optimizer (the native schedules without FSDP), not under "
+                "megatron-core's own optimizer (the native schedules without FSDP, and the weight-passing ones at "
+                "--tensor-model-parallel-size 1), not under "
                 f"--pipeline-schedule {args.pipeline_schedule}" + (" with FSDP" if not is_weight_passing(
                     args.pipeline_schedule) else ""))
     differing = []
@@ -257,17 +270,31 @@ def _optimizer_layout_problem(saved, args) -> Optional[str]:
             continue     # the non-distributed optimizer's state is the same on every data-parallel rank
         if value != here.get(key, default):
             differing.append(f"{key}={value} (this run: {here.get(key, default)})")
-    if getattr(saved, "pipeline_schedule", "1f1b") != args.pipeline_schedule and is_weight_passing(
-            getattr(saved, "pipeline_schedule", "1f1b")):
-        differing.append(f"pipeline_schedule={saved.pipeline_schedule}")
     if differing:
         return ("its optimizer state is megatron-core's per-rank optimizer.state_dict(), indexed by the parameter "
                 "order of the layout that saved it, which differs: " + ", ".join(differing))
     return None
 
 
-def _own_file(directory: str) -> dict:
-    """This rank's file of the checkpoint (a private copy, not memory-mapped) and its ``distrib_optim.pt``."""
+def _reference_layout_problem(saved, args) -> Optional[str]:
+    """A weight-passing run takes the optimizer state of a file as a native run at tensor/pipeline size 1 with
+    megatron-core's non-distributed optimizer writes it (what a weight-passing run writes)."""
+    differing = [f"{key}={getattr(saved, key, default)}" for key, default in (
+        ("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+        ("virtual_pipeline_model_parallel_size", None), ("use_distributed_optimizer", False))
+        if getattr(saved, key, default) != default]
+    differing += [f"{key}={getattr(saved, key, False)} (this run: {getattr(args, key)})" for key in ("fp16", "bf16")
+                  if bool(getattr(saved, key, False)) != bool(getattr(args, key))]
+    if differing:
+        return ("its optimizer state is megatron-core's optimizer.state_dict() of the layout that saved it; under "
+                f"--pipeline-schedule {args.pipeline_schedule} it loads from tensor/pipeline size 1 with the "
+                "non-distributed optimizer only, which differs: " + ", ".join(differing))
+    return None
+
+
+def _own_file(directory: str, private: bool = True) -> dict:
+    """This rank's file of the checkpoint (a private copy unless not ``private``: memory-mapped) and its
+    ``distrib_optim.pt``."""
     from megatron.core import parallel_state as mpu
 
     pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
@@ -275,7 +302,7 @@ def _own_file(directory: str) -> dict:
                                                       mpu.get_pipeline_model_parallel_rank(), pipelined))
     path = os.path.join(rank_dir, FILE)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=not private)
     except Exception as exc:  # missing, truncated or corrupt
         raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
     if "optimizer" not in state:
@@ -362,27 +389,38 @@ def _save_per_rank(root: str, iteration: int, trainer, scheduler, args, saved_ar
     from megatron.core import parallel_state as mpu
 
     tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
-    pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
-    rank_dir = os.path.join(tmp_dir, _rank_dir_name(mpu.get_tensor_model_parallel_rank(),
-                                                    mpu.get_pipeline_model_parallel_rank(), pipelined))
-    writer = mpu.get_data_parallel_rank() == 0
+    weight_passing = is_weight_passing(args.pipeline_schedule)
+    pipelined = mpu.get_pipeline_model_parallel_world_size() > 1 and not weight_passing
+    rank_dir = os.path.join(tmp_dir, "mp_rank_00" if weight_passing else _rank_dir_name(
+        mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(), pipelined))
+    writer = rank() == 0 if weight_passing else mpu.get_data_parallel_rank() == 0
     if writer:
         os.makedirs(rank_dir, exist_ok=True)
     barrier()
-    parameter_state = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE) if args.use_distributed_optimizer else None
-    state = trainer.megatron_legacy_state_dict(True, parameter_state)
-    if state is None:   # (validate_args refuses this case)
+    parameter_state = None
+    if weight_passing:   # megatron-core's own objects at tensor/pipeline size 1 write it, on rank 0
+        state = legacy_reference.reference_state(trainer, args)
+        rng = (legacy_reference.rng_states_of_every_rank(_megatron_rng_state()) if not args.no_save_rng else None)
+    else:
+        if args.use_distributed_optimizer:
+            parameter_state = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE)
+        state = trainer.megatron_legacy_state_dict(True, parameter_state)
+        rng = [_megatron_rng_state()] if not args.no_save_rng else None
+    if state is None and writer:   # (validate_args refuses this case)
         raise CheckpointSetupError("--ckpt-format torch with the optimizer state is written from megatron-core's own "
                                    "optimizer only; pass --no-save-optim or use --ckpt-format torch_dist")
     if writer:
         saved_args.ckpt_format = "torch"
         saved_args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(args)   # (Megatron-LM's argument)
+        if weight_passing:   # the files' layout: a native run's at tensor/pipeline size 1, non-distributed optimizer
+            saved_args.tensor_model_parallel_size = saved_args.pipeline_model_parallel_size = 1
+            saved_args.use_distributed_optimizer = False
         state.update({"args": saved_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                       "num_floating_point_operations_so_far": 0})
         if scheduler is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
-        if not args.no_save_rng:
-            state["rng_state"] = [_megatron_rng_state()]
+        if rng is not None:
+            state["rng_state"] = rng
         atomic_torch_save(state, os.path.join(rank_dir, FILE))
         if parameter_state is not None:
             fsync_file(parameter_state)

@@ -76,6 +76,10 @@ class Checkpointable(Protocol):
 class CheckpointDefaults:
     """The optional hooks of :class:`Checkpointable` with their plain meaning."""
 
+    # A weight-passing trainer's builder of megatron-core's model and non-distributed optimizer at tensor/pipeline
+    # size 1 (the training layer sets it), through which Megatron-LM's legacy files hold the optimizer state.
+    legacy_reference = None
+
     def gathered_masters(self):
         return None
 

@@ -38,9 +38,13 @@ def build_trainer(args, forward_step_func):
     """The trainer of ``--pipeline-schedule`` (FSDP2 with ``--use-torch-fsdp2``, Megatron-FSDP with
     ``--use-megatron-fsdp``), running ``forward_step_func``."""
     if is_weight_passing(args.pipeline_schedule):
+        from megatron_tawpipe.baselines.native_reference import native_reference_trainer
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
-        return WeightPassingTrainer(args, forward_step_func)
+        trainer = WeightPassingTrainer(args, forward_step_func)
+        # --ckpt-format torch with the optimizer state goes through megatron-core's own optimizer (built on demand)
+        trainer.legacy_reference = lambda: native_reference_trainer(args, forward_step_func)
+        return trainer
     if getattr(args, "use_torch_fsdp2", False):
         from megatron_tawpipe.baselines.fsdp import FsdpTrainer
 
