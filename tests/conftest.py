@@ -35,7 +35,7 @@ def megatron_core_api_files():
                 name, _, reason = line[2:].partition(":")
                 left_out[name.strip()] = reason.strip()
             else:
-                selected.append(line)
+                selected.append(line.split()[0])      # "FILE" or "FILE -k EXPRESSION"
     return selected, left_out
 
 
