@@ -267,12 +267,7 @@ class NativeTrainer(CheckpointDefaults):
         """``model`` (``model0``, ``model1``, ... with virtual stages) and ``optimizer`` as Megatron-LM
         saves them with ``--ckpt-format torch_dist``: megatron-core's own sharded state dicts, the
         distributed optimizer in its model-space ``fully_reshardable`` form."""
-        self._finish_param_gather()
-        chunks = [unwrap_model(chunk) for chunk in self.model]
-        if len(chunks) == 1:
-            state = {"model": chunks[0].sharded_state_dict()}
-        else:
-            state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        state = self._model_states(lambda chunk: chunk.sharded_state_dict())
         if with_optimizer:
             if self.args.use_distributed_optimizer:
                 initialize_adam_state(self._torch_optimizer())   # (no step taken yet: fp16 skipping its first steps)
@@ -285,12 +280,7 @@ class NativeTrainer(CheckpointDefaults):
         writes them: each chunk's ``state_dict_for_save_checkpoint()`` and megatron-core's
         ``optimizer.state_dict()``; the distributed optimizer's parameter state goes to ``parameter_state``
         (megatron-core's ``save_parameter_state``, written by data-parallel rank 0; collective)."""
-        self._finish_param_gather()
-        chunks = [unwrap_model(chunk) for chunk in self.model]
-        if len(chunks) == 1:
-            state = {"model": chunks[0].state_dict_for_save_checkpoint()}
-        else:
-            state = {f"model{i}": chunk.state_dict_for_save_checkpoint() for i, chunk in enumerate(chunks)}
+        state = self._model_states(lambda chunk: chunk.state_dict_for_save_checkpoint())
         if with_optimizer:
             if self.args.use_distributed_optimizer:
                 initialize_adam_state(self._torch_optimizer())   # (no step taken yet: fp16 skipping its first steps)
@@ -318,6 +308,15 @@ class NativeTrainer(CheckpointDefaults):
             finally:
                 for param, step in steps.items():   # (one tensor shared by every parameter: each its own)
                     states[param]["step"] = step.clone()
+
+    def _model_states(self, state_of) -> dict:
+        """``model`` (``model0``, ``model1``, ... with virtual stages): ``state_of`` each unwrapped chunk, once
+        the last step's parameter gather is finished."""
+        self._finish_param_gather()
+        chunks = [unwrap_model(chunk) for chunk in self.model]
+        if len(chunks) == 1:
+            return {"model": state_of(chunks[0])}
+        return {f"model{i}": state_of(chunk) for i, chunk in enumerate(chunks)}
 
     def _finish_param_gather(self) -> None:
         if self.args.use_distributed_optimizer and self.args.overlap_param_gather:

@@ -94,9 +94,10 @@ def checkpoint_arguments(root: str) -> Optional[Tuple[str, Dict[str, object]]]:
     directory = checkpoint_dir(root)
     path = os.path.join(directory, "common.pt")
     try:
-        if checkpoint_format(directory) == "torch":
+        kind = checkpoint_format(directory)
+        if kind == "torch":
             saved = vars(legacy_torch.saved_args(directory))
-        elif checkpoint_format(directory) == "torch_dist":
+        elif kind == "torch_dist":
             # Megatron-LM stores its argparse namespace in the common part: common.pt up to megatron-core
             # 0.18, an object inside the .distcp files from 0.19 (megatron-core reads either).
             from megatron.core import dist_checkpointing
@@ -114,9 +115,10 @@ def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
     """Every parameter of the checkpoint in ``directory``, whole, on the host, without process groups: the
     fp32 masters where the checkpoint has them. Names are global (``decoder.layers.3.<...>``); a torch_dist
     checkpoint names them by megatron-core's keys (a local layer's norms under Transformer Engine's names)."""
-    if checkpoint_format(directory) == "tawpipe":
+    kind = checkpoint_format(directory)
+    if kind == "tawpipe":
         return per_parameter.read_parameters(directory)
-    if checkpoint_format(directory) == "torch":
+    if kind == "torch":
         return legacy_torch.read_parameters(directory)
     from megatron_tawpipe.checkpoint import torch_dist
 

@@ -35,7 +35,6 @@ atomically like every format here.
 from __future__ import annotations
 
 import os
-import random
 import re
 from typing import Dict, List, Optional, Tuple
 
@@ -49,7 +48,7 @@ from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 from megatron_tawpipe.checkpoint import legacy_reference
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, barrier, check_signature,
                                                 checkpoint_dir, is_release, load_scheduler, promote_checkpoint_dir,
-                                                rank, rng_device_type, start_checkpoint_dir, tied_alias,
+                                                rank, rng_state, set_rng_state, start_checkpoint_dir, tied_alias,
                                                 world, writer_entries)
 
 FILE = "model_optim_rng.pt"
@@ -312,32 +311,24 @@ def _own_file(directory: str, private: bool = True) -> dict:
 
 
 def _megatron_rng_state() -> dict:
-    """This rank's RNG states in Megatron-LM's layout (``get_rng_state``'s dict), with the device type they
-    were taken on (``device``, this project's entry: without a GPU the tracker holds CPU generator states)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
-            "rng_tracker_states": get_cuda_rng_tracker().get_states(), "device": rng_device_type()}
+    """This rank's RNG states (:func:`~megatron_tawpipe.checkpoint.state.rng_state`) under Megatron-LM's keys
+    (``get_rng_state``'s dict), with the device type they were taken on (``device``, this project's entry:
+    without a GPU the tracker holds CPU generator states)."""
+    state = rng_state()
+    return {"random_rng_state": state["python"], "np_rng_state": np.random.get_state(),
+            "torch_rng_state": state["torch"], "cuda_rng_state": state.get("cuda", state["torch"]),
+            "rng_tracker_states": state["tracker"], "device": state["device"]}
 
 
 def _set_megatron_rng_state(state: dict) -> None:
-    """Restore :func:`_megatron_rng_state`'s states; the CUDA generator and the tracker only on the device type
-    that saved them (a file without ``device`` counts as a GPU's, as Megatron-LM writes it)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if state.get("device", "cuda") != rng_device_type():
-        if rank() == 0:
-            print(" RNG state saved on another device type: Python, NumPy and torch's CPU generator restored; the "
-                  "device generators keep the states seeded from --seed", flush=True)
-        return
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    """Restore :func:`_megatron_rng_state`'s states through :func:`~megatron_tawpipe.checkpoint.state.set_rng_state`
+    (the CUDA generator and the tracker only on the device type that saved them; a file without ``device``
+    counts as a GPU's, as Megatron-LM writes it)."""
+    kind, keys, pos, has_gauss, cached = state["np_rng_state"]
+    set_rng_state({"device": state.get("device", "cuda"), "python": state["random_rng_state"],
+                   "numpy": [kind, torch.from_numpy(np.asarray(keys).astype(np.int64)), pos, has_gauss, cached],
+                   "torch": state["torch_rng_state"], "cuda": state["cuda_rng_state"],
+                   "tracker": state["rng_tracker_states"]})
 
 
 def _rank_dir_name(tp_rank: int, pp_rank: int, pipelined: bool) -> str:

@@ -237,12 +237,13 @@ def validate_data_args(args) -> None:
                          "--per-split-data-args-path) is required with per-split data")
     if blend is not None:
         parse_split(_arg(args, "split", DEFAULT_SPLIT))
-    for flag, source in blends.data_sources(args, parse_data_path):
+    sources = blends.data_sources(args, parse_data_path)
+    for flag, source in sources:
         _check_prefix_files(flag, source[0])
     check_data_files(args)
     if blend is not None:
         _check_splits_nonempty(blend[0], _arg(args, "split", DEFAULT_SPLIT))
-    for flag, source in blends.data_sources(args, parse_data_path) if per_split is not None else ():
+    for flag, source in sources if per_split is not None else ():
         for prefix in source[0]:
             if _idx_counts(prefix)[0] == 0:
                 raise ValueError(f"{flag}: {prefix} holds no documents")
