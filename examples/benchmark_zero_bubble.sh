@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # WeiPipe's zero-bubble variants beside WeiPipe and TawPipe at equal activation memory (the results in
-# docs/benchmarks-and-results.md, "WeiPipe's zero-bubble variants"), on the long-context model of
+# docs/benchmarks-options.md, "WeiPipe's zero-bubble variants"), on the long-context model of
 # examples/benchmark_long_context.sh:
 #   1. emulated cluster (2 nodes x 2 ranks, 1 Gbit/s), split backwards as the runtime computes them
 #      (the weight-gradient kernels in the input pass): bubble (busy) measured against predicted;

@@ -32,7 +32,7 @@ def small_cost(**kw):
     return CostModel.from_flops(**args)
 
 
-# ------------------------------------------------------------ traffic (docs/simulator-and-advisor.md)
+# ------------------------------------------------------------ traffic (docs/simulator-cost-model.md)
 def test_inter_node_bytes_match_the_closed_forms():
     c = small_cost()
     psi = total_params(c, L)
@@ -91,7 +91,7 @@ def test_hsdp_exposes_what_the_last_backward_cannot_hide():
 def test_first_gather_and_last_reduce_scatter_buckets_are_exposed():
     """Links fast enough for the compute to hide every bucket but the edges: the first parameter-gather
     bucket (before the first layer's forward) and the last gradient reduce-scatter bucket (after the last
-    backward) still add to the iteration, one layer's bucket each (docs/simulator-and-advisor.md)."""
+    backward) still add to the iteration, one layer's bucket each (docs/simulator-cost-model.md)."""
     from megatron_tawpipe.sim.collectives import exposed, per_microbatch, ring_time
 
     c = small_cost(seq_length=4096, intra_bw="1TB/s", inter_bw="1TB/s", intra_latency="1us", inter_latency="1us")

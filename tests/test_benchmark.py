@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -122,16 +123,120 @@ def test_schedule_commands_are_valid_pretrain_flags(tmp_path):
         assert args.record_plan_memory and not args.emulated_compute_times
 
 
-def test_cli_with_torchrun(tmp_path):
-    """The command-line tool end to end, through a real torchrun (one schedule, one repetition)."""
+def test_cli_with_torchrun_keeps_a_failed_strategys_logs_and_runs_the_others(tmp_path):
+    """The command-line tool end to end, through a real torchrun: a strategy that fails (distopt at a micro-batch
+    size the global batch does not divide: its ranks exit 2) makes the tool exit non-zero, naming it, its exit
+    status and failing rank, with the tail of that rank's log; every rank's log is kept; the next strategy
+    still runs and its results are printed and written; every collective's bytes are counted."""
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "benchmark.py"), "--ranks", "2", "--schedules", "fsdp",
-         "--repetitions", "1", "--train-iters", "2", "--outdir", str(tmp_path), "--json", str(out), "--"]
-        + BENCH_MODEL, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "fsdp" in proc.stdout
-    assert json.loads(out.read_text())["summary"][0]["schedule"] == "fsdp"
+        [sys.executable, os.path.join(ROOT, "tools", "benchmark.py"), "--ranks", "2", "--schedules", "distopt", "fsdp",
+         "--micro-batch-size-of", "distopt=3", "--repetitions", "1", "--train-iters", "2", "--outdir", str(tmp_path),
+         "--json", str(out), "--"] + BENCH_MODEL, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert re.search(r"strategy distopt repetition 0 failed \(exit status 1; rank [01] failed first with exit code 2\)",
+                     said)   # both ranks refuse the flags; either may be the first torchrun sees
+    assert "--global-batch-size" in said.split("last 40 lines of")[1]      # the rank's own error, in its tail
+    rank_logs = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "distopt-rep0-ranks") for f in fs
+                 if f == "stderr.log"]
+    assert len(rank_logs) == 2 and (tmp_path / "distopt-rep0.log").exists()
+    result = json.loads(out.read_text())
+    assert [row["schedule"] for row in result["summary"]] == ["fsdp"]
+    assert result["failures"][0]["schedule"] == "distopt" and result["failures"][0]["exit_status"] == 1
+    fsdp = result["summary"][0]
+    # One local "node" per group (2 groups of 1 rank): FSDP's collectives cross between them every iteration.
+    assert fsdp["inter_node_bytes_per_iteration"] > 0 and fsdp["formulas_per_iteration"]
+    assert "fsdp" in proc.stdout and "between nodes/iter" in proc.stdout
+
+
+def _write_metrics(path, iterations=2):
+    with open(path, "w") as f:
+        for _ in range(iterations):
+            f.write(json.dumps({"tokens_per_sec_per_rank": 1.0, "elapsed_ms": 1.0, "peak_memory_bytes": 1}) + "\n")
+
+
+def test_a_run_that_failed_in_the_rendezvous_is_started_once_more_and_said_so(tmp_path):
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, run_benchmark
+
+    tries = []
+
+    def launcher(config, script_args, log_path):
+        metrics = script_args[script_args.index("--metrics-file") + 1]
+        tries.append(metrics)
+        with open(log_path, "w") as log:
+            if len(tries) == 1:
+                log.write("torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+                          "network address. port: 29600, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+                          "Address already in use\n")
+                return 1
+        _write_metrics(metrics)
+        return 0
+
+    lines = []
+    config = BenchmarkConfig(schedules=("fsdp",), ranks=2, repetitions=1, train_iters=2, model_args=BENCH_MODEL,
+                             outdir=str(tmp_path))
+    result = run_benchmark(config, progress=lines.append, launcher=launcher)
+    assert len(tries) == 2 and result["runs"][0]["retries"] == 1 and result["summary"][0]["retries"] == 1
+    assert any("failed at start-up ('Address already in use'" in line and "again" in line for line in lines)
+    assert (tmp_path / "fsdp-rep0-try0.log").exists()        # the first try's log is kept
+
+
+def test_a_run_that_failed_while_training_is_not_retried_and_fails_the_benchmark(tmp_path):
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, BenchmarkFailed, run_benchmark
+
+    calls = []
+
+    def launcher(config, script_args, log_path):
+        metrics = script_args[script_args.index("--metrics-file") + 1]
+        schedule = os.path.basename(metrics).split("-rep")[0]
+        calls.append(schedule)
+        if schedule == "fsdp":
+            _write_metrics(metrics, 1)      # it trained an iteration: not safe to start again
+            ranks = os.path.join(log_path[:-4] + "-ranks", "run_x", "attempt_0")
+            for rank in (0, 1):
+                os.makedirs(os.path.join(ranks, str(rank)))
+                with open(os.path.join(ranks, str(rank), "stderr.log"), "w") as f:
+                    f.write("".join(f"rank {rank} line {i}\n" for i in range(100)))
+            with open(log_path, "w") as log:
+                log.write("Connection reset by peer\nRoot Cause (first observed failure):\n[0]:\n  rank      : 1 "
+                          "(local_rank: 1)\n  exitcode  : 7 (pid: 12)\n")
+            return 1
+        _write_metrics(metrics)
+        return 0
+
+    lines = []
+    config = BenchmarkConfig(schedules=("fsdp", "distopt"), ranks=2, repetitions=2, train_iters=2,
+                             model_args=BENCH_MODEL, outdir=str(tmp_path))
+    with pytest.raises(BenchmarkFailed) as failed:
+        run_benchmark(config, progress=lines.append, launcher=launcher)
+    assert calls == ["fsdp", "distopt", "distopt"]        # not retried, not repeated; the other strategy ran on
+    text = str(failed.value)
+    assert "strategy fsdp repetition 0 failed (exit status 1; rank 1 failed first with exit code 7)" in text
+    tail = text.split("last 40 lines of ")[1].splitlines()
+    assert tail[0].endswith(os.path.join("1", "stderr.log") + ":")
+    assert tail[1:] == [f"rank 1 line {i}" for i in range(60, 100)]
+    assert [row["schedule"] for row in failed.value.result["summary"]] == ["distopt"]
+    assert any("FAILED" in line for line in lines)
+
+
+def test_a_local_run_that_times_out_is_stopped_with_its_ranks(tmp_path):
+    from megatron_tawpipe.bench import bench_runs, netns
+
+    script = tmp_path / "sleeper.py"
+    pids = tmp_path / "pids"
+    script.write_text("import os, subprocess, sys, time\n"
+                      f"child = subprocess.Popen(['sleep', '120'])\n"
+                      f"open({str(pids)!r} + os.environ['RANK'], 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+                      "time.sleep(120)\n")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    done = bench_runs.launch_local(2, [str(script)], str(tmp_path / "run.log"), str(tmp_path / "run-ranks"), env,
+                                   sys.executable, timeout=20)
+    assert done.rc == 124
+    started = [int(p) for r in (0, 1) for p in open(f"{pids}{r}").read().split()]
+    assert len(started) == 4 and not any(netns.pid_alive(p) for p in started)
+    assert "timed out after 20 s" in (tmp_path / "run.log").read_text()
+    assert sorted(bench_runs.rank_logs(str(tmp_path / "run-ranks"), 2)) == [0, 1]
 
 
 def test_comparison_with_the_simulator():

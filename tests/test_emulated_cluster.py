@@ -318,3 +318,112 @@ def test_default_burst_keeps_the_rate_and_sends_no_message_faster():
     assert 0.97 * link_burst.PAYLOAD_SHARE < steady / bits < 1.0
     assert min(quick) >= 0.95 * 8 * size / bits
     assert min(old) < 0.75 * 8 * size / bits
+
+
+# ------------------------------------------------------------ bytes counted whole, against the interfaces
+
+BYTES_MODEL = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+               "--lr", "3e-4", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+               "--ffn-hidden-size", "256", "--seq-length", "64", "--max-position-embeddings", "64",
+               "--vocab-size", "1024", "--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1",
+               "--global-batch-size", "8", "--log-interval", "1000", "--eval-interval", "1000"]
+
+
+def _dead_pid():
+    pid = 4_000_000
+    while netns.pid_alive(pid):
+        pid += 1
+    return pid
+
+
+@needs_netns
+def test_counted_bytes_match_the_interfaces_and_the_plan(tmp_path):
+    """Two strategies back to back on 2 nodes x 2 ranks (each on its own rendezvous port), after a namespace
+    a killed run left behind: every collective's bytes, counted, are what the nodes' eth0 sent (within
+    INTERFACE_TOLERANCE: headers, the rendezvous store); for TawPipe with the replicated first shard the
+    count is the executor's plan transfers plus the replicated parameters' ring all-reduce over all ranks."""
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, read_metrics, run_benchmark
+    from megatron_tawpipe.bench.collective_bytes import INTERFACE_TOLERANCE
+
+    stale = f"twp{_dead_pid()}n0"
+    netns.add_namespace(stale)
+    lines = []
+    config = BenchmarkConfig(schedules=("tawpipe-rep", "distopt-node"), ranks=4, cluster=(2, 2, "1gbit"),
+                             repetitions=1, train_iters=3, warmup_iters=1, model_args=BYTES_MODEL,
+                             outdir=str(tmp_path), timeout_s=240, env={"OMP_NUM_THREADS": "1"})
+    try:
+        result = run_benchmark(config, progress=lines.append)
+    finally:
+        netns.delete_namespace(stale)
+    assert any(stale in line and "left by killed runs" in line for line in lines)
+    rows = {r["schedule"]: r for r in result["summary"]}
+    for row in rows.values():
+        counted, sent = row["inter_node_bytes_whole_run_per_iteration"], row["node_tx_bytes_per_iteration"]
+        print(f"{row['schedule']}: counted {counted / 1e6:.2f} MB, eth0 {sent / 1e6:.2f} MB per iteration")
+        assert counted > 1e6 and abs(sent / counted - 1) < INTERFACE_TOLERANCE
+        assert row["inter_node_bytes_per_iteration"] > 0 and row["intra_node_bytes_per_iteration"] > 0
+    taw = rows["tawpipe-rep"]
+    plan = [r["planned_inter_group_bytes"] for r in read_metrics(result["runs"][0]["metrics_file"])][-1]
+    formulas = taw["formulas_per_iteration"]
+    everyone = sum(f["inter"] for f in formulas.values() if f["kind"] == "all_reduce" and f["members"] == 4)
+    assert everyone > 0              # the replicated parameters' all-reduce crosses the nodes: it counts now
+    assert taw["inter_node_bytes_per_iteration"] == pytest.approx(plan + everyone, rel=1e-9)
+    assert taw["inter_group_bytes"] == pytest.approx(plan)     # the executor's own count, kept beside
+    # The distributed optimizer per node: its cross-instance all-reduce is between one rank of each node.
+    cross = [f for f in rows["distopt-node"]["formulas_per_iteration"].values() if f["nodes"] == 2 and f["inter"] > 0]
+    assert cross and all(f["members"] == 2 for f in cross if f["kind"] == "all_reduce" and f["payload"] > 1e5)
+
+
+@needs_netns
+def test_three_nodes_counted_collectives_match_their_interfaces(tmp_path):
+    """3 nodes x 2 ranks: ranks 2k and 2k+1 sit on node k, and each collective's counted bytes (ring
+    all-reduce, reduce-scatter, all-gather, broadcast, a group of one rank per node) are what the three
+    eth0 sent."""
+    script = tmp_path / "probe.py"
+    out = tmp_path / "probe.json"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from megatron_tawpipe.bench.collective_bytes import CollectiveCounter\n"
+        "counter = CollectiveCounter(int(os.environ['RANK']), int(os.environ['LOCAL_WORLD_SIZE'])).install()\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "rank, world = dist.get_rank(), dist.get_world_size()\n"
+        "def tx():\n"
+        "    with open('/proc/net/dev') as f:\n"
+        "        rows = [l.split(':', 1) for l in f.readlines()[2:]]\n"
+        "    return {n.strip(): int(r.split()[8]) for n, r in rows}['eth0']\n"
+        "N = 1_200_000\n"
+        "heads = dist.new_group([0, 2, 4])\n"
+        "ops = {'all_reduce': lambda: dist.all_reduce(torch.ones(N)),\n"
+        "       'reduce_scatter': lambda: dist.reduce_scatter_tensor(torch.zeros(N // world), torch.ones(N)),\n"
+        "       'all_gather': lambda: dist.all_gather_into_tensor(torch.zeros(N), torch.ones(N // world)),\n"
+        "       'broadcast': lambda: dist.broadcast(torch.ones(N), src=1),\n"
+        "       'heads': lambda: dist.all_reduce(torch.ones(N), group=heads) if rank % 2 == 0 else None}\n"
+        "where, result = [None] * world, {}\n"
+        "dist.all_gather_object(where, (rank, int(os.environ['EMULATED_NODE_RANK'])))\n"
+        "for name, op in ops.items():\n"
+        "    dist.barrier(); before, counted = tx(), counter.totals['inter']; dist.barrier()\n"
+        "    op()\n"
+        "    dist.barrier(); after = tx(); mine = counter.totals['inter'] - counted; dist.barrier()\n"
+        "    got = [None] * world\n"
+        "    dist.all_gather_object(got, (after - before, mine))\n"
+        "    result[name] = got\n"
+        "if rank == 0:\n"
+        "    json.dump({'where': where, 'result': result}, open(sys.argv[1], 'w'))\n"
+        "dist.destroy_process_group()\n")
+    with ec.EmulatedCluster(nodes=3, ranks_per_node=2, rate="1gbit") as cluster:
+        names = cluster.namespaces
+        assert len(names) == 4
+        rc = cluster.run_torchrun([str(script), str(out)], env={"OMP_NUM_THREADS": "1"}, timeout=180,
+                                  master_port=29611)
+        assert cluster.stop_leftovers() == 0
+    assert not set(names) & set(netns.list_namespaces())
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [tuple(w) for w in data["where"]] == [(r, r // 2) for r in range(6)]
+    for name, per_rank in data["result"].items():
+        sent = sum(tx for rank, (tx, _) in enumerate(per_rank) if rank % 2 == 0)   # one reading per node
+        counted = sum(mine for _, mine in per_rank)
+        print(f"{name}: eth0 {sent / 1e6:.2f} MB, counted {counted / 1e6:.2f} MB")
+        assert counted > 1e6 and abs(sent / counted - 1) < 0.02

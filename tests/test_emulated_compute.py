@@ -313,13 +313,19 @@ def test_emulated_split_backward_sleeps_where_the_weight_gradient_kernels_run(de
     plan = build_plan("weipipe-zb1", num_ranks=2, num_layers=4, num_microbatches=1)
     times = ComputeTimes(**{k: v for k, v in TIMES.items() if k != "comment"})
     clock = EmulatedCompute(times, recompute=False, deferred_weight_gradients=deferred)
-    model = SimpleNamespace(plan=plan, tensor_parallel_size=1, recompute=False,
+    args = SimpleNamespace(hidden_size=8, seq_length=4, micro_batch_size=1, ffn_hidden_size=16, num_attention_heads=2)
+    model = SimpleNamespace(plan=plan, tensor_parallel_size=1, recompute=False, args=args,
+                            compute_dtype=torch.bfloat16,
                             replicated_grads=lambda part: [torch.zeros(3)], microbatches=None)
     compute = clock.shard_compute(model)
     compute.backward_input(0, 1, torch.zeros(4))
     after_input = clock.take_slept_s()
+    # deferred kernels: the store (each linear layer's input and output gradient, bf16, two layers) is held
+    held = sum(t.numel() for t in compute._store.values())
+    assert held == (2 * 4 * ((3 * 8 + 16) + (3 * 8 + 2 * 8 + 2 * 16)) * 2 if deferred else 0)
     compute.backward_weight(0, 1, torch.zeros(4), torch.zeros(4))
     after_weight = clock.take_slept_s()
+    assert not compute._store
     whole = 2 * TIMES["layer_backward"] + TIMES["head_backward"]    # shard 1: two layers and the head
     half = TIMES["layer_backward"] if deferred else 0.0       # half of its layers' backward
     assert after_input == pytest.approx(whole - half) and after_weight == pytest.approx(half)

@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_tawpipe.arguments import TOOL_FLAGS  # noqa: E402
 from megatron_tawpipe.sim.memory import parse_size  # noqa: E402
 from megatron_tawpipe.bench.benchmark import (DEFAULT_SCHEDULES, SCHEDULES, STRATEGIES,  # noqa: E402
-                                              BenchmarkConfig, BenchmarkError, run_benchmark)
+                                              BenchmarkConfig, BenchmarkError, BenchmarkFailed,
+                                              run_benchmark)
 from megatron_tawpipe.bench.benchmark_report import (compare_with_simulation, format_comparison,  # noqa: E402
                                                      format_table, write_chart)
 
@@ -169,19 +170,26 @@ def main(argv=None) -> int:
         return 2
     print(f"benchmark: {', '.join(args.schedules)} x {args.repetitions} repetitions on {ranks} ranks"
           + (f" (emulated {cluster[0]} x {cluster[1]}, {cluster[2]})" if cluster else " (local)"), flush=True)
+    failed = None
     try:
         result = run_benchmark(config, progress=lambda line: print(line, flush=True))
+    except BenchmarkFailed as exc:   # the other strategies' results are still shown and written
+        result, failed = exc.result, exc
     except BenchmarkError as exc:
         print(f"benchmark.py: error: {exc}", file=sys.stderr)
         return 1
-    print()
-    print(format_table(result))
+    if result["summary"]:
+        print()
+        print(format_table(result))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
-    if args.chart:
+    if args.chart and result["summary"]:
         write_chart(result, args.chart)
+    if failed is not None:
+        print(f"\nbenchmark.py: error: {failed}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             results = pool.map(_one, jobs, chunksize=1)
     else:
         results = [_one(j) for j in jobs]
-    total, by_schedule, failures, unwarmed, device, in_flight = 0, {}, [], {}, {}, {}
+    total, by_schedule, failures, unwarmed, device, in_flight, cache = 0, {}, [], {}, {}, {}, {}
     for P, res in sorted(results, key=lambda x: x[0]):
         total += res.checked
         for counts, mine in ((by_schedule, res.by_schedule), (unwarmed, res.hang_without_warmup),
@@ -107,6 +107,8 @@ def main(argv=None) -> int:
                 counts[k] = counts.get(k, 0) + v
         for k, v in res.most_in_flight.items():
             in_flight[k] = max(in_flight.get(k, 0), v)
+        for k, (checked, failed) in res.tawpipe_cache.items():
+            cache[k] = [a + b for a, b in zip(cache.get(k, [0, 0]), (checked, failed))]
         failures += res.failures
         print(f"P={P:>2}: {res.checked} plans, {len(res.failures)} failed", flush=True)
     for schedule, kwargs, error in failures[:20]:
@@ -114,6 +116,9 @@ def main(argv=None) -> int:
     print(f"checked {total} plans in {time.time() - start:.0f} s: " +
           ", ".join(f"{k} {v}" for k, v in sorted(by_schedule.items())) +
           f"; {len(failures)} failed")
+    if cache:
+        print("tawpipe by shard cache and scheduling groups D: " +
+              ", ".join(f"{k}: {n} ({f} failed)" for k, (n, f) in sorted(cache.items())))
     if not args.no_report:
         print("reported, not required -- would hang under lazy connection without the warm-up: " +
               ", ".join(f"{k} {unwarmed.get(k, 0)}/{v}" for k, v in sorted(by_schedule.items())))
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
               ", ".join(f"{k} {v}" for k, v in sorted(in_flight.items())))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"checked": total, "by_schedule": by_schedule, "ranks": args.ranks,
+            json.dump({"checked": total, "by_schedule": by_schedule, "tawpipe_cache": cache, "ranks": args.ranks,
                        "schedules": list(args.schedules or SWEPT),
                        "microbatches": args.microbatches,
                        "full_product_max_ranks": args.full_product_max_ranks, "splits": list(args.splits),

@@ -19,7 +19,7 @@ included, but HFSDP with tensor parallelism).
 
     python tools/scale_study.py                      # examples/results/scale_study.{json,png}
     python tools/scale_study.py --models 7b --gpus 16 --seq 8192 --out /tmp/s.json
-    python tools/scale_study.py --summary            # the counts docs/simulator-and-advisor.md quotes
+    python tools/scale_study.py --summary            # the counts docs/advisor-scale-study.md quotes
 """
 
 from __future__ import annotations

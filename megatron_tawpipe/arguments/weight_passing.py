@@ -13,6 +13,12 @@ WEIGHT_PASSING_SCHEDULES = ("weipipe", "tawpipe")
 # ``--pipeline-schedule plan:FILE`` runs the weight-passing plan in FILE (JSON or CSV, as Plan.to_json /
 # to_csv write it) on the same runtime as weipipe and tawpipe.
 PLAN_FILE_PREFIX = "plan:"
+# --tawpipe-cache: TawPipe's shard cache always, never, or where the memory model says it fits.
+TAWPIPE_CACHE_SETTINGS = ("auto", "on", "off")
+# auto: the cache is on when its predicted peak per device is at most this share of the device's memory
+# (the rest is kept for what the memory model does not count: the CUDA context, NCCL's buffers,
+# allocator fragmentation, kernels' temporaries).
+AUTO_CACHE_MEMORY_FRACTION = 0.9
 
 
 def plan_file_of(schedule: str) -> Optional[str]:
@@ -23,6 +29,23 @@ def plan_file_of(schedule: str) -> Optional[str]:
 def is_weight_passing(schedule: str) -> bool:
     """Whether ``--pipeline-schedule`` runs on the weight-passing runtime: weipipe, tawpipe, a plan file."""
     return schedule in WEIGHT_PASSING_SCHEDULES or plan_file_of(schedule) is not None
+
+
+def tawpipe_cache_problem(schedule: str, setting: str, groups: int) -> str:
+    """Why ``--tawpipe-cache SETTING`` cannot apply to ``--pipeline-schedule SCHEDULE`` over ``groups`` groups
+    ("" when it can): on or off only with tawpipe; on needs two or more groups (with one, every shard's owner
+    is in the group: nothing is fetched from another group to keep, and off is the same plan)."""
+    if setting == "auto":
+        return ""
+    if schedule != "tawpipe":
+        where = (" (a plan file carries its own choice: tools/plan.py build --no-cache writes one without)"
+                 if plan_file_of(schedule) is not None else "")
+        return f"--tawpipe-cache {setting} applies to --pipeline-schedule tawpipe only{where}; leave it at auto"
+    if setting == "on" and groups < 2:
+        return ("--tawpipe-cache on needs two or more groups (nodes, or --tawpipe-num-groups): this run has one, "
+                "so every shard's owner is in the group and there is no foreign shard to keep; leave it at auto "
+                "(off with one group)")
+    return ""
 
 
 def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -50,6 +73,16 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "state and gradient on one rank per group, gradients all-reduced among them -- so no group "
                         "waits for it at the start of an iteration; costs that shard's state on one more rank per "
                         "extra group. Needs two or more groups")
+    g.add_argument("--tawpipe-cache", choices=TAWPIPE_CACHE_SETTINGS, default="auto",
+                   help="tawpipe: the shard cache. A rank that fetches a foreign shard (owned by another group) keeps "
+                        "it for the whole iteration and adds its group's gradients of it into one buffer sent to "
+                        "the owner once at the end, so each foreign shard crosses the node link twice per iteration "
+                        "whatever the micro-batches, at the price of more weight and gradient buffers per rank. "
+                        "on / off: always / never; auto (default): on when the memory model's predicted peak per "
+                        "device with the cache is at most "
+                        f"{AUTO_CACHE_MEMORY_FRACTION:g} of the device's memory (GPU: its total memory; CPU: the "
+                        "host's available memory over the ranks on it), the smallest over ranks; off with one group "
+                        "(nothing foreign to keep). The decision is printed at start-up")
     g.add_argument("--weipipe-zero-bubble", type=int, choices=(0, 1, 2), default=0,
                    help="weipipe: split every backward into its input-gradient pass and its weight-gradient pass, "
                         "the only one the travelling gradient waits for: 1 (WZB1) runs the weight-gradient pass in "

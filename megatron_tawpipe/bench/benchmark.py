@@ -6,9 +6,13 @@ Each strategy runs as its own torchrun of ``pretrain_llama.py`` with
 repetitions alternate (A B C A B C ...) so that slow drift of the machine
 affects every schedule alike. Warm-up iterations are dropped; the remaining
 iterations of a run give its median tokens/s per rank, ms/iteration, bytes
-between groups (weight-passing schedules count what they send), peak memory
+between and inside nodes (every collective and transfer of every strategy, counted
+as it is called: ``bench/counted_pretrain.py``, ``bench/collective_bytes.py``; the
+weight-passing executor's own count of its plan's transfers beside it), peak memory
 and compute busy fraction. Across repetitions the table reports the median
-of the per-run medians and their spread (max - min).
+of the per-run medians and their spread (max - min). A failed run keeps every
+rank's log and is reported with its failing rank's tail (``bench/bench_runs.py``);
+the other strategies still run, then :class:`BenchmarkFailed` is raised.
 
 Locally the ranks run on this machine (``torch.distributed.run --standalone``);
 with ``cluster=(nodes, ranks_per_node, rate)`` they run on an emulated cluster
@@ -21,14 +25,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron_tawpipe.common.errors import BenchmarkError
+from megatron_tawpipe.bench.bench_runs import (COUNTED_PRETRAIN, PortSequence, failure_report, launch_local,
+                                               launch_on_cluster, retryable)
+from megatron_tawpipe.bench.collective_bytes import ENV_OUTPUT, ENV_RANKS_PER_NODE, read_rank_files, summarize_counts
 from megatron_tawpipe.bench.stages import (SPLIT_FLAGS, flag_value, interleaved_layers_per_virtual_stage,
                                            interleaved_virtual_stages, model_args_for, native_stage_flags,
                                            without_flags)
@@ -94,8 +101,12 @@ class BenchmarkConfig:
     micro_batch_sizes: Dict[str, int] = field(default_factory=dict)  # a strategy's own --micro-batch-size
     equal_memory: bool = False   # choose each strategy's micro-batch size under an activation budget (.equal_memory)
     activation_budget: Optional[float] = None  # bytes; default: TawPipe's activation memory
+    count_bytes: bool = True   # run pretrain_llama.py through bench/counted_pretrain.py: every collective's bytes
     python: str = sys.executable
     env: Dict[str, str] = field(default_factory=dict)
+
+    def ranks_per_node(self) -> int:
+        return int(self.cluster[1]) if self.cluster is not None else self.ranks
 
     def tawpipe_tensor_parallel_size(self) -> int:
         return self.tensor_parallel_size or self.ranks // self.num_groups()
@@ -243,51 +254,48 @@ def summarize_run(records: List[dict], warmup: int) -> dict:
     }
 
 
-def _launch_local(config: BenchmarkConfig, script_args: List[str], log_path: str) -> int:
-    cmd = [config.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.ranks)]
-    cmd += script_args
-    env = dict(os.environ)
-    env.update(config.env)
+def _log_dir(log_path: str) -> str:
+    """Where a run's ranks keep their own logs: beside its combined log."""
+    return log_path[:-len(".log")] + "-ranks" if log_path.endswith(".log") else log_path + "-ranks"
+
+
+def _run_env(config: BenchmarkConfig) -> Dict[str, str]:
+    env = dict(config.env)
     env.setdefault("PYTHONWARNINGS", "ignore")
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                              timeout=config.timeout_s)
-    return proc.returncode
+    env.setdefault("PYTHONPATH", ROOT)
+    return env
+
+
+def _launch_local(config: BenchmarkConfig, script_args: List[str], log_path: str) -> int:
+    env = dict(os.environ)
+    env.update(_run_env(config))
+    return launch_local(config.ranks, script_args, log_path, _log_dir(log_path), env, config.python,
+                        config.timeout_s).rc
 
 
 class _ClusterLauncher:
-    """Runs each torchrun on an emulated cluster; measures every node's eth0 tx bytes around it."""
+    """Runs each torchrun on an emulated cluster (a fresh rendezvous port each); measures every node's eth0
+    tx bytes around it and stops what a run left running."""
 
-    def __init__(self, cluster):
+    def __init__(self, cluster, progress: Callable[[str], None] = print):
         self.cluster = cluster
+        self.ports = PortSequence()
+        self.progress = progress
 
     def __call__(self, config: BenchmarkConfig, script_args: List[str], log_path: str):
-        before = self._tx()
-        env = dict(config.env)
-        env.setdefault("PYTHONWARNINGS", "ignore")
-        env.setdefault("PYTHONPATH", ROOT)
-        # run_torchrun streams the ranks' output to ours: send it to the run's log.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        saved = os.dup(1), os.dup(2)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            rc = self.cluster.run_torchrun(script_args, env=env, timeout=config.timeout_s,
-                                           python=config.python)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for d in (fd, *saved):
-                os.close(d)
-        after = self._tx()
-        return rc, sum(after[n] - before[n] for n in before)
+        done = launch_on_cluster(self.cluster, self.ports, script_args, log_path, _log_dir(log_path),
+                                 _run_env(config), config.python, config.timeout_s)
+        if done.leftovers:
+            self.progress(f"  stopped {done.leftovers} process(es) the run left in the node namespaces")
+        return done.rc, done.node_tx
 
-    def _tx(self) -> Dict[int, int]:
-        return {n: self.cluster.link_bytes(n)["eth0"]["tx_bytes"] for n in range(self.cluster.nodes)}
+
+class BenchmarkFailed(BenchmarkError):
+    """Some runs failed (each said so as it failed); ``result`` holds what the others measured."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
 
 
 def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = print,
@@ -325,24 +333,57 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
     runs: List[dict] = []
     start = time.time()
 
+    failures: List[dict] = []
+
+    def launch_once(launch, schedule, rep, args, metrics, log):
+        if os.path.exists(metrics):
+            os.remove(metrics)  # the metrics writer appends
+        counts = _log_dir(log)[:-len("-ranks")] + "-bytes"
+        shutil.rmtree(counts, ignore_errors=True)
+        shutil.rmtree(_log_dir(log), ignore_errors=True)
+        run_config = config
+        if config.count_bytes:   # locally, each group's ranks count as a node
+            node = {} if config.cluster is not None else {ENV_RANKS_PER_NODE: str(config.ranks // config.num_groups())}
+            run_config = replace(config, env={**config.env, ENV_OUTPUT: counts, **node})
+        result = launch(run_config, args, log)
+        rc, node_tx = (result, None) if isinstance(result, int) else result
+        return rc, node_tx, counts
+
     def body(launch):
         for rep in range(config.repetitions):
             for schedule in config.schedules:
+                if any(f["schedule"] == schedule for f in failures):
+                    continue   # failed once: its later repetitions would not be comparable
                 metrics = os.path.abspath(os.path.join(config.outdir, f"{schedule}-rep{rep}.jsonl"))
                 log = os.path.abspath(os.path.join(config.outdir, f"{schedule}-rep{rep}.log"))
-                if os.path.exists(metrics):
-                    os.remove(metrics)  # the metrics writer appends
                 args = schedule_command(schedule, config, metrics)
+                if config.count_bytes and args[0] == PRETRAIN:
+                    args = [COUNTED_PRETRAIN] + args[1:]
                 t0 = time.time()
-                result = launch(config, args, log)
-                rc, node_tx = (result, None) if isinstance(result, int) else result
+                rc, node_tx, counts = launch_once(launch, schedule, rep, args, metrics, log)
+                retries = 0
+                why = retryable(log, metrics) if rc != 0 else None
+                if why is not None:
+                    progress(f"  {schedule:<12} rep {rep}: failed at start-up ({why!r}, exit {rc}); "
+                             "starting it again on a fresh port")
+                    os.replace(log, log[:-len(".log")] + "-try0.log")
+                    if os.path.isdir(_log_dir(log)):
+                        os.replace(_log_dir(log), log[:-len(".log")] + "-try0-ranks")
+                    retries = 1
+                    rc, node_tx, counts = launch_once(launch, schedule, rep, args, metrics, log)
                 wall = time.time() - t0
                 if rc != 0:
-                    tail = open(log, encoding="utf-8", errors="replace").read()[-3000:]
-                    raise BenchmarkError(f"{schedule} repetition {rep} failed (exit {rc}); log {log}:\n{tail}")
+                    report = failure_report(schedule, rep, rc, log, _log_dir(log), config.ranks_per_node())
+                    failures.append({"schedule": schedule, "repetition": rep, "exit_status": rc, "log": log,
+                                     "report": report})
+                    progress(f"  {schedule:<12} rep {rep}: FAILED\n{report}")
+                    continue
                 run = {"schedule": schedule, "repetition": rep, "wall_s": wall, "metrics_file": metrics,
-                       "micro_batch_size": config.micro_batch_size_of(schedule),
+                       "micro_batch_size": config.micro_batch_size_of(schedule), "retries": retries,
                        **summarize_run(read_metrics(metrics), config.warmup_iters)}
+                counted = summarize_counts(read_rank_files(counts), config.train_iters, config.warmup_iters)
+                if counted is not None:
+                    run.update({k: v for k, v in counted.items() if k != "ranks"})
                 if node_tx is not None:
                     # Whole run (start-up included) over all iterations, warm-up included.
                     run["node_tx_bytes_per_iteration"] = node_tx / config.train_iters
@@ -354,13 +395,17 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
         body(launcher or _launch_local)
     else:
         from megatron_tawpipe.bench.emulated_cluster import EmulatedCluster
+        from megatron_tawpipe.bench.netns import cleanup_stale
 
         nodes, per_node, rate = config.cluster
         kwargs = {} if config.burst is None else {"burst": config.burst}
+        gone = cleanup_stale()
+        if gone:
+            progress(f"deleted {len(gone)} network namespace(s) left by killed runs: {' '.join(gone)}")
         with EmulatedCluster(nodes, per_node, rate, **kwargs) as cluster:
             progress(cluster.describe())
-            body(_ClusterLauncher(cluster))
-    return {
+            body(launcher or _ClusterLauncher(cluster, progress))
+    result = {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()
                    if k not in ("env", "python")},
         "num_groups": config.num_groups(),
@@ -368,7 +413,13 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
         "runs": runs,
         "summary": summarize(runs, config.schedules),
         "equal_memory": selection,
+        "failures": failures,
     }
+    if failures:
+        names = ", ".join(f"{f['schedule']} (repetition {f['repetition']}, exit {f['exit_status']})" for f in failures)
+        raise BenchmarkFailed(f"{len(failures)} run(s) failed: {names}\n\n"
+                              + "\n\n".join(f["report"] for f in failures), result)
+    return result
 
 
 def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
@@ -394,6 +445,14 @@ def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
             "inter_group_bytes": med("inter_group_bytes"),
             "intra_group_bytes": med("intra_group_bytes"),
             "node_tx_bytes_per_iteration": med("node_tx_bytes_per_iteration"),
+            # every collective and transfer, counted as it was called (bench/collective_bytes.py)
+            "inter_node_bytes_per_iteration": med("inter_node_bytes_per_iteration"),
+            "intra_node_bytes_per_iteration": med("intra_node_bytes_per_iteration"),
+            "inter_node_bytes_whole_run_per_iteration": med("inter_node_bytes_whole_run_per_iteration"),
+            "intra_node_bytes_whole_run_per_iteration": med("intra_node_bytes_whole_run_per_iteration"),
+            "formulas": mine[0].get("formulas"),
+            "formulas_per_iteration": mine[0].get("formulas_per_iteration"),
+            "retries": sum(r.get("retries", 0) for r in mine),
             "peak_memory_bytes_max_rank": max(r["peak_memory_bytes_max_rank"] for r in mine
                                               if r["peak_memory_bytes_max_rank"] is not None),
             "compute_busy_fraction": med("compute_busy_fraction"),

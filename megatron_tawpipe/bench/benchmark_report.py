@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from megatron_tawpipe.bench.collective_bytes import format_formulas
 from megatron_tawpipe.bench.equal_memory import activation_memory
 
 
@@ -18,20 +19,30 @@ def _fmt_bytes(value: Optional[float]) -> str:
 
 
 def format_table(result: dict) -> str:
+    """The results table; on an emulated cluster, then each strategy's between-node bytes by formula."""
     rows = result["summary"]
     cluster = any(r.get("node_tx_bytes_per_iteration") is not None for r in rows)
-    headers = ["schedule", "mbs", "tokens/s/rank", "spread", "ms/iter", "between groups/iter"]
+    counted = any(r.get("inter_node_bytes_per_iteration") is not None for r in rows)
+    headers = ["schedule", "mbs", "tokens/s/rank", "spread", "ms/iter"]
+    if counted:
+        headers += ["between nodes/iter", "inside nodes/iter"]
+    headers.append("plan transfers/iter")
     if cluster:
-        headers.append("eth0 tx/iter")
+        headers += ["counted whole run/iter", "eth0 tx/iter", "eth0/counted"]
     headers += ["peak mem/rank", "busy"]
     lines = []
     for r in rows:
         cells = [r["schedule"], str(r.get("micro_batch_size") or "-"), f"{r['tokens_per_sec_per_rank']:.1f}",
                  f"{r['tokens_per_sec_per_rank_min']:.0f}-{r['tokens_per_sec_per_rank_max']:.0f}"
                  f" ({r['spread_pct']:.0f}%)" if r["spread_pct"] is not None else "-",
-                 f"{r['elapsed_ms']:.0f}", _fmt_bytes(r["inter_group_bytes"])]
+                 f"{r['elapsed_ms']:.0f}"]
+        if counted:
+            cells += [_fmt_bytes(r.get("inter_node_bytes_per_iteration")),
+                      _fmt_bytes(r.get("intra_node_bytes_per_iteration"))]
+        cells.append(_fmt_bytes(r["inter_group_bytes"]))
         if cluster:
-            cells.append(_fmt_bytes(r["node_tx_bytes_per_iteration"]))
+            whole, tx = r.get("inter_node_bytes_whole_run_per_iteration"), r["node_tx_bytes_per_iteration"]
+            cells += [_fmt_bytes(whole), _fmt_bytes(tx), f"{tx / whole:.3f}" if whole and tx is not None else "-"]
         cells += [_fmt_bytes(r["peak_memory_bytes_max_rank"]),
                   "-" if r["compute_busy_fraction"] is None else f"{100 * r['compute_busy_fraction']:.0f}%"]
         lines.append(cells)
@@ -40,7 +51,29 @@ def format_table(result: dict) -> str:
     out.append("  ".join("-" * w for w in widths))
     for cells in lines:
         out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    if counted:
+        out += ["", BYTES_LEGEND]
+        out += format_byte_formulas(result)
     return "\n".join(out)
+
+
+BYTES_LEGEND = ("between/inside nodes: every collective and transfer the ranks called, each counted by the "
+                "algorithm gloo runs (sum over ranks, median of the measured iterations); plan transfers: what "
+                "the weight-passing executor counts of its plan (no replicated all-reduce); counted whole run: "
+                "start-up included, / iterations, as eth0 tx (what every node's interface sent, headers included)")
+
+
+def format_byte_formulas(result: dict) -> List[str]:
+    """Per strategy, its calls by formula (operation, members, ring hops between nodes) in a measured
+    iteration (all ranks): what its between/inside-node columns are made of."""
+    out = []
+    for r in result["summary"]:
+        formulas = r.get("formulas_per_iteration") or {}
+        if not formulas:
+            continue
+        out.append(f"{r['schedule']} (one measured iteration, all ranks):")
+        out += ["  " + line for line in format_formulas(formulas)]
+    return out
 
 
 def write_chart(result: dict, path: str) -> None:
@@ -58,7 +91,7 @@ def write_chart(result: dict, path: str) -> None:
     axes[0].bar(names, tps, yerr=err, capsize=4, color="tab:blue")
     axes[0].set_title("tokens/s per rank (median, min-max)")
     inter = [(r["node_tx_bytes_per_iteration"] if r.get("node_tx_bytes_per_iteration") is not None
-              else r["inter_group_bytes"]) or 0 for r in rows]
+              else r.get("inter_node_bytes_per_iteration", r["inter_group_bytes"])) or 0 for r in rows]
     axes[1].bar(names, [b / 1e6 for b in inter], color="tab:orange")
     axes[1].set_title("MB between nodes / iteration")
     axes[2].bar(names, [(r["peak_memory_bytes_max_rank"] or 0) / 2 ** 20 for r in rows], color="tab:green")

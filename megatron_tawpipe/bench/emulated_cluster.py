@@ -32,6 +32,7 @@ import sys
 import threading
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from megatron_tawpipe.bench.netns import kill_namespace_processes, netns_pids
 from megatron_tawpipe.bench.node_network import DEFAULT_SUBNET, NODE_IFNAME, Node, NodeNetwork
 from megatron_tawpipe.bench.subprocesses import TeardownSignals, pump, set_pdeathsig, terminate_all, wait_all
 from megatron_tawpipe.common.errors import ClusterError
@@ -204,30 +205,48 @@ class EmulatedCluster(NodeNetwork):
 
     def torchrun_command(self, node: Union[int, Node], script_args: Sequence[str],
                          python: Optional[str] = None,
-                         torchrun_args: Sequence[str] = ()) -> List[str]:
-        """The ``python -m torch.distributed.run`` argv for ``node``."""
+                         torchrun_args: Union[Sequence[str], Callable[[int], Sequence[str]]] = (),
+                         master_port: Optional[int] = None) -> List[str]:
+        """The ``python -m torch.distributed.run`` argv for ``node`` (``torchrun_args``: a list, or a
+        function of the node's index giving one; ``master_port``: this run's, default the cluster's)."""
         n = self.node(node)
+        extra = torchrun_args(n.index) if callable(torchrun_args) else torchrun_args
+        port = self.master_port if master_port is None else int(master_port)
         return [python or sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", str(self.nodes), "--node-rank", str(n.index),
                 "--nproc-per-node", str(self.ranks_per_node),
-                "--master-addr", self.master_addr, "--master-port", str(self.master_port),
-                *torchrun_args, *[str(a) for a in script_args]]
+                "--master-addr", self.master_addr, "--master-port", str(port),
+                *[str(a) for a in extra], *[str(a) for a in script_args]]
 
     def run_torchrun(self, script_args: Sequence[str], env: Optional[Mapping[str, str]] = None,
                      timeout: Optional[float] = None, fail_grace: float = 10.0,
-                     python: Optional[str] = None, torchrun_args: Sequence[str] = (),
-                     tag_output: bool = False) -> int:
+                     python: Optional[str] = None,
+                     torchrun_args: Union[Sequence[str], Callable[[int], Sequence[str]]] = (),
+                     tag_output: bool = False, master_port: Optional[int] = None) -> int:
         """Run ``script_args`` (script path and its arguments) with torchrun on every node.
 
         Node k runs ``torchrun --nnodes N --node-rank k --nproc-per-node M
         --master-addr <node 0> --master-port P`` in its namespace, with
-        ``GLOO_SOCKET_IFNAME=eth0``.  Returns as ``run_each``.
+        ``GLOO_SOCKET_IFNAME=eth0``.  Returns as ``run_each``.  Runs one after another in one
+        cluster should each get their own ``master_port``: the previous run's store socket may still
+        be in TIME_WAIT.
         """
         if not script_args:
             raise ValueError("no script given")
-        return self.run_each(lambda n: self.torchrun_command(n, script_args, python, torchrun_args),
+        return self.run_each(lambda n: self.torchrun_command(n, script_args, python, torchrun_args, master_port),
                              env=env, timeout=timeout, fail_grace=fail_grace,
                              tag_output=tag_output)
+
+    def stop_leftovers(self) -> int:
+        """Stop every process still running in the node namespaces (SIGTERM, then SIGKILL after
+        ``term_grace``) and wait until none is left; returns how many there were."""
+        names = [n.namespace for n in self.node_list]
+        found = sum(len(netns_pids(name)) for name in names)
+        if found:
+            kill_namespace_processes(names, self.term_grace)
+        with self._lock:
+            self._procs = [p for p in self._procs if p.poll() is None]
+        return found
 
     def _stop_processes(self) -> None:
         procs, self._procs = self._procs, []

@@ -32,7 +32,7 @@ from megatron_tawpipe.common.units import parse_rate
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXED = ("tawpipe", "tawpipe-rep", "tawpipe-tp")   # their window is the visit: the configured micro-batch size
 TIE = 0.005            # predicted speeds this close are a tie, won by the larger micro-batch
-INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on the 2-core VM (docs/benchmarks-and-results.md)
+INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on the 2-core VM (docs/simulator-validation.md)
 
 
 def simulator_rate(tc_rate: str) -> str:

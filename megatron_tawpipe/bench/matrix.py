@@ -295,7 +295,7 @@ def format_summary(summary: Dict[str, object]) -> str:
 
 
 def format_markdown(entries: Sequence[dict], summary: Dict[str, object]) -> str:
-    """One row per configuration (the table in docs/benchmarks-and-results.md)."""
+    """One row per configuration (the table in docs/simulator-validation.md)."""
     out = ["| configuration | G·S/12H | link | layers/shard | per visit | measured best (tok/s/rank) | "
            "predicted best | measured/predicted, min-max over strategies | ratios to TawPipe outside 10% |",
            "|---|---|---|---|---|---|---|---|---|"]

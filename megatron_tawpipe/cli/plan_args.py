@@ -63,7 +63,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "comm/compute overlap")
     s.add_argument("--flat", action="store_true", help="tawpipe with one flat group")
     s.add_argument("--no-cache", action="store_true", help="tawpipe: fetch foreign shards "
-                   "every visit instead of keeping them for the iteration")
+                   "every visit instead of keeping them for the iteration (--tawpipe-cache off)")
+    s.add_argument("--cache", action="store_true", help="tawpipe: keep fetched foreign shards for the iteration "
+                   "with any number of groups (--tawpipe-cache on); default: with up to 4 groups")
     s.add_argument("--drain", action="store_true", help="tawpipe: re-align groups after each "
                    "micro-batch round")
     s.add_argument("--chunk", type=int, default=None, help="tawpipe: micro-batches per visit")
@@ -103,8 +105,10 @@ def planner_options(name: str, args) -> dict:
             kw["overlap"] = False
         if args.flat:
             kw["groups"] = 1
-        if args.no_cache:
-            kw["cache"] = False
+        if args.no_cache and getattr(args, "cache", False):
+            raise ValueError("--cache and --no-cache: give one of them")
+        if args.no_cache or getattr(args, "cache", False):
+            kw["cache"] = not args.no_cache
         if args.drain:
             kw["drain"] = True
         if args.chunk:
@@ -197,7 +201,7 @@ def add_advisor_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--prune", choices=("strategy", "top2"), default="strategy",
                    help="which simulations to skip (see megatron_tawpipe/sim/advisor.py)")
     a.add_argument("--trainable-only", action="store_true", help="leave out what only the "
-                   "simulator models (HFSDP, TawPipe cache settings the runtime does not offer)")
+                   "simulator models (what pretrain_llama.py refuses, e.g. HFSDP with tensor parallelism)")
     a.add_argument("--top", type=int, default=15, help="rows of the ranking to print")
 
 

@@ -104,11 +104,11 @@ def load_compute_times(path: str, flag: str = "--emulated-compute-times", micro_
 class EmulatedCompute:
     """Calibrated sleeps in place of compute, and the seconds slept since the last :meth:`take_slept_s`."""
 
-    def __init__(self, times: ComputeTimes, recompute: bool, deferred_weight_gradients: bool = False):
+    def __init__(self, times: ComputeTimes, recompute: bool, deferred_weight_gradients: bool = True):
         self.times = times
         self.recompute = recompute   # whether each backward also recomputes the forward (full recompute)
-        # a split backward's weight-gradient half slept in its weight pass (deferred kernels) or in its
-        # input pass, as the runtime computes it (--emulated-deferred-weight-gradients)
+        # a split backward's weight-gradient half slept in its weight pass (deferred kernels: the runtime,
+        # and the default) or, False, in its input pass
         self.deferred_weight_gradients = deferred_weight_gradients
         self.slept_s = 0.0
 
@@ -120,7 +120,9 @@ class EmulatedCompute:
             return None
         times = load_compute_times(path, micro_batch_size=getattr(args, "micro_batch_size", None),
                                    seq_length=getattr(args, "seq_length", None))
-        return cls(times, recompute, bool(getattr(args, "emulated_deferred_weight_gradients", False)))
+        # The runtime defers the weight-gradient kernels of a split backward; --emulated-deferred-weight-gradients
+        # (kept for existing command lines) asks for what is now always done.
+        return cls(times, recompute, True)
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -227,9 +229,26 @@ class EmulatedShardCompute:
         self.last = model.plan.num_shards - 1
         self.tp = model.tensor_parallel_size
         self._exchange = _tensor_parallel_exchange(model) if self.tp > 1 else (lambda count: None)
+        self._store: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, shard) -> its held weight-gradient store
 
     def reset(self) -> None:
-        """Nothing is held between runs."""
+        """Forget the weight-gradient stores of an unfinished run."""
+        self._store.clear()
+
+    def store_bytes(self, shard: int) -> int:
+        """What the runtime keeps of (a micro-batch, ``shard``) from its input pass to its weight pass: per
+        decoder layer every linear layer's input and output gradient (QKV, projection, gated FC1, FC2), in
+        the compute dtype, divided over the tensor-parallel ranks -- as the simulator's memory model counts
+        it (``CostModel.layer_weight_store_bytes``)."""
+        args = self.model.args
+        H, tokens = args.hidden_size, args.seq_length * args.micro_batch_size
+        ffn = getattr(args, "ffn_hidden_size", None) or 4 * H
+        heads = args.num_attention_heads
+        groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+        kv = H * groups // heads if groups else H
+        per_token = (3 * H + ffn) + (3 * H + 2 * kv + 2 * ffn)
+        itemsize = torch.empty((), dtype=self.model.compute_dtype).element_size()
+        return self.layers[shard] * tokens * per_token * itemsize // self.tp
 
     def forward(self, mb: int, shard: int, weights: torch.Tensor) -> None:
         batches, last = self.model.microbatches, shard == self.last
@@ -249,17 +268,21 @@ class EmulatedShardCompute:
 
     def _weight_half_s(self, shard: int) -> float:
         """A split backward's weight-gradient pass: half of its layers' backward (not the output layer's, nor
-        a recompute) where its kernels are deferred (--emulated-deferred-weight-gradients), as the
-        simulator's cost model prices it; none where, as in the runtime, the input pass computes them."""
+        a recompute) where its kernels are deferred (the runtime), as the simulator's cost model prices it;
+        none where the input pass computes them."""
         if not self.clock.deferred_weight_gradients:
             return 0.0
         return 0.5 * self.layers[shard] * self.clock.times.layer_backward / self.tp
 
     def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
         self._backward_pass(shard, leave_s=self._weight_half_s(shard))
+        if self.clock.deferred_weight_gradients:    # the store, held (allocated) until the weight pass
+            self._store[(mb, shard)] = torch.empty(self.store_bytes(shard), dtype=torch.uint8,
+                                                   device=weights.device)
 
     def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         self.clock.sleep(self._weight_half_s(shard))
+        self._store.pop((mb, shard), None)
         self._weight_grads(mb, shard, grad_buffer)
 
     def _backward_pass(self, shard: int, leave_s: float) -> None:

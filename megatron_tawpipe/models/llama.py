@@ -334,9 +334,11 @@ def norm_modules(args, backend: str):
     return WrappedTorchNorm, WrappedTorchNorm
 
 
-def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
+def llama_layer_spec(attention_backend: str = "auto", args=None, wgrad_store=None) -> ModuleSpec:
     """The decoder-layer spec the flags describe: TE's fused layer, or megatron's local layer with
-    SDPA or megatron's own attention and the norms of :func:`norm_modules`."""
+    SDPA or megatron's own attention and the norms of :func:`norm_modules`. ``wgrad_store`` (a split
+    backward's :class:`~megatron_tawpipe.models.deferred_linear.WgradStore`, local layers only) makes the
+    local layer's linear layers the deferred ones (:func:`~megatron_tawpipe.models.deferred_linear.deferred_layer_spec`)."""
     backend = resolve_attention_backend(attention_backend, args)
     normalization = getattr(args, "normalization", "RMSNorm")
     qk_layernorm = bool(getattr(args, "qk_layernorm", False))
@@ -352,6 +354,10 @@ def llama_layer_spec(attention_backend: str = "auto", args=None) -> ModuleSpec:
         layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = qk_norm
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if wgrad_store is not None:
+        from megatron_tawpipe.models.deferred_linear import deferred_layer_spec
+
+        spec = deferred_layer_spec(spec, wgrad_store)
     return spec
 
 
@@ -375,14 +381,16 @@ def block_spec(layer_spec, config: TransformerConfig, vp_stage: Optional[int], f
 
 
 def construct_llama_model(args, config: TransformerConfig, pre_process: bool = True,
-                          post_process: bool = True, vp_stage: Optional[int] = None, compute=None) -> GPTModel:
+                          post_process: bool = True, vp_stage: Optional[int] = None, compute=None,
+                          wgrad_store=None) -> GPTModel:
     """The megatron-core GPTModel the flags describe, not yet initialised, on the host.
 
     ``compute`` replaces the layers' and the model's compute (emulated compute): it gives the decoder-layer
     spec (``compute.layer_spec(spec)``) and the model class (``compute.gpt_model_class()``), which it is
     built with; the parameters are the same. The block's final norm is the layers' norm
-    (:func:`norm_modules`), named explicitly, except with Transformer Engine's layer."""
-    spec = llama_layer_spec(args.attention_backend, args)
+    (:func:`norm_modules`), named explicitly, except with Transformer Engine's layer. ``wgrad_store``: the
+    decoder layers' deferred weight gradients (:func:`llama_layer_spec`)."""
+    spec = llama_layer_spec(args.attention_backend, args, wgrad_store)
     model_class, extra = GPTModel, {}
     if compute is not None:
         spec = compute.layer_spec(spec)

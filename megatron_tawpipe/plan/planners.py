@@ -11,6 +11,7 @@ from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.activation import plan_activation
 from megatron_tawpipe.plan.tawpipe import plan_tawpipe
 from megatron_tawpipe.plan.weipipe import plan_weipipe
+from megatron_tawpipe.plan.zero_bubble import defer_weight_passes
 
 
 def _weipipe(**kw):
@@ -45,6 +46,14 @@ def _tawpipe_paper(**kw):
     return plan_tawpipe(**{"cache": False, "drain": True, **kw})
 
 
+def _tawpipe_zb(**kw):
+    return defer_weight_passes(plan_tawpipe(**kw), "weight-waits")
+
+
+def _weipipe_interleave_zb(**kw):
+    return defer_weight_passes(plan_weipipe(interleave=True, **kw), "weight-waits", name="weipipe-interleave-zb")
+
+
 def _activation(name):
     def planner(**kw):
         return plan_activation(name, **kw)
@@ -61,6 +70,8 @@ SCHEDULES = {
     "tawpipe-flat": _tawpipe_flat,
     "tawpipe-paper": _tawpipe_paper,
     "tawpipe-rep": _tawpipe_rep,
+    "tawpipe-zb": _tawpipe_zb,
+    "weipipe-interleave-zb": _weipipe_interleave_zb,
     "gpipe": _activation("gpipe"),
     "1f1b": _activation("1f1b"),
     "interleaved": _activation("interleaved"),

@@ -42,6 +42,14 @@ class SweepResult:
     hang_without_warmup: dict = field(default_factory=dict)
     device_order_ok: dict = field(default_factory=dict)
     most_in_flight: dict = field(default_factory=dict)    # communicators in flight at once on one rank
+    # TawPipe's plans by shard cache and scheduling groups: {"cache on, D > 4": [checked, failed], ...}
+    tawpipe_cache: dict = field(default_factory=dict)
+
+
+def tawpipe_cache_class(kwargs: dict) -> str:
+    """A TawPipe case's shard cache and scheduling groups as the sweep counts them."""
+    groups = kwargs.get("groups", kwargs["num_groups"])
+    return f"cache {'on' if kwargs.get('cache', groups <= 4) else 'off'}, D {'> 4' if groups > 4 else '<= 4'}"
 
 
 def divisors(n: int) -> List[int]:
@@ -81,7 +89,8 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
 SPLITS = ("even", "uneven")
 
 
-SWEPT = ("tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "gpipe", "1f1b", "interleaved")
+SWEPT = ("tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "tawpipe-zb", "weipipe-interleave-zb",
+         "gpipe", "1f1b", "interleaved")
 
 
 def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
@@ -116,9 +125,12 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
                              num_layers=P * layers_per_shard)
                 for opts in _tawpipe_options(N, D, full=P <= full_product_max_ranks):
                     yield "tawpipe", dict(shape, **opts)
+                    yield "tawpipe-zb", dict(shape, **opts)     # the same plans with deferred weight passes
                 for interleave, overlap in itertools.product((True, False), (True, False)):
                     name = "weipipe" if interleave else "weipipe-naive"
                     yield name, dict(shape, overlap=overlap)
+                for overlap in (True, False):
+                    yield "weipipe-interleave-zb", dict(shape, overlap=overlap)
                 for name in ("weipipe-zb1", "weipipe-zb2"):
                     for overlap in (True, False):
                         yield name, dict(shape, overlap=overlap)
@@ -143,6 +155,10 @@ def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_ma
             error = str(exc)
         result.checked += 1
         result.by_schedule[schedule] = result.by_schedule.get(schedule, 0) + 1
+        if schedule == "tawpipe":
+            counts = result.tawpipe_cache.setdefault(tawpipe_cache_class(kwargs), [0, 0])
+            counts[0] += 1
+            counts[1] += error is not None
         if error is not None:
             result.failures.append((schedule, kwargs, error))
             if stop_on_failure:

@@ -469,8 +469,9 @@ class SymbolicExecutor:
                     raise PlanError(f"micro-batch {m} of stream {stream} ran {fwd} of {S} forward "
                                     f"and {bwd} of {S} backward shards")
         if self.bi_open:
-            key = next(iter(self.bi_open))
-            raise PlanError(f"BackwardInput of {key} has no BackwardWeight")
+            (stream, mb, shard), rank = next(iter(self.bi_open.items()))
+            raise PlanError(f"rank {rank}: the BackwardInput of (mb {mb}, shard {shard}) of stream {stream} "
+                            "has no BackwardWeight")
         for r, st in enumerate(self.state):
             for buf, (shard, mask) in st.g.items():
                 if mask:

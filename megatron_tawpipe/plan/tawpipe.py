@@ -20,7 +20,7 @@
   transfer in place (the no-CCO ablation).
 
 Arrangement (choices the papers leave open; the defaults are the fastest
-arrangement the simulator found, see docs/simulator-and-advisor.md; ``cache=False,
+arrangement the simulator found, see docs/simulator-cost-model.md; ``cache=False,
 drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
 
 * ``stagger``: group g runs ``g`` slots behind group 0, so that in a slot the D
@@ -35,10 +35,18 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
 * ``prefetch``: how many slots ahead of its visit a fetch is posted (overlap).
 * ``cache``: a staging rank keeps each fetched foreign shard for the whole
   iteration and accumulates its group's reduced gradient of that shard, sending
-  it to the owner once at the end.  Costs up to ``D-1`` weight and ``D-1``
-  gradient buffers on a rank; cuts inter-group traffic to two shard units per
-  foreign (group, shard) per iteration, independent of N.  Default: on for
-  ``D <= 4`` groups.
+  it to the owner once at the end.  Cuts inter-group traffic to two shard units
+  per foreign (group, shard) per iteration, ``2P(D-1)`` in all, independent of N.
+  What it costs is what the builder's colouring gives: with overlap, a rank
+  holds ``D+2`` weight and ``2D`` gradient buffers with it (``D`` and ``2D-2``
+  with one rank per group) against 4 weight and about ``2D-2`` gradient buffers
+  without (the gradient sends wait ``D-1`` slots late either way), i.e. ``D-2``
+  more weight buffers and at most 2 more gradient buffers, whatever N, the
+  chunk or a replicated first shard (``tests/test_tawpipe_cache.py``).  It has no
+  effect with one group (every shard's owner is in the group).  ``None``: on for
+  ``D <= 4`` groups, a default for tools that know no memory; ``pretrain_llama.py``
+  passes its ``--tawpipe-cache`` decision (``runtime/tawpipe_cache.py``: ``auto``
+  asks the memory model whether the buffers fit the device).
 * ``replicate_first``: shard 0 is held by one rank in every group (the rank
   that would stage it), not by its owner alone: each holder keeps master
   weights, optimizer state and ``main`` gradient of it, its group's gradient
@@ -324,8 +332,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
         # second); with more, staggering still spreads each slot's fetches over the owners.
         stagger = not replicate_first or D > 2
     if cache is None:
-        # Keeping foreign shards costs 2(D-1) shard buffers per rank: worth it
-        # for a few groups (nodes), not when groups are tiny.
+        # The planner knows no memory: keep foreign shards for a few groups (nodes) by default.  Callers
+        # that do (pretrain_llama.py's --tawpipe-cache auto, the advisor) choose explicitly.
         cache = D <= 4
     # Groups may run up to D-1 slots ahead of or behind their nominal stagger (they only stay
     # staggered while links are the bottleneck), so the side of an inter-group gradient transfer

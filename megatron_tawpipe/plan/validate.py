@@ -143,9 +143,9 @@ def _check_static(plan: Plan):
                 starts[a.tag].append((r, i, a))
                 if t in A.P2P:
                     if not 0 <= a.peer < P or a.peer == r:
-                        raise PlanError(f"bad peer {a.peer}", r, i, a)
+                        raise PlanError(f"bad peer {a.peer}: the peer must be another rank, in 0..{P - 1}", r, i, a)
                     if a.kind not in A.KINDS:
-                        raise PlanError(f"unknown kind {a.kind!r}", r, i, a)
+                        raise PlanError(f"unknown kind {a.kind!r}; known: {', '.join(A.KINDS)}", r, i, a)
                     if a.link != ("intra" if r // G == a.peer // G else "inter"):
                         raise PlanError(f"link class should be {plan.link_between(r, a.peer)!r}",
                                         r, i, a)
@@ -222,7 +222,7 @@ def _check_matching(plan: Plan, starts) -> None:
             (rs, i_s, s), (rr, i_r, rv) = sends[0], recvs[0]
             if s.peer != rr or rv.peer != rs:
                 raise PlanError(f"send to rank {s.peer} is matched by a receive on rank {rr} "
-                                f"from rank {rv.peer}", rr, i_r, rv)
+                                f"from rank {rv.peer}; the send is on rank {rs}, step {i_s}", rr, i_r, rv)
             for f in ("kind", "shard", "size", "mb", "link"):
                 if getattr(s, f) != getattr(rv, f):
                     raise PlanError(f"{f} differs from the matching send on rank {rs} step {i_s} "

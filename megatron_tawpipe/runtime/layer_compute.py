@@ -11,6 +11,8 @@ from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 
+from megatron_tawpipe.common.errors import ExecutionError
+from megatron_tawpipe.models.deferred_linear import WgradStore, te_wgrad_modules
 from megatron_tawpipe.runtime.precision import RngSnapshot
 
 
@@ -39,6 +41,8 @@ class LayerCompute:
     def __init__(self, model):
         self.model = model
         self.template = model.template
+        self._layer_params = self.template.layer_parameters()
+        self._index = {id(param): i for i, param in enumerate(self._layer_params)}
 
     def reset(self) -> None:
         """Start a run: no activations, gradients or RNG snapshots held."""
@@ -47,8 +51,11 @@ class LayerCompute:
         self._outputs: Dict[Tuple[int, int], torch.Tensor] = {}
         self._output_grads: Dict[Tuple[int, int], torch.Tensor] = {}
         self._losses: Dict[int, torch.Tensor] = {}
-        # Split backward: the weight gradients of (mb, shard) between its BackwardInput and BackwardWeight.
-        self._pending: Dict[Tuple[int, int], List[Tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        # Split backward: the small gradients (norms, biases) B computed for (mb, shard)'s layers, by their index
+        # in the flat layout, until W; the deferred kernels wait in the template's store.
+        self._pending: Dict[Tuple[int, int], List[Tuple[int, torch.Tensor]]] = {}
+        if self.template.wgrad_store is not None:
+            self.template.wgrad_store.clear()
         needs_rng = args.hidden_dropout > 0 or args.attention_dropout > 0
         self._rng: Optional[Dict[Tuple[int, int], RngSnapshot]] = {} if needs_rng and self.model.recompute else None
         self._rotary = self.template.rotary(args.seq_length)
@@ -105,27 +112,63 @@ class LayerCompute:
         self._collect(mb, shard, grad_buffer)
 
     def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
-        """The gradient of the shard's input, for the previous shard's backward, now; the weight gradients
-        wait for :meth:`backward_weight`. One pass of autograd computes both (megatron's cross entropy
-        reuses its saved tensors in place, so a graph cannot be walked twice): the weight gradients are
-        held, as tensors, until their pass adds them to its buffer. Exact; what a split saves in time is
-        the emulated compute's, and deferring the weight-gradient kernels themselves is not done here."""
+        """B of a split backward: one autograd pass gives the gradient of the shard's input, for the previous
+        shard's backward, now, and leaves the decoder layers' linear weight-gradient kernels in the template's
+        :class:`~megatron_tawpipe.models.deferred_linear.WgradStore` under (``mb``, ``shard``) (their
+        tensor-parallel input-gradient communication runs here). What else autograd computes here is small and
+        walked once: the layers' norm weights and the biases added outside a matrix multiply (held, in the
+        compute dtype, until :meth:`backward_weight`), and the embedding's, final norm's and output layer's
+        (through the loss), added to the replicated accumulators now."""
+        store = self._store()
         hidden, root, grad = self._graph(mb, shard, self._bind(weights, shard))
-        params = [p for p in self.template.trainable_parameters() if p.requires_grad]
-        inputs = ([hidden] if shard > 0 else []) + params
-        grads = torch.autograd.grad(root, inputs, grad, allow_unused=True)
+        with store.recording((mb, shard)):
+            root.backward(grad)
         if shard > 0:
-            self._output_grads[(mb, shard - 1)] = grads[0]
-            grads = grads[1:]
-        self._pending[(mb, shard)] = [(p, g) for p, g in zip(params, grads) if g is not None]
+            self._output_grads[(mb, shard - 1)] = hidden.grad
+        held = []
+        for index, param in enumerate(self._layer_params):
+            if param.grad is not None:
+                held.append((index, param.grad))
+                param.grad = None
+        self._pending[(mb, shard)] = held
+        self.template.replicated_grads_into(self.model.replicated_grads())
 
     def backward_weight(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
-        """The weight gradients of (``mb``, ``shard``) that its ``backward_input`` computed: its layers' into
-        ``grad_buffer``, the replicated parts' (embedding, head) into their accumulators. The gradients are
-        tensors of their own already: ``weights`` need not be bound again."""
-        for param, grad in self._pending.pop((mb, shard)):
-            param.grad = grad if param.grad is None else param.grad + grad
-        self._collect(mb, shard, grad_buffer)
+        """W of a split backward: the weight-gradient kernels (``grad_output^T @ input``, bias sums) that
+        :meth:`backward_input` of (``mb``, ``shard``) left, added into ``grad_buffer`` with the gradients it
+        held. Only the saved inputs and output gradients are needed: ``weights`` are not bound again, except for
+        Transformer Engine's ``backward_dw()``, which writes the bound weights' ``.grad``."""
+        store = self._store()
+        views = self.template.views(grad_buffer)
+        if store.kind == "te":
+            store.pop((mb, shard))   # (checks that Transformer Engine's queues give this backward's work)
+            layers = self._bind(weights, shard)
+            for module in te_wgrad_modules(list(self.template.layers)[:layers]):
+                module.backward_dw()
+            self.template.layer_grads_into(grad_buffer)
+        else:
+            for entry in store.pop((mb, shard)):
+                grad_weight, grad_bias = entry.compute()
+                views[self._index[id(entry.weight)]].add_(grad_weight)
+                if grad_bias is not None:
+                    views[self._index[id(entry.bias)]].add_(grad_bias)
+        for index, grad in self._pending.pop((mb, shard)):
+            views[index].add_(grad)
+        if shard == 0:
+            self.model.microbatches.release(mb)
+
+    def _store(self) -> WgradStore:
+        if self.template.wgrad_store is None:
+            raise ExecutionError("a split backward (BackwardInput/BackwardWeight) needs the shard template built "
+                                 "with split_backward=True (deferred weight-gradient layers)")
+        return self.template.wgrad_store
+
+    def deferred_bytes(self) -> Dict[str, int]:
+        """Bytes a split backward holds between its passes now: the deferred kernels' saved inputs and output
+        gradients (``store``) and the small gradients B computed (``held``)."""
+        store = self.template.wgrad_store
+        held = sum(g.numel() * g.element_size() for grads in self._pending.values() for _, g in grads)
+        return {"store": store.bytes_held() if store is not None else 0, "held": held}
 
     def _graph(self, mb: int, shard: int, layers: int):
         """(input, what to differentiate, its incoming gradient) of (``mb``, ``shard``): recomputed, or the

@@ -26,7 +26,8 @@ import torch
 
 from megatron_tawpipe.common.layer_split import layer_offsets
 from megatron_tawpipe.models.initialization import init_parameter
-from megatron_tawpipe.models.llama import construct_llama_model, llama_config, params_dtype
+from megatron_tawpipe.models.deferred_linear import WgradStore, deferred_wgrad_kind
+from megatron_tawpipe.models.llama import construct_llama_model, llama_config, params_dtype, resolve_attention_backend
 from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights
 
 
@@ -52,7 +53,7 @@ class ShardTemplate:
     """The GPTModel the flags describe with the largest shard's decoder layers, rebindable to any shard
     (``shard_layers[s]`` layers of shard ``s``)."""
 
-    def __init__(self, args, shard_layers: Sequence[int], device: torch.device):
+    def __init__(self, args, shard_layers: Sequence[int], device: torch.device, split_backward: bool = False):
         self.args = args
         self.shard_layers = tuple(shard_layers)
         self.num_shards = len(self.shard_layers)
@@ -72,8 +73,18 @@ class ShardTemplate:
                                        tensor_model_parallel_size=self.tensor_parallel_size,
                                        sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
         template_config.num_layers = self.max_layers
+        # A split backward (plans with BackwardInput/BackwardWeight) defers the layers' weight-gradient
+        # kernels to its weight pass: deferred local linear layers in the spec, or Transformer Engine's
+        # delay_wgrad_compute (set on the built config: megatron-core's own check ties the field to its MoE
+        # overlap schedule, the TE layers only read it). ``wgrad_store`` holds the deferred work.
+        self.wgrad_store: Optional[WgradStore] = None
+        if split_backward:
+            kind = deferred_wgrad_kind(resolve_attention_backend(args.attention_backend, args))
+            self.wgrad_store = WgradStore(kind)
+            template_config.delay_wgrad_compute = kind == "te"
         self.config = template_config
-        self.model = construct_llama_model(args, template_config).to(device)
+        local_store = self.wgrad_store if self.wgrad_store is not None and self.wgrad_store.kind == "local" else None
+        self.model = construct_llama_model(args, template_config, wgrad_store=local_store).to(device)
         if self.tensor_parallel_size > 1:
             mark_tensor_parallel_weights(self.model)
         if template_config.params_dtype != torch.float32:
@@ -228,6 +239,10 @@ class ShardTemplate:
     def trainable_parameters(self) -> List[torch.nn.Parameter]:
         """Every parameter a shard's backward can reach: the decoder layers' and the replicated ones."""
         return list(self._layer_params) + [param for _, param in self.replicated_parameters()]
+
+    def layer_parameters(self) -> List[torch.nn.Parameter]:
+        """The decoder layers' parameters in the order of a flat buffer's :meth:`views`."""
+        return list(self._layer_params)
 
     def layer_grads_into(self, grad_flat: torch.Tensor) -> None:
         """Add the template's accumulated layer gradients into ``grad_flat`` (one shard's: its first

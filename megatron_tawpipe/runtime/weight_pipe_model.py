@@ -30,11 +30,12 @@ from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import params_dtype
 from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
 from megatron_tawpipe.arguments import plan_file_of
-from megatron_tawpipe.plan import Plan, build_plan, read_plan, validate_plan
+from megatron_tawpipe.plan import BackwardInput, BackwardWeight, Plan, build_plan, read_plan, validate_plan
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
 from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
 from megatron_tawpipe.runtime.microbatches import MicroBatches
+from megatron_tawpipe.runtime import tawpipe_cache
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
 from megatron_tawpipe.runtime.warmup import launch_order_problem
 
@@ -46,10 +47,12 @@ def plan_name(args) -> str:
     return "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe"
 
 
-def plan_options(args) -> dict:
+def plan_options(args, cache: Optional[bool] = None) -> dict:
+    """The planner's options from the flags; ``cache``: TawPipe's shard cache as decided at start-up
+    (``--tawpipe-cache``, :mod:`megatron_tawpipe.runtime.tawpipe_cache`); None leaves it to the planner."""
     if args.pipeline_schedule != "tawpipe":
         return {}
-    options = {}
+    options = {} if cache is None else {"cache": cache}
     chunk = getattr(args, "tawpipe_microbatches_per_visit", 1)
     if chunk != 1:
         options["chunk"] = chunk
@@ -72,14 +75,15 @@ def planned_microbatch_counts(args) -> List[int]:
     return sorted(counts)
 
 
-def plans_for_run(args, world: int, groups: int) -> Dict[int, Plan]:
+def plans_for_run(args, world: int, groups: int, cache: Optional[bool] = None) -> Dict[int, Plan]:
     """The run's plans by micro-batches per rank: built by the schedule's planner for every count the run's
     global batches give, or the one plan of ``--pipeline-schedule plan:FILE`` (checked against the flags in
     validate_args; here again against the world and the groups, which every rank agrees on)."""
     path = plan_file_of(args.pipeline_schedule)
     if path is None:
         return {count: build_plan(plan_name(args), num_ranks=world, num_groups=groups, num_layers=args.num_layers,
-                                  num_microbatches=count, shard_layers=args.decoder_layer_split, **plan_options(args))
+                                  num_microbatches=count, shard_layers=args.decoder_layer_split,
+                                  **plan_options(args, cache))
                 for count in planned_microbatch_counts(args)}
     plan = read_plan(path)
     if (plan.num_ranks, plan.num_groups) != (world, groups):
@@ -107,7 +111,7 @@ class WeightPipeModel:
                   or parallel_state.default_num_groups(dist.get_world_size(), args.pipeline_schedule))
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
-        self.plans = plans_for_run(args, self.world, groups)
+        self.plans = self._plans(args, groups)
         for plan in self.plans.values():
             validate_plan(plan)
         self.plan = self.plans.get(args.num_microbatches) or self.plans[min(self.plans)]
@@ -118,7 +122,10 @@ class WeightPipeModel:
         self.recompute = not args.tawpipe_no_recompute
         if any(plan.shard_layers != self.plan.shard_layers for plan in self.plans.values()):
             raise ValueError("the plans for the schedule's micro-batch counts split the layers differently")
-        self.template = ShardTemplate(args, self.plan.shard_layers, self.device)
+        # Plans with BackwardInput/BackwardWeight: the layers leave their weight-gradient kernels to the weight pass.
+        split = any(isinstance(a, (BackwardInput, BackwardWeight))
+                    for plan in self.plans.values() for acts in plan.actions for a in acts)
+        self.template = ShardTemplate(args, self.plan.shard_layers, self.device, split_backward=split)
         self.shard_numel = self.template.shard_numel   # the largest shard's: the executor's buffers
         self._check_same_layout()
         self.compute_dtype = params_dtype(args)
@@ -154,6 +161,20 @@ class WeightPipeModel:
         self.executor = self._executor(self.plan)
         self.compute: ShardCompute = (compute or LayerCompute)(self)
         self._reset(None, None, 1, forward_only=True)
+
+    def _plans(self, args, groups: int) -> Dict[int, Plan]:
+        """The run's plans; tawpipe's with the shard cache decided once at start-up (``--tawpipe-cache``: every
+        rank alike), the decision printed by the first rank."""
+        if args.pipeline_schedule != "tawpipe":
+            return plans_for_run(args, self.world, groups)
+        compute_bytes = torch.finfo(params_dtype(args)).bits // 8
+        grad_bytes = torch.finfo(OptimizerDtypes.from_args(args).main_grads).bits // 8
+        self.cache_decision, plans = tawpipe_cache.decide(
+            args, groups, lambda cache: plans_for_run(args, self.world, groups, cache), self.device,
+            compute_bytes, grad_bytes)
+        if dist.get_rank() == 0:
+            print(self.cache_decision.line(), flush=True)
+        return plans
 
     def _check_same_layout(self) -> None:
         """Every rank lays a shard's weights out alike (same elements, names and shapes), or the plan's

@@ -257,10 +257,6 @@ class Advisor:
             res = simulate_extended(lambda n: self._plan(s, n, **opts), cost, N, 2 * c, 4 * c)
             plan = self._plan(s, min(N, 2 * c), **opts)
             mem = weight_passing_breakdown(res, cost, plan, c)
-            if s == "tawpipe" and cfg.knobs["cache"] != (D <= 4):
-                cfg.trainable = False
-                cfg.note = (f"cache {'on' if cfg.knobs['cache'] else 'off'} with {D} groups: the runtime "
-                            f"keeps fetched shards only for <= 4 groups and has no flag for it (simulator only)")
             res_inter = res.link_bytes["inter"] / D
         elif s in ("pp-nodes", "1f1b", "interleaved"):
             res = simulate_pipeline(cost, P, D, L, self.G // b, cfg.knobs["pipeline_size"],
@@ -291,13 +287,16 @@ class Advisor:
         return cfg
 
     def run(self, prune: str = "strategy", trainable_only: bool = False,
-            runtime_knobs_only: bool = False):
+            runtime_knobs_only: bool = False, keep: Optional[Callable[[Config], bool]] = None):
         """Evaluate every configuration (pruned as described in the module doc);
         returns (configs, absent): :class:`Absence` lines for every strategy or knob not tried
         (enumeration), not simulated (pruning) or left out (``trainable_only``).  Analytic
-        strategies first (cheap), then plan-based ones by decreasing ceiling."""
+        strategies first (cheap), then plan-based ones by decreasing ceiling.  ``keep``: only the
+        configurations it accepts (a study's restriction, e.g. TawPipe's cache off)."""
         configs, na = enumerate_configs(self.model, self.cluster, self.G,
                                         runtime_knobs_only or trainable_only)
+        if keep is not None:
+            configs = [c for c in configs if keep(c)]
         for c in configs:
             c.bound = self.bound(c)
         rank = {s: i for i, s in enumerate(ORDER)}
@@ -310,10 +309,8 @@ class Advisor:
                 vals = sorted(best.values(), reverse=True)
                 need = best.get(cfg.strategy, 0.0)
                 if prune == "top2" and len(vals) >= 2:
-                    # plan-based configurations are runnable unless a knob says
-                    # otherwise: the best runnable one stays exact too
-                    sim_only = cfg.strategy == "tawpipe" and cfg.knobs["cache"] != (self.cluster.nodes <= 4)
-                    need = max(need, vals[1] if sim_only else min(vals[1], best_runnable))
+                    # plan-based configurations are runnable: the best runnable one stays exact too
+                    need = max(need, min(vals[1], best_runnable))
                 if cfg.bound <= need:
                     cfg.status = "pruned"
                     continue
@@ -396,9 +393,10 @@ def _left_out(configs: List[Config], prune: str) -> List[Absence]:
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",
            plan_cache: Optional[Dict] = None, trainable_only: bool = False,
            runtime_knobs_only: bool = False,
-           check_command: Optional[Callable[[List[str], int], str]] = None) -> dict:
+           check_command: Optional[Callable[[List[str], int], str]] = None,
+           keep: Optional[Callable[[Config], bool]] = None) -> dict:
     """Run the advisor; returns the summary dict (``--json`` prints it)."""
     adv = Advisor(model, cluster, global_batch, plan_cache, check_command=check_command)
     configs, na = adv.run(prune=prune, trainable_only=trainable_only,
-                          runtime_knobs_only=runtime_knobs_only)
+                          runtime_knobs_only=runtime_knobs_only, keep=keep)
     return summarize(model, cluster, global_batch, configs, na, prune)

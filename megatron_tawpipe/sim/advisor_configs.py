@@ -165,7 +165,8 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
                       runtime_knobs_only: bool = False):
     """(configs, absent): every strategy x knobs whose shapes divide, and an :class:`Absence` for
     every strategy or knob that cannot run, saying which term fails and what would fix it.
-    ``runtime_knobs_only``: TawPipe's cache only as the runtime sets it.
+    ``runtime_knobs_only``: only knobs the runtime offers (all of those tried are, TawPipe's cache included:
+    ``--tawpipe-cache on|off``).
 
     Every strategy is also tried with tensor parallelism inside the nodes (knob ``tp``:
     T = 2, 4, 8 where T divides the GPUs of a node, the heads, the query groups and the
@@ -257,10 +258,8 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
             absent(("tawpipe",), f"c={c}", f"{N} micro-batches per rank are not a multiple of {c} per visit",
                    f"--global-batch-size a multiple of {c * P} (b={b})")
             continue
-        if runtime_knobs_only:
-            absent(("tawpipe",), f"cache {'off' if D <= 4 else 'on'}", f"the runtime caches shards for <= 4 groups "
-                   f"and has no flag for it ({D} groups)", "leave out --trainable-only to see it simulated")
-        for cache in ((D <= 4,) if runtime_knobs_only else (True, False)):
+        # --tawpipe-cache on / off; with one group there is no foreign shard to keep (the same plan)
+        for cache in ((True, False) if D > 1 else (False,)):
             for rep in (False, True) if D > 1 else (False,):
                 split, flags = weight_passing_split(L, P, rep)
                 layers = {"shard_layers": split, "split_flags": flags} if split else {}

@@ -32,11 +32,8 @@ def command(cfg, model, cluster, global_batch: int):
         argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
         argv += list(k.get("split_flags", []))      # uneven shards: the default split needs none
         argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
-        if k["cache"] == (D <= 4):
-            comment = (f"cache {'on' if k['cache'] else 'off'}: the runtime's choice for {D} groups "
-                       "(cache when <= 4; no flag); " + comment)
-        else:
-            comment = cfg.note + "; " + comment
+        # the shard cache as simulated (one group: nothing to keep, auto leaves it off)
+        argv += ["--tawpipe-cache", "on" if k["cache"] else "off"] if D > 1 else []
     elif s == "weipipe":
         argv += ["--pipeline-schedule", "weipipe"] + ([] if cfg.recompute else ["--tawpipe-no-recompute"])
         argv += ["--weipipe-zero-bubble", str(k["zero_bubble"])] if k.get("zero_bubble") else []

@@ -85,9 +85,11 @@ class CostModel:
     grad_bytes: int = 4                   # partial gradients travel and accumulate in fp32
     activation_bytes: float = 0.0         # one boundary activation of one micro-batch
     layer_activation_bytes: float = 0.0   # everything one layer keeps for backward, one mb
-    # the gradients of one layer's matmul outputs, one mb: what a split backward keeps between its
-    # input-gradient pass and its weight-gradient pass besides the activations
+    # the gradients of one layer's matmul outputs, one mb (QKV, projection, gated FC1, FC2)
     layer_output_grad_bytes: float = 0.0
+    # what a split backward keeps of one layer and micro-batch between its input-gradient pass and its
+    # weight-gradient pass: every linear layer's input and output gradient, in the compute dtype
+    layer_weight_store_bytes: float = 0.0
     tokens_per_microbatch: int = 0
     replicated_params: float = 0.0        # embedding + final norm + output layer
     embedding_params: float = 0.0         # the embedding's share of them (its all-reduce part)
@@ -102,11 +104,12 @@ class CostModel:
     # The rate two ranks' opposite messages take turns on (gloo; see GLOO_PAIR_DUPLEX_BYTES): the node
     # link's (None) unless ``inter`` is a share of it (pp-nodes' pipelines share a node's link).
     pair_bandwidth: Optional[float] = None
-    # Where a split backward's weight-gradient kernels run. False: in its input-gradient pass, as the
-    # runtime does (megatron's linear layers compute both gradients in one backward; the weight pass adds
-    # the held gradients); True: deferred to the weight-gradient pass, as the plan's BackwardWeight stands
-    # for (the schedule's intent; a runtime with deferred kernels).
-    deferred_weight_gradients: bool = False
+    # Where a split backward's weight-gradient kernels run. True (the runtime): BackwardInput runs the
+    # recompute and the input-gradient (dgrad) half of the layers' backward and stores each linear layer's
+    # input and output gradient; BackwardWeight runs the weight-gradient (wgrad) half from the store.
+    # False: both halves in the input pass, the weight pass adding the held weight gradients (a runtime
+    # without deferred kernels).
+    deferred_weight_gradients: bool = True
 
     @property
     def library_collectives_block(self) -> bool:
@@ -155,6 +158,8 @@ class CostModel:
                    layer_activation_bytes=34 * tokens * H * dtype_bytes / 2,
                    # outputs of QKV, the attention projection, the (gated) FC1 and FC2
                    layer_output_grad_bytes=tokens * (3 * H + 2 * kv + 2 * ffn) * dtype_bytes,
+                   # linear inputs (QKV, projection, FC1: H each; FC2: ffn) and their output gradients
+                   layer_weight_store_bytes=tokens * ((3 * H + ffn) + (3 * H + 2 * kv + 2 * ffn)) * dtype_bytes,
                    tokens_per_microbatch=tokens,
                    replicated_params=(2 if untied_embeddings else 1) * vocab_size * H + H,
                    embedding_params=vocab_size * H,
@@ -186,6 +191,7 @@ class CostModel:
         if "layer_activation_bytes" in times and self.layer_activation_bytes:   # the model's other byte
             ratio = times["layer_activation_bytes"] / self.layer_activation_bytes  # terms follow it
             times["layer_output_grad_bytes"] = self.layer_output_grad_bytes * ratio
+            times["layer_weight_store_bytes"] = self.layer_weight_store_bytes * ratio
         if not self.recompute:  # a measured recompute time does not bring recompute back
             times.pop("layer_recompute", None)
         return replace(self, **times)
@@ -226,13 +232,15 @@ class CostModel:
         return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_input_time(self, plan, shard: int) -> float:
-        # Input and weight gradients cost about the same; recompute goes first. Without deferred
-        # weight-gradient kernels the input pass is the whole backward.
+        """Recompute (when on), the dgrad half of the layers' backward and the head's whole backward
+        (its weight gradient included); without deferred kernels the whole backward."""
+        # A linear layer's input and weight gradients are one GEMM each, of the same FLOPs.
         share = 0.5 if self.deferred_weight_gradients else 1.0
         t = (self.layer_recompute + self.layer_backward * share) * plan.shard_layers[shard]
         return t + (self.head_backward if shard == plan.num_shards - 1 else 0.0)
 
     def backward_weight_time(self, plan, shard: int) -> float:
+        """The wgrad half of the layers' backward (none without deferred kernels)."""
         if not self.deferred_weight_gradients:   # adding the held gradients, as a plain backward does: not
             return 0.0                           # priced for either
         return self.layer_backward / 2 * plan.shard_layers[shard]

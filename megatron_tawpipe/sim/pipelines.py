@@ -33,7 +33,7 @@ def peak_stash(plan, layers: bool = False) -> list:
             if t is A.Forward:
                 cur += plan.shard_layers[a.shard] if layers else 1
                 best = max(best, cur)
-            elif t is A.Backward or t is A.BackwardWeight:
+            elif t is A.Backward or t is A.BackwardInput:     # a split backward frees them in its input pass
                 cur -= plan.shard_layers[a.shard] if layers else 1
         out.append(best)
     return out

@@ -93,6 +93,8 @@ class SimResult:
     spans: List[Span] = field(default_factory=list, repr=False)
     transfers: List[Transfer] = field(default_factory=list, repr=False)
     options: dict = field(default_factory=dict)
+    # (rank, step) of every Wait at which the rank blocked -> the seconds it waited there
+    idle: Dict[tuple, float] = field(default_factory=dict, repr=False)
 
     @property
     def memory_bytes(self) -> float:
@@ -142,6 +144,8 @@ class _Simulator:
         self.pc = [0] * plan.num_ranks
         self.finish = [0.0] * plan.num_ranks
         self.busy = [0.0] * plan.num_ranks
+        self.blocked_at: Dict[int, float] = {}
+        self.idle: Dict[tuple, float] = {}      # (rank, step of a Wait) -> seconds the rank waited there
         self.spans: List[Span] = []
         self.transfers: List[Transfer] = []
         self.flows: List[Flow] = []
@@ -216,7 +220,10 @@ class _Simulator:
                 op = self._op(a.tag)
                 if op.done is None:
                     op.waiters.append(r)
+                    self.blocked_at[r] = t
                     return
+                if r in self.blocked_at:
+                    self.idle[(r, self.pc[r])] = t - self.blocked_at.pop(r)
                 self.pc[r] += 1
                 continue
             self.pc[r] += 1
@@ -379,40 +386,44 @@ _STARTS = frozenset(A.STARTS)
 
 def peak_activation_bytes(plan: Plan, cost: CostModel) -> float:
     """The most bytes a rank keeps for backward at once (plan order only): stored shard inputs (whole
-    shards' activations without recompute) until their backward, and between a split backward's two
-    passes what the weight-gradient pass needs. With deferred weight-gradient kernels
-    (``cost.deferred_weight_gradients``) that is the gradients of the shard's matmul outputs, the
-    activations (kept until the weight pass) and, with recompute, the recomputed activations, one set of
-    which is the working set counted beside this; without (the runtime), the input pass frees the
-    activations and the shard's weight gradients, in the compute dtype, wait for the weight pass."""
-    lps = plan.max_layers_per_shard    # uneven shards: a stored visit or working set of the largest
+    shards' activations without recompute) until their backward (its input pass, when split), and
+    between a split backward's two passes its weight-gradient store (:func:`weight_store_bytes`)."""
+    return max(activation_peaks(plan, cost), default=0.0)
+
+
+def weight_store_bytes(plan: Plan, cost: CostModel, shard: int) -> float:
+    """What one split backward of ``shard`` keeps from its input pass to its weight pass. Deferred kernels
+    (``cost.deferred_weight_gradients``, the runtime): every linear layer's input and output gradient,
+    ``layer_weight_store_bytes`` per layer; otherwise the shard's weight gradients in the compute dtype
+    (with the embedding's on shard 0, the head's on the last shard)."""
+    if cost.deferred_weight_gradients:
+        return plan.shard_layers[shard] * cost.layer_weight_store_bytes
+    params = plan.shard_layers[shard] * cost.params_per_layer
+    params += cost.replicated_part_params("embedding") if shard == 0 else 0.0
+    params += cost.replicated_part_params("head") if shard == plan.num_shards - 1 else 0.0
+    return params * cost.dtype_bytes
+
+
+def activation_peaks(plan: Plan, cost: CostModel, store: bool = False) -> list:
+    """Per rank, the most activation bytes held at once (``store``: the weight-gradient store's part of
+    that peak instead)."""
+    lps = plan.max_layers_per_shard    # uneven shards: a stored visit of the largest
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
-    deferred = cost.deferred_weight_gradients
-    recomputed = lps * cost.layer_activation_bytes if cost.recompute and deferred else 0.0
-    freed_by = A.BackwardWeight if deferred else A.BackwardInput
-    last = plan.num_shards - 1
-
-    def held_grads(shard: int) -> float:
-        if deferred:
-            return lps * cost.layer_output_grad_bytes
-        # the shard's layers' gradients, and the embedding's (shard 0) or the head's (last shard) it reaches
-        params = plan.shard_layers[shard] * cost.params_per_layer
-        params += cost.replicated_part_params("embedding") if shard == 0 else 0.0
-        params += cost.replicated_part_params("head") if shard == last else 0.0
-        return params * cost.dtype_bytes
-
-    best = 0.0
+    out = []
     for acts in plan.actions:
-        stash = pending = 0
-        grads = 0.0
+        stash, kept, best, best_kept = 0, 0.0, 0.0, 0.0
         for a in acts:
             t = type(a)
-            stash += (t is A.Forward) - (t is A.Backward or t is freed_by)
-            pending += (t is A.BackwardInput) - (t is A.BackwardWeight)
-            grads += held_grads(a.shard) if t is A.BackwardInput else -held_grads(a.shard) if t is A.BackwardWeight else 0.0
-            held = stash * per_stash + grads + max(pending - 1, 0) * recomputed
-            best = max(best, held)
-    return best
+            stash += (t is A.Forward) - (t is A.Backward or t is A.BackwardInput)
+            if t is A.BackwardInput:
+                kept += weight_store_bytes(plan, cost, a.shard)
+            elif t is A.BackwardWeight:
+                kept -= weight_store_bytes(plan, cost, a.shard)
+            held = stash * per_stash + kept
+            if held > best:
+                best, best_kept = held, kept
+        out.append(best_kept if store else best)
+    return out
 
 
 def memory_fields(plan: Plan, cost: CostModel) -> Dict[str, float]:
@@ -448,4 +459,4 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
         bubble_ratio=(1.0 - compute / (P * iteration)) if iteration > 0 else 0.0,
         link_bytes=lb, replicated_allreduce_bytes=rep["intra"] + rep["inter"],
         **memory_fields(plan, cost), compute_time=sim.busy, finish_time=sim.finish,
-        spans=sim.spans, transfers=sim.transfers, options=dict(plan.options))
+        spans=sim.spans, transfers=sim.transfers, options=dict(plan.options), idle=sim.idle)
