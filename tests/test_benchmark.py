@@ -527,3 +527,23 @@ def test_simulator_matrix_replaces_the_rows_it_measures_again():
     assert [r["schedule"] for r in out["runs"]] == ["tawpipe", "hfsdp", "hfsdp"]
     assert [(r["schedule"], r["tokens_per_sec_per_rank"]) for r in out["summary"]] == [("tawpipe", 1.0), ("hfsdp", 3.0)]
     assert set(out["remeasured"]) == {"hfsdp"} and out["config"] == previous["config"]
+
+
+@pytest.mark.parametrize("nodes", [3, 4])
+def test_every_strategy_has_valid_flags_on_three_and_four_nodes_of_two_ranks(nodes):
+    """3 x 2 and 4 x 2 (nodes x ranks per node): one weight-pipeline group, optimizer instance, FSDP
+    replica and pipeline stage per node; 8 layers cut by the default split where the ranks do not divide them."""
+    from megatron_tawpipe.bench.benchmark import SCHEDULES
+
+    model = [a if a != "4" else "24" for a in BENCH_MODEL]          # global batch 24: divisible by 6 and 8
+    model[model.index("--num-layers") + 1] = "8"
+    ranks = 2 * nodes
+    parsed = _validated_commands(model, SCHEDULES, ranks=ranks, groups=nodes)
+    assert parsed["tawpipe"].tawpipe_num_groups == nodes and len(parsed["tawpipe"].decoder_layer_split or [1] * ranks) == ranks
+    assert parsed["pp-nodes"].pipeline_model_parallel_size == nodes and parsed["pp-nodes"].data_parallel_size == 2
+    for schedule in ("distopt-node", "hsdp", "hfsdp"):
+        assert parsed[schedule].num_distributed_optimizer_instances == nodes
+    assert parsed["tawpipe-rep"].tawpipe_replicate_first_shard
+    if nodes == 3:
+        assert parsed["tawpipe"].decoder_layer_split == (2, 2, 1, 1, 1, 1)
+        assert parsed["pp-nodes"].decoder_layer_split == (3, 3, 2)

@@ -17,7 +17,8 @@ from distributed_harness import run_ranks
 from megatron_tawpipe.models.deferred_linear import TE_MIN_VERSION, WgradStore, deferred_wgrad_kind, te_wgrad_modules
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan import build_plan, split_backward, validate_plan, write_plan
-from training_helpers import assert_trains_like, tiny_args, train_rank
+from megatron_tawpipe.arguments import LLAMA_FLAGS
+from training_helpers import GPT_FLAGS, assert_trains_like, tiny_args, train_rank
 
 ITERS = 3
 GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
@@ -36,7 +37,7 @@ class GemmCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _templates(extra, layers=2, seq=32):
+def _templates(extra, architecture, layers=2):
     """A plain and a split-backward template of ``layers`` decoder layers with the same initial weights."""
     from megatron_tawpipe.arguments import parse_args
     from megatron_tawpipe.data import build_tokenizer
@@ -44,7 +45,7 @@ def _templates(extra, layers=2, seq=32):
     from megatron_tawpipe.runtime.shard_model import ShardTemplate
     from megatron_tawpipe.training.validate_args import validate_args
 
-    argv = tiny_args(*extra, global_batch=2)
+    argv = tiny_args(*extra, global_batch=2, architecture=architecture)
     argv[argv.index("--num-layers") + 1] = str(layers)
     args = validate_args(parse_args(argv))
     initialize_distributed(args)
@@ -59,12 +60,12 @@ def _templates(extra, layers=2, seq=32):
     return args, plain, split
 
 
-def _layer_stack_equivalence(rank, extra):
+def _layer_stack_equivalence(rank, extra, architecture):
     """One layer stack, split B then W against one unsplit backward: input and weight gradients, GEMM counts."""
     from megatron_tawpipe.distributed.initialize import destroy
 
     try:
-        args, plain, split = _templates(extra)
+        args, plain, split = _templates(extra, architecture)
         tp = args.tensor_model_parallel_size
         seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
         generator = torch.Generator().manual_seed(11)   # the same input and output gradient on every rank
@@ -90,11 +91,14 @@ def _layer_stack_equivalence(rank, extra):
         linears = 4 * 2   # qkv, proj, fc1, fc2 per layer
         assert store.deferred_gemms == linears and store.eager_gemms == 0 and store.keys() == [(0, 0)]
         held_bytes = store.bytes_held()
-        grads = {}
+        grads, biases = {}, 0
+        split.unbind()   # W needs no weights: the stored inputs and output gradients only
         with GemmCounter() as w_pass:
             for entry in store.pop((0, 0)):
                 grads[id(entry.weight)], bias = entry.compute()
-                assert bias is None   # --disable-bias-linear
+                if bias is not None:   # the query-key-value bias, added inside the matrix multiply
+                    grads[id(entry.bias)], biases = bias, biases + 1
+        assert biases == (2 if args.add_bias_linear else 0)
         assert store.bytes_held() == 0 and store.keys() == []
         # B: the input-gradient GEMMs only; W: the weight-gradient GEMMs; together one unsplit backward's.
         assert b_pass.count == linears and w_pass.count == linears, (b_pass.count, w_pass.count)
@@ -118,14 +122,19 @@ def _store_formula(s, b, h, f, d, heads, groups, tp, bytes_per=4):
     return s * b * (4 * h + (2 * heads * d + 2 * groups * d + 3 * f) // tp) * bytes_per
 
 
-@pytest.mark.parametrize("tp,extra", [(1, []), (1, ["--group-query-attention", "--num-query-groups", "2"]),
-                                      (2, ["--tensor-model-parallel-size", "2"]),
-                                      (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
-                         ids=["tp1", "tp1-gqa", "tp2", "tp2-sequence-parallel"])
-def test_split_backward_of_a_layer_stack_equals_an_unsplit_one(tp, extra):
-    results = run_ranks(_layer_stack_equivalence, tp, extra)
+STACKS = [(1, [], LLAMA_FLAGS), (1, ["--group-query-attention", "--num-query-groups", "2"], LLAMA_FLAGS),
+          (2, ["--tensor-model-parallel-size", "2"], LLAMA_FLAGS),
+          (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], LLAMA_FLAGS),
+          (1, [], GPT_FLAGS), (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], GPT_FLAGS)]
+
+
+@pytest.mark.parametrize("tp,extra,architecture", STACKS,
+                         ids=["tp1", "tp1-gqa", "tp2", "tp2-sequence-parallel", "tp1-gpt", "tp2-sequence-parallel-gpt"])
+def test_split_backward_of_a_layer_stack_equals_an_unsplit_one(tp, extra, architecture):
+    results = run_ranks(_layer_stack_equivalence, tp, extra, architecture)
     for held_bytes, s, h, f, d, heads, groups, t in results:
-        assert held_bytes == 2 * _store_formula(s, 2, h, f, d, heads, groups, t)   # two layers
+        if architecture is LLAMA_FLAGS:   # (SwiGLU: fc1 gives 2 f)
+            assert held_bytes == 2 * _store_formula(s, 2, h, f, d, heads, groups, t)   # two layers
 
 
 def test_the_store_refuses_what_would_mix_backwards():
@@ -175,8 +184,8 @@ def test_transformer_engine_path_is_chosen_by_backend_and_version():
 
 # ---- whole runs: split plans train like one process ------------------------------------------------------------
 
-def _args(*extra, layers, global_batch, save):
-    argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1)
+def _args(*extra, layers, global_batch, save, architecture=LLAMA_FLAGS):
+    argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1, architecture=architecture)
     argv[argv.index("--num-layers") + 1] = str(layers)
     return argv + ["--save", save, "--save-interval", "1"]
 
@@ -209,4 +218,26 @@ def test_split_plans_with_deferred_kernels_train_like_one_process(schedule, P, N
     ref_save, save = str(tmp_path / "reference"), str(tmp_path / "split")
     (reference,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=P * N, save=ref_save))
     per_rank = run_ranks(train_rank, P, _args(*flags, "--tawpipe-nccl-faithful", *extra, layers=layers, global_batch=P * N, save=save))
+    assert_trains_like(per_rank, reference, save, ref_save, ITERS)
+
+
+TP_RUNS = [   # zero-bubble variant, world (T = 2: P / 2 virtual ranks), layers, global batch, flags, architecture
+    (1, 4, 2, 6, ["--sequence-parallel"], GPT_FLAGS),   # biases (the query-key-value bias deferred too), LayerNorm
+    (2, 4, 4, 4, ["--tawpipe-no-recompute"], LLAMA_FLAGS),
+]
+
+
+@pytest.mark.parametrize("variant,world,layers,global_batch,extra,architecture", TP_RUNS,
+                         ids=[f"wzb{c[0]}-P{c[1]}-T2-L{c[2]}{''.join(c[4])}" for c in TP_RUNS])
+def test_tensor_parallel_zero_bubble_with_deferred_kernels_trains_like_one_process(
+        variant, world, layers, global_batch, extra, architecture, tmp_path):
+    """The input-gradient all-reduce (and sequence-parallel gather / reduce-scatter) of the deferred layers
+    in B, the weight-gradient kernels on the gathered inputs in W."""
+    ref_save, save = str(tmp_path / "reference"), str(tmp_path / "split")
+    (reference,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch, save=ref_save,
+                                                  architecture=architecture))
+    per_rank = run_ranks(train_rank, world, _args(
+        "--pipeline-schedule", "weipipe", "--weipipe-zero-bubble", str(variant), "--tensor-model-parallel-size", "2",
+        "--tawpipe-nccl-faithful", *extra, layers=layers, global_batch=global_batch, save=save,
+        architecture=architecture))
     assert_trains_like(per_rank, reference, save, ref_save, ITERS)

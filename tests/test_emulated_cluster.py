@@ -377,8 +377,8 @@ def test_counted_bytes_match_the_interfaces_and_the_plan(tmp_path):
 @needs_netns
 def test_three_nodes_counted_collectives_match_their_interfaces(tmp_path):
     """3 nodes x 2 ranks: ranks 2k and 2k+1 sit on node k, and each collective's counted bytes (ring
-    all-reduce, reduce-scatter, all-gather, broadcast, a group of one rank per node) are what the three
-    eth0 sent."""
+    all-reduce, reduce-scatter, all-gather, a broadcast's binomial tree, a reduce, a group of one rank per
+    node) are what the three eth0 sent."""
     script = tmp_path / "probe.py"
     out = tmp_path / "probe.json"
     script.write_text(
@@ -399,6 +399,7 @@ def test_three_nodes_counted_collectives_match_their_interfaces(tmp_path):
         "       'reduce_scatter': lambda: dist.reduce_scatter_tensor(torch.zeros(N // world), torch.ones(N)),\n"
         "       'all_gather': lambda: dist.all_gather_into_tensor(torch.zeros(N), torch.ones(N // world)),\n"
         "       'broadcast': lambda: dist.broadcast(torch.ones(N), src=1),\n"
+        "       'reduce': lambda: dist.reduce(torch.ones(N), dst=1),\n"
         "       'heads': lambda: dist.all_reduce(torch.ones(N), group=heads) if rank % 2 == 0 else None}\n"
         "where, result = [None] * world, {}\n"
         "dist.all_gather_object(where, (rank, int(os.environ['EMULATED_NODE_RANK'])))\n"

@@ -1,7 +1,8 @@
 """Split backwards run exactly: a plan whose every Backward is split into BackwardInput (the input
-gradient, for the previous shard) and BackwardWeight (the weight gradients, later, from the kept graph)
-trains like one process; so do WeiPipe's zero-bubble variants (``--weipipe-zero-bubble 1/2``), whose
-planners place the weight-gradient pass on its own."""
+gradient, for the previous shard) and BackwardWeight (the weight gradients, later, by the weight-gradient
+kernels the deferred linear layers left: tests/test_deferred_wgrad.py) trains like one process; so do
+WeiPipe's zero-bubble variants (``--weipipe-zero-bubble 1/2``), whose planners place the weight-gradient
+pass on its own."""
 
 import pytest
 

@@ -9,8 +9,12 @@ counted call counts once) and adds what each call makes *this* rank send, by the
 * ``reduce_scatter`` of an input of B bytes: gloo runs an all-reduce of the input, ``2(n-1)/n * B``
   to the successor (a ring reduce-scatter, NCCL's, sends ``(n-1)/n * B``);
 * ``all_gather`` of an output of B bytes: a ring, ``(n-1)/n * B`` to the successor;
-* ``broadcast`` / ``scatter`` from the root: B (a scatter: each member's part) from the root to every
-  other member; ``reduce`` / ``gather`` to the root: B from every other member to the root;
+* ``broadcast`` of B bytes: a binomial tree from the root (in round k each member below 2^k, counted
+  from the root in group order, sends B to the member 2^k after it);
+* ``reduce`` of B bytes to the root: gloo's ring reduce-scatter (``(n-1)/n * B`` to the successor), then
+  each member's reduced ``B/n`` to the root;
+* ``scatter`` from the root: each member's part from the root; ``gather``: B from every other member
+  to the root;
 * ``all_to_all_single``: each member's part to every other member;
 * ``send`` / ``isend``: B to the peer (``batch_isend_irecv`` counts through them); receiving sends nothing.
 
@@ -67,6 +71,17 @@ def ring_successor(ranks: Sequence[int], rank: int) -> int:
     return ranks[(list(ranks).index(rank) + 1) % len(ranks)]
 
 
+def binomial_children(relative: int, n: int) -> List[int]:
+    """Relative ranks a member at ``relative`` (the root: 0) sends to in a binomial broadcast over ``n``:
+    in round k every member below 2^k sends to itself + 2^k."""
+    children, step = [], 1
+    while step < n:
+        if relative < step and relative + step < n:
+            children.append(relative + step)
+        step *= 2
+    return children
+
+
 def sent_bytes(kind: str, ranks: Sequence[int], rank: int, payload: float,
                root: Optional[int] = None) -> List[Tuple[int, float]]:
     """``[(destination, bytes)]`` that ``rank`` sends for one call of ``kind`` over the global ``ranks``
@@ -77,15 +92,20 @@ def sent_bytes(kind: str, ranks: Sequence[int], rank: int, payload: float,
         return [(root, payload)]
     if n <= 1:
         return []
+    ranks = list(ranks)
+    root_index = ranks.index(root) if root in ranks else 0
+    relative = (ranks.index(rank) - root_index) % n
     if kind in ("all_reduce", "reduce_scatter"):
         return [(ring_successor(ranks, rank), 2 * (n - 1) / n * payload)]
     if kind == "all_gather":
         return [(ring_successor(ranks, rank), (n - 1) / n * payload)]
-    if kind == "broadcast":
-        return [(r, payload) for r in ranks if r != rank] if rank == root else []
+    if kind == "broadcast":   # gloo: a binomial tree from the root, each member forwarding the whole tensor
+        return [(ranks[(i + root_index) % n], payload) for i in binomial_children(relative, n)]
     if kind == "scatter":
         return [(r, payload / n) for r in ranks if r != rank] if rank == root else []
-    if kind in ("reduce", "gather"):
+    if kind == "reduce":      # gloo: a ring reduce-scatter, then every member's reduced part to the root
+        return [(ring_successor(ranks, rank), (n - 1) / n * payload)] + ([] if rank == root else [(root, payload / n)])
+    if kind == "gather":
         return [] if rank == root else [(root, payload)]
     if kind == "all_to_all":
         return [(r, payload / n) for r in ranks if r != rank]
@@ -317,9 +337,9 @@ FORMULA_TEXT = {
     "all_reduce": "ring all-reduce (2(n-1)/n x B per member to its successor)",
     "reduce_scatter": "reduce-scatter of input B (gloo: an all-reduce, 2(n-1)/n x B per member)",
     "all_gather": "ring all-gather of output B ((n-1)/n x B per member)",
-    "broadcast": "broadcast (B from the root to each other member)",
+    "broadcast": "broadcast (binomial tree: n-1 copies of B)",
     "scatter": "scatter (B/n from the root to each other member)",
-    "reduce": "reduce (B from each other member to the root)",
+    "reduce": "reduce (gloo: ring reduce-scatter (n-1)/n x B, then B/n from each other member to the root)",
     "gather": "gather (B from each other member to the root)",
     "all_to_all": "all-to-all (B/n from each member to each other)",
     "send": "point-to-point (B to the peer)",

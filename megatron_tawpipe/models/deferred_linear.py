@@ -247,6 +247,17 @@ class DeferredRowParallelLinear(_Deferred, RowParallelLinear):
 _REPLACED = {ColumnParallelLinear: DeferredColumnParallelLinear, RowParallelLinear: DeferredRowParallelLinear}
 
 
+def _submodules(spec):
+    """A module spec's submodules: a ModuleSpec's, or those a ``functools.partial`` builder is given
+    (megatron-core 0.19's MLP spec)."""
+    if isinstance(spec, ModuleSpec):
+        return spec.submodules
+    keywords = getattr(spec, "keywords", None) or {}
+    if "submodules" not in keywords:
+        raise ValueError(f"deferred weight gradients cannot find the linear layers of the spec {spec!r}")
+    return keywords["submodules"]
+
+
 def deferred_layer_spec(spec: ModuleSpec, store: WgradStore) -> ModuleSpec:
     """``spec`` (megatron-core's local decoder-layer spec) with its attention and MLP linear layers the
     deferred ones, all leaving their work in ``store``; the spec given is not changed."""
@@ -254,7 +265,7 @@ def deferred_layer_spec(spec: ModuleSpec, store: WgradStore) -> ModuleSpec:
 
     spec = copy.deepcopy(spec)
     count = 0
-    for owner in (spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules):
+    for owner in (_submodules(spec.submodules.self_attention), _submodules(spec.submodules.mlp)):
         for name in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
             module = getattr(owner, name, None)
             if module is None:

@@ -138,7 +138,7 @@ class NcclModel:
                                             f"name different sizes ({A.describe(a)}: "
                                             f"{describe_elements(self.plan, a)})", r, step, a)
         partners: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
-        for (comm, src, dst) in set(sends) | set(recvs):
+        for (comm, src, dst) in sorted(set(sends) | set(recvs), key=repr):   # one order: the same message every run
             s_list, r_list = sends.get((comm, src, dst), []), recvs.get((comm, src, dst), [])
             for k, ((ss, sa), (rs, ra)) in enumerate(zip(s_list, r_list)):
                 if sa.tag != ra.tag:
