@@ -712,3 +712,44 @@ def test_nothing_fits_and_left_out_strategies_say_why():
         assert any("nothing fits" in x or "< " in x for x in s["missing"][strategy]), strategy
     left_out = advise(TINY, tiny_cluster(), 16, trainable_only=True, check_command=check_command)
     assert "hfsdp" in {r["strategy"] for r in left_out["ranked"]}   # runnable: not left out
+
+
+def _weipipe_family_best(cluster, model, global_batch):
+    """The advisor's best WeiPipe configuration (b=1, recompute, no tensor parallelism) and, from the
+    simulator directly, every variant's tokens/s per GPU."""
+    keep = lambda c: c.strategy == "weipipe" and c.knobs.get("tp", 1) == 1 and c.micro_batch_size == 1 \
+        and c.recompute  # noqa: E731
+    s = advise(model, cluster, global_batch, check_command=check_command, keep=keep)
+    adv = Advisor(model, cluster, global_batch)
+    cost = adv.cost(1, True)
+    N = global_batch // cluster.ranks
+    variants = {"weipipe": {}, "weipipe-zb1": {}, "weipipe-zb2": {}, "weipipe-interleave-zb": {},
+                "weipipe-zb1-paired": {}}
+    simulated = {}
+    for name in variants:
+        plan = build_plan(name, num_ranks=cluster.ranks, num_groups=cluster.nodes, num_layers=model.num_layers,
+                          num_microbatches=N)
+        simulated[name] = simulate(plan, cost, record=False).tokens_per_sec_per_rank
+    return s["best"], simulated
+
+
+def test_advisor_offers_a_split_backward_schedule_where_the_simulator_says_it_wins():
+    """The split-backward schedules run from a plan file (weipipe-interleave-zb, weipipe-zb1-paired,
+    tawpipe-zb) are knobs of their strategy, priced by their own simulations: the advisor picks WZB1's paired
+    layout where it is the fastest WeiPipe (one node, fast links, 4 micro-batches per rank) and not where
+    it is slower (two nodes at 1.25 GB/s); its command builds the plan and runs it."""
+    model = ModelSpec(num_layers=16, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8,
+                      num_query_groups=8, vocab_size=1000, seq_length=8192)
+    fast = tiny_cluster(nodes=1, intra_bw=1e13)
+    best, simulated = _weipipe_family_best(fast, model, 32)
+    assert max(simulated, key=simulated.get) == "weipipe-zb1-paired"
+    assert best["knobs"].get("plan_schedule") == "weipipe-zb1-paired" and best["trainable"]
+    assert best["tokens_per_sec_per_gpu"] == pytest.approx(simulated["weipipe-zb1-paired"])
+    assert best["command"].startswith("python tools/plan.py build --schedule weipipe-zb1-paired --ranks 8 "
+                                      "--groups 1 --num-layers 16 --num-microbatches 4 --out plan.json && torchrun")
+    assert "--pipeline-schedule plan:plan.json" in best["command"]
+    slow = tiny_cluster()
+    best, simulated = _weipipe_family_best(slow, model, 32)
+    assert simulated["weipipe-zb1-paired"] < max(simulated.values())
+    assert best["knobs"].get("plan_schedule") != "weipipe-zb1-paired"
+    assert best["tokens_per_sec_per_gpu"] == pytest.approx(max(simulated.values()))

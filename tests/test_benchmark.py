@@ -107,6 +107,7 @@ def test_schedule_commands_are_valid_pretrain_flags(tmp_path):
     assert hfsdp.use_distributed_optimizer and hfsdp.overlap_grad_reduce and hfsdp.overlap_param_gather
     assert parsed["tawpipe-rep"].pipeline_schedule == "tawpipe" and parsed["tawpipe-rep"].tawpipe_replicate_first_shard
     assert not parsed["tawpipe"].tawpipe_replicate_first_shard
+    assert parsed["tawpipe-nocache"].tawpipe_cache == "off" and parsed["tawpipe"].tawpipe_cache == "auto"
     assert parsed["weipipe-zb2"].weipipe_zero_bubble == 2 and not parsed["weipipe-zb2"].record_plan_memory
     # The zero-bubble benchmark's options: plan memory recorded, weight-gradient kernels emulated as deferred.
     times = tmp_path / "times.json"
@@ -533,12 +534,15 @@ def test_simulator_matrix_replaces_the_rows_it_measures_again():
 def test_every_strategy_has_valid_flags_on_three_and_four_nodes_of_two_ranks(nodes):
     """3 x 2 and 4 x 2 (nodes x ranks per node): one weight-pipeline group, optimizer instance, FSDP
     replica and pipeline stage per node; 8 layers cut by the default split where the ranks do not divide them."""
-    from megatron_tawpipe.bench.benchmark import SCHEDULES
+    from megatron_tawpipe.bench.benchmark import SCHEDULES, BenchmarkError
 
-    model = [a if a != "4" else "24" for a in BENCH_MODEL]          # global batch 24: divisible by 6 and 8
+    model = list(BENCH_MODEL)
+    model[model.index("--global-batch-size") + 1] = "24"            # divisible by 6 and 8
     model[model.index("--num-layers") + 1] = "8"
     ranks = 2 * nodes
-    parsed = _validated_commands(model, SCHEDULES, ranks=ranks, groups=nodes)
+    parsed = _validated_commands(model, [s for s in SCHEDULES if s != "interleaved"], ranks=ranks, groups=nodes)
+    with pytest.raises(BenchmarkError, match="interleaved needs at least 2 layers per stage"):
+        _validated_commands(model, ["interleaved"], ranks=ranks, groups=nodes)   # 8 layers: too few, said so
     assert parsed["tawpipe"].tawpipe_num_groups == nodes and len(parsed["tawpipe"].decoder_layer_split or [1] * ranks) == ranks
     assert parsed["pp-nodes"].pipeline_model_parallel_size == nodes and parsed["pp-nodes"].data_parallel_size == 2
     for schedule in ("distopt-node", "hsdp", "hfsdp"):

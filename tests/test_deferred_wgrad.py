@@ -57,7 +57,7 @@ def _templates(extra, architecture, layers=2):
     plain.init_shard(0, weights)
     plain.bind(weights)
     split.bind(weights)
-    return args, plain, split
+    return args, plain, split, weights
 
 
 def _layer_stack_equivalence(rank, extra, architecture):
@@ -65,7 +65,7 @@ def _layer_stack_equivalence(rank, extra, architecture):
     from megatron_tawpipe.distributed.initialize import destroy
 
     try:
-        args, plain, split = _templates(extra, architecture)
+        args, plain, split, weights = _templates(extra, architecture)
         tp = args.tensor_model_parallel_size
         seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
         generator = torch.Generator().manual_seed(11)   # the same input and output gradient on every rank
@@ -106,9 +106,18 @@ def _layer_stack_equivalence(rank, extra, architecture):
         assert torch.equal(hidden_s.grad, hidden.grad)
         for param, expected in zip(split.layer_parameters(), reference):
             got = grads.get(id(param), held.get(id(param)))
-            assert got is not None and (got - expected).abs().max() <= 1e-6 * max(1.0, expected.abs().max()), param.shape
+            assert got is not None, param.shape
+            assert (got - expected).abs().max() <= 1e-6 * max(1.0, expected.abs().max()), param.shape
         assert set(held) | set(grads) == {id(p) for p in split.layer_parameters()}
         assert not set(held) & set(grads)   # the norms in B, the linear weights in W
+        # A backward the store does not record computes both, like megatron's (a plan's unsplit Backward).
+        split.bind(weights)
+        hidden_e, out_e = run(split)
+        out_e.backward(seed_grad)
+        assert store.eager_gemms == linears and store.deferred_gemms == linears
+        assert torch.equal(hidden_e.grad, hidden.grad)
+        for param, expected in zip(split.layer_parameters(), reference):
+            assert torch.equal(param.grad, expected)
         return held_bytes, args.seq_length, args.hidden_size, args.ffn_hidden_size, args.kv_channels, \
             args.num_attention_heads, args.num_query_groups or args.num_attention_heads, tp
     finally:
@@ -217,7 +226,8 @@ def test_split_plans_with_deferred_kernels_train_like_one_process(schedule, P, N
         flags = ["--pipeline-schedule", "weipipe", "--weipipe-zero-bubble", schedule[-1]]
     ref_save, save = str(tmp_path / "reference"), str(tmp_path / "split")
     (reference,) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=P * N, save=ref_save))
-    per_rank = run_ranks(train_rank, P, _args(*flags, "--tawpipe-nccl-faithful", *extra, layers=layers, global_batch=P * N, save=save))
+    per_rank = run_ranks(train_rank, P, _args(*flags, "--tawpipe-nccl-faithful", *extra, layers=layers,
+                                              global_batch=P * N, save=save))
     assert_trains_like(per_rank, reference, save, ref_save, ITERS)
 
 

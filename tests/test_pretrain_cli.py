@@ -104,8 +104,6 @@ BAD_FLAGS = [
      "--weipipe-zero-bubble applies to --pipeline-schedule weipipe only"),
     (["--weipipe-zero-bubble", "2"], 1, "--weipipe-zero-bubble / --timeline-file / --record-plan-memory need"),
     (["--record-plan-memory"], 1, "--record-plan-memory need --pipeline-schedule tawpipe or"),
-    (["--pipeline-schedule", "weipipe", "--emulated-deferred-weight-gradients"], 4,
-     "--emulated-deferred-weight-gradients needs --emulated-compute-times"),
     (["--pipeline-schedule", "weipipe", "--record-plan-memory", "--emulated-compute-times", "TIMES"], 4,
      "--record-plan-memory measures what real compute holds"),
     (["--pipeline-schedule", "weipipe", "--tawpipe-replicate-first-shard"], 4,

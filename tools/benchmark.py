@@ -30,10 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_tawpipe.arguments import TOOL_FLAGS  # noqa: E402
 from megatron_tawpipe.sim.memory import parse_size  # noqa: E402
 from megatron_tawpipe.bench.benchmark import (DEFAULT_SCHEDULES, SCHEDULES, STRATEGIES,  # noqa: E402
-                                              BenchmarkConfig, BenchmarkError, BenchmarkFailed,
+                                              BenchmarkConfig, config_of, BenchmarkError, BenchmarkFailed,
                                               run_benchmark)
 from megatron_tawpipe.bench.benchmark_report import (compare_with_simulation, format_comparison,  # noqa: E402
                                                      format_table, write_chart)
+from megatron_tawpipe.bench.equal_memory import simulate_as_run  # noqa: E402
 
 __doc__ = __doc__.format(strategies="\n".join(f"  {name:<13}{what}" for name, what in STRATEGIES.items()))
 
@@ -106,18 +107,27 @@ def main(argv=None) -> int:
                    help="with --results: print measured against tools/simulate.py --json output (default for an "
                         "--equal-memory run: the predictions it chose the micro-batch sizes by); run nothing")
     p.add_argument("--results", default=None, metavar="JSON", help="a --json file of an earlier benchmark")
+    p.add_argument("--simulate-as-run", default=None, metavar="SIM_JSON",
+                   help="with --results: run tools/simulate.py for every strategy at the micro-batch size it ran (the "
+                        "run's model, times and links), write its rows here and compare with them")
     args = p.parse_args(argv)
-    if args.compare_simulated or args.results:
+    if args.compare_simulated or args.results or args.simulate_as_run:
         if not args.results:
-            p.error("--compare-simulated goes with --results")
+            p.error("--compare-simulated and --simulate-as-run go with --results")
         with open(args.results, encoding="utf-8") as f:
             result = json.load(f)
         simulated = None    # an equal-memory run's own predictions, each strategy at its micro-batch size
-        if args.compare_simulated:
+        if args.simulate_as_run:
+            simulated = simulate_as_run(config_of(result))
+            with open(args.simulate_as_run, "w", encoding="utf-8") as f:
+                json.dump(simulated, f, indent=1)
+        elif args.compare_simulated:
             with open(args.compare_simulated, encoding="utf-8") as f:
                 simulated = json.load(f)
         elif not result.get("equal_memory"):
             p.error("--results of a run without --equal-memory needs --compare-simulated SIM_JSON")
+        print(format_table(result))
+        print()
         print(format_comparison(compare_with_simulation(result, simulated)))
         return 0
 

@@ -11,8 +11,8 @@ to one sequence per GPU where that is more (S = 131072 on 64 GPUs: 64).
 
 For every cell the advisor ranks all strategies (``prune="top2"``: winner,
 runner-up, margin and the best configuration pretrain_llama.py can run are exact;
-other strategies' figures are lower bounds of their best; TawPipe's cache as the
-runtime sets it) and the study records the winner, the runner-up (best of
+other strategies' figures are lower bounds of their best; TawPipe with and without
+its shard cache, ``--tawpipe-cache on|off``, where memory allows) and the study records the winner, the runner-up (best of
 another strategy), the margin, and the best runnable strategy (what
 pretrain_llama.py runs: every strategy, FSDP2 and HSDP with full recompute
 included, but HFSDP with tensor parallelism).
@@ -20,6 +20,7 @@ included, but HFSDP with tensor parallelism).
     python tools/scale_study.py                      # examples/results/scale_study.{json,png}
     python tools/scale_study.py --models 7b --gpus 16 --seq 8192 --out /tmp/s.json
     python tools/scale_study.py --summary            # the counts docs/advisor-scale-study.md quotes
+    python tools/scale_study.py --gpus 64 --tawpipe-cache off --out /tmp/off.json   # TawPipe without the cache only
 """
 
 from __future__ import annotations
@@ -45,16 +46,23 @@ COLOURS = {"tawpipe": "#d62728", "hsdp": "#1f77b4", "hfsdp": "#9467bd", "distopt
            "interleaved": "#8c564b", "weipipe": "#e377c2", "none": "#dddddd"}
 
 
-def cell(model_name, gpus, gbit, seq, plan_cache, per_node=8, peak=989.0, eff=0.4):
+#: --tawpipe-cache of the study: TawPipe's configurations tried with the shard cache on and off (choice), or
+#: only one of them (the runtime's rule before the flag was cache on for <= 4 nodes, off above)
+CACHE_CHOICES = {"choice": (True, False), "on": (True,), "off": (False,)}
+
+
+def cell(model_name, gpus, gbit, seq, plan_cache, per_node=8, peak=989.0, eff=0.4, tawpipe_cache="choice"):
     model = ModelSpec(seq_length=seq, **PRESETS[model_name])
     cluster = Cluster(ranks=gpus, nodes=gpus // per_node, intra_bw=450e9, inter_bw=gbit * 1e9 / 8,
                       peak_tflops=peak, efficiency=eff, gpu_memory=80e9, memory_reserve=5e9)
     gbs = max(2 ** 22 // seq, gpus)
+    caches = CACHE_CHOICES[tawpipe_cache]
+    keep = lambda c: c.strategy != "tawpipe" or c.knobs["cache"] in caches or cluster.nodes == 1  # noqa: E731
     s = advise(model, cluster, gbs, prune="top2", plan_cache=plan_cache, runtime_knobs_only=True,
-               check_command=check_command)
+               check_command=check_command, keep=keep)
     ranked = s["ranked"]
     out = {"model": model_name, "gpus": gpus, "inter_gbit": gbit, "seq_length": seq,
-           "global_batch": gbs, "winner": None, "runner_up": None, "margin": None,
+           "global_batch": gbs, "tawpipe_cache": tawpipe_cache, "winner": None, "runner_up": None, "margin": None,
            "best_trainable": None, "tawpipe": None, "error": s.get("error")}
     if not ranked:
         return out
@@ -183,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--gbits", default="10,25,100,400", help="Gbit/s between nodes")
     p.add_argument("--seq", default="8192,32768,131072")
     p.add_argument("--efficiency", type=float, default=0.4)
+    p.add_argument("--tawpipe-cache", choices=sorted(CACHE_CHOICES), default="choice",
+                   help="TawPipe's shard cache in the study: tried on and off (choice, the default), or only on / "
+                        "only off (off at 8 nodes is the runtime's rule before --tawpipe-cache)")
     p.add_argument("--out", default=os.path.join(ROOT, "examples", "results", "scale_study.json"))
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
     p.add_argument("--replot", action="store_true", help="only redraw the chart from --out")
@@ -208,7 +219,7 @@ def main(argv=None) -> int:
             cache = {}     # plans depend on ranks, layers and micro-batches, not on links or S
             for s in seqs:
                 for bw in gbits:
-                    r = cell(m, g, bw, s, cache, eff=args.efficiency)
+                    r = cell(m, g, bw, s, cache, eff=args.efficiency, tawpipe_cache=args.tawpipe_cache)
                     rows.append(r)
                     w = r["winner"]
                     print(f"{m:>4} {g:>3} GPUs {bw:>4} Gbit/s S={s:>6}: "
@@ -219,7 +230,7 @@ def main(argv=None) -> int:
     meta = {"description": "advisor's pick per cell (cost-model prediction)",
             "command": "python tools/scale_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "gpus_per_node": 8, "gpu_memory_GB": 80, "memory_reserve_GB": 5, "intra_GB_per_s": 450,
-            "peak_tflops": 989, "efficiency": args.efficiency,
+            "peak_tflops": 989, "efficiency": args.efficiency, "tawpipe_cache": args.tawpipe_cache,
             "global_batch": "max(2^22 tokens / S, one sequence per GPU) sequences"}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

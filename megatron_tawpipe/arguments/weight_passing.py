@@ -98,10 +98,9 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "--micro-batch-size are scaled to this run's, linearly in its samples); communication "
                         "stays real")
     g.add_argument("--emulated-deferred-weight-gradients", action="store_true",
-                   help="with --emulated-compute-times and a split backward (--weipipe-zero-bubble): sleep the "
-                        "weight-gradient half of each backward in its weight pass, as a runtime that defers those "
-                        "kernels would; by default the input pass sleeps the whole backward, as the runtime "
-                        "computes both gradients there")
+                   help="accepted, no effect: a split backward's weight-gradient kernels always run in its "
+                        "weight pass (the runtime defers them, and --emulated-compute-times sleeps that half "
+                        "there); kept for existing command lines")
     g.add_argument("--record-plan-memory", action="store_true",
                    help="weipipe/tawpipe: after every compute action of the plan note the bytes this process "
                         "holds (GPU: memory allocated; CPU: what glibc's allocator has handed out) and report the "

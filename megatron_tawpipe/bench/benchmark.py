@@ -47,6 +47,8 @@ PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
 STRATEGIES = {
     "tawpipe": "TawPipe: weight passing, one group per node",
     "tawpipe-rep": "TawPipe with shard 0 held by one rank of every node (--tawpipe-replicate-first-shard)",
+    "tawpipe-nocache": "TawPipe without its shard cache (--tawpipe-cache off: foreign shards fetched every visit; "
+                       "tawpipe and tawpipe-rep run --tawpipe-cache auto, which keeps them where memory allows)",
     "tawpipe-tp": "TawPipe over tensor-parallel groups inside each node (--tensor-model-parallel-size: the "
                   "ranks per node unless --tensor-parallel-size says otherwise; --sequence-parallel)",
     "weipipe": "WeiPipe: weight passing in one ring",
@@ -168,6 +170,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
             extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
         if schedule == "tawpipe-rep":
             extra += ["--tawpipe-replicate-first-shard"]
+        if schedule == "tawpipe-nocache":
+            extra += ["--tawpipe-cache", "off"]
         if schedule == "tawpipe-tp":
             extra += ["--tensor-model-parallel-size", str(config.tawpipe_tensor_parallel_size()), "--sequence-parallel"]
         return ([PRETRAIN, "--pipeline-schedule", schedule.split("-")[0], "--tawpipe-num-groups",
@@ -420,6 +424,15 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
         raise BenchmarkFailed(f"{len(failures)} run(s) failed: {names}\n\n"
                               + "\n\n".join(f["report"] for f in failures), result)
     return result
+
+
+def config_of(result: dict) -> BenchmarkConfig:
+    """The configuration a results dict (``run_benchmark``'s, as ``--json`` wrote it) was measured with."""
+    known = {f for f in BenchmarkConfig.__dataclass_fields__}
+    cfg = {k: v for k, v in result["config"].items() if k in known}
+    if cfg.get("cluster") is not None:
+        cfg["cluster"] = tuple(cfg["cluster"])
+    return BenchmarkConfig(**cfg)
 
 
 def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:

@@ -120,6 +120,7 @@ def simulated_rows(result: dict) -> List[dict]:
         if row and row.get("predicted_tokens_per_sec_per_rank"):
             rows.append({"schedule": s, "tokens_per_sec_per_rank": row["predicted_tokens_per_sec_per_rank"],
                          "busy": row.get("predicted_busy"),
+                         "predicted_inter_node_bytes": row.get("predicted_inter_node_bytes"),
                          "activation_memory_bytes": row.get("activation_bytes")})
     return rows
 
@@ -143,7 +144,10 @@ def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None
              # what the plan's compute held beyond its start (--record-plan-memory), against the memory
              # model's activations and logits
              "plan_memory_measured": summary[s].get("plan_memory_growth_bytes_max_rank"),
-             "plan_memory_predicted": _activation_memory(sim[s])}
+             "plan_memory_predicted": _activation_memory(sim[s]),
+             # between nodes per iteration: every collective counted in the run, and the simulator's bytes
+             "node_bytes_measured": summary[s].get("inter_node_bytes_per_iteration"),
+             "node_bytes_predicted": sim[s].get("inter_group_bytes", sim[s].get("predicted_inter_node_bytes"))}
             for s in measured if s in predicted]
     ratios = []
     if reference in measured and reference in predicted:
@@ -175,16 +179,25 @@ def _mb(value: Optional[float]) -> str:
     return "-" if value is None else f"{value / 1e6:.0f} MB"
 
 
+def _mb1(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1e6:.1f} MB"
+
+
 def format_comparison(comparison: dict) -> str:
     memory = any(r.get("plan_memory_measured") is not None for r in comparison["rows"])
-    out = [f"{'schedule':<12}  {'measured tok/s/rank':>19}  {'simulated':>9}  {'measured/simulated':>18}  "
-           f"{'busy':>5}  {'simulated':>9}" + (f"  {'plan memory':>11}  {'simulated':>9}" if memory else "")]
+    nodes = any(r.get("node_bytes_measured") is not None and r.get("node_bytes_predicted") is not None
+                for r in comparison["rows"])
+    out = [f"{'schedule':<15}  {'measured tok/s/rank':>19}  {'simulated':>9}  {'measured/simulated':>18}  "
+           f"{'busy':>5}  {'simulated':>9}" + (f"  {'plan memory':>11}  {'simulated':>9}" if memory else "")
+           + (f"  {'between nodes':>13}  {'simulated':>9}" if nodes else "")]
     for r in comparison["rows"]:
-        out.append(f"{r['schedule']:<12}  {r['measured']:>19.1f}  {r['predicted']:>9.1f}  "
+        out.append(f"{r['schedule']:<15}  {r['measured']:>19.1f}  {r['predicted']:>9.1f}  "
                    f"{r['measured_over_predicted']:>18.2f}  {_pct(r.get('busy_measured')):>5}  "
                    f"{_pct(r.get('busy_predicted')):>9}" +
                    (f"  {_mb(r.get('plan_memory_measured')):>11}  {_mb(r.get('plan_memory_predicted')):>9}"
-                    if memory else ""))
+                    if memory else "") +
+                   (f"  {_mb1(r.get('node_bytes_measured')):>13}  {_mb1(r.get('node_bytes_predicted')):>9}"
+                    if nodes else ""))
     out.append("")
     out.append(f"{'ratio':<20}  {'measured':>8}  {'simulated':>9}  {'deviation':>9}")
     for r in comparison["ratios"]:

@@ -30,7 +30,8 @@ from megatron_tawpipe.common.errors import BenchmarkError
 from megatron_tawpipe.common.units import parse_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXED = ("tawpipe", "tawpipe-rep", "tawpipe-tp")   # their window is the visit: the configured micro-batch size
+FIXED = ("tawpipe", "tawpipe-rep", "tawpipe-nocache", "tawpipe-tp")   # their window is the visit: the configured size
+NO_CACHE = "tawpipe-nocache"     # simulated as tawpipe with --no-cache
 TIE = 0.005            # predicted speeds this close are a tie, won by the larger micro-batch
 INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on the 2-core VM (docs/simulator-validation.md)
 
@@ -129,12 +130,15 @@ def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
         raise BenchmarkError(f"--micro-batch-size {fixed} does not divide each rank's {samples_per_rank(config)} "
                              f"samples of the global batch")
     chosen = [s for s in config.schedules if s not in FIXED]
-    names = list(dict.fromkeys(["tawpipe"] + [s for s in config.schedules if s != "tawpipe-tp"]))
+    names = list(dict.fromkeys(["tawpipe"] + [s for s in config.schedules if s not in ("tawpipe-tp", NO_CACHE)]))
     predicted: Dict[int, Dict[str, dict]] = {}
     for m in sizes:
         wanted = names if m == fixed else chosen
         if wanted:
             predicted[m] = {row["schedule"]: row for row in simulate(simulate_command(config, m, wanted))}
+    if NO_CACHE in config.schedules:
+        (row,) = simulate(simulate_command(config, fixed, ["tawpipe"]) + ["--no-cache"])
+        predicted[fixed][NO_CACHE] = {**row, "schedule": NO_CACHE}
     budget_from = "--activation-budget"
     if budget_bytes is None:
         budget_bytes = activation_memory(predicted[fixed]["tawpipe"])
@@ -146,11 +150,13 @@ def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
             row = predicted[fixed].get(s, {})
             choices[s] = {"micro_batch_size": fixed, "fits": True, "activation_bytes": activation_memory(row) if row
                           else None, "predicted_tokens_per_sec_per_rank": row.get("tokens_per_sec_per_rank"),
-                          "predicted_busy": _busy(row), "tried": []}
+                          "predicted_busy": _busy(row), "predicted_inter_node_bytes": row.get("inter_group_bytes"),
+                          "tried": []}
             continue
         tried = [{"micro_batch_size": m, "activation_bytes": activation_memory(predicted[m][s]),
                   "predicted_tokens_per_sec_per_rank": predicted[m][s]["tokens_per_sec_per_rank"],
-                  "predicted_busy": _busy(predicted[m][s])} for m in sizes]
+                  "predicted_busy": _busy(predicted[m][s]),
+                  "predicted_inter_node_bytes": predicted[m][s].get("inter_group_bytes")} for m in sizes]
         fits = [t for t in tried if t["activation_bytes"] <= budget_bytes * (1 + 1e-9)]
         if fits:
             best_speed = max(t["predicted_tokens_per_sec_per_rank"] for t in fits)
@@ -174,3 +180,22 @@ def format_choices(selection: dict) -> str:
         out.append(f"  {s:<13} micro-batch {c['micro_batch_size']:>3}  activations {act:>10}"
                    + (f"  predicted {speed:.0f} tok/s/rank" if speed else "") + f"  ({why})")
     return "\n".join(out)
+
+
+def simulate_as_run(config, simulate: Callable[[List[str]], List[dict]] = run_simulator) -> List[dict]:
+    """``tools/simulate.py --json`` rows for every strategy of ``config`` at the micro-batch size it ran
+    (``config.micro_batch_size_of``), ``tawpipe-nocache`` as tawpipe with ``--no-cache``: what the runs are
+    compared with (``tools/benchmark.py --results R --simulate-as-run``)."""
+    by_size: Dict[int, List[str]] = {}
+    for s in config.schedules:
+        if s != "tawpipe-tp":
+            by_size.setdefault(config.micro_batch_size_of(s), []).append(s)
+    rows = []
+    for size, schedules in sorted(by_size.items()):
+        plain = [s for s in schedules if s != NO_CACHE]
+        if plain:
+            rows += simulate(simulate_command(config, size, plain))
+        if NO_CACHE in schedules:
+            (row,) = simulate(simulate_command(config, size, ["tawpipe"]) + ["--no-cache"])
+            rows.append({**row, "schedule": NO_CACHE})
+    return rows

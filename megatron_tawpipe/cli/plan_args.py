@@ -21,7 +21,8 @@ from megatron_tawpipe.training.validate_args import validate_args
 ACTIVATION = ("gpipe", "1f1b", "interleaved")
 ANALYTIC = ("fsdp",) + tuple(STRATEGIES)      # not plan schedules
 ALL = ("tawpipe", "tawpipe-rep", "tawpipe-paper", "tawpipe-nooverlap", "tawpipe-flat", "weipipe",
-       "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "gpipe", "1f1b", "interleaved", "fsdp") + tuple(STRATEGIES)
+       "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "weipipe-interleave-zb", "tawpipe-zb",
+       "gpipe", "1f1b", "interleaved", "fsdp") + tuple(STRATEGIES)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -54,10 +55,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--no-recompute", action="store_true", help="keep all activations instead "
                    "of recomputing shards in backward")
     m.add_argument("--dtype-bytes", type=int, default=2, help="compute dtype size (bf16: 2)")
-    m.add_argument("--deferred-weight-gradients", action="store_true",
-                   help="split backwards (weipipe-zb1/zb2) with their weight-gradient kernels deferred to the "
-                        "weight pass, as the plan intends; default: as the runtime runs them, in the input pass "
-                        "(emulated runs: --emulated-deferred-weight-gradients)")
+    m.add_argument("--deferred-weight-gradients", action=argparse.BooleanOptionalAction, default=True,
+                   help="split backwards (weipipe-zb1/zb2, -zb schedules): the weight-gradient kernels run in the "
+                        "weight pass, as the runtime and the emulation run them (default); "
+                        "--no-deferred-weight-gradients prices the former model (the whole backward in the "
+                        "input pass, the weight gradients held until the weight pass)")
     s = p.add_argument_group("schedule options")
     s.add_argument("--no-overlap", action="store_true", help="tawpipe/weipipe without "
                    "comm/compute overlap")
@@ -91,7 +93,7 @@ def cost_model(args) -> CostModel:
         inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
         dtype_bytes=args.dtype_bytes)
     cost = replace(cost, backend=args.backend,
-                   deferred_weight_gradients=bool(getattr(args, "deferred_weight_gradients", False)))
+                   deferred_weight_gradients=bool(getattr(args, "deferred_weight_gradients", True)))
     if args.measured_times:
         cost = cost.with_measured(args.measured_times, micro_batch_size=args.micro_batch_size,
                                   seq_length=args.seq_length)

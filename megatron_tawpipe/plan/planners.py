@@ -26,6 +26,13 @@ def _weipipe_zb1(**kw):
     return plan_weipipe(interleave=True, zero_bubble=1, **kw)
 
 
+def _weipipe_zb1_paired(**kw):
+    """WZB1 in the WeiPipe paper's arrangement (backward copies and gradients in pairs, each weight pass one
+    turn after its input pass): an even number of ranks (``plan.weipipe``)."""
+    plan = plan_weipipe(interleave=True, zero_bubble=1, layout="paired", **kw)
+    return dataclasses.replace(plan, schedule="weipipe-zb1-paired")
+
+
 def _weipipe_zb2(**kw):
     return plan_weipipe(interleave=True, zero_bubble=2, **kw)
 
@@ -64,6 +71,7 @@ SCHEDULES = {
     "weipipe": _weipipe,
     "weipipe-naive": _weipipe_naive,
     "weipipe-zb1": _weipipe_zb1,
+    "weipipe-zb1-paired": _weipipe_zb1_paired,
     "weipipe-zb2": _weipipe_zb2,
     "tawpipe": plan_tawpipe,
     "tawpipe-nooverlap": _tawpipe_nooverlap,

@@ -196,11 +196,14 @@ class PlanExecutor:
                 continue
             board.at(_PlanPosition(step, len(actions), action))
             self._step = step
-            started = self.timer.stamp(time.time()) if self.trace is not None else 0.0
+            if self.trace is not None:
+                host = time.time()
+                started = self.timer.stamp(host)
             try:
                 self._handlers[type(action)](action)
                 if self.trace is not None:
-                    self._record(action, started, self.timer.stamp(time.time()))
+                    ended = time.time()
+                    self._record(action, started, self.timer.stamp(ended), host, ended)
                 if self.memory_probe is not None and type(action) in _COMPUTE:
                     held = self.memory_probe()
                     if held is not None:
@@ -227,27 +230,40 @@ class PlanExecutor:
 
     def start_trace(self) -> None:
         """Record this rank's actions with wall-clock times (``tools/plot_schedule.py --timeline``)."""
-        self.trace = {"rank": self.rank, "spans": [], "transfers": []}
+        self.trace = {"rank": self.rank, "spans": [], "transfers": [], "actions": []}
         self._posted = {}
+        self._after_s = 0.0
 
-    def _record(self, action, start, end) -> None:
-        """``start``/``end``: seconds, or on CUDA stamps of the stream (resolved after the plan)."""
+    def _record(self, action, start, end, host_start: float, host_end: float) -> None:
+        """``start``/``end``: seconds, or on CUDA stamps of the stream (resolved after the plan);
+        ``host_start``/``host_end``: the host's clock around the action (``trace["actions"]``: every
+        action's ``[step, label, host start, host end, detail]``, what ``bench/idle_breakdown.py`` splits)."""
         kind = _SPAN_KINDS.get(type(action))
+        label, detail = kind, 0.0
         if kind is not None:
-            if type(action) in (A.Forward, A.Backward, A.BackwardInput, A.BackwardWeight):   # device time
+            if type(action) in _COMPUTE:   # device time
                 start, end = self.timer.last_span()
+                detail = [start, end]      # the compute span inside the action
             self.trace["spans"].append([self.rank, start, end, kind, getattr(action, "mb", -1),
                                         getattr(action, "shard", -1)])
         elif isinstance(action, A.STARTS):
             self._posted[action.tag] = (start, action)
+            label = "issue"
         elif isinstance(action, A.Wait) and action.tag in self._posted:
             posted, started = self._posted.pop(action.tag)
             link = getattr(started, "link", None)
             if link is None:
                 root = getattr(started, "root", None)
-                link = self.plan.link_between(self.rank, root) if root is not None else "inter"
+                link = self.plan.link_between(self.rank, root) if root is not None else _collective_link(
+                    self.plan, getattr(started, "ranks", ()))
+            kind = "replicated" if type(started) is A.ReplicatedAllReduceStart else (
+                "allreduce" if type(started) is A.AllReduceStart else getattr(started, "kind", "allreduce"))
+            label, detail = f"wait:{kind}:{link}", self._after_s
             self.trace["transfers"].append([self.rank, "in" if _arrives_here(started, self.rank) else "out",
                                             getattr(started, "kind", "allreduce"), link, posted, end])
+        else:
+            label = "wait" if isinstance(action, A.Wait) else type(action).__name__
+        self.trace["actions"].append([self._step, label, host_start, host_end, detail])
 
     def _resolve_trace(self) -> None:
         """Turn times measured with CUDA events into wall-clock seconds (after the plan)."""
@@ -257,6 +273,9 @@ class PlanExecutor:
         for transfer in self.trace["transfers"]:
             if callable(transfer[4]):
                 transfer[4], transfer[5] = transfer[4](), transfer[5]()
+        for record in self.trace["actions"]:
+            if isinstance(record[4], list) and callable(record[4][0]):
+                record[4] = [record[4][0](), record[4][1]()]
 
     def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:
@@ -409,12 +428,22 @@ class PlanExecutor:
                 seconds = int(self.timeout.total_seconds())
                 raise PeerFailure(f"{op.what} failed or did not complete within {seconds} s "
                                   f"(--distributed-timeout-minutes): {first_line(exc)}") from exc
+        if self.trace is None:
+            op.after()
+            return
+        begun = time.time()   # a timeline splits a wait's own work (zeroing a sent gradient) from its waiting
         op.after()
+        self._after_s = time.time() - begun
 
 
 _COMPUTE = (A.Forward, A.Backward, A.BackwardInput, A.BackwardWeight)
 _SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw",
                A.LoadWeights: "load", A.AccumulateToOwner: "acc", A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
+
+
+def _collective_link(plan, ranks) -> str:
+    """"inter" where a collective's members span groups, else "intra"."""
+    return "inter" if len({plan.group_of(r) for r in ranks}) > 1 else "intra"
 
 
 def _arrives_here(action, rank: int) -> bool:

@@ -105,6 +105,12 @@ class LayerCompute:
         return self.model.loss_scale_func(loss / self.model.world), report
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
+        store = self.template.wgrad_store
+        if store is not None and store.kind == "te":   # TE's layers defer always: both halves, at once
+            self.backward_input(mb, shard, weights)
+            self.backward_weight(mb, shard, weights, grad_buffer)
+            return
+        # (The deferred local layers compute both gradients in a backward their store does not record.)
         hidden, root, grad = self._graph(mb, shard, self._bind(weights, shard))
         root.backward(grad)
         if shard > 0:

@@ -93,6 +93,8 @@ class WeightPassingTrainer(CheckpointDefaults):
         self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
         self._build_optimizer()
         self._planned_bytes: Dict[int, Dict[str, float]] = {}
+        self._marks: Optional[List[Tuple[str, Optional[float]]]] = None   # --timeline-file: the step's phases
+        self._step_left: Optional[float] = None
         self._warn_about_single_connection()
 
     @property
@@ -135,12 +137,17 @@ class WeightPassingTrainer(CheckpointDefaults):
         return 1
 
     def train_step(self, data_iterators: List[Iterator]) -> StepResult:
+        # --timeline-file: (phase, host time at its end) of this step, for bench/idle_breakdown.py
+        # (the first: where the previous step's timeline was written, None on the first step)
+        self._marks = [("previous step", self._step_left), ("between steps", time.time())] \
+            if self.args.timeline_file else None
         if self.emulation is not None:
             self.emulation.start_step()
         self.model.train()
         self.model.zero_grads()
         if self.args.timeline_file:
             self.model.executor.start_trace()
+        self._mark("set-up")
         record_memory = getattr(self.args, "record_plan_memory", False)
         if record_memory:
             # on the model, so that an executor built for another plan (a batch-size ramp) samples too
@@ -150,6 +157,8 @@ class WeightPassingTrainer(CheckpointDefaults):
         start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
         plan_s = time.perf_counter() - start
+        self._mark("plan")
+        slept_in_plan = self.emulation.slept_s if self.emulation is not None else None
         memory = {}
         if record_memory:
             # the most the plan's compute held beyond what the rank held when it started (activations, held
@@ -159,15 +168,22 @@ class WeightPassingTrainer(CheckpointDefaults):
             if growth >= 0:
                 memory["plan_memory_growth_bytes_max_rank"] = int(growth)
         busy = self.model.executor.compute_seconds / max(plan_s, 1e-9)
-        if self.args.timeline_file:
-            self._write_timeline()
+        self._mark("busy fraction")
         step_start = time.perf_counter()
         grad_norm, skipped = self._optimizer_step()
-        busy, plan_s, step_s = mean_over_ranks([busy, plan_s, time.perf_counter() - step_start])
-        loss_sum, tokens = self._reduce_reports(reports)
-        sent = self._reduce_bytes()
+        step_s = time.perf_counter() - step_start
+        if self.model.tensor_parallel_size == 1:   # the three sums below in one all-reduce (one wait, not three)
+            busy, plan_s, step_s, loss_sum, tokens, sent = self._reduce_step(reports, [busy, plan_s, step_s])
+        else:
+            busy, plan_s, step_s = mean_over_ranks([busy, plan_s, step_s])
+            loss_sum, tokens = self._reduce_reports(reports)
+            sent = self._reduce_bytes()
         planned = self._planned_bytes.get(self.plan.num_microbatches) or self._planned_bytes.setdefault(
             self.plan.num_microbatches, self.planned_link_bytes())
+        self._mark("metrics all-reduces")
+        if self.args.timeline_file:   # after the step, so that gathering the timeline holds up nothing it shows
+            self._write_timeline(slept_in_plan)
+            self._step_left = time.time()
         return StepResult(loss_sum=loss_sum, num_tokens=tokens, grad_norm=grad_norm, skipped=skipped,
                           loss_scale=self.scaling.loss_scale(),
                           slept_s=self.emulation.take_slept_s() if self.emulation is not None else None,
@@ -190,12 +206,20 @@ class WeightPassingTrainer(CheckpointDefaults):
             num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
 
+    def _mark(self, phase: str) -> None:
+        """--timeline-file: ``phase`` ended now."""
+        if self._marks is not None:
+            self._marks.append((phase, time.time()))
+
     def _optimizer_step(self) -> Tuple[Optional[float], bool]:
         self.model.reduce_partial_grads()
+        self._mark("partial gradients")
         grads = self.model.shard_grads() + self.model.replicated_grads()
         if self.scaling.unscale_and_check(grads):
             return None, True
+        self._mark("unscale")
         grad_norm = self._global_norm()
+        self._mark("gradient norm, all-reduce")
         if not math.isfinite(grad_norm) and self.args.check_for_nan_in_loss_and_grad and not self.args.fp16:
             # The norm's all-reduce is the check (a NaN/Inf anywhere makes it non-finite on every
             # rank); only then does every rank look for the shards to name.
@@ -203,15 +227,19 @@ class WeightPassingTrainer(CheckpointDefaults):
             raise NonFiniteGradientError(f"the global gradient norm is {grad_norm} (finite gradients whose "
                                          "squares overflow)")
         self._clip_gradients(grad_norm)
+        self._mark("clip")
         self._adamw.step()
+        self._mark("optimizer step")
         self.model.copy_replicated_masters_to_model()
+        self._mark("replicated masters to model")
         return grad_norm, False
 
-    def _write_timeline(self) -> None:
+    def _write_timeline(self, slept_in_plan: Optional[float] = None) -> None:
         """Gather every rank's trace of this iteration; the first rank writes them (atomically)."""
         executor = self.model.executor
+        trace = dict(executor.trace, marks=self._marks, slept_in_plan=slept_in_plan)
         traces = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(executor.trace, traces, dst=0)
+        dist.gather_object(trace, traces, dst=0)
         executor.trace = None
         if self.rank != 0:
             return
@@ -222,7 +250,9 @@ class WeightPassingTrainer(CheckpointDefaults):
                "num_layers": plan.num_layers, "num_microbatches": plan.num_microbatches,
                "max_weight_buffers": plan.max_weight_buffers, "max_grad_buffers": plan.max_grad_buffers,
                "spans": [s for t in traces for s in t["spans"]],
-               "transfers": [x for t in traces for x in t["transfers"]]}
+               "transfers": [x for t in traces for x in t["transfers"]],
+               # per rank: every action's host times, the step's phases, emulated compute slept in the plan
+               "ranks": [{key: t[key] for key in ("rank", "actions", "marks", "slept_in_plan")} for t in traces]}
         atomic_write_json(self.args.timeline_file, doc)
 
     def _check_finite(self) -> None:
@@ -249,6 +279,22 @@ class WeightPassingTrainer(CheckpointDefaults):
             totals += report["lm loss"].to(totals)
         dist.all_reduce(totals, group=self._data_parallel_group())
         return float(totals[0]), float(totals[1])
+
+    def _reduce_step(self, reports, means: List[float]) -> tuple:
+        """Without tensor parallelism (every rank a data-parallel rank): ``means`` averaged over ranks, the
+        reports' ``[loss_sum, tokens]`` and the bytes sent per link class summed, in one float64 all-reduce
+        (what ``mean_over_ranks``, :meth:`_reduce_reports` and :meth:`_reduce_bytes` compute one each)."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for report in reports:
+            totals += report["lm loss"].to(totals)
+        sent = self.model.executor.bytes_sent
+        values = torch.cat([torch.tensor(list(means) + [sent["intra"], sent["inter"]], dtype=torch.float64,
+                                         device=self.device), totals])
+        dist.all_reduce(values)
+        out = values.tolist()
+        k = len(means)
+        return (*[v / self.world for v in out[:k]], out[k + 2], out[k + 3],
+                {"intra": int(out[k]), "inter": int(out[k + 1])})
 
     def _reduce_bytes(self) -> Dict[str, int]:
         """Bytes all ranks sent this iteration, per link class (as the executor counted them)."""
@@ -277,6 +323,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         same on every virtual rank; summed over the tensor-parallel group when it splits them)."""
         shards, replicated = self.model.norm_grads()
         squared = squared_l2_norm(shards, self.device)
+        self._mark("gradient norm, local")
         dist.all_reduce(squared)
         others = squared_l2_norm(replicated, self.device)
         if self.model.tensor_parallel_size > 1:

@@ -28,6 +28,8 @@ scale study uses).  The candidates and their enumeration:
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional
 
@@ -35,8 +37,9 @@ from megatron_tawpipe.common.layer_split import default_layer_split
 from megatron_tawpipe.sim.advisor_configs import (STRATEGY_ORDER, Absence, Cluster, Config, ModelSpec,
                                                   enumerate_configs)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
-from megatron_tawpipe.sim.advisor_report import command, summarize
+from megatron_tawpipe.sim.advisor_report import PLAN_FILE, command, summarize
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
+from megatron_tawpipe.plan.files import write_plan
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
@@ -157,6 +160,7 @@ class Advisor:
             # (P - 1) turns of the largest work of one turn (3 of F = 1, B = 2 once a round holds every
             # pass; WZB2's trail: 1, 2 at 1, 2 micro-batches per rank; docs/plan-ir-and-schedules.md)
             peak = min(3, mbs // P) if k.get("zero_bubble") == 2 else 3
+            peak = 0 if k.get("plan_schedule") else peak   # split, weight passes moved: no closed form
             t *= (3 * mbs + (P - 1) * peak) / (3 * mbs)
         return c.tokens_per_microbatch / t
 
@@ -181,11 +185,12 @@ class Advisor:
             N, c = mbs // cl.ranks, k.get("chunk", 1)
             n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
             opts = _wp_options(cfg)
-            plan = self._plan(cfg.strategy, n2, **opts)
+            name = _wp_schedule(cfg)
+            plan = self._plan(name, n2, **opts)
             weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
-            b1, b2 = (link_bytes(self._plan(cfg.strategy, n, **opts), weight, bytes_per_grad=grad)["inter"]
+            b1, b2 = (link_bytes(self._plan(name, n, **opts), weight, bytes_per_grad=grad)["inter"]
                       for n in (n1, n2))
-            rep = replicated_allreduce_bytes(self._plan(cfg.strategy, n2, **opts),
+            rep = replicated_allreduce_bytes(self._plan(name, n2, **opts),
                                              cost.replicated_params * cost.grad_bytes)["inter"]
             node_bytes = (b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes + rep / cl.nodes
         t = node_bytes / cl.inter_bw
@@ -212,8 +217,10 @@ class Advisor:
         if cfg.strategy in ("tawpipe", "weipipe"):
             N = self.G // cfg.micro_batch_size // cl.ranks
             c = cfg.knobs.get("chunk", 1)
-            # WZB2 keeps a third micro-batch while its weight-gradient passes trail a round
-            probe = self._plan(cfg.strategy, min(N, 2 * c + (cfg.knobs.get("zero_bubble") == 2)), **_wp_options(cfg))
+            # WZB2 keeps a third micro-batch while its weight-gradient passes trail a round (moved weight
+            # passes and WZB1's paired blocks may too)
+            extra = cfg.knobs.get("zero_bubble") == 2 or bool(cfg.knobs.get("plan_schedule"))
+            probe = self._plan(_wp_schedule(cfg), min(N, 2 * c + extra), **_wp_options(cfg))
             return weight_passing_breakdown(plan_memory_fields(probe, cost), cost, probe, c)
         pp = cfg.knobs["pipeline_size"]
         m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
@@ -237,11 +244,24 @@ class Advisor:
         cfg.status = "ok" if cfg.memory.total <= self.cluster.usable_memory else "no-fit"
         cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
         if cfg.trainable and self.check_command is not None:
-            problem = self.check_command(cfg.argv, self.cluster.ranks)
+            problem = self._check(cfg)
             if problem:
                 cfg.trainable = False
                 cfg.note = "pretrain_llama.py refuses it: " + problem
         return cfg
+
+    def _check(self, cfg: Config) -> str:
+        """``check_command`` of ``cfg``'s command; a plan-file configuration with its plan written first."""
+        if not cfg.knobs.get("plan_schedule"):
+            return self.check_command(cfg.argv, self.cluster.ranks)
+        sub, inner, _ = self._split(cfg)
+        plan = sub._plan(_wp_schedule(inner), self.G // cfg.micro_batch_size // sub.cluster.ranks,
+                         **_wp_options(inner))
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, PLAN_FILE)
+            write_plan(plan, path)
+            argv = ["plan:" + path if a == "plan:" + PLAN_FILE else a for a in cfg.argv]
+            return self.check_command(argv, self.cluster.ranks)
 
     def measure(self, cfg: Config) -> Config:
         """The simulation of ``cfg`` on this advisor's (possibly virtual) ranks: tokens/s, time,
@@ -253,9 +273,9 @@ class Advisor:
         N = self.G // b // P
         s = cfg.strategy
         if s in ("tawpipe", "weipipe"):
-            opts, c = _wp_options(cfg), cfg.knobs.get("chunk", 1)
-            res = simulate_extended(lambda n: self._plan(s, n, **opts), cost, N, 2 * c, 4 * c)
-            plan = self._plan(s, min(N, 2 * c), **opts)
+            opts, c, name = _wp_options(cfg), cfg.knobs.get("chunk", 1), _wp_schedule(cfg)
+            res = simulate_extended(lambda n: self._plan(name, n, **opts), cost, N, 2 * c, 4 * c)
+            plan = self._plan(name, min(N, 2 * c), **opts)
             mem = weight_passing_breakdown(res, cost, plan, c)
             res_inter = res.link_bytes["inter"] / D
         elif s in ("pp-nodes", "1f1b", "interleaved"):
@@ -352,6 +372,12 @@ class _VirtualRankAdvisor(Advisor):
         if key not in self.costs:
             self.costs[key] = virtual_rank_cost(self.parent.cost(b, recompute), self.tp)
         return self.costs[key]
+
+
+def _wp_schedule(cfg: Config) -> str:
+    """The plan schedule of a weight-passing configuration: its strategy, or the split-backward schedule
+    its plan file holds (``knobs["plan_schedule"]``)."""
+    return cfg.knobs.get("plan_schedule") or cfg.strategy
 
 
 def _wp_options(cfg: Config) -> dict:

@@ -115,6 +115,8 @@ class Config:
             parts.append("rep0")
         if k.get("zero_bubble"):
             parts.append(f"wzb{k['zero_bubble']}")
+        if k.get("plan_schedule"):
+            parts.append(k["plan_schedule"])
         split = k.get("shard_layers") or k.get("stage_layers")
         if split:
             parts.append(f"[{split_label(split)}]")
@@ -247,6 +249,10 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
     layers = {"shard_layers": split, "split_flags": flags} if split else {}
     for zero_bubble in (0, 1, 2):       # --weipipe-zero-bubble
         add("weipipe", **layers, **({"zero_bubble": zero_bubble} if zero_bubble else {}))
+    # split backwards run from a plan file (knobs["plan_schedule"]): deferred weight passes, WZB1 paired
+    add("weipipe", **layers, plan_schedule="weipipe-interleave-zb")
+    if P % 2 == 0:
+        add("weipipe", **layers, plan_schedule="weipipe-zb1-paired")
     # TawPipe: c micro-batches per visit cost what a c times larger micro-batch costs, with less memory:
     # micro-batch size 1 only.
     if b != 1:
@@ -264,6 +270,7 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
                 split, flags = weight_passing_split(L, P, rep)
                 layers = {"shard_layers": split, "split_flags": flags} if split else {}
                 add("tawpipe", chunk=c, cache=cache, replicate_first=rep, **layers)
+                add("tawpipe", chunk=c, cache=cache, replicate_first=rep, plan_schedule="tawpipe-zb", **layers)
 
 
 def _pipelines(add, absent, L, P, D, mbs, b, who):

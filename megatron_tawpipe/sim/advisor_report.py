@@ -26,7 +26,13 @@ def command(cfg, model, cluster, global_batch: int):
     comment = ("add data and training flags (--train-iters, --data-path or --mock-data, --tokenizer-type, "
                "--lr, ...)")
     script = "pretrain_llama.py"
-    if s == "tawpipe":
+    build = ""
+    if k.get("plan_schedule"):    # a split-backward schedule: its plan file first, then the run of it
+        argv += ["--pipeline-schedule", "plan:" + PLAN_FILE, "--tawpipe-num-groups", str(D)]
+        argv += list(k.get("split_flags", []))
+        argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
+        build = plan_build_command(cfg, model, cluster, global_batch) + " && "
+    elif s == "tawpipe":
         argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D),
                  "--tawpipe-microbatches-per-visit", str(k["chunk"])]
         argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
@@ -60,8 +66,27 @@ def command(cfg, model, cluster, global_batch: int):
         argv += DISTOPT + ["--overlap-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                            "optim_grads_params", "--outer-dp-sharding-strategy", "optim",
                            "--num-distributed-optimizer-instances", str(D)] + native_rc
-    line = f"torchrun --nnodes {D} --nproc-per-node {d} {script} " + " ".join(shlex.quote(a) for a in argv)
+    line = build + f"torchrun --nnodes {D} --nproc-per-node {d} {script} " + " ".join(shlex.quote(a) for a in argv)
     return argv, line + f"   # {comment}"
+
+
+PLAN_FILE = "plan.json"    # where an advised split-backward schedule's plan is written
+
+
+def plan_build_command(cfg, model, cluster, global_batch: int) -> str:
+    """``tools/plan.py build`` of a configuration's plan file (``knobs["plan_schedule"]``: tawpipe-zb,
+    weipipe-interleave-zb, weipipe-zb1-paired), over its (virtual) ranks with its micro-batches per rank."""
+    k = cfg.knobs
+    ranks = cluster.ranks // k.get("tp", 1)
+    argv = ["python", "tools/plan.py", "build", "--schedule", k["plan_schedule"], "--ranks", str(ranks),
+            "--groups", str(cluster.nodes), "--num-layers", str(model.num_layers),
+            "--num-microbatches", str(global_batch // cfg.micro_batch_size // ranks)]
+    if cfg.strategy == "tawpipe":
+        argv += ["--chunk", str(k["chunk"]), "--cache" if k["cache"] else "--no-cache"]
+        argv += ["--replicate-first-shard"] if k.get("replicate_first") else []
+    if k.get("shard_layers"):
+        argv += ["--shard-layers", ",".join(map(str, k["shard_layers"]))]
+    return " ".join(argv + ["--out", PLAN_FILE])
 
 
 # ---------------------------------------------------------------------- report

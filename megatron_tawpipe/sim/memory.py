@@ -167,8 +167,14 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
     lps = plan.max_layers_per_shard
     per = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
-    peak = round((result.activation_bytes - working) / per) if per else 0
+    from megatron_tawpipe.sim.simulate import activation_peaks
+
+    peaks = activation_peaks(plan, cost)   # the busiest rank's peak: its stored inputs and its W store
+    store = activation_peaks(plan, cost, store=True)[peaks.index(max(peaks))] if peaks else 0.0
+    peak = round((result.activation_bytes - working - store) / per) if per else 0
     m.notes["activations"] = (f"{peak} stored shard inputs x {gb(per)}" +
+                              (f" + weight-gradient store {gb(store)} (split backwards between their input and "
+                               "weight passes: linear layers' inputs and output gradients)" if store else "") +
                               (f" + shard working set {gb(working)} (recompute)" if cost.recompute
                                else " (no recompute: whole shards' activations)"))
     visits = 1 if cost.recompute else microbatches_per_visit

@@ -55,12 +55,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_required(args)
     _validate_logging(args)
     if getattr(args, "emulated_deferred_weight_gradients", False):
-        if not args.emulated_compute_times:
-            raise ArgumentError("--emulated-deferred-weight-gradients needs --emulated-compute-times (the runtime's "
-                                "own compute runs the weight-gradient kernels in the input-gradient pass)")
-        if not (getattr(args, "weipipe_zero_bubble", 0) or str(args.pipeline_schedule).startswith("plan:")):
-            raise ArgumentError("--emulated-deferred-weight-gradients applies to split backwards: "
-                                "--weipipe-zero-bubble 1/2 or a --pipeline-schedule plan:FILE")
+        notice("--emulated-deferred-weight-gradients: no effect, a split backward's weight-gradient kernels always "
+               "run in its weight pass (real and emulated compute alike)")
     if getattr(args, "record_plan_memory", False) and args.emulated_compute_times:
         raise ArgumentError("--record-plan-memory measures what real compute holds; emulated compute "
                             "(--emulated-compute-times) keeps no activations")
