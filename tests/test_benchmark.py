@@ -551,3 +551,40 @@ def test_every_strategy_has_valid_flags_on_three_and_four_nodes_of_two_ranks(nod
     if nodes == 3:
         assert parsed["tawpipe"].decoder_layer_split == (2, 2, 1, 1, 1, 1)
         assert parsed["pp-nodes"].decoder_layer_split == (3, 3, 2)
+
+
+def test_collective_byte_formulas_and_their_sums_over_ranks():
+    """What each member sends per collective (gloo's algorithms, checked against the interfaces in
+    tests/test_emulated_cluster.py), which link it crosses, and a run's bytes per measured iteration."""
+    from megatron_tawpipe.bench.collective_bytes import (CollectiveCounter, binomial_children, format_formulas,
+                                                         sent_bytes, summarize_counts)
+
+    B = 600.0
+    assert sent_bytes("all_reduce", [0, 1, 2], 2, B) == [(0, 2 * 2 / 3 * B)]          # ring: 2(n-1)/n B to the successor
+    assert sent_bytes("reduce_scatter", [0, 1, 2], 0, B) == [(1, 2 * 2 / 3 * B)]      # gloo: an all-reduce's bytes
+    assert sent_bytes("all_gather", [0, 2, 4], 4, B) == [(0, 2 / 3 * B)]
+    assert binomial_children(0, 6) == [1, 2, 4] and binomial_children(1, 6) == [3, 5] and binomial_children(3, 6) == []
+    assert sent_bytes("broadcast", [0, 1, 2, 3, 4, 5], 1, B, root=1) == [(2, B), (3, B), (5, B)]   # relative 0 -> 1, 2, 4
+    assert sent_bytes("reduce", [0, 1, 2], 2, B, root=0) == [(0, 2 / 3 * B), (0, B / 3)]
+    assert sent_bytes("send", [0, 3], 0, B, root=3) == [(3, B)]
+    assert sent_bytes("all_reduce", [5], 5, B) == []
+
+    # 2 nodes x 2 ranks: rank 1's ring successor (2) is on the other node, rank 0's (1) on its own.
+    counters = [CollectiveCounter(rank, 2) for rank in range(4)]
+    for iteration in range(3):
+        for c in counters:
+            c.add("all_reduce", [0, 1, 2, 3], 1000.0)
+            if iteration > 0:
+                c.add("send", [c.rank, (c.rank + 2) % 4], 10.0, (c.rank + 2) % 4)   # to the other node
+            c.snapshot()
+    assert counters[0].totals == {"intra": 3 * 1500.0, "inter": 20.0}
+    assert counters[1].totals == {"intra": 0.0, "inter": 3 * 1500.0 + 20.0}
+    summary = summarize_counts([c.to_json() for c in counters], train_iters=3, warmup=1)
+    assert summary["inter_node_bytes_per_iteration"] == 2 * 1500.0 + 4 * 10.0      # two ring hops cross, 4 sends
+    assert summary["intra_node_bytes_per_iteration"] == 2 * 1500.0
+    assert summary["inter_node_bytes_whole_run_per_iteration"] == (3 * 3000.0 + 2 * 40.0) / 3
+    ring = summary["formulas_per_iteration"]["all_reduce n=4 nodes=2 hops=2"]
+    assert (ring["calls"], ring["payload"], ring["inter"]) == (4, 4000.0, 3000.0)
+    lines = format_formulas(summary["formulas_per_iteration"])
+    assert lines[0].startswith("all_reduce n=4 nodes=2 hops=2: 1 calls of ring all-reduce")
+    assert "2 of 4 ring hops cross nodes: 2 x 2(4-1)/4 x 0.00 MB" in lines[0]

@@ -12,8 +12,8 @@ to one sequence per GPU where that is more (S = 131072 on 64 GPUs: 64).
 For every cell the advisor ranks all strategies (``prune="top2"``: winner,
 runner-up, margin and the best configuration pretrain_llama.py can run are exact;
 other strategies' figures are lower bounds of their best; TawPipe with and without
-its shard cache, ``--tawpipe-cache on|off``, where memory allows) and the study records the winner, the runner-up (best of
-another strategy), the margin, and the best runnable strategy (what
+its shard cache, ``--tawpipe-cache on|off``, where memory allows) and the study
+records the winner, the runner-up (best of another strategy), the margin, and the best runnable strategy (what
 pretrain_llama.py runs: every strategy, FSDP2 and HSDP with full recompute
 included, but HFSDP with tensor parallelism).
 
