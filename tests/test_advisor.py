@@ -414,7 +414,8 @@ def test_advisor_tries_weipipes_zero_bubble_variants():
     adv = Advisor(TINY, cl, 16, check_command=check_command)
     configs, _ = enumerate_configs(TINY, cl, 16)
     wei = {c.knobs.get("zero_bubble", 0): adv.evaluate(c) for c in configs
-           if c.strategy == "weipipe" and c.micro_batch_size == 1 and c.recompute and c.knobs.get("tp", 1) == 1}
+           if c.strategy == "weipipe" and c.micro_batch_size == 1 and c.recompute and c.knobs.get("tp", 1) == 1
+           and not c.knobs.get("plan_schedule")}
     assert set(wei) == {0, 1, 2}
     assert wei[2].memory.activations > wei[1].memory.activations > wei[0].memory.activations
     for z, cfg in wei.items():
@@ -481,7 +482,8 @@ def test_replicated_first_shard_is_a_tawpipe_knob_with_its_memory_and_flag():
     adv = Advisor(TINY, cl, 16, check_command=check_command)
     configs, _ = enumerate_configs(TINY, cl, 16)
     pick = {c.knobs["replicate_first"]: c for c in configs if c.strategy == "tawpipe" and c.micro_batch_size == 1
-            and c.recompute and c.knobs["chunk"] == 1 and c.knobs["cache"] and "tp" not in c.knobs}
+            and c.recompute and c.knobs["chunk"] == 1 and c.knobs["cache"] and "tp" not in c.knobs
+            and not c.knobs.get("plan_schedule")}
     for cfg in pick.values():
         adv.evaluate(cfg)
     plain, replicated = pick[False], pick[True]

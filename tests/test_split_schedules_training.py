@@ -1,5 +1,6 @@
-"""The deferred-weight-pass schedules train like one process: split TawPipe (``tawpipe-zb``) and
-WeiPipe-Interleave with split backwards (``weipipe-interleave-zb``), run as plan files."""
+"""The split-backward schedules train like one process: split TawPipe (``tawpipe-zb``), WeiPipe-Interleave
+with deferred weight passes (``weipipe-interleave-zb``) and WZB1 in the paper's paired layout
+(``weipipe-zb1-paired``: weight passes one turn after their input passes, on the copy kept), as plan files."""
 
 import pytest
 
@@ -9,7 +10,8 @@ from megatron_tawpipe.plan import build_plan, validate_plan, write_plan
 from training_helpers import assert_trains_like, tiny_args, train_rank
 
 ITERS = 2
-CASES = [("tawpipe-zb", 2, 2, 2, 2), ("weipipe-interleave-zb", 3, 1, 2, 3)]   # schedule, P, D, N, layers
+CASES = [("tawpipe-zb", 2, 2, 2, 2), ("weipipe-interleave-zb", 3, 1, 2, 3),   # schedule, P, D, N, layers
+         ("weipipe-zb1-paired", 4, 2, 2, 4)]
 
 
 @pytest.mark.parametrize("schedule,P,D,N,layers", CASES, ids=[c[0] for c in CASES])

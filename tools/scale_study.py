@@ -127,6 +127,31 @@ def summary(rows) -> str:
     return "\n".join(lines)
 
 
+def compare(before, after) -> str:
+    """TawPipe's best per cell in two studies of the same cells (e.g. ``--tawpipe-cache off`` and the default):
+    tokens/s per GPU, against each study's winner, and its configuration (a markdown table)."""
+    key = lambda r: (r["model"], r["gpus"], r["inter_gbit"], r["seq_length"])  # noqa: E731
+    old = {key(r): r for r in before}
+    lines = ["| cell | winner | TawPipe before | TawPipe after | change |", "|---|---|---|---|---|"]
+
+    def taw(r):
+        t, w = r["tawpipe"], r["winner"]
+        if not t:
+            return "does not fit", None
+        v = t["tokens_per_sec_per_gpu"]
+        return f"{v:.0f} ({100 * (v / w['tokens_per_sec_per_gpu'] - 1):+.1f}%) `{t['label']}`", v
+    for r in after:
+        b = old.get(key(r))
+        if b is None or not r["winner"]:
+            continue
+        (bt, bv), (at, av) = taw(b), taw(r)
+        change = f"{100 * (av / bv - 1):+.1f}%" if av and bv else "-"
+        w = r["winner"]
+        lines.append(f"| {r['model']} {r['gpus']} GPUs {r['inter_gbit']} Gbit/s S={r['seq_length'] // 1024}k | "
+                     f"{w['strategy']} {w['tokens_per_sec_per_gpu']:.0f} | {bt} | {at} | {change} |")
+    return "\n".join(lines)
+
+
 def plot(rows, path, models, gpus, gbits, seqs) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -198,7 +223,13 @@ def main(argv=None) -> int:
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
     p.add_argument("--replot", action="store_true", help="only redraw the chart from --out")
     p.add_argument("--summary", action="store_true", help="only print the counts of --out")
+    p.add_argument("--compare", metavar="BEFORE", help="only print TawPipe's best per cell in BEFORE (a study's "
+                   "JSON) against --out's")
     args = p.parse_args(argv)
+    if args.compare:
+        with open(args.compare) as f, open(args.out) as g:
+            print(compare(json.load(f)["cells"], json.load(g)["cells"]))
+        return 0
     if args.summary:
         with open(args.out) as f:
             print(summary(json.load(f)["cells"]))

@@ -23,8 +23,10 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -82,8 +84,36 @@ def launch_local(ranks: int, script_args: List[str], log_path: str, log_dir: str
             terminate_all([proc], TERM_GRACE_S)
             raise
         finally:
-            terminate_all([proc], TERM_GRACE_S)   # the group: ranks torchrun may have left behind
-    return Launched(exit_code(rc))
+            terminate_all([proc], TERM_GRACE_S)
+            left = stop_group(proc.pid, TERM_GRACE_S)   # ranks torchrun may have left behind it
+            if left:
+                log.write(f"\nbenchmark: stopped what the run left running (process group {proc.pid})\n")
+    return Launched(exit_code(rc), leftovers=int(left))
+
+
+def stop_group(pgid: int, grace: float) -> bool:
+    """SIGTERM what is left of process group ``pgid``, SIGKILL it after ``grace`` seconds, and wait until it
+    is gone; whether anything was left."""
+    def alive() -> bool:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    if not alive():
+        return False
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return True
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not alive():
+                return True
+            time.sleep(0.05)
+    return True
 
 
 def launch_on_cluster(cluster, ports: PortSequence, script_args: List[str], log_path: str, log_dir: str,
