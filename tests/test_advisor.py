@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_tawpipe.plan import build_plan
+from megatron_tawpipe.plan import build_plan, write_plan
 from megatron_tawpipe.cli.plan_args import check_command
 from megatron_tawpipe.sim import CostModel, Link, simulate
 from megatron_tawpipe.sim.advisor import Advisor, advise
@@ -622,7 +622,7 @@ def _argv(command: str) -> list:
     return words[words.index("pretrain_llama.py") + 1:]
 
 
-def test_uneven_layers_offer_weight_passing_and_pipelines_with_their_flags():
+def test_uneven_layers_offer_weight_passing_and_pipelines_with_their_flags(tmp_path):
     """10 layers on 8 GPUs: TawPipe and WeiPipe run 8 uneven shards (the default split, no flag; shard 0
     replicated: the smaller size first, --decoder-first-pipeline-num-layers), megatron pipelines of 4 and 8
     stages uneven stages (megatron-core's first/last-stage flags, or a layout); every printed command is
@@ -641,7 +641,16 @@ def test_uneven_layers_offer_weight_passing_and_pipelines_with_their_flags():
             continue
         seen.add((r["strategy"], k.get("tp", 1), bool(k.get("replicate_first"))))
         assert "[" in r["label"] and sum(split) == 10
-        argv = _argv(r["command"])
+        argv = _argv(r["command"].split(" && ")[-1])
+        if k.get("plan_schedule"):    # its plan file, built as the command's first part says, with the split
+            assert f"--shard-layers {','.join(map(str, split))}" in r["command"]
+            virtual = 8 // k.get("tp", 1)
+            plan = build_plan(k["plan_schedule"], num_ranks=virtual, num_groups=2, num_layers=10,
+                              num_microbatches=16 // k["micro_batch_size"] // virtual, shard_layers=split,
+                              **({"chunk": k["chunk"], "cache": k["cache"],
+                                  "replicate_first": k["replicate_first"]} if r["strategy"] == "tawpipe" else {}))
+            write_plan(plan, str(tmp_path / "plan.json"))
+            argv = [f"plan:{tmp_path / 'plan.json'}" if a == "plan:plan.json" else a for a in argv]
         for flag in k.get("split_flags", []):
             assert flag in argv
         args = validate_args(parse_args(argv + ["--train-iters", "1", "--lr", "1e-4", "--tokenizer-type",

@@ -82,6 +82,17 @@ def test_what_the_cache_costs_in_buffers(D, G):
             assert link_bytes(on, 1.0)["inter"] == 2 * D * G * (D - 1)
 
 
+def test_the_nccl_sweep_counts_tawpipe_by_cache_and_groups():
+    from megatron_tawpipe.plan.sweep import run_sweep
+
+    result = run_sweep([5], [1, 2], full_product_max_ranks=0, splits=("even",), schedules=["tawpipe"])
+    assert not result.failures, result.failures[:3]
+    counts = result.tawpipe_cache
+    assert sum(n for n, _ in counts.values()) == result.by_schedule["tawpipe"]
+    assert counts["cache on, D > 4"][0] > 0 and counts["cache off, D > 4"][0] > 0
+    assert all(failed == 0 for _, failed in counts.values())
+
+
 def test_predicted_memory_prices_the_extra_buffers():
     """The memory model's difference between cache on and off is the plans' extra buffers at their sizes."""
     cost = run_cost_model(hidden_size=4096, seq_length=4096, micro_batch_size=1, ffn_hidden_size=11008,

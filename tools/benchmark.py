@@ -94,9 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--emulated-compute-times", default=None, metavar="FILE",
                    help="emulated compute for every schedule (see tools/calibrate.py)")
     p.add_argument("--deferred-weight-gradients", action="store_true",
-                   help="weipipe-zb1/zb2: emulate (--emulated-deferred-weight-gradients) and simulate their split "
-                        "backwards with the weight-gradient kernels deferred to the weight pass, as the plan "
-                        "intends; default: as the runtime computes them, in the input pass")
+                   help="no effect, kept for existing command lines: split backwards are always emulated and "
+                        "simulated with the weight-gradient kernels in the weight pass, as the runtime runs them")
     p.add_argument("--record-plan-memory", action="store_true",
                    help="weight-passing runs: --record-plan-memory (what each plan's compute held; set against the "
                         "memory model's activations in the comparison)")
@@ -168,9 +167,6 @@ def main(argv=None) -> int:
                              bf16_gradients=args.bf16_gradients)
     if args.bf16_gradients and "--bf16" not in config.model_args:
         p.error("--bf16-gradients needs --bf16 among the model flags (bf16 main gradients hold bf16 compute's)")
-    if args.deferred_weight_gradients and not args.emulated_compute_times:
-        p.error("--deferred-weight-gradients needs --emulated-compute-times (the runtime's own compute runs the "
-                "weight-gradient kernels in the input-gradient pass)")
     if args.record_plan_memory and args.emulated_compute_times:
         p.error("--record-plan-memory measures what real compute holds: not with --emulated-compute-times")
     if args.measured_times and not args.equal_memory:
