@@ -187,3 +187,36 @@ def test_paired_wzb1_idles_less_on_fast_links_and_more_on_slow_ones():
     ring, paired = (simulate(build_plan(s, num_ranks=4, num_groups=2, num_layers=16, num_microbatches=4), COST,
                              record=False) for s in ("weipipe-zb1", "weipipe-zb1-paired"))
     assert paired.bubble_ratio > ring.bubble_ratio + 0.05
+
+
+def test_simulator_command_lines_price_deferred_kernels_by_default():
+    """tools/simulate.py and tools/plan.py (cli.plan_args) price the runtime's split by default;
+    --no-deferred-weight-gradients prices the former model, whose weight pass costs nothing."""
+    import argparse
+
+    from megatron_tawpipe.cli.plan_args import add_model_args, cost_model
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    plan = build_plan("weipipe-zb1", num_ranks=4, num_groups=2, num_layers=16)
+    default, explicit, former = (cost_model(p.parse_args(argv)) for argv in
+                                 ([], ["--deferred-weight-gradients"], ["--no-deferred-weight-gradients"]))
+    assert default.deferred_weight_gradients and explicit.deferred_weight_gradients
+    assert not former.deferred_weight_gradients
+    assert default.backward_weight_time(plan, 0) > 0 and former.backward_weight_time(plan, 0) == 0
+
+
+def test_memory_note_names_the_weight_gradient_store_apart_from_stored_inputs():
+    from megatron_tawpipe.sim.memory import weight_passing_breakdown
+
+    for schedule, has_store in (("weipipe", False), ("weipipe-zb2", True)):
+        plan = build_plan(schedule, num_ranks=4, num_groups=2, num_layers=16, num_microbatches=2)
+        result = simulate(plan, COST, record=False)
+        note = weight_passing_breakdown(result, COST, plan).notes["activations"]
+        assert ("weight-gradient store" in note) == has_store, note
+        stores = activation_peaks(plan, COST, store=True)
+        inputs = int(note.split(" stored shard inputs")[0])
+        per = COST.activation_bytes
+        working = plan.max_layers_per_shard * COST.layer_activation_bytes
+        peaks = activation_peaks(plan, COST)
+        assert inputs * per + stores[peaks.index(max(peaks))] + working == pytest.approx(result.activation_bytes)

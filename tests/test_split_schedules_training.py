@@ -32,3 +32,16 @@ def test_split_schedule_trains_like_one_process(schedule, P, D, N, layers, tmp_p
     per_rank = run_ranks(train_rank, P, argv("--pipeline-schedule", f"plan:{path}", "--tawpipe-num-groups", str(D),
                                              "--tawpipe-nccl-faithful", save=save))
     assert_trains_like(per_rank, reference, save, ref_save, ITERS)
+
+
+def test_emulated_deferred_weight_gradients_is_accepted_with_a_notice(capsys):
+    """The runtime and the emulation always run a split backward's weight-gradient GEMMs in its weight pass:
+    the former flag that asked the emulation for it is accepted and says it has no effect."""
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    args = validate_args(parse_args(tiny_args("--pipeline-schedule", "weipipe", "--emulated-deferred-weight-gradients",
+                                              global_batch=4)), world_size=4)
+    assert args.emulated_deferred_weight_gradients
+    out = capsys.readouterr().out
+    assert "notice: --emulated-deferred-weight-gradients: no effect" in out

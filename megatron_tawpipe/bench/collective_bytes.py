@@ -50,11 +50,11 @@ _SUMMED = ("calls", "payload", "intra", "inter")
 _WRAPPED = {
     "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
     "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",   # FSDP2 calls the last
     "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather", "all_gather": "all_gather",
-    "all_gather_coalesced": "all_gather",
+    "all_gather_single": "all_gather", "all_gather_coalesced": "all_gather",
     "broadcast": "broadcast", "scatter": "scatter", "reduce": "reduce", "gather": "gather",
-    "all_to_all_single": "all_to_all",
+    "all_to_all_single": "all_to_all", "all_to_all": "all_to_all",
     "send": "send", "isend": "send",
 }
 
@@ -220,7 +220,7 @@ class CollectiveCounter:
         if kind == "all_reduce":
             payload = _nbytes(a.get("tensor", a.get("tensors")))
         elif kind == "reduce_scatter":
-            payload = _nbytes(a.get("input", a.get("input_list")))
+            payload = _nbytes(a.get("input", a.get("input_list", a.get("input_tensor"))))
         elif kind == "all_gather":
             out = a.get("output_tensor", a.get("tensor_list", a.get("output_tensor_lists")))
             payload = _nbytes(out)
