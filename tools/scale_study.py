@@ -136,8 +136,8 @@ def compare(before, after) -> str:
 
     def taw(r):
         t, w = r["tawpipe"], r["winner"]
-        if not t:
-            return "does not fit", None
+        if not t:   # nothing fits, or (prune top2) no configuration's ceiling beats the runner-up
+            return "not ranked", None
         v = t["tokens_per_sec_per_gpu"]
         return f"{v:.0f} ({100 * (v / w['tokens_per_sec_per_gpu'] - 1):+.1f}%) `{t['label']}`", v
     for r in after:

@@ -105,7 +105,8 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="weipipe/tawpipe: after every compute action of the plan note the bytes this process "
                         "holds (GPU: memory allocated; CPU: what glibc's allocator has handed out) and report the "
                         "most the plan held beyond its start, over ranks, as plan_memory_growth_bytes_max_rank "
-                        "(activations, held gradients, logits; a few ms per action on a CPU)")
+                        "(activations, held gradients, logits; a few ms per action on a CPU); with split "
+                        "backwards also the weight-gradient store's peak, plan_wgrad_store_peak_bytes_max_rank")
     g.add_argument("--timeline-file", default=None, metavar="FILE",
                    help="weipipe/tawpipe: write every rank's measured timeline of the latest training "
                         "iteration (compute and transfers, wall clock) as JSON; draw it with "

@@ -92,6 +92,8 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
         cmd += ["--chunk", str(config.tawpipe_microbatches_per_visit)]
     if "interleaved" in schedules:
         cmd += ["--virtual-stages", str(interleaved_virtual_stages(layers, config.ranks))]
+    if "--untie-embeddings-and-output-weights" not in args:   # Megatron-LM's default: tied
+        cmd.append("--tie-embeddings-and-output-weights")
     if not config.recompute:
         cmd.append("--no-recompute")
     if config.deferred_weight_gradients:

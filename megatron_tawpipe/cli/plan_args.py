@@ -12,6 +12,7 @@ from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
 from megatron_tawpipe.plan.planners import build_plan
+from megatron_tawpipe.sim.pipelines import with_embedding_allreduce
 from megatron_tawpipe.sim.simulate import simulate
 from megatron_tawpipe.sim.strategies import STRATEGIES, plan_memory, run_strategy
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_result, virtual_rank_cost
@@ -55,6 +56,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--no-recompute", action="store_true", help="keep all activations instead "
                    "of recomputing shards in backward")
     m.add_argument("--dtype-bytes", type=int, default=2, help="compute dtype size (bf16: 2)")
+    m.add_argument("--tie-embeddings-and-output-weights", action="store_true",
+                   help="the output layer shares the word embedding, as pretrain_llama.py builds it without "
+                        "--untie-embeddings-and-output-weights (Megatron-LM's default): one V x H matrix "
+                        "among the replicated parameters, and pipelines all-reduce its gradient between "
+                        "their first and last stage. Default: untied, as Llama (and the advisor) have them")
     m.add_argument("--deferred-weight-gradients", action=argparse.BooleanOptionalAction, default=True,
                    help="split backwards (weipipe-zb1/zb2, -zb schedules): the weight-gradient kernels run in the "
                         "weight pass, as the runtime and the emulation run them (default); "
@@ -91,7 +97,8 @@ def cost_model(args) -> CostModel:
         efficiency=args.efficiency, recompute=not args.no_recompute,
         intra_bw=parse_rate(args.intra_bw), intra_latency=parse_time(args.intra_latency),
         inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
-        dtype_bytes=args.dtype_bytes)
+        dtype_bytes=args.dtype_bytes,
+        untied_embeddings=not getattr(args, "tie_embeddings_and_output_weights", False))
     cost = replace(cost, backend=args.backend,
                    deferred_weight_gradients=bool(getattr(args, "deferred_weight_gradients", True)))
     if args.measured_times:
@@ -162,6 +169,8 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
     else:
         plan = make_plan(name, args, validate)
         result = simulate(plan, cost, record=record)
+        if name in ACTIVATION:   # one pipeline over all ranks: the tied embedding's all-reduce (if tied)
+            result = with_embedding_allreduce(result, cost, args.groups)
     result.options["memory_breakdown"] = plan_memory(result, cost, plan).as_dict()
     return plan, result
 

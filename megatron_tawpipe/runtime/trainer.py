@@ -154,6 +154,9 @@ class WeightPassingTrainer(CheckpointDefaults):
             self.model.memory_probe = self.model.executor.memory_probe = held_memory_bytes
             self.model.executor.memory_peak = None
             held_before = held_memory_bytes()
+            store = self.model.template.wgrad_store   # a split backward's store: its peak in this step
+            if store is not None:
+                store.peak_bytes = 0
         start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
         plan_s = time.perf_counter() - start
@@ -167,6 +170,11 @@ class WeightPassingTrainer(CheckpointDefaults):
             growth = max_over_ranks(peak - held_before if peak is not None and held_before is not None else -1)
             if growth >= 0:
                 memory["plan_memory_growth_bytes_max_rank"] = int(growth)
+            # of it, the most the weight-gradient store held (stored linear inputs and output gradients between
+            # a split backward's two passes), the largest over ranks (-1: no rank has a store)
+            store_peak = max_over_ranks(store.peak_bytes if store is not None else -1)
+            if store_peak >= 0:
+                memory["plan_wgrad_store_peak_bytes_max_rank"] = int(store_peak)
         busy = self.model.executor.compute_seconds / max(plan_s, 1e-9)
         self._mark("busy fraction")
         step_start = time.perf_counter()

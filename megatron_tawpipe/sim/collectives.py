@@ -5,6 +5,8 @@ compute beside it cannot hide.
 * A ring reduce-scatter or all-gather over ``n`` ranks: ``(n-1)/n * bytes / bandwidth + (n-1) *
   latency`` (an all-reduce twice that); a ring over ranks in several nodes runs at the node link's
   bandwidth.
+* Two ranks' all-reduce (:func:`pair_allreduce_time`): both ring steps send both ways at once on
+  one pair, which gloo's connections take in turns beyond their first bytes.
 * Buckets (:func:`exposed`): megatron's ``overlap_grad_reduce`` / ``overlap_param_gather`` and
   FSDP's per-unit collectives move a model's parameters in buckets of about one decoder layer (the
   granularity every model here prices: one bucket or unit per layer). A reduce-scatter bucket starts
@@ -30,6 +32,21 @@ def ring_time(link: Link, nbytes: float, n: int, factor: float = 1.0) -> float:
         return 0.0
     bw = 0.0 if link.bandwidth == INF else (n - 1) / n * nbytes / link.bandwidth
     return factor * ((n - 1) * link.latency + bw)
+
+
+def pair_allreduce_time(cost: CostModel, nbytes: float, link: Link, flows: int = 1) -> float:
+    """Time of an all-reduce of ``nbytes`` between two ranks (a pipeline's first and last stage: the tied
+    word embedding's gradient). gloo's ring of two members runs a reduce-scatter and an all-gather step,
+    each sending ``nbytes / 2`` both ways at once on one pair: ``flows`` such pairs share ``link`` (a
+    node's link, per direction), and beyond :attr:`CostModel.pair_duplex_bytes` of a message the two
+    directions take turns on the pair's rate (``cost.pair_bandwidth``, default the link's)."""
+    if link.bandwidth == INF:
+        return 2 * link.latency
+    half = nbytes / 2
+    rate = link.bandwidth / max(1, flows)
+    free = min(half, cost.pair_duplex_bytes)
+    turns = min(rate, (cost.pair_bandwidth or link.bandwidth) / 2)   # the rest, each direction
+    return 2 * (link.latency + free / rate + (half - free) / turns)
 
 
 def exposed(t_comm: float, t_compute: float, buckets: int) -> float:

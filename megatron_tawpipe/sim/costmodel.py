@@ -91,8 +91,12 @@ class CostModel:
     # weight-gradient pass: every linear layer's input and output gradient, in the compute dtype
     layer_weight_store_bytes: float = 0.0
     tokens_per_microbatch: int = 0
-    replicated_params: float = 0.0        # embedding + final norm + output layer
+    replicated_params: float = 0.0        # embedding + final norm + output layer (tied: embedding + norm)
     embedding_params: float = 0.0         # the embedding's share of them (its all-reduce part)
+    # The output layer shares the word embedding (Megatron-LM's default; --untie-embeddings-and-output-
+    # weights unties them): one V x H matrix among the replicated parameters, and a pipeline's first and
+    # last stage all-reduce its gradient (megatron's word-embedding group).
+    tied_embeddings: bool = False
     intra: Link = field(default_factory=lambda: Link(float("inf")))
     inter: Link = field(default_factory=lambda: Link(float("inf")))
     copy_bandwidth: float = float("inf")  # bytes/s of local copies (load, accumulate)
@@ -162,7 +166,7 @@ class CostModel:
                    layer_weight_store_bytes=tokens * ((3 * H + ffn) + (3 * H + 2 * kv + 2 * ffn)) * dtype_bytes,
                    tokens_per_microbatch=tokens,
                    replicated_params=(2 if untied_embeddings else 1) * vocab_size * H + H,
-                   embedding_params=vocab_size * H,
+                   embedding_params=vocab_size * H, tied_embeddings=not untied_embeddings,
                    intra=Link(parse_rate(intra_bw), parse_time(intra_latency)),
                    inter=Link(parse_rate(inter_bw), parse_time(inter_latency)),
                    copy_bandwidth=hbm / 2,

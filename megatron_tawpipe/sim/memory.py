@@ -209,3 +209,23 @@ def generic_breakdown(result, cost) -> MemoryBreakdown:
     m.logits = logits_bytes(cost)
     m.notes["logits"] = _logits_note(cost)
     return m
+
+
+def weight_store_peak_bytes(plan, cost) -> float:
+    """The most a rank's weight-gradient store holds at once (plan order only): the sum of
+    :func:`~megatron_tawpipe.sim.simulate.weight_store_bytes` over the split backwards between their input
+    and weight passes, the largest over ranks (the runtime's ``WgradStore.peak_bytes``, measured after each
+    input pass)."""
+    from megatron_tawpipe.plan import actions as A
+    from megatron_tawpipe.sim.simulate import weight_store_bytes
+
+    best = 0.0
+    for acts in plan.actions:
+        kept = 0.0
+        for a in acts:
+            if type(a) is A.BackwardInput:
+                kept += weight_store_bytes(plan, cost, a.shard)
+                best = max(best, kept)
+            elif type(a) is A.BackwardWeight:
+                kept -= weight_store_bytes(plan, cost, a.shard)
+    return best

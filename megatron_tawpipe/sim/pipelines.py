@@ -14,7 +14,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from megatron_tawpipe.common.layer_split import check_layer_split, default_layer_split, is_even
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.planners import build_plan
-from megatron_tawpipe.sim.collectives import exposed, ring_time
+from megatron_tawpipe.sim.collectives import exposed, pair_allreduce_time, ring_time
 from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.memory import (MemoryBreakdown, gb, logits_bytes, native_activations, replicated_state,
                                          _logits_note)
@@ -86,7 +86,11 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     dp pipelines share each node link, so it sees ``inter_bw / dp``.  Only
     stage-boundary activations cross nodes; gradients are reduced inside the
     node once per iteration.  Megatron's layout: embedding on the first stage,
-    output layer on the last, no embedding all-reduce (untied).  ``stage_layers``:
+    output layer on the last; with tied embeddings (``cost.tied_embeddings``, Megatron-LM's
+    default) the last stage holds its own copy of the word embedding as the output layer, and
+    after the data-parallel reduction each pipeline's first and last stage all-reduce that
+    matrix's gradient (megatron's word-embedding group, :func:`embedding_allreduce`), over the
+    node link when the two stages sit on different nodes.  ``stage_layers``:
     decoder layers per (virtual) stage in layer order (default: as equal as possible,
     the larger first); every stage is priced with its own layers, so the slowest sets
     the pipeline's pace, and the data-parallel reduction of the largest stage is the one
@@ -110,11 +114,14 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     # the distributed optimizer all-gathers the updated parameters synchronously after its step
     # (megatron-core's DistributedDataParallel.start_param_sync: "when overlap_param_gather is set to
     # False, calls synchronous communication"): all of it shows. The rank that exposes most shows.
+    # Tied embeddings: the first and last stage then all-reduce the word embedding's gradient, before
+    # the step (megatron-core's finalize_model_grads, synchronous).
+    t_emb, emb_bytes, emb_link = embedding_allreduce(cost, D, pp, dp, grad_bytes)
     extra, psi_all = 0.0, 0.0
     for rank, layers, psi_stage in _stage_params(cost, split, pp):
         t_rs, t_ag = ring_time(cost.intra, grad_bytes * psi_stage, dp), ring_time(cost.intra, w * psi_stage, dp)
         s_bwd = layers * (cost.layer_backward + cost.layer_recompute)
-        shown = exposed(t_rs, s_bwd, layers) + t_ag
+        shown = exposed(t_rs, s_bwd, layers) + t_ag + (t_emb if rank in (0, pp - 1) else 0.0)
         extra = max(extra, shown + psi_stage / dp * cost.optimizer_time_per_param)
         psi_all += psi_stage
     iteration = r.iteration_time + extra
@@ -122,8 +129,11 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     tokens = total_microbatches * cost.tokens_per_microbatch
     lb = {k: v * dp for k, v in r.link_bytes.items()}
     lb["intra"] += dp * (dp - 1) / dp * (grad_bytes + w) * psi_all if dp > 1 else 0.0
+    if emb_bytes:
+        lb[emb_link] += emb_bytes
     options = dict(pipeline_size=pp, data_parallel=dp, virtual_stages=V, microbatches_per_pipeline=m,
                    inter_bytes_per_node=lb["inter"] / D, exposed_comm_s=extra,
+                   embedding_allreduce_bytes=emb_bytes, embedding_allreduce_s=t_emb,
                    analytic=False, memory_breakdown=best.as_dict(), trainable=True)
     if not is_even(split):
         options["stage_layers"] = list(split)
@@ -140,6 +150,39 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
         compute_time=[compute / P] * P, finish_time=[iteration] * P, options=options)
 
 
+def embedding_allreduce(cost: CostModel, num_groups: int, pp: int, dp: int, grad_bytes: int = 4):
+    """(time, bytes of all ``dp`` pipelines, link class) of the tied word embedding's gradient all-reduce
+    between each pipeline's first and last stage: a ring of 2 members, each sending the whole gradient
+    (V x H x ``grad_bytes``) once; the stages sit on different nodes when the pipeline spans several
+    (``num_groups`` > 1), and the ``dp`` pipelines' pairs then share the node links. None without tied
+    embeddings or a pipeline (megatron has no such group then): (0, 0, "inter")."""
+    if not cost.tied_embeddings or pp < 2 or not cost.embedding_params:
+        return 0.0, 0.0, "inter"
+    nbytes = grad_bytes * cost.embedding_params
+    if num_groups > 1:
+        return pair_allreduce_time(cost, nbytes, cost.inter, flows=dp), 2 * dp * nbytes, "inter"
+    return pair_allreduce_time(cost, nbytes, cost.intra), 2 * dp * nbytes, "intra"
+
+
+def with_embedding_allreduce(result: SimResult, cost: CostModel, num_groups: int) -> SimResult:
+    """``result`` of a pipeline plan over all its ranks (``1f1b``, ``interleaved``, ``gpipe``: one
+    pipeline, no data parallelism) with the tied word embedding's all-reduce between its first and
+    last rank after the last backward (:func:`embedding_allreduce`): its time added to the iteration,
+    its bytes to the links. Unchanged without tied embeddings."""
+    P = result.num_ranks
+    t, nbytes, link = embedding_allreduce(cost, num_groups, P, 1, cost.grad_bytes)
+    if not nbytes:
+        return result
+    T = result.iteration_time + t
+    lb = dict(result.link_bytes)
+    lb[link] += nbytes
+    return replace(result, iteration_time=T, tokens_per_sec_per_rank=result.tokens_per_sec_per_rank
+                   * result.iteration_time / T, bubble_ratio=1.0 - sum(result.compute_time) / (P * T),
+                   link_bytes=lb, finish_time=[f + t if r in (0, P - 1) else f for r, f in
+                                               enumerate(result.finish_time)],
+                   options=dict(result.options, embedding_allreduce_bytes=nbytes, embedding_allreduce_s=t))
+
+
 def _stage_split(L, pp, V, stage_layers) -> Tuple[int, ...]:
     """Decoder layers per virtual stage (layer order; rank ``k mod pp`` holds stage ``k``)."""
     if stage_layers is None:
@@ -149,9 +192,9 @@ def _stage_split(L, pp, V, stage_layers) -> Tuple[int, ...]:
 
 def _stage_params(cost: CostModel, split, pp):
     """(rank, decoder layers, parameters) of every pipeline rank: its stages' layers, the embedding on
-    the first, the output layer on the last."""
+    the first, the output layer on the last (tied: the last stage's copy of the word embedding)."""
     emb = cost.embedding_params
-    head = cost.replicated_params - emb
+    head = cost.replicated_params - emb + (emb if cost.tied_embeddings else 0.0)
     for rank in range(pp):
         layers = sum(split[rank::pp])
         params = layers * cost.params_per_layer + (emb if rank == 0 else 0.0) + (head if rank == pp - 1 else 0.0)
