@@ -141,6 +141,7 @@ def test_sweep_small_range_passes():
     assert not result.failures, result.failures[:3]
     assert result.checked > 500
     assert set(result.by_schedule) == {"tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2",
+                                       "tawpipe-zb", "weipipe-interleave-zb", "weipipe-zb1-paired",
                                        "gpipe", "1f1b", "interleaved"}
 
 

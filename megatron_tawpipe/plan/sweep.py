@@ -90,7 +90,7 @@ SPLITS = ("even", "uneven")
 
 
 SWEPT = ("tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "tawpipe-zb", "weipipe-interleave-zb",
-         "gpipe", "1f1b", "interleaved")
+         "weipipe-zb1-paired", "gpipe", "1f1b", "interleaved")
 
 
 def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
@@ -134,6 +134,9 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
                 for name in ("weipipe-zb1", "weipipe-zb2"):
                     for overlap in (True, False):
                         yield name, dict(shape, overlap=overlap)
+                if P % 2 == 0:     # the paired layout needs an even ring
+                    for overlap in (True, False):
+                        yield "weipipe-zb1-paired", dict(shape, overlap=overlap)
                 for name in ("gpipe", "1f1b"):
                     yield name, dict(shape)
                 yield "interleaved", dict(shape, num_layers=P * 2, virtual_stages=2)
