@@ -220,3 +220,11 @@ def test_memory_note_names_the_weight_gradient_store_apart_from_stored_inputs():
         working = plan.max_layers_per_shard * COST.layer_activation_bytes
         peaks = activation_peaks(plan, COST)
         assert inputs * per + stores[peaks.index(max(peaks))] + working == pytest.approx(result.activation_bytes)
+
+
+def test_measured_activations_do_not_rescale_the_store():
+    """The store is arithmetic on the linear layers' shapes: a measured activation size changes the
+    activation terms, never the store."""
+    measured = COST.with_measured({"layer_activation_bytes": 3 * COST.layer_activation_bytes})
+    assert measured.layer_activation_bytes == pytest.approx(3 * COST.layer_activation_bytes)
+    assert measured.layer_weight_store_bytes == COST.layer_weight_store_bytes

@@ -195,7 +195,7 @@ class CostModel:
         if "layer_activation_bytes" in times and self.layer_activation_bytes:   # the model's other byte
             ratio = times["layer_activation_bytes"] / self.layer_activation_bytes  # terms follow it
             times["layer_output_grad_bytes"] = self.layer_output_grad_bytes * ratio
-            times["layer_weight_store_bytes"] = self.layer_weight_store_bytes * ratio
+            # (the split backward's store is exact arithmetic on the shapes: it does not follow the ratio)
         if not self.recompute:  # a measured recompute time does not bring recompute back
             times.pop("layer_recompute", None)
         return replace(self, **times)
