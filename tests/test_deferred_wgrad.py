@@ -204,8 +204,10 @@ RUNS = [   # schedule (a split tawpipe plan: "tawpipe-split"), P, N, layers, fla
     ("weipipe-zb1", 3, 1, 3, ["--tawpipe-no-recompute"]),
     ("weipipe-zb1", 4, 2, 4, []),
     ("weipipe-zb2", 2, 2, 4, ["--tawpipe-no-recompute"]),
+    ("weipipe-zb2", 3, 1, 3, []),
     ("weipipe-zb2", 4, 1, 4, []),
     ("tawpipe-split", 2, 2, 2, ["--tawpipe-no-recompute"]),
+    ("tawpipe-split", 3, 1, 3, []),          # three groups of one rank
     ("tawpipe-split", 4, 2, 4, []),
 ]
 
@@ -214,7 +216,7 @@ RUNS = [   # schedule (a split tawpipe plan: "tawpipe-split"), P, N, layers, fla
                          ids=[f"{c[0]}-P{c[1]}-N{c[2]}-L{c[3]}{''.join(c[4])}" for c in RUNS])
 def test_split_plans_with_deferred_kernels_train_like_one_process(schedule, P, N, layers, extra, tmp_path):
     if schedule == "tawpipe-split":
-        groups = 2 if P == 4 else 1
+        groups = {2: 1, 3: 3, 4: 2}[P]
         plan = split_backward(build_plan("tawpipe", num_ranks=P, num_groups=groups, num_layers=layers,
                                          num_microbatches=N))
         validate_plan(plan)
