@@ -73,7 +73,8 @@ def _clip_on_two_ranks(rank):
         replicated = [torch.full((2, 2), 0.5), torch.ones(3)]  # the same on every rank: counted once
         model = SimpleNamespace(shard_grads=lambda: shard, replicated_grads=lambda: replicated,
                                 norm_grads=lambda: (shard, replicated), tensor_parallel_size=1)
-        trainer = SimpleNamespace(model=model, device=torch.device("cpu"), args=SimpleNamespace(clip_grad=1.0))
+        trainer = SimpleNamespace(model=model, device=torch.device("cpu"), args=SimpleNamespace(clip_grad=1.0),
+                                  _mark=lambda phase: None)   # no --timeline-file
         norm = WeightPassingTrainer._global_norm(trainer)
         WeightPassingTrainer._clip_gradients(trainer, norm)
         clipped = torch.cat([g.reshape(-1) for g in shard + replicated])
