@@ -137,15 +137,16 @@ def test_executor_resolves_cuda_stamps_of_transfers_after_the_plan(fake_cuda):
     from megatron_tawpipe.runtime.executor import PlanExecutor
 
     plan = build_plan("tawpipe", num_ranks=2, num_groups=2, num_microbatches=1)
-    ex = types.SimpleNamespace(trace={"rank": 0, "spans": [], "transfers": []}, _posted={}, rank=0, plan=plan,
-                               timer=timing.ComputeTimer(torch.device("cuda")))
+    ex = types.SimpleNamespace(trace={"rank": 0, "spans": [], "transfers": [], "actions": []}, _posted={}, rank=0,
+                               plan=plan, timer=timing.ComputeTimer(torch.device("cuda")), _step=0, _after_s=0.0)
     send = next(a for a in plan.actions[0] if isinstance(a, A.SendStart))
-    PlanExecutor._record(ex, send, ex.timer.stamp(1.0), ex.timer.stamp(1.0))
-    PlanExecutor._record(ex, A.Wait(send.tag), ex.timer.stamp(1.0), ex.timer.stamp(1.0))
+    PlanExecutor._record(ex, send, ex.timer.stamp(1.0), ex.timer.stamp(1.0), 1.0, 1.5)
+    PlanExecutor._record(ex, A.Wait(send.tag), ex.timer.stamp(1.0), ex.timer.stamp(1.0), 2.0, 2.5)
     transfer = ex.trace["transfers"][0]
     assert callable(transfer[4]) and callable(transfer[5])
     PlanExecutor._resolve_trace(ex)
     assert isinstance(transfer[4], float) and transfer[5] > transfer[4]
+    assert [record[2:4] for record in ex.trace["actions"]] == [[1.0, 1.5], [2.0, 2.5]]   # the host's clock
 
 
 # ---- several communicators on one GPU --------------------------------------------------------------
