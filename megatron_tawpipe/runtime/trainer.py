@@ -180,12 +180,9 @@ class WeightPassingTrainer(CheckpointDefaults):
         step_start = time.perf_counter()
         grad_norm, skipped = self._optimizer_step()
         step_s = time.perf_counter() - step_start
-        if self.model.tensor_parallel_size == 1:   # the three sums below in one all-reduce (one wait, not three)
-            busy, plan_s, step_s, loss_sum, tokens, sent = self._reduce_step(reports, [busy, plan_s, step_s])
-        else:
-            busy, plan_s, step_s = mean_over_ranks([busy, plan_s, step_s])
-            loss_sum, tokens = self._reduce_reports(reports)
-            sent = self._reduce_bytes()
+        busy, plan_s, step_s = mean_over_ranks([busy, plan_s, step_s])
+        loss_sum, tokens = self._reduce_reports(reports)
+        sent = self._reduce_bytes()
         planned = self._planned_bytes.get(self.plan.num_microbatches) or self._planned_bytes.setdefault(
             self.plan.num_microbatches, self.planned_link_bytes())
         self._mark("metrics all-reduces")
@@ -287,22 +284,6 @@ class WeightPassingTrainer(CheckpointDefaults):
             totals += report["lm loss"].to(totals)
         dist.all_reduce(totals, group=self._data_parallel_group())
         return float(totals[0]), float(totals[1])
-
-    def _reduce_step(self, reports, means: List[float]) -> tuple:
-        """Without tensor parallelism (every rank a data-parallel rank): ``means`` averaged over ranks, the
-        reports' ``[loss_sum, tokens]`` and the bytes sent per link class summed, in one float64 all-reduce
-        (what ``mean_over_ranks``, :meth:`_reduce_reports` and :meth:`_reduce_bytes` compute one each)."""
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for report in reports:
-            totals += report["lm loss"].to(totals)
-        sent = self.model.executor.bytes_sent
-        values = torch.cat([torch.tensor(list(means) + [sent["intra"], sent["inter"]], dtype=torch.float64,
-                                         device=self.device), totals])
-        dist.all_reduce(values)
-        out = values.tolist()
-        k = len(means)
-        return (*[v / self.world for v in out[:k]], out[k + 2], out[k + 3],
-                {"intra": int(out[k]), "inter": int(out[k + 1])})
 
     def _reduce_bytes(self) -> Dict[str, int]:
         """Bytes all ranks sent this iteration, per link class (as the executor counted them)."""
