@@ -172,6 +172,13 @@ def max_over_ranks(value):
     return _all_reduce_scalar(value, dist.ReduceOp.MAX)
 
 
+def min_over_ranks(value):
+    """The smallest ``value`` over all ranks, on every rank (one all-reduce); a list: each entry's."""
+    import torch.distributed as dist
+
+    return _all_reduce_scalar(value, dist.ReduceOp.MIN)
+
+
 def mean_over_ranks(value):
     """The mean of ``value`` over all ranks, on every rank (one all-reduce); a list: each entry's."""
     import torch.distributed as dist

@@ -169,13 +169,6 @@ class LayerCompute:
                                  "with split_backward=True (deferred weight-gradient layers)")
         return self.template.wgrad_store
 
-    def deferred_bytes(self) -> Dict[str, int]:
-        """Bytes a split backward holds between its passes now: the deferred kernels' saved inputs and output
-        gradients (``store``) and the small gradients B computed (``held``)."""
-        store = self.template.wgrad_store
-        held = sum(g.numel() * g.element_size() for grads in self._pending.values() for _, g in grads)
-        return {"store": store.bytes_held() if store is not None else 0, "held": held}
-
     def _graph(self, mb: int, shard: int, layers: int):
         """(input, what to differentiate, its incoming gradient) of (``mb``, ``shard``): recomputed, or the
         forward's kept graph."""

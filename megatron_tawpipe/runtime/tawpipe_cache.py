@@ -13,8 +13,8 @@ import os
 from typing import Callable, Dict, Tuple
 
 import torch
-import torch.distributed as dist
 
+from megatron_tawpipe.monitor.metrics import min_over_ranks
 from megatron_tawpipe.plan import Plan
 from megatron_tawpipe.sim.tawpipe_cache import CacheDecision, decide_cache, predicted_peak, run_cost_model
 
@@ -40,13 +40,6 @@ def device_memory(device: torch.device) -> Tuple[float, str]:
     return host_available_bytes() / ranks, f"host's available memory / {ranks} ranks on it"
 
 
-def smallest_over_ranks(value: float, device: torch.device) -> float:
-    """The smallest ``value`` over all ranks (every rank calls it at the same point)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
-
-
 def decide(args, groups: int, build_plans: Callable[[bool], Dict[int, Plan]], device: torch.device,
            compute_bytes: int, grad_bytes: int) -> Tuple[CacheDecision, Dict[int, Plan]]:
     """The run's ``--tawpipe-cache`` decision and its plans (``build_plans(cache)``, by micro-batches per rank).
@@ -68,7 +61,7 @@ def decide(args, groups: int, build_plans: Callable[[bool], Dict[int, Plan]], de
     if setting == "on":
         return decide_cache(setting, groups, peak), plans
     memory, what = device_memory(device)
-    least = smallest_over_ranks(memory, device)
+    least = min_over_ranks(memory)
     if least < memory:
         what += ", the smallest over ranks"
     decision = decide_cache(setting, groups, peak, least, what)
