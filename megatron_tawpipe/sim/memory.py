@@ -216,16 +216,6 @@ def weight_store_peak_bytes(plan, cost) -> float:
     :func:`~megatron_tawpipe.sim.simulate.weight_store_bytes` over the split backwards between their input
     and weight passes, the largest over ranks (the runtime's ``WgradStore.peak_bytes``, measured after each
     input pass)."""
-    from megatron_tawpipe.plan import actions as A
-    from megatron_tawpipe.sim.simulate import weight_store_bytes
+    from megatron_tawpipe.sim.simulate import held_after_each
 
-    best = 0.0
-    for acts in plan.actions:
-        kept = 0.0
-        for a in acts:
-            if type(a) is A.BackwardInput:
-                kept += weight_store_bytes(plan, cost, a.shard)
-                best = max(best, kept)
-            elif type(a) is A.BackwardWeight:
-                kept -= weight_store_bytes(plan, cost, a.shard)
-    return best
+    return max([0.0] + [kept for acts in plan.actions for _, kept in held_after_each(plan, cost, acts)])

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from collections import deque
 
@@ -404,6 +404,20 @@ def weight_store_bytes(plan: Plan, cost: CostModel, shard: int) -> float:
     return params * cost.dtype_bytes
 
 
+def held_after_each(plan: Plan, cost: CostModel, acts) -> Iterator[Tuple[int, float]]:
+    """After each of one rank's actions (plan order): (stored shard inputs or visits, bytes the split
+    backwards' weight-gradient store holds)."""
+    stash, kept = 0, 0.0
+    for a in acts:
+        t = type(a)
+        stash += (t is A.Forward) - (t is A.Backward or t is A.BackwardInput)
+        if t is A.BackwardInput:
+            kept += weight_store_bytes(plan, cost, a.shard)
+        elif t is A.BackwardWeight:
+            kept -= weight_store_bytes(plan, cost, a.shard)
+        yield stash, kept
+
+
 def activation_peaks(plan: Plan, cost: CostModel, store: bool = False) -> list:
     """Per rank, the most activation bytes held at once (``store``: the weight-gradient store's part of
     that peak instead)."""
@@ -411,14 +425,8 @@ def activation_peaks(plan: Plan, cost: CostModel, store: bool = False) -> list:
     per_stash = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     out = []
     for acts in plan.actions:
-        stash, kept, best, best_kept = 0, 0.0, 0.0, 0.0
-        for a in acts:
-            t = type(a)
-            stash += (t is A.Forward) - (t is A.Backward or t is A.BackwardInput)
-            if t is A.BackwardInput:
-                kept += weight_store_bytes(plan, cost, a.shard)
-            elif t is A.BackwardWeight:
-                kept -= weight_store_bytes(plan, cost, a.shard)
+        best, best_kept = 0.0, 0.0
+        for stash, kept in held_after_each(plan, cost, acts):
             held = stash * per_stash + kept
             if held > best:
                 best, best_kept = held, kept
