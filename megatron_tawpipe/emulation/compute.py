@@ -38,7 +38,7 @@ import torch
 
 from megatron_tawpipe.sim.costmodel import MEASURED_INFO_KEYS, MEASURED_MEMORY_KEYS
 from megatron_tawpipe.sim.costmodel import MEASURED_TIME_KEYS as TIME_KEYS
-from megatron_tawpipe.sim.costmodel import measured_time_scale
+from megatron_tawpipe.sim.costmodel import measured_time_scale, weight_store_values_per_token
 
 INFO_KEYS = MEASURED_INFO_KEYS + MEASURED_MEMORY_KEYS   # read by the simulator's memory model, not slept
 
@@ -246,7 +246,7 @@ class EmulatedShardCompute:
         heads = args.num_attention_heads
         groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
         kv = H * groups // heads if groups else H
-        per_token = (3 * H + ffn) + (3 * H + 2 * kv + 2 * ffn)
+        per_token = weight_store_values_per_token(H, ffn, kv)
         itemsize = torch.empty((), dtype=self.model.compute_dtype).element_size()
         return self.layers[shard] * tokens * per_token * itemsize // self.tp
 

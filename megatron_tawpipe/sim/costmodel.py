@@ -73,6 +73,13 @@ BACKENDS = {
 GLOO_PAIR_DUPLEX_BYTES = 256 * 2 ** 10
 
 
+def weight_store_values_per_token(hidden: float, ffn: float, kv: float) -> float:
+    """Values a split backward keeps per token and decoder layer between its two passes: every linear
+    layer's input (QKV, projection, FC1: ``hidden`` each; FC2: ``ffn``) and output gradient (QKV:
+    ``hidden + 2 kv``, projection and FC2: ``hidden``, the gated FC1: ``2 ffn``)."""
+    return (3 * hidden + ffn) + (3 * hidden + 2 * kv + 2 * ffn)
+
+
 @dataclass(frozen=True)
 class CostModel:
     layer_forward: float                  # s per layer per micro-batch
@@ -163,7 +170,7 @@ class CostModel:
                    # outputs of QKV, the attention projection, the (gated) FC1 and FC2
                    layer_output_grad_bytes=tokens * (3 * H + 2 * kv + 2 * ffn) * dtype_bytes,
                    # linear inputs (QKV, projection, FC1: H each; FC2: ffn) and their output gradients
-                   layer_weight_store_bytes=tokens * ((3 * H + ffn) + (3 * H + 2 * kv + 2 * ffn)) * dtype_bytes,
+                   layer_weight_store_bytes=tokens * weight_store_values_per_token(H, ffn, kv) * dtype_bytes,
                    tokens_per_microbatch=tokens,
                    replicated_params=(2 if untied_embeddings else 1) * vocab_size * H + H,
                    embedding_params=vocab_size * H, tied_embeddings=not untied_embeddings,
