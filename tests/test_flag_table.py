@@ -123,10 +123,11 @@ def test_refused_flags_give_one_line_naming_them():
         assert message.startswith(row.flag) and "\n" not in message and row.reason in message, (row, message)
 
 
-def test_a_refused_flag_is_refused_whatever_its_value():
-    """Refused means refused: also at Megatron-LM's own default value (the answer never depends on a release's
-    defaults)."""
+def test_a_refused_flag_is_refused_at_megatron_lms_default_too():
+    """Refused means refused for every value the table does not accept (tests/test_flag_values.py has those):
+    also at Megatron-LM's own default value (the answer never depends on a release's defaults)."""
     assert (TABLE["--moe-router-topk"].default_value, TABLE["--fp8-recipe"].default_value) == (2, "delayed")
+    assert TABLE["--moe-router-topk"].accepted_values == TABLE["--fp8-recipe"].accepted_values == []
     for argv, message in ((["--moe-router-topk", "2"], "--moe-router-topk 2: mixture-of-experts"),
                           (["--fp8-recipe", "delayed"], "--fp8-recipe delayed: fp8 training is not supported yet")):
         with pytest.raises(ArgumentError, match="^" + message):

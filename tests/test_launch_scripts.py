@@ -193,6 +193,22 @@ def test_scripts_are_recorded_with_sources():
         assert all(swap["why"] for swap in script["replaced"]), name
 
 
+def test_published_off_values_are_answered_by_their_value():
+    """A refused flag that a script gives the value asking for what this project does (NVIDIA's
+    gpt3_mcore_reruns_disable gives --rerun-mode disabled) is accepted for that value, with its notice."""
+    from megatron_tawpipe.compat.flag_table import read_table
+
+    table = read_table()
+    answered = []
+    for name in SCRIPTS:
+        for flag, value in cpu_items(load_script(name)):
+            row = table.get(flag)
+            if row is not None and row.accepted_values:
+                assert row.answer(value) == ("no-effect", row.no_effect_reason), (name, flag, value)
+                answered.append((flag, value))
+    assert ("--rerun-mode", "disabled") in answered
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_nothing_but_the_listed_swaps_leaves_the_command_line(script, tmp_path):
     """Every flag of the script reaches the command line with its value, or its scaled value; only the flags a

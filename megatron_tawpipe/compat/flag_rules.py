@@ -4,7 +4,9 @@ table (:mod:`megatron_tawpipe.compat.flag_table`).
 A flag is ``no-effect`` (accepted; one notice per job with the reason) only where it cannot change the
 math, the data order or what is saved: a GPU kernel or memory-placement choice, a logging or profiling
 switch with no target here, a fault-tolerance service that is not used. Everything else is ``refused``
-in one line saying what it needs or what to use instead. :data:`EXPLICIT` names single flags;
+in one line saying what it needs or what to use instead; the values of a refused flag that ask for what
+this project does (``--rerun-mode disabled``) are accepted by the rules of
+:mod:`megatron_tawpipe.compat.flag_values`. :data:`EXPLICIT` names single flags;
 :data:`FAMILIES` whole families by prefix (first match wins; explicit entries are looked up first).
 """
 

@@ -5,6 +5,10 @@ recorded releases, how many values it takes, Megatron-LM's default, the releases
 * ``no-effect`` -- accepted; when given, one notice per job says why nothing changes;
 * ``refused`` -- one line says what it needs or what to use instead.
 
+A refused flag that takes a value may list the values that ask for what this project does
+(``no_effect_values``, a JSON list, with ``no_effect_reason``): those take the ``no-effect`` class, every
+other value the flag's class (:mod:`megatron_tawpipe.compat.flag_values` has the rules).
+
 The raw flag lists (``flag_data/raw_<source>.tsv``) are what Megatron-LM's own parsers define, recorded by
 ``tools/megatron_lm_flags.py record``; :func:`build_table` classifies them with the rules of
 :mod:`megatron_tawpipe.compat.flag_rules` and the flags the project's parser implements, and
@@ -22,6 +26,7 @@ import json
 import os
 from typing import Dict, Iterable, List, Mapping, Sequence
 
+from megatron_tawpipe.compat import flag_values
 from megatron_tawpipe.compat.flag_rules import NO_EFFECT, REFUSED, classify
 
 IMPLEMENTED = "implemented"
@@ -34,7 +39,7 @@ TABLE_PATH = os.path.join(DATA_DIR, "megatron_lm_flags.tsv")
 SOURCES = ("0.16", "0.19", "main")
 DEEPSPEED = "megatron-deepspeed"
 UNKNOWN = "?"
-_COLUMNS = ("flag", "nargs", "default", "releases", "class", "reason")
+_COLUMNS = ("flag", "nargs", "default", "releases", "class", "reason", "no_effect_values", "no_effect_reason")
 
 
 def raw_path(source: str) -> str:
@@ -57,11 +62,24 @@ class Row:
     releases: str
     cls: str
     reason: str
+    no_effect_values: str = "[]"    # JSON list: the values that take the no-effect class (refused flags only)
+    no_effect_reason: str = ""
 
     @property
     def default_value(self):
         """Megatron-LM's default as a Python value; ``UNKNOWN`` where the table records none."""
         return UNKNOWN if self.default == UNKNOWN else json.loads(self.default)
+
+    @property
+    def accepted_values(self) -> List[str]:
+        """The values of a refused flag that are accepted with a notice (empty for the other classes)."""
+        return json.loads(self.no_effect_values)
+
+    def answer(self, values):
+        """(class, reason) for the flag given ``values`` (a string, a list, or None for no value)."""
+        if self.cls == REFUSED and flag_values.matches(values, self.accepted_values):
+            return NO_EFFECT, self.no_effect_reason
+        return self.cls, self.reason
 
 
 # ---- reading Megatron-LM's parser -------------------------------------------------------------------
@@ -144,12 +162,17 @@ def build_table(raw: Mapping[str, Sequence[RawFlag]], implemented: Iterable[str]
             cls, reason = IMPLEMENTED, ""
         else:
             cls, reason = classify(flag, deepspeed_only=releases == DEEPSPEED)
-        rows.append(Row(flag, nargs, default, releases, cls, reason))
+        rule = flag_values.VALUE_RULES.get(flag) if cls == REFUSED and nargs != "0" else None
+        if rule is None:
+            rows.append(Row(flag, nargs, default, releases, cls, reason))
+        else:
+            rows.append(Row(flag, nargs, default, releases, cls, reason, json.dumps(list(rule.values)), rule.reason))
     return rows
 
 
 def format_table(rows: Sequence[Row]) -> str:
     counts = {cls: sum(1 for r in rows if r.cls == cls) for cls in CLASSES}
+    valued = [r for r in rows if r.accepted_values]
     header = [
         "# Megatron-LM's flags and how pretrain_llama.py answers each: written by",
         "#   python tools/megatron_lm_flags.py table",
@@ -159,10 +182,21 @@ def format_table(rows: Sequence[Row]) -> str:
         "# nargs: values the flag takes; default: Megatron-LM's (JSON, '?' unknown); releases: 0.16 (Megatron-LM",
         "# core_v0.16.1), 0.19 (megatron-core 0.19.2), main (an earlier list of Megatron-LM main's flags),",
         f"# {DEEPSPEED} (Megatron-DeepSpeed's own).",
+        "# no_effect_values (JSON) and no_effect_reason: the values of a refused flag that ask for what",
+        "# pretrain_llama.py does (a feature off, a count of zero, a mode it implements), accepted with one",
+        "# notice; every other value takes the flag's class. Rows without such values end after reason.",
+        f"# {sum(len(r.accepted_values) for r in valued)} (flag, value) rules over {len(valued)} flags "
+        "(megatron_tawpipe/compat/flag_values.py).",
         "\t".join(_COLUMNS),
     ]
-    lines = ["\t".join((r.flag, r.nargs, r.default, r.releases, r.cls, r.reason)) for r in rows]
+    lines = ["\t".join(_fields(r)) for r in rows]
     return "\n".join(header + lines) + "\n"
+
+
+def _fields(row: Row) -> tuple:
+    """A row's columns; a row without values of its own ends after the reason."""
+    fields = dataclasses.astuple(row)
+    return fields if row.accepted_values else fields[:len(_COLUMNS) - 2]
 
 
 def parse_table(text: str) -> Dict[str, Row]:
@@ -171,7 +205,7 @@ def parse_table(text: str) -> Dict[str, Row]:
         if line.startswith("#") or not line.strip() or line.startswith("flag\t"):
             continue
         fields = line.split("\t")
-        if len(fields) != len(_COLUMNS):
+        if len(fields) not in (len(_COLUMNS) - 2, len(_COLUMNS)):
             raise ValueError(f"{TABLE_PATH}: malformed row {line!r}")
         row = Row(*fields)
         if row.cls not in CLASSES:

@@ -9,13 +9,16 @@ installed megatron-core, so they are the same under every release:
   meaning and default;
 * every other flag of the table is registered by :func:`add_compat_args` with its number of values and
   answered by :func:`settle_compat_flags`: a ``no-effect`` flag gives one notice per job saying why, a
-  ``refused`` flag one line saying what it needs or what to use instead, whatever its value;
+  ``refused`` flag one line saying what it needs or what to use instead -- unless its value is one the
+  table accepts for it (a value asking for what this project does, such as ``--rerun-mode disabled``),
+  which gives one notice; the refusal names those values;
 * a word the table does not know stays argparse's "unrecognized arguments".
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Dict, List, Sequence
 
 from megatron_tawpipe.compat.flag_rules import REFUSED
@@ -64,30 +67,36 @@ def _shown(flag: str, values) -> str:
     if values is None:
         return flag
     if isinstance(values, (list, tuple)):
-        return " ".join([flag] + [str(v) for v in values])
-    return f"{flag} {values}"
+        return " ".join([flag] + [shlex.quote(str(v)) for v in values])
+    return f"{flag} {shlex.quote(str(values))}"
 
 
 def refusal(flag: str, values, row: Row) -> str:
-    """The one line that refuses a flag."""
+    """The one line that refuses a flag (naming the values the table accepts for it, if any)."""
     if row.reason.startswith("a Megatron"):      # no rule names it: the generic refusal
-        return f"{flag} is {row.reason}"
-    return f"{_shown(flag, values)}: {row.reason}"
+        line = f"{flag} is {row.reason}"
+    else:
+        line = f"{_shown(flag, values)}: {row.reason}"
+    accepted = row.accepted_values
+    if accepted:
+        line += "; accepted: " + " or ".join(f"{flag} {shlex.quote(value)}" for value in accepted)
+    return line
 
 
 def settle_compat_flags(args: argparse.Namespace) -> List[str]:
     """Answer the table's flags given in ``args`` (removing them): raise ValueError with one line for the
-    first refused flag, else return one notice per flag given (each flag once)."""
+    first refused (flag, value), else return one notice per flag given (each flag once)."""
     given = vars(args).pop(GIVEN, [])
     table = read_table()
-    notices, seen = [], set()
-    for flag, values in given:
-        if table[flag].cls == REFUSED:
+    answers = [(flag, values) + table[flag].answer(values) for flag, values in given]
+    for flag, values, cls, _reason in answers:
+        if cls == REFUSED:
             raise ValueError(refusal(flag, values, table[flag]))
-    for flag, values in given:
+    notices, seen = [], set()
+    for flag, values, _cls, reason in answers:
         if flag not in seen:
             seen.add(flag)
-            notices.append(f"{_shown(flag, values)}: {table[flag].reason}")
+            notices.append(f"{_shown(flag, values)}: {reason}")
     return notices
 
 
