@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 import os
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -125,6 +126,7 @@ class CollectiveCounter:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._originals: Dict[Tuple[object, str], object] = {}
+        self.uncounted: Dict[str, int] = {}   # calls whose bytes could not be counted, per kind
 
     def node_of(self, rank: int) -> int:
         return int(rank) // self.ranks_per_node
@@ -190,8 +192,8 @@ class CollectiveCounter:
             try:
                 try:
                     counter._count_call(kind, signature.bind(*args, **kwargs).arguments)
-                except Exception:   # never let counting break a run: the call itself reports bad arguments
-                    pass
+                except Exception as exc:  # noqa: BLE001 - counting never breaks a run; the call reports bad arguments
+                    counter._skipped(kind, exc)
                 return original(*args, **kwargs)
             finally:
                 counter._local.inside = False
@@ -199,6 +201,16 @@ class CollectiveCounter:
         counted.__wrapped__ = original
         counted.__name__ = getattr(original, "__name__", kind)
         return counted
+
+    def _skipped(self, kind: str, exc: BaseException) -> None:
+        """A call not counted: tallied per kind (in the rank's file), said once per kind on stderr."""
+        with self._lock:
+            first = kind not in self.uncounted
+            self.uncounted[kind] = self.uncounted.get(kind, 0) + 1
+        if first:
+            print(f"collective bytes, rank {self.rank}: a {kind} call was not counted ({type(exc).__name__}: "
+                  f"{exc}); this run's counts leave such calls out (their number is in the rank's file)",
+                  file=sys.stderr, flush=True)
 
     def _count_call(self, kind: str, a: dict) -> None:
         import torch.distributed as dist
@@ -245,7 +257,8 @@ class CollectiveCounter:
             return {"rank": self.rank, "node": self.node_of(self.rank), "ranks_per_node": self.ranks_per_node,
                     "totals": dict(self.totals), "iterations": [dict(i) for i in self.iterations],
                     "formula_iterations": list(self.formula_iterations),
-                    "by_formula": {k: dict(v) for k, v in self.by_formula.items()}}
+                    "by_formula": {k: dict(v) for k, v in self.by_formula.items()},
+                    "uncounted": dict(self.uncounted)}
 
     def write(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)
@@ -330,7 +343,9 @@ def summarize_counts(ranks: List[dict], train_iters: int, warmup: int) -> Option
             "intra_node_bytes_per_iteration": per_iteration["intra"],
             "inter_node_bytes_whole_run_per_iteration": sum(r["totals"]["inter"] for r in ranks) / iters,
             "intra_node_bytes_whole_run_per_iteration": sum(r["totals"]["intra"] for r in ranks) / iters,
-            "formulas": formulas, "formulas_per_iteration": measured}
+            "formulas": formulas, "formulas_per_iteration": measured,
+            "uncounted_calls": {kind: sum(r.get("uncounted", {}).get(kind, 0) for r in ranks)
+                                for kind in sorted({k for r in ranks for k in r.get("uncounted", {})})}}
 
 
 FORMULA_TEXT = {

@@ -24,10 +24,12 @@ import functools
 import multiprocessing as mp
 import os
 import queue
+import sys
 from typing import List, Optional
 
 _calls = None            # megatron-core's AsyncCallsQueue, made at the first async save
 _results_queues: dict = {}  # the writer's results queue, per kind of worker
+_reported = False           # whether a writer was told to say that its priority could not be set
 
 
 def enabled(args) -> bool:
@@ -67,9 +69,12 @@ def use_results_queue(args) -> None:
     filesystem_async._results_queue = _results_queues[kind]
 
 
-def _write_with_priority(cpu_priority: Optional[int], io_priority: Optional[int], write, *args, **kwargs):
+def _write_with_priority(cpu_priority: Optional[int], io_priority: Optional[int], report: bool, write, *args,
+                         **kwargs):
     """The writer process's body: lower its CPU priority (``--async-ckpt-cpu-priority``: a nice value, raised
-    to the target, at most 19, never lowered) and I/O class (``--async-ckpt-io-priority``, 3 = idle), then write."""
+    to the target, at most 19, never lowered) and I/O class (``--async-ckpt-io-priority``, 3 = idle), then write.
+    A priority that cannot be set (no psutil, class 1 without privileges) leaves the writer at its parent's;
+    ``report``: say so (the first background save of the run does)."""
     if cpu_priority is not None:
         current = os.nice(0)
         target = min(int(cpu_priority), 19)
@@ -80,18 +85,23 @@ def _write_with_priority(cpu_priority: Optional[int], io_priority: Optional[int]
             import psutil
 
             psutil.Process().ionice(int(io_priority))
-        except (ImportError, OSError, ValueError, AttributeError):  # class 1 (real time) needs privileges
-            pass
+        except (ImportError, OSError, ValueError, AttributeError) as exc:  # class 1 (real time) needs privileges
+            if report:
+                print(f"--async-ckpt-io-priority {io_priority}: not applied to the checkpoint writer "
+                      f"({type(exc).__name__}: {exc}); it writes at the training process's I/O priority",
+                      file=sys.stderr, flush=True)
     return write(*args, **kwargs)
 
 
 def schedule(request, args) -> None:
     """Start the background write of ``request`` (every rank calls it); a save still pending is finalized first."""
+    global _reported
     finalize(blocking=True)
     if request.async_fn is not None:
         request = request._replace(async_fn=functools.partial(
             _write_with_priority, getattr(args, "async_ckpt_cpu_priority", None),
-            getattr(args, "async_ckpt_io_priority", None), request.async_fn))
+            getattr(args, "async_ckpt_io_priority", None), not _reported, request.async_fn))
+        _reported = True
     _calls_queue(args).schedule_async_request(request)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from typing import Optional
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,23 @@ def delete_checkpoint(root: str, iteration: int, latest: int) -> Optional[str]:
     if not os.path.isdir(path):
         return None
     doomed = path + ".deleting"
-    shutil.rmtree(doomed, ignore_errors=True)
+    if os.path.lexists(doomed):   # left by a run killed while deleting: never a checkpoint, never read
+        _remove(doomed)
     os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    _remove(doomed)
     return path
+
+
+def _remove(path: str) -> None:
+    """Remove a renamed-away checkpoint; what cannot be removed (permissions, a busy file system) is said once
+    per path and left: the run goes on, the tracker still names a complete checkpoint."""
+    failures = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _function, name, exc: failures.append((name, exc)))
+    else:
+        shutil.rmtree(path, onerror=lambda _function, name, info: failures.append((name, info[1])))
+    if failures:
+        name, exc = failures[0]
+        logger.warning("--save-retain-interval: %s could not be removed (%d entr%s, first %s: %s); remove it by "
+                       "hand, it is never loaded", path, len(failures), "y" if len(failures) == 1 else "ies",
+                       name, exc)

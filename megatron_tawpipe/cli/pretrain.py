@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, List, Optional
 
-from megatron_tawpipe.common.exit_record import EXIT_STATUS, REFUSED, REPEATABLE, record_exit
+from megatron_tawpipe.common.exit_record import EXIT_STATUS, REFUSED, REPEATABLE, STOPPED, record_exit
 
 
 def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.py",
@@ -47,7 +47,7 @@ def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.p
     from megatron_tawpipe.training.forward_step import gpt_forward_step
 
     try:
-        pretrain(args, forward_step_func or gpt_forward_step, trainer_factory=trainer_factory)
+        records = pretrain(args, forward_step_func or gpt_forward_step, trainer_factory=trainer_factory)
     except (DistributedSetupError, CheckpointSetupError) as exc:  # the same command cannot succeed
         return _fail(prog, exc, REFUSED)
     except PeerFailure as exc:   # a peer stopped or is unreachable: a restart can fix it (nothing recorded)
@@ -57,7 +57,11 @@ def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.p
         return _fail(prog, exc, REPEATABLE)
     finally:
         destroy()
-    return 0
+    reason = getattr(records, "stop_reason", None)
+    if reason:   # stopped on request: status 0, recorded so that the launch scripts do not restart it
+        last = records[-1].iteration if records else None
+        record_exit(STOPPED, f"stopped after iteration {last}: {reason}")
+    return EXIT_STATUS[STOPPED] if reason else 0
 
 
 def _fail(prog: str, exc: BaseException, kind: str) -> int:

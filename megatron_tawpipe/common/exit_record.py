@@ -10,6 +10,9 @@ for every attempt): one file ``rank<R>.<kind>`` holding the error line, written 
 * ``repeatable`` (exit status 3): training failed in a way that recurs from the same checkpoint with the
   same data (a NaN or Inf loss or gradient, a checkpoint that does not load, a plan action that cannot
   run);
+* ``stopped`` (exit status 0, as Megatron-LM's): the run stopped on request before ``--train-iters``
+  (``--exit-signal-handler`` after its signal, ``--exit-interval``, ``--exit-duration-in-mins``), with a
+  checkpoint saved when ``--save`` is given; the launch scripts do not restart it, a later launch resumes;
 * a rank that lost a peer, timed out or was killed records nothing: a restart can fix that.
 """
 
@@ -21,12 +24,12 @@ from typing import Mapping, Optional
 from megatron_tawpipe.common.atomic import atomic_write_text
 
 ENV = "TAWPIPE_EXIT_DIR"
-REFUSED, REPEATABLE = "refused", "repeatable"
-EXIT_STATUS = {REFUSED: 2, REPEATABLE: 3}
+REFUSED, REPEATABLE, STOPPED = "refused", "repeatable", "stopped"
+EXIT_STATUS = {REFUSED: 2, REPEATABLE: 3, STOPPED: 0}
 
 
 def record_exit(kind: str, line: str, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Record that this rank ends for ``kind`` with the error ``line`` when ``TAWPIPE_EXIT_DIR`` is set;
+    """Record that this rank ends for ``kind`` with the line ``line`` when ``TAWPIPE_EXIT_DIR`` is set;
     returns whether it was recorded (the launch script then prints the line, once for all ranks)."""
     if kind not in EXIT_STATUS:
         raise ValueError(f"unknown exit kind {kind!r}; known: {', '.join(EXIT_STATUS)}")

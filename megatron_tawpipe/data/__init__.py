@@ -26,7 +26,8 @@ from megatron_tawpipe.data.preprocess import (indexed_dataset_path, iter_documen
                                               write_indexed_dataset)
 from megatron_tawpipe.data.validation import check_data_files, parse_data_path, parse_split, validate_data_args
 from megatron_tawpipe.data.dataset_builder import build_datasets, dataset_sizes
-from megatron_tawpipe.data.iterators import (MicroBatchSampler, RandomMicroBatchSampler, build_data_iterator,
+from megatron_tawpipe.data.iterators import (DataIterator, MicroBatchSampler, RandomMicroBatchSampler,
+                                             build_data_iterator, close_all_data_iterators, close_data_iterators,
                                              get_batch)
 
 __all__ = [
@@ -45,7 +46,10 @@ __all__ = [
     "build_datasets",
     "MicroBatchSampler",
     "RandomMicroBatchSampler",
+    "DataIterator",
     "build_data_iterator",
+    "close_data_iterators",
+    "close_all_data_iterators",
     "get_batch",
     "train_sentencepiece",
     "iter_documents",

@@ -7,7 +7,9 @@ cyclic``: Megatron-LM's random sampler instead).
 
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from typing import Dict, Iterator, List, Optional
 
 
@@ -100,10 +102,85 @@ class RandomMicroBatchSampler:
             consumed = (epoch + 1) * self.active
 
 
+class DataIterator:
+    """A rank's micro-batch iterator over a ``torch.utils.data.DataLoader``, which its owner ends.
+
+    ``next()`` gives the next batch; :meth:`close` ends the loader's worker processes at once (each worker
+    returns from its loop and is joined), whatever else still refers to the iterator. The training loop closes
+    its iterators when training ends, fails or stops on a signal; an iterator left open is closed when the
+    interpreter exits, before multiprocessing joins its children (a worker that leaves ``--exit-signal`` to its
+    rank would otherwise never end). A worker whose rank dies ends on its own within seconds (the loader's
+    workers watch their parent).
+    """
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+        self._iterator = iter(loader)
+        _live_iterators().add(self)
+
+    def __iter__(self) -> "DataIterator":
+        return self
+
+    def __next__(self):
+        if self._iterator is None:
+            raise StopIteration
+        return next(self._iterator)
+
+    @property
+    def closed(self) -> bool:
+        return self._iterator is None
+
+    def close(self) -> None:
+        """End the worker processes now (idempotent). Later ``next()`` calls raise ``StopIteration``."""
+        iterator, self._iterator, self._loader = self._iterator, None, None
+        if iterator is None:
+            return
+        # torch's multi-process loader iterator shuts its workers down (a stop message to each, a join, then a
+        # terminate for any that hangs) in this method, which it otherwise runs only when garbage collected.
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self) -> "DataIterator":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+
+_LIVE: Optional["weakref.WeakSet[DataIterator]"] = None
+
+
+def _live_iterators() -> "weakref.WeakSet[DataIterator]":
+    global _LIVE
+    if _LIVE is None:
+        _LIVE = weakref.WeakSet()
+        # Registered after multiprocessing's own exit handler (imported with torch): runs before it.
+        atexit.register(close_all_data_iterators)
+    return _LIVE
+
+
+def close_all_data_iterators() -> int:
+    """Close every data iterator of this process still open; returns how many were."""
+    if _LIVE is None:
+        return 0
+    open_ones = [it for it in list(_LIVE) if not it.closed]
+    for iterator in open_ones:
+        iterator.close()
+    return len(open_ones)
+
+
+def close_data_iterators(iterators) -> None:
+    """Close each of ``iterators`` (None entries and iterators of other kinds are skipped)."""
+    for iterator in iterators or ():
+        if isinstance(iterator, DataIterator):
+            iterator.close()
+
+
 def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
                         consumed_samples: int, *, num_workers: int = 0, cyclic: bool = False,
                         pin_memory: Optional[bool] = None, ignore_signal: Optional[int] = None,
-                        dataloader_type: str = "single", device=None) -> Optional[Iterator[Dict[str, "object"]]]:
+                        dataloader_type: str = "single", device=None) -> Optional[DataIterator]:
     """Iterator over this data-parallel rank's micro-batches (dicts of batched CPU tensors).
 
     Deterministic and resumable: the batches after ``consumed_samples`` (global samples,
@@ -113,6 +190,7 @@ def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: i
     dataset (ranks that build no data).  Worker processes ignore ``ignore_signal`` (the signal
     ``--exit-signal-handler`` leaves to the training process).  ``pin_memory`` None (the default) pins
     the batches when they go to a GPU (:func:`pin_memory_for` of ``device``, default this rank's device).
+    The caller ends the workers with :meth:`DataIterator.close`.
     """
     if dataset is None:
         return None
@@ -133,11 +211,10 @@ def build_data_iterator(dataset, micro_batch_size: int, dp_rank: int, dp_size: i
         batch_sampler=sampler,
         num_workers=int(num_workers),
         pin_memory=bool(pin_memory),
-        persistent_workers=int(num_workers) > 0,
         worker_init_fn=(functools.partial(_ignore_signal_in_worker, ignore_signal)
                         if ignore_signal is not None and int(num_workers) > 0 else None),
     )
-    return iter(loader)
+    return DataIterator(loader)
 
 
 def pin_memory_for(device) -> bool:

@@ -22,7 +22,7 @@ from megatron_tawpipe.monitor import exits
 from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.arguments import is_weight_passing
 from megatron_tawpipe.checkpoint import close_async_saves, finalize_async_saves, load_checkpoint, save_checkpoint
-from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer
+from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer, close_data_iterators
 from megatron_tawpipe.distributed.initialize import initialize_distributed, initialize_model_parallel
 from megatron_tawpipe.monitor.metrics import (IterationRecord, MetricsWriter, held_memory_bytes, max_over_ranks, mean_over_ranks,
                                       peak_memory_bytes)
@@ -104,11 +104,14 @@ def evaluate(trainer, dataset, args) -> Optional[float]:
     iterators = _data_iterators(dataset, args, trainer.num_data_iterators, 0)
     loss_sum = tokens = 0.0
     board = progress.board()
-    for _ in range(args.eval_iters):
-        with board.step(board.iteration, "evaluation step"):
-            step_sum, step_tokens = trainer.eval_step(iterators)
-        loss_sum += step_sum
-        tokens += step_tokens
+    try:
+        for _ in range(args.eval_iters):
+            with board.step(board.iteration, "evaluation step"):
+                step_sum, step_tokens = trainer.eval_step(iterators)
+            loss_sum += step_sum
+            tokens += step_tokens
+    finally:
+        close_data_iterators(iterators)
     return loss_sum / max(tokens, 1.0)
 
 
@@ -187,12 +190,13 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
     board = TensorboardLog(args, _is_writer())
     # One loader per model chunk: worker processes are for the single-chunk case (Megatron-LM's --num-workers).
     workers = args.num_workers if trainer.num_data_iterators == 1 else 0
-    train_iterators = _data_iterators(train_ds, args, trainer.num_data_iterators, consumed_samples, workers)
-    records: List[IterationRecord] = []
+    records = TrainingRecords()
     last_saved = iteration if args.load else None
     stop = exits.ExitConditions(args, started)
     reason = None
+    train_iterators = []
     try:
+        train_iterators = _data_iterators(train_ds, args, trainer.num_data_iterators, consumed_samples, workers)
         while iteration < args.train_iters:
             batch = batch_schedule.apply(args, consumed_samples)
             start = time.perf_counter()
@@ -250,13 +254,22 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
         if reason and _is_writer():
             print(f" exiting after iteration {iteration}: {reason}", flush=True)
     finally:
+        close_data_iterators(train_iterators)  # their worker processes end now, not when garbage collected
         close_async_saves(abort=True)  # a failed run: unfinished background saves never become the latest
         stop.close()
         board.close()
         writer.close()
         trainer.close()
     print_closing_summary(args, records, iteration, reason, started, _is_writer())
+    records.stop_reason = reason
     return records
+
+
+class TrainingRecords(list):
+    """The run's iteration records; ``stop_reason`` says why it stopped before ``--train-iters`` (an exit flag
+    or ``--exit-signal``), None when it ran them all."""
+
+    stop_reason: Optional[str] = None
 
 
 def _check_batch_layout(args, consumed_samples: int) -> None:

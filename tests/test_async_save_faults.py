@@ -1,0 +1,136 @@
+"""Background saves under faults: ``--async-save`` with ``--save-retain-interval``, a save every iteration, ranks
+SIGKILLed at random during training and during background saves under the multi-node launch script (which
+restarts from the latest checkpoint). Nothing is lost: the tracker never names a half-written, ``.tmp`` or
+``.deleting`` folder, retention never deletes the newest complete checkpoint, and the losses equal an
+uninterrupted run's."""
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+from distributed_harness import free_port
+from job_processes import ended, job_pids, start
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
+ITERS, RETAIN = 10, 4
+FLAGS = ["--tawpipe-num-groups", "2", "--async-save", "--save-retain-interval", str(RETAIN),
+         "--ckpt-format", "torch_dist"]
+
+
+def _env(out_dir, restarts):
+    env = dict(os.environ, NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               GPUS_PER_NODE="2", BACKEND="gloo", SCHEDULE="tawpipe", NUM_LAYERS="4", HIDDEN="64", FFN="128",
+               HEADS="4", SEQ="64", GLOBAL_BATCH="4", TRAIN_ITERS=str(ITERS), WARMUP_ITERS="2", VOCAB_SIZE="256",
+               OUT_DIR=str(out_dir), LOG_INTERVAL="1", EVAL_INTERVAL="1000", EVAL_ITERS="0", SAVE_INTERVAL="1",
+               MAX_RESTARTS=str(restarts), RESTART_DELAY_S="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    return env
+
+
+def _metrics(path):
+    last = {}
+    if os.path.exists(path):
+        for line in open(path, encoding="utf-8"):
+            if line.strip():
+                record = json.loads(line)
+                last[record["iteration"]] = record
+    return last
+
+
+def _rank_pids(job):
+    """pid -> LOCAL_RANK of the ranks (torchrun's workers) of ``job``, not their writers or loader workers."""
+    ranks = {}
+    for pid in job_pids(job):
+        environ = _environ(pid)
+        local = [v for v in environ if v.startswith(b"LOCAL_RANK=")]
+        try:
+            parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if local and not any(v.startswith(b"LOCAL_RANK=") for v in _environ(parent)):
+            ranks[pid] = int(local[0].split(b"=")[1])
+    return ranks
+
+
+def _environ(pid):
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return []
+
+
+def _check_tracker(checkpoints, problems):
+    """The tracker names a complete checkpoint: its folder in place (not .tmp or .deleting) with its metadata."""
+    tracker = os.path.join(checkpoints, "latest_checkpointed_iteration.txt")
+    try:
+        named = open(tracker).read().strip()
+    except OSError:
+        return None
+    if not named:
+        return None
+    folder = os.path.join(checkpoints, f"iter_{int(named):07d}")
+    # Read the folder after the tracker: a newer checkpoint may replace both in between, never the reverse.
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        again = open(tracker).read().strip()
+        if again == named:
+            problems.append(f"the tracker names iteration {named}, whose folder is missing or incomplete: "
+                            f"{sorted(os.listdir(checkpoints))}")
+    return int(named)
+
+
+def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
+    seed = random.SystemRandom().randrange(1 << 30)
+    draw = random.Random(seed)
+    reference = tmp_path / "reference"
+    subprocess.run(["bash", SCRIPT, *FLAGS], env=_env(reference, 0), cwd=ROOT, check=True, timeout=600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    expected = _metrics(reference / "metrics.jsonl")
+    assert sorted(expected) == list(range(1, ITERS + 1))
+
+    run = tmp_path / "faulted"
+    checkpoints = str(run / "checkpoints")
+    proc = start(["bash", SCRIPT, *FLAGS], tmp_path / "faulted.log", _env(run, 4), ROOT)
+    # Two kills: one while no background save is in flight, one while one is (its iter_*.tmp folder exists);
+    # each at a random iteration, of a random rank.
+    plan = [("training", draw.randint(2, 4)), ("saving", draw.randint(5, 7))]
+    kills, problems = [], []
+    deadline = time.monotonic() + 900
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            latest = _check_tracker(checkpoints, problems)
+            if plan and latest is not None:
+                moment, after = plan[0]
+                saving = bool(glob.glob(os.path.join(checkpoints, "iter_*.tmp")))
+                done = max(_metrics(run / "metrics.jsonl"), default=0)
+                if done >= after and saving == (moment == "saving"):
+                    ranks = _rank_pids(proc.job)
+                    if len(ranks) == 2:
+                        pid = draw.choice(sorted(ranks))
+                        os.kill(pid, signal.SIGKILL)
+                        kills.append((moment, done, ranks[pid], latest))
+                        plan.pop(0)
+            time.sleep(0.01)
+    finally:
+        _, left = ended(proc, 0 if proc.poll() is None else 30)
+    text = open(tmp_path / "faulted.log").read()
+    assert not left, f"processes left behind: {left}"
+    assert proc.wait() == 0, f"seed {seed}, kills {kills}\n" + text[-3000:]
+    assert not problems, f"seed {seed}: {problems[:3]}"
+    assert [k[0] for k in kills] == ["training", "saving"], f"seed {seed}: kills {kills}"
+    assert text.count("from the latest checkpoint") >= 2, text[-3000:]
+
+    ours = _metrics(run / "metrics.jsonl")
+    assert sorted(ours) == list(range(1, ITERS + 1))
+    assert [ours[i]["lm_loss"] for i in ours] == [expected[i]["lm_loss"] for i in ours], f"seed {seed}, kills {kills}"
+    # What retention keeps: the multiples of --save-retain-interval and the latest; nothing half-written remains
+    # where a checkpoint is looked for.
+    kept = sorted(name for name in os.listdir(checkpoints) if name.startswith("iter_"))
+    complete = [name for name in kept if name[5:].isdigit()]
+    assert complete == [f"iter_{i:07d}" for i in range(1, ITERS + 1) if i % RETAIN == 0 or i == ITERS], kept
+    assert open(os.path.join(checkpoints, "latest_checkpointed_iteration.txt")).read().strip() == str(ITERS)

@@ -1,0 +1,228 @@
+"""A job always ends: after the run summary, after an error, on SIGTERM with and without
+``--exit-signal-handler``, every process of the job (torchrun, the ranks, their data-loader workers) is gone
+within seconds; a signalled stop saves, exits with the documented status and resumes exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distributed_harness import free_port
+from job_processes import ended as _ended, job_pids as _job_pids, signal_job as _signal_job, start as _start, wait_for as _wait_for
+from training_helpers import tiny_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
+SUMMARY = "summary of this run"
+GRACE_S = 30.0   # the issue's bound: every process gone within 30 s of the summary (or of the error line)
+
+
+def _gone_after(proc, marker_seen, timeout=600):
+    """Seconds from ``marker_seen()`` first being true to the last process of the job ending."""
+    seen = _wait_for(marker_seen, timeout)
+    if seen is None:
+        _ended(proc, 0)
+        raise AssertionError("the marker never appeared")
+    ended, left = _ended(proc)
+    assert ended is not None, f"processes still alive 120 s after the marker: {left}"
+    return ended - seen
+
+
+def _torchrun(nproc, argv):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            os.path.join(ROOT, "pretrain_llama.py")] + argv
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def _contains(path, text):
+    return lambda: os.path.exists(path) and text in open(path, errors="replace").read()
+
+
+# Megatron-LM launch lines of 2026 use these; with workers that leave --exit-signal to their rank, a loader
+# nobody closed kept the ranks waiting in their exit handlers for good.
+HANGING_FLAGS = ["--num-workers", "2", "--exit-signal-handler", "--manual-gc", "--eval-iters", "0"]
+SCHEDULES = {"tawpipe": ["--pipeline-schedule", "tawpipe"], "weipipe": ["--pipeline-schedule", "weipipe"],
+             "1f1b": ["--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "2"]}
+
+
+@pytest.mark.parametrize("evaluation", [False, True], ids=["no-eval", "eval"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_process_ends_after_the_summary(tmp_path, schedule, evaluation):
+    flags = list(HANGING_FLAGS)
+    if evaluation:   # validation every iteration and after the last, each with its own loader
+        flags[flags.index("--eval-iters") + 1] = "1"
+        flags += ["--eval-interval", "1"]
+    log = tmp_path / "run.log"
+    proc = _start(_torchrun(2, tiny_args(*SCHEDULES[schedule], *flags, train_iters=2)), log, _env(), tmp_path)
+    seconds = _gone_after(proc, _contains(log, SUMMARY))
+    text = open(log).read()
+    assert proc.returncode == 0, text[-3000:]
+    assert ("validation loss at iteration 2" in text) == evaluation, text[-3000:]
+    assert seconds < GRACE_S, f"the job lived {seconds:.1f} s after its summary"
+
+
+def test_every_process_ends_after_an_error_mid_training(tmp_path):
+    """A learning rate that diverges: the NaN/Inf stop is raised inside training, with loader workers alive."""
+    log = tmp_path / "run.log"
+    argv = tiny_args("--pipeline-schedule", "tawpipe", *HANGING_FLAGS, "--lr", "1e30", "--min-lr", "0",
+                     "--clip-grad", "0", train_iters=6)
+    proc = _start(_torchrun(2, argv), log, _env(), tmp_path)
+    seconds = _gone_after(proc, _contains(log, "pretrain_llama.py: error:"))
+    text = open(log).read()
+    assert "NaN/Inf" in text and proc.returncode != 0, text[-3000:]
+    assert seconds < GRACE_S, f"the job lived {seconds:.1f} s after the error"
+
+
+def _metrics(path):
+    last = {}
+    if os.path.exists(path):
+        for line in open(path, encoding="utf-8"):
+            if line.strip():
+                record = json.loads(line)
+                last[record["iteration"]] = record
+    return last
+
+
+def _script_env(out_dir):
+    return _env(NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GPUS_PER_NODE="2",
+                BACKEND="gloo", SCHEDULE="tawpipe", NUM_LAYERS="4", HIDDEN="64", FFN="128", HEADS="4", SEQ="64",
+                GLOBAL_BATCH="4", TRAIN_ITERS="8", WARMUP_ITERS="2", VOCAB_SIZE="256", OUT_DIR=str(out_dir),
+                LOG_INTERVAL="1", EVAL_INTERVAL="1000", EVAL_ITERS="0", SAVE_INTERVAL="1000", MAX_RESTARTS="3",
+                RESTART_DELAY_S="1")
+
+
+def _signal_job_at(tmp_path, name, iteration, *flags):
+    """The multi-node launch script (restarts on) on 2 local ranks; SIGTERM to every process of the job once
+    ``iteration`` is in its metrics, as Slurm sends it. Returns (process, seconds to the last exit, log text)."""
+    out = tmp_path / name
+    log = tmp_path / f"{name}.log"
+    proc = _start(["bash", SCRIPT, "--num-workers", "2", *flags], log, _script_env(out), ROOT)
+    metrics = out / "metrics.jsonl"
+    if not _wait_for(lambda: max(_metrics(metrics), default=0) >= iteration, 600, proc):
+        _ended(proc, 0)
+        raise AssertionError(open(log).read()[-3000:])
+    workers = len(_job_pids(proc.job))
+    assert workers >= 8, workers   # bash, torchrun, 2 ranks, 2 loader workers each
+    signalled = time.monotonic()
+    _signal_job(proc.job, signal.SIGTERM)
+    ended, left = _ended(proc)
+    assert ended is not None, f"processes still alive 120 s after SIGTERM: {left}"
+    return proc, ended - signalled, open(log).read()
+
+
+def test_sigterm_with_the_handler_saves_stops_and_resumes_exactly(tmp_path):
+    reference = tmp_path / "reference"
+    subprocess.run(["bash", SCRIPT, "--num-workers", "2"], env=_script_env(reference), cwd=ROOT, check=True,
+                   timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    expected = _metrics(reference / "metrics.jsonl")
+    assert sorted(expected) == list(range(1, 9))
+
+    proc, seconds, text = _signal_job_at(tmp_path, "stopped", 2, "--exit-signal-handler")
+    assert proc.returncode == 0, text[-3000:]          # stopped on request: the documented status
+    assert "run_with_restarts: stopped on request, not restarted" in text, text[-3000:]
+    assert "restart 1 of" not in text
+    assert seconds < GRACE_S, f"the job lived {seconds:.1f} s after SIGTERM"
+    tracker = tmp_path / "stopped" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    saved = int(tracker.read_text().strip())
+    done = _metrics(tmp_path / "stopped" / "metrics.jsonl")
+    assert 2 <= saved < 8 and max(done) == saved, (saved, sorted(done))
+    assert f"exiting after iteration {saved}: received SIGTERM" in text
+
+    # The same command again resumes from that checkpoint and ends where the uninterrupted run ended.
+    subprocess.run(["bash", SCRIPT, "--num-workers", "2", "--exit-signal-handler"],
+                   env=_script_env(tmp_path / "stopped"), cwd=ROOT, check=True, timeout=600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    resumed = _metrics(tmp_path / "stopped" / "metrics.jsonl")
+    assert sorted(resumed) == list(range(1, 9))
+    assert [resumed[i]["lm_loss"] for i in range(1, 9)] == [expected[i]["lm_loss"] for i in range(1, 9)]
+
+
+def test_sigterm_without_the_handler_ends_the_job_at_once(tmp_path):
+    proc, seconds, text = _signal_job_at(tmp_path, "killed", 2)
+    assert proc.returncode == 143, text[-3000:]          # 128 + SIGTERM, and no restart
+    assert "SIGTERM received, not restarted" in text and "restart 1 of" not in text, text[-3000:]
+    assert seconds < 10.0, f"the job lived {seconds:.1f} s after SIGTERM"
+
+
+class _Numbers:
+    """A map-style dataset of small tensors (what the loader's workers fetch)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        import torch
+
+        return {"tokens": torch.tensor([index])}
+
+
+def _alive(pid):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _child_pids(pid):
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                children.append(int(entry))
+    return children
+
+
+def test_closing_a_data_iterator_ends_its_workers_at_once():
+    """Workers that ignore SIGTERM (they leave --exit-signal to their rank) end on close(), not on collection."""
+    import multiprocessing
+
+    from megatron_tawpipe.data import build_data_iterator, close_all_data_iterators
+
+    iterator = build_data_iterator(_Numbers(), 2, 0, 1, 0, num_workers=2, ignore_signal=signal.SIGTERM,
+                                   pin_memory=False)
+    assert int(next(iterator)["tokens"][0]) == 0
+    workers = [p for p in multiprocessing.active_children() if p.is_alive()]
+    assert len(workers) == 2
+    keep = iterator   # a second reference: closing must not depend on the garbage collector
+    started = time.monotonic()
+    keep.close()
+    assert not any(p.is_alive() for p in workers) and time.monotonic() - started < 10.0
+    assert iterator.closed and next(iterator, None) is None
+    assert close_all_data_iterators() == 0   # nothing left open
+
+
+def test_a_workers_rank_killed_leaves_no_orphan():
+    """A rank SIGKILLed with its loader open: its workers (which ignore SIGTERM) end on their own."""
+    code = ("import os, signal, sys, time; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+            "from test_job_ends import _Numbers\n"
+            "from megatron_tawpipe.data import build_data_iterator\n"
+            "it = build_data_iterator(_Numbers(), 2, 0, 1, 0, num_workers=2, ignore_signal=signal.SIGTERM, "
+            "pin_memory=False)\n"
+            "next(it); print('ready', flush=True); time.sleep(600)\n") % (ROOT, os.path.join(ROOT, "tests"))
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        workers = _child_pids(rank.pid)
+        assert len(workers) >= 2, workers
+    finally:
+        rank.kill()
+        rank.wait()
+    gone = _wait_for(lambda: not any(_alive(pid) for pid in workers), 30)
+    assert gone is not None, f"workers {workers} outlived their killed rank by 30 s"
