@@ -57,6 +57,7 @@ def test_says_it_needs_root(monkeypatch, capsys):
 
 # ------------------------------------------------------------------ with netns
 
+@pytest.mark.timing
 @needs_netns
 def test_shaped_link_is_slower_than_unshaped_and_intra_node_is_not_shaped():
     rate = "50mbit"
@@ -300,6 +301,7 @@ def test_burst_sweep_needs_root_and_formats_its_table(monkeypatch, capsys):
         "1gbit", "16k*", "131.1", "0.952", "0.995"]               # the default; real-time points: no messages
 
 
+@pytest.mark.timing
 @needs_netns
 def test_default_burst_keeps_the_rate_and_sends_no_message_faster():
     """With the default bucket a long transfer keeps the rate and a 3 MB message after idle takes

@@ -230,14 +230,14 @@ def test_step_timeout_replaces_every_cap_in_the_plan(runs):
     assert "budget: none" in out
 
 
+@pytest.mark.timing
 def test_a_slow_step_is_cut_by_the_budget_and_later_steps_are_skipped(runs):
-    status, out, err, (_, results, _, archive), wall = runs["cut"]
+    status, out, err, (_, results, _, archive), _ = runs["cut"]
     assert status == 1, out + err
-    assert wall < CUT_BUDGET, wall                       # the script kept its budget
     steps = {(s["pass"], s["step"]): s for s in steps_of(results)}
     cut = steps[("mcore-0.19.x", "pretrain-tawpipe")]
     assert re.fullmatch(r"timed out \(\d+ s: budget\)", cut["status"]) and cut["exit"] == 124, cut
-    assert cut["timeout"] < 120 and cut["seconds"] < CUT_BUDGET
+    assert cut["timeout"] < 120   # the step (a 120-s sleep) was given what was left of the budget
     for name in MAIN_STEPS[:3]:
         assert steps[("mcore-0.19.x", name)]["status"] == "ok"
     assert steps[("mcore-0.19.x", "compare-losses")]["status"] == "skipped: budget (pretrain-1f1b was skipped)"
@@ -248,6 +248,7 @@ def test_a_slow_step_is_cut_by_the_budget_and_later_steps_are_skipped(runs):
     assert "skipped for the budget: mcore-0.19.x/pretrain-1f1b" in open(os.path.join(results, "summary.md")).read()
 
 
+@pytest.mark.timing
 def test_the_archive_is_rewritten_after_every_step_and_unpacks_to_the_results(runs, tmp_path):
     status, out, err, (_, results, _, archive), _ = runs["cut"]
     name = os.path.basename(results)
@@ -273,7 +274,6 @@ def test_step_timeout_cuts_a_step_at_its_cap_without_a_budget(runs):
     assert status == 1, out + err
     steps = {(s["pass"], s["step"]): s for s in steps_of(results)}
     assert steps[("machine", "environment")]["status"] == "timed out (2 s)"
-    assert steps[("machine", "environment")]["seconds"] < 6
     ran = [s for s in steps.values() if s["pass"] == "mcore-0.19.x"]
     assert [s["step"] for s in ran] == MAIN_STEPS and all(s["status"] == "ok" and s["timeout"] == 2 for s in ran)
 
@@ -287,3 +287,16 @@ def test_step_timeout_cuts_a_step_at_its_cap_without_a_budget(runs):
 def test_bad_budget_flags_are_refused_in_one_line(flags, message):
     proc = subprocess.run(["bash", SCRIPT, *flags], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and proc.stderr.startswith(f"gpu_bringup.sh: error: {message}"), proc.stderr
+
+
+@pytest.mark.timing
+def test_the_budget_and_the_step_cap_hold_in_wall_time(runs):
+    """The wall-clock side of the two cuts: the script ends within its budget, the cut step within it, the
+    capped step soon after its 2-s cap (a loaded machine stretches these; with 30 s of budget, it can also use
+    the budget up before the slow step starts, hence the timing mark on the budget's two tests above)."""
+    _, _, _, (_, results, _, _), wall = runs["cut"]
+    assert wall < CUT_BUDGET, wall
+    cut = {(s["pass"], s["step"]): s for s in steps_of(results)}[("mcore-0.19.x", "pretrain-tawpipe")]
+    assert cut["seconds"] < CUT_BUDGET
+    _, _, _, (_, capped, _, _), _ = runs["capped"]
+    assert {(s["pass"], s["step"]): s for s in steps_of(capped)}[("machine", "environment")]["seconds"] < 6

@@ -64,14 +64,22 @@ def test_time_once_uses_cuda_events_on_cuda_and_the_clock_on_cpu(monkeypatch):
     assert calibrate.timer_name(torch.device("cpu")) == "wall clock"
 
 
-def test_fastest_time_runs_prepare_untimed_before_every_call():
-    from megatron_tawpipe.bench.calibrate import fastest_time
+def test_fastest_time_runs_prepare_untimed_before_every_call(monkeypatch):
+    from megatron_tawpipe.bench import calibrate
 
-    calls = []
-    seconds = fastest_time(lambda: calls.append("fn"), repeats=3, warmup=2, device=torch.device("cpu"),
-                           prepare=lambda: (calls.append("prepare"), time.sleep(0.02)))
+    calls, timed, figures = [], [], iter([0.3, 0.1, 0.2])
+
+    def time_once(fn, device):   # what the real timer measures: fn's call and nothing else
+        timed.append(len(calls))
+        fn()
+        return next(figures)
+
+    monkeypatch.setattr(calibrate, "time_once", time_once)
+    seconds = calibrate.fastest_time(lambda: calls.append("fn"), repeats=3, warmup=2, device=torch.device("cpu"),
+                                     prepare=lambda: calls.append("prepare"))
     assert calls == ["prepare", "fn"] * 5
-    assert seconds < 0.01  # the sleeping prepare is not part of the figure
+    assert timed == [5, 7, 9]     # each timed call starts after its prepare: prepare is not part of a figure
+    assert seconds == 0.1         # the fastest of the 3 timed calls, the 2 warm-up calls untimed
 
 
 # ---- layer specs -------------------------------------------------------------------------------
