@@ -34,7 +34,10 @@ setup(
         # Megatron-LM's HuggingFaceTokenizer / TikTokenizer (through megatron-core) and GPT2BPETokenizer.
         "tokenizers": ["transformers", "tiktoken", "tokenizers"],
         "wandb": ["wandb"],
+        # tools/hf_checkpoint.py: Hugging Face weights in and out (safetensors files; transformers is not needed,
+        # the tests use it to check the conversion). Neither package requires torch: the installed one is kept.
+        "hf": ["safetensors"],
         "test": ["pytest>=7", "import-linter>=2.1", "matplotlib", "tensorboard", "transformers", "tiktoken", "tokenizers",
-                 "wandb"],
+                 "wandb", "safetensors"],
     },
 )

@@ -8,7 +8,10 @@ Three formats, chosen with ``--ckpt-format`` when saving and recognised by their
 * ``torch``: Megatron-LM's legacy per-rank files, weights (:mod:`.legacy_torch`);
 * ``tawpipe``: this project's earlier per-parameter files (:mod:`.per_parameter`), still loadable.
 
-``--save-retain-interval`` applies to all of them (:mod:`.retention`).
+``--save-retain-interval`` applies to all of them (:mod:`.retention`). Megatron-LM's older model's names
+(``language_model.*``, its converter's default saver) are read under megatron-core's (:mod:`.legacy_names`);
+Hugging Face weights come in and go out through :mod:`.hf_convert` (``tools/hf_checkpoint.py``). A load
+prints one line of what it restored (:mod:`.load_record`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_tawpipe.checkpoint import async_save, legacy_torch, per_parameter
+from megatron_tawpipe.checkpoint.load_record import LoadRecord
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, checkpoint_dir,
-                                                iteration_dir, latest_iteration, model_signature)
+                                                is_release, iteration_dir, latest_iteration, model_signature, rank)
 from megatron_tawpipe.common.checkpointable import Checkpointable
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 
@@ -63,7 +67,9 @@ def checkpoint_format(directory: str) -> str:
 
 def load_checkpoint(root: str, trainer: Checkpointable, scheduler, args) -> Tuple[int, int]:
     """Load the latest checkpoint under ``root`` in whichever format it was written;
-    returns ``(iteration, consumed_samples)``, ``(0, 0)`` when there is none."""
+    returns ``(iteration, consumed_samples)``, ``(0, 0)`` when there is none. Rank 0 prints one line: the
+    directory, format, iteration, and what was and was not restored; ``args.loaded_checkpoint`` names the
+    directory for the run's summary."""
     iteration = latest_iteration(root)
     if iteration is None:
         return 0, 0
@@ -71,13 +77,19 @@ def load_checkpoint(root: str, trainer: Checkpointable, scheduler, args) -> Tupl
     if not os.path.isdir(directory):
         raise CheckpointError(f"{root}: the tracker names iteration {iteration}, but {directory} is missing")
     kind = checkpoint_format(directory)
+    report = LoadRecord(directory, kind, release=is_release(root), iteration=iteration)
     if kind == "tawpipe":
-        return per_parameter.load_checkpoint(root, trainer, scheduler, args)
-    if kind == "torch":
-        return legacy_torch.load_checkpoint(root, trainer, scheduler, args)
-    from megatron_tawpipe.checkpoint import torch_dist
+        position = per_parameter.load_checkpoint(root, trainer, scheduler, args, report)
+    elif kind == "torch":
+        position = legacy_torch.load_checkpoint(root, trainer, scheduler, args, report)
+    else:
+        from megatron_tawpipe.checkpoint import torch_dist
 
-    return torch_dist.load_checkpoint(root, trainer, scheduler, args)
+        position = torch_dist.load_checkpoint(root, trainer, scheduler, args, report)
+    args.loaded_checkpoint = directory
+    if rank() == 0:
+        print(report.line(root), flush=True)
+    return position
 
 
 # What --use-checkpoint-args takes from a checkpoint (Megatron-LM's list, as far as this project has the flags).
@@ -92,23 +104,28 @@ def checkpoint_arguments(root: str) -> Optional[Tuple[str, Dict[str, object]]]:
     if latest_iteration(root) is None:
         return None
     directory = checkpoint_dir(root)
+    saved = saved_run_arguments(directory)
+    return directory, {key: saved[key] for key in CHECKPOINT_ARGS if key in saved}
+
+
+def saved_run_arguments(directory: str) -> Dict[str, object]:
+    """The arguments the checkpoint in ``directory`` was saved with (Megatron-LM's ``args``; for this project's
+    per-parameter format, its model signature only)."""
     path = os.path.join(directory, "common.pt")
     try:
         kind = checkpoint_format(directory)
         if kind == "torch":
-            saved = vars(legacy_torch.saved_args(directory))
-        elif kind == "torch_dist":
+            return dict(vars(legacy_torch.saved_args(directory)))
+        if kind == "torch_dist":
             # Megatron-LM stores its argparse namespace in the common part: common.pt up to megatron-core
             # 0.18, an object inside the .distcp files from 0.19 (megatron-core reads either).
             from megatron.core import dist_checkpointing
 
             path = directory
-            saved = vars(dist_checkpointing.load_common_state_dict(directory)["args"])
-        else:
-            saved = torch.load(path, map_location="cpu", weights_only=True)["model"]
+            return dict(vars(dist_checkpointing.load_common_state_dict(directory)["args"]))
+        return dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
     except (OSError, KeyError, RuntimeError, EOFError) as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint's arguments: {exc}") from exc
-    return directory, {key: saved[key] for key in CHECKPOINT_ARGS if key in saved}
 
 
 def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
@@ -127,4 +144,5 @@ def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
 
 __all__ = ["ARCHITECTURE_KEYS", "CHECKPOINT_ARGS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",
            "checkpoint_arguments", "checkpoint_format", "close_async_saves", "finalize_async_saves", "iteration_dir",
-           "latest_iteration", "load_checkpoint", "model_signature", "read_parameters", "save_checkpoint"]
+           "latest_iteration", "load_checkpoint", "model_signature", "read_parameters", "save_checkpoint",
+           "saved_run_arguments"]

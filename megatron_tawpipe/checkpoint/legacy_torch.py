@@ -45,7 +45,8 @@ import torch.distributed as dist
 from megatron_tawpipe.arguments import is_weight_passing, virtual_pipeline_size
 from megatron_tawpipe.common.atomic import atomic_torch_save, fsync_dir, fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
-from megatron_tawpipe.checkpoint import legacy_reference
+from megatron_tawpipe.checkpoint import legacy_names, legacy_reference
+from megatron_tawpipe.checkpoint.load_record import note_training_state
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, barrier, check_signature,
                                                 checkpoint_dir, is_release, load_scheduler, promote_checkpoint_dir,
                                                 rank, rng_state, set_rng_state, start_checkpoint_dir, tied_alias,
@@ -129,6 +130,10 @@ class LegacyCheckpoint:
                 parts = [loaded[(t, stage)].get(chunk) for t in range(tp)]
                 if any(part is None for part in parts):
                     raise CheckpointError(f"{directory}: pipeline stage {stage} lacks {chunk!r}")
+                if legacy_names.is_legacy_model(parts[0]):   # Megatron-LM's older model: megatron-core's names
+                    legacy_names.check_legacy_args(self.common.get("args"), self.common.get("checkpoint_version"),
+                                                   directory)
+                    parts = [legacy_names.core_state(part, files[(t, stage)]) for t, part in enumerate(parts)]
                 local_layers = set()
                 for name, value in parts[0].items():
                     if not isinstance(value, torch.Tensor) or name.endswith("_extra_state"):
@@ -141,8 +146,8 @@ class LegacyCheckpoint:
                 offset += len(local_layers)
         self.num_layers = offset
         if not any(name.startswith(("embedding.", "decoder.")) for name in self.slices):
-            raise CheckpointError(f"{directory}: no megatron-core model weights (embedding.*, decoder.*): a checkpoint "
-                                  "of Megatron-LM's older model (language_model.*) needs its converter first")
+            raise CheckpointError(f"{directory}: no model weights (embedding.*, decoder.*, or the older model's "
+                                  "language_model.*)")
 
     def tensor(self, name: str) -> Optional[torch.Tensor]:
         """The whole tensor of parameter ``name`` (this project's global name), or None if absent."""
@@ -188,7 +193,7 @@ def _piece(whole: torch.Tensor, fragments) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
-def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+def load_checkpoint(root: str, trainer, scheduler, args, report=None) -> Tuple[int, int]:
     """Load the weights of the ``--ckpt-format torch`` checkpoint the tracker under ``root`` names."""
     directory = checkpoint_dir(root)
     release = is_release(root)
@@ -227,14 +232,18 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
         trainer.load_megatron_legacy_optimizer(own["state"]["optimizer"], own["parameter_state"])
     trainer.after_parameters_loaded()
     if args.finetune or release:
+        note_training_state(report, args, optimizer=False, scheduler=False, rng=False, rng_why=None, iteration=0,
+                            consumed=0, release=release)
         return 0, 0
     saved_args = common.get("args")
     iteration, consumed = int(common.get("iteration", 0)), int(getattr(saved_args, "consumed_train_samples", 0) or 0)
-    if own is not None and scheduler is not None and own["state"].get("opt_param_scheduler") is not None:
+    with_schedule = own is not None and scheduler is not None and own["state"].get("opt_param_scheduler") is not None
+    if with_schedule:
         load_scheduler(scheduler, {"scheduler": own["state"]["opt_param_scheduler"], "scheduler_units": "samples",
                                    "iteration": iteration, "consumed_samples": consumed}, directory)
     same_schedule = getattr(saved_args, "pipeline_schedule", "1f1b") == args.pipeline_schedule or not (
         weight_passing or is_weight_passing(getattr(saved_args, "pipeline_schedule", "1f1b")))
+    states = None
     if "rng_state" in common and not args.no_load_rng:
         states = own["state"].get("rng_state") if own is not None and same_schedule else None
         if states:   # one per rank from a weight-passing run (Megatron-LM's list, as with data-parallel random init)
@@ -242,6 +251,8 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
         elif rank() == 0:
             print(f" {directory}: the RNG states of a --ckpt-format torch checkpoint are restored only at the layout "
                   "that saved them, with its optimizer state: dropout continues from --seed", flush=True)
+    note_training_state(report, args, optimizer=own is not None, scheduler=with_schedule, rng=bool(states),
+                        rng_why=None, iteration=iteration, consumed=consumed)
     return iteration, consumed
 
 

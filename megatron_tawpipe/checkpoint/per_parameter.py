@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.common.atomic import atomic_torch_save, atomic_write_text
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
+from megatron_tawpipe.checkpoint.load_record import note_training_state
 from megatron_tawpipe.checkpoint.state import (barrier, check_signature, checkpoint_dir,
                                                 latest_iteration, load_scheduler, model_signature, rank,
                                                 promote_checkpoint_dir, restore_optimizer_state, rng_state, set_rng_state,
@@ -157,7 +158,7 @@ def _load_parameters_from(path: str, targets: List[_Target], trainer, restore_op
                                                       for key, value in saved.items()})
 
 
-def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
+def load_checkpoint(root: str, trainer, scheduler, args, report=None) -> Tuple[int, int]:
     """Load the latest checkpoint under ``root``; returns ``(iteration, consumed_samples)``.
 
     ``(0, 0)`` when ``root`` holds no checkpoint yet (a fresh run with ``--load`` set).
@@ -179,15 +180,21 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
             _load_parameters_from(os.path.join(directory, filename), by_file[filename], trainer, restore_optimizer)
     trainer.after_parameters_loaded()  # (--finetune too: replicas and low-precision copies follow the masters)
     if args.finetune:
+        note_training_state(report, args, optimizer=False, scheduler=False, rng=False, rng_why=None, iteration=0,
+                            consumed=0)
         return 0, 0
-    if scheduler is not None and common["scheduler"] is not None and not args.no_load_optim:
+    with_schedule = scheduler is not None and common["scheduler"] is not None and not args.no_load_optim
+    if with_schedule:
         load_scheduler(scheduler, common, directory)
     if not args.no_load_optim and common["grad_scaler"] is not None:
         trainer.load_grad_scaler_state(common["grad_scaler"])
     rng_file = os.path.join(directory, f"rng_rank{rank():05d}.pt")
     same_layout = common["world_size"] == world() and common["pipeline_schedule"] == args.pipeline_schedule
-    if same_layout and not args.no_load_rng and os.path.isfile(rng_file):
+    load_rng = same_layout and not args.no_load_rng and os.path.isfile(rng_file)
+    if load_rng:
         set_rng_state(_load(rng_file))
+    note_training_state(report, args, optimizer=restore_optimizer, scheduler=with_schedule, rng=load_rng, rng_why=None,
+                        iteration=common["iteration"], consumed=common["consumed_samples"])
     return common["iteration"], common["consumed_samples"]
 
 

@@ -236,15 +236,38 @@ SIGNATURE_FLAGS = {"add_bias_linear": "--disable-bias-linear",
                     "use_rope_scaling": "--use-rope-scaling"}
 
 
+# Settings that change no tensor's shape and only how the weights are used: a run that starts afresh from a
+# checkpoint's weights (--finetune, --no-load-optim) takes them from its own flags, as Megatron-LM does (its
+# checkpoint-args check is skipped under --finetune): a Llama 3 model converted with rope base 10000 recorded
+# trains with --rotary-base 500000, a context extension changes the rope base or scaling. Norm epsilon and
+# dropout are never part of the signature.
+RUN_SETTINGS = ("rotary_base", "use_rope_scaling", "rope_scaling_factor")
+
+
+def starts_afresh(args) -> bool:
+    """Whether the run takes only the checkpoint's weights (--finetune or --no-load-optim)."""
+    return bool(getattr(args, "finetune", False) or getattr(args, "no_load_optim", False))
+
+
 def check_signature(saved_model: dict, args, directory: str) -> None:
-    """Refuse (exit status 2) a checkpoint whose model differs from the one the flags describe."""
+    """Refuse (exit status 2) a checkpoint whose model differs from the one the flags describe, naming the
+    flag; under --finetune / --no-load-optim the run's own :data:`RUN_SETTINGS` are used, in one line."""
     saved = saved_signature(saved_model)
     current = model_signature(args)
+    afresh, taken = starts_afresh(args), []
     for key, value in current.items():
         if saved.get(key) != value:
             flag = SIGNATURE_FLAGS.get(key, "--" + key.replace("_", "-"))
+            if afresh and key in RUN_SETTINGS:
+                taken.append(f"{flag} {value} (checkpoint: {key}={saved.get(key)})")
+                continue
+            hint = (" (it changes no tensor's shape: with --finetune or --no-load-optim this run's value is used)"
+                    if key in RUN_SETTINGS else "")
             raise CheckpointSetupError(
-                f"{directory}: checkpoint has {key}={saved.get(key)}, this run {flag} gives {value}")
+                f"{directory}: checkpoint has {key}={saved.get(key)}, this run {flag} gives {value}{hint}")
+    if taken and rank() == 0:
+        print(f" {directory}: the checkpoint's weights with this run's " + ", ".join(taken)
+              + " (--finetune / --no-load-optim: settings that change no shape come from the flags)", flush=True)
 
 
 def start_checkpoint_dir(root: str, iteration: int):

@@ -44,6 +44,7 @@ from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.common.atomic import fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 from megatron_tawpipe.checkpoint import async_save
+from megatron_tawpipe.checkpoint.load_record import note_training_state
 from megatron_tawpipe.checkpoint.model_space import (CHECKPOINT_VERSION, CONTENT_METADATA, MOMENTS, RECORD_KEY,
                                                       RNG_KEY, SAVE_STRATEGY, layer_extra_states, layer_keys_map,
                                                       model_space_key, rng_object, sharded_pieces, sharded_tensor)
@@ -373,8 +374,9 @@ def _agree(problem: Optional[CheckpointError], directory: str) -> None:
         raise error(f"{directory}: another rank cannot load its part of the checkpoint (its message names why)")
 
 
-def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
-    """Load the latest torch_dist checkpoint under ``root`` into ``trainer``; ``(iteration, consumed_samples)``."""
+def load_checkpoint(root: str, trainer, scheduler, args, report=None) -> Tuple[int, int]:
+    """Load the latest torch_dist checkpoint under ``root`` into ``trainer``; ``(iteration, consumed_samples)``
+    (what was restored goes into ``report``, a :class:`~.load_record.LoadRecord`)."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
@@ -421,10 +423,13 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
                 restore_optimizer_state(trainer, master, state)
     trainer.after_parameters_loaded()  # (--finetune too: replicas and low-precision copies follow the masters)
     if args.finetune:
+        note_training_state(report, args, optimizer=False, scheduler=False, rng=False, rng_why=None, iteration=0,
+                            consumed=0)
         return 0, 0
     consumed = record.get("consumed_samples", getattr(common.get("args"), "consumed_train_samples", 0))
     saved_iteration = common.get("iteration", iteration)
-    if scheduler is not None and common.get("opt_param_scheduler") is not None and not args.no_load_optim:
+    with_schedule = scheduler is not None and common.get("opt_param_scheduler") is not None and not args.no_load_optim
+    if with_schedule:
         load_scheduler(scheduler, {"scheduler": common["opt_param_scheduler"], "scheduler_units": "samples",
                                    "iteration": saved_iteration, "consumed_samples": consumed}, directory)
     scaler = record.get("grad_scaler") if record else _find(common.get("optimizer"), "grad_scaler")
@@ -432,6 +437,8 @@ def load_checkpoint(root: str, trainer, scheduler, args) -> Tuple[int, int]:
         trainer.load_grad_scaler_state(scaler)
     if load_rng:
         set_rng_state(loaded[RNG_KEY])
+    note_training_state(report, args, optimizer=restore_optimizer, scheduler=with_schedule, rng=load_rng, rng_why=None,
+                        iteration=saved_iteration, consumed=consumed)
     return saved_iteration, consumed
 
 

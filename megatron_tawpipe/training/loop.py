@@ -290,10 +290,7 @@ def _resume(args, trainer, scheduler):
         if _is_writer():
             print(f" no checkpoint found in --load {args.load}: training from scratch", flush=True)
         return 0, 0
-    iteration, consumed_samples = load_checkpoint(args.load, trainer, scheduler, args)
-    if _is_writer() and iteration:
-        print(f" loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
-    return iteration, consumed_samples
+    return load_checkpoint(args.load, trainer, scheduler, args)   # (it prints the one line of what it loaded)
 
 
 def _report_validation(trainer, dataset, args, iteration: int) -> Optional[float]:

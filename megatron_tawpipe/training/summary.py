@@ -100,7 +100,9 @@ def resume_command(args, finished: bool, environ: Optional[Dict[str, str]] = Non
         extra += ["--train-iters", str(2 * args.train_iters), "--use-checkpoint-opt_param-scheduler"]
     command = launch_command(environ, argv)
     if command is None:
-        return "this job's command with " + shlex.join(extra)
+        return "this job's command with " + shlex.join(extra) + (" and without --finetune" if getattr(args, "finetune", False) else "")
+    if getattr(args, "finetune", False):   # the resume goes on from the saved state, not from the weights only
+        command = shlex.join(word for word in shlex.split(command) if word != "--finetune")
     return command + " " + shlex.join(extra)
 
 
@@ -161,6 +163,8 @@ def closing_summary(args, records: Sequence, iteration: int, exit_reason: Option
     if args.save:
         lines.append(f" checkpoints  {args.save} (latest: iteration {iteration})")
         lines.append(f" resume       {resume_command(args, finished, environ, argv)}")
+    elif getattr(args, "loaded_checkpoint", None):
+        lines.append(f" checkpoints  loaded {args.loaded_checkpoint}; none saved (--save DIR --save-interval N keeps them)")
     else:
         lines.append(" checkpoints  none (--save DIR --save-interval N keeps them; --load DIR resumes)")
     steps = next_steps(args, environ)
