@@ -140,7 +140,7 @@ def test_sweep_small_range_passes():
     result = run_sweep(ranks=range(2, 5), microbatches=(1, 2), full_product_max_ranks=3)
     assert not result.failures, result.failures[:3]
     assert result.checked > 500
-    assert set(result.by_schedule) == {"tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2",
+    assert set(result.by_schedule) == {"tawpipe", "tawpipe-spread", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2",
                                        "tawpipe-zb", "weipipe-interleave-zb", "weipipe-zb1-paired",
                                        "gpipe", "1f1b", "interleaved"}
 

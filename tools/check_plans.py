@@ -22,8 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_tawpipe.plan.sweep import SPLITS, SWEPT, plan_cases, run_sweep  # noqa: E402
-from megatron_tawpipe.plan import build_plan  # noqa: E402
+from megatron_tawpipe.plan.sweep import SPLITS, SWEPT, build_case, plan_cases, run_sweep  # noqa: E402
 
 
 def _range(text: str):
@@ -60,7 +59,7 @@ def write_plans(path: str, ranks, microbatches, full_product_max_ranks: int, spl
     with open(path, "w", encoding="utf-8") as f:
         for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits,
                                            schedules=schedules):
-            plan = build_plan(schedule, **kwargs)
+            plan = build_case(schedule, kwargs)
             f.write(json.dumps([schedule, kwargs], sort_keys=True) + "\t" + plan.to_json() + "\n")
             count += 1
     return count

@@ -19,6 +19,9 @@ TAWPIPE_CACHE_SETTINGS = ("auto", "on", "off")
 # (the rest is kept for what the memory model does not count: the CUDA context, NCCL's buffers,
 # allocator fragmentation, kernels' temporaries).
 AUTO_CACHE_MEMORY_FRACTION = 0.9
+# --tawpipe-ownership: each shard's state on one rank of one group (owner), or a 1/D slice of it in every group
+# (spread; planned, validated and simulated: tools/simulate.py --tawpipe-ownership spread|auto).
+TAWPIPE_OWNERSHIP_SETTINGS = ("owner", "spread", "auto")
 
 
 def plan_file_of(schedule: str) -> Optional[str]:
@@ -46,6 +49,17 @@ def tawpipe_cache_problem(schedule: str, setting: str, groups: int) -> str:
                 "so every shard's owner is in the group and there is no foreign shard to keep; leave it at auto "
                 "(off with one group)")
     return ""
+
+
+def tawpipe_ownership_problem(schedule: str, setting: str) -> str:
+    """Why ``--tawpipe-ownership SETTING`` cannot run with ``--pipeline-schedule SCHEDULE`` ("" when it can)."""
+    if setting == "owner":
+        return ""
+    if schedule != "tawpipe":
+        return f"--tawpipe-ownership {setting} applies to --pipeline-schedule tawpipe only; leave it at owner"
+    return (f"--tawpipe-ownership {setting}: the weight-passing runtime does not run the spread layout yet (each group "
+            "keeping a slice of every shard); its plans are validated and simulated: tools/simulate.py --schedule "
+            f"tawpipe --tawpipe-ownership {setting}. Use --tawpipe-ownership owner (the default)")
 
 
 def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -83,6 +97,13 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         f"{AUTO_CACHE_MEMORY_FRACTION:g} of the device's memory (GPU: its total memory; CPU: the "
                         "host's available memory over the ranks on it), the smallest over ranks; off with one group "
                         "(nothing foreign to keep). The decision is printed at start-up")
+    g.add_argument("--tawpipe-ownership", choices=TAWPIPE_OWNERSHIP_SETTINGS, default="owner",
+                   help="tawpipe: where each shard's fp32 master weights, gradient accumulator and optimizer state "
+                        "live. owner (default): on one rank of one group, which serves the shard to the other "
+                        "groups and receives their gradients; spread: a 1/D slice on one rank of every group, the "
+                        "groups running in step, gathering each shard from the D holders and reduce-scattering its "
+                        "gradient to them; auto: the faster of the two in the simulator. spread and auto are "
+                        "planned and simulated (tools/simulate.py), not yet run by this runtime: refused")
     g.add_argument("--weipipe-zero-bubble", type=int, choices=(0, 1, 2), default=0,
                    help="weipipe: split every backward into its input-gradient pass and its weight-gradient pass, "
                         "the only one the travelling gradient waits for: 1 (WZB1) runs the weight-gradient pass in "

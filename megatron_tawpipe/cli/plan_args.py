@@ -11,6 +11,7 @@ from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_default
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
+from megatron_tawpipe.sim.ownership import choose_ownership, spread_problem
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.sim.pipelines import with_embedding_allreduce
 from megatron_tawpipe.sim.simulate import simulate
@@ -81,6 +82,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "inter-group fetches")
     s.add_argument("--replicate-first-shard", action="store_true", help="tawpipe: shard 0 held by one "
                    "rank in every group (--tawpipe-replicate-first-shard)")
+    s.add_argument("--tawpipe-ownership", choices=("owner", "spread", "auto"), default="owner",
+                   help="tawpipe: owner: each shard's state (master weights, gradient, optimizer state) on one rank "
+                        "of one group; spread: each group keeps a 1/D slice of every shard, the groups run in step, "
+                        "gather each shard from the D holders and reduce-scatter its gradient to them; auto: both "
+                        "simulated, the faster kept (megatron_tawpipe/sim/ownership.py)")
+    s.add_argument("--early-grads", action=argparse.BooleanOptionalAction, default=None,
+                   help="tawpipe: each shard's last gradient leaves during the next visit, after its first "
+                        "micro-batch, instead of after it (default: with --tawpipe-ownership spread)")
     s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
     s.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
                    help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
@@ -126,11 +135,34 @@ def planner_options(name: str, args) -> dict:
             kw["prefetch"] = args.prefetch
         if args.replicate_first_shard and replicable(name, args):
             kw["replicate_first"] = True
+        ownership = getattr(args, "tawpipe_ownership", "owner")
+        if ownership == "auto" and name in SPREADABLE:
+            raise ValueError("--tawpipe-ownership auto picks a layout by simulating both (tools/simulate.py); "
+                             "to build a plan give owner or spread")
+        if ownership == "spread" and name in SPREADABLE:
+            check_spread(name, args)
+            kw["ownership"] = "spread"
+        if getattr(args, "early_grads", None) is not None:
+            kw["early_grads"] = args.early_grads
     elif name.startswith("weipipe") and args.no_overlap:
         kw["overlap"] = False
     elif name == "interleaved" and args.virtual_stages:
         kw["virtual_stages"] = args.virtual_stages
     return kw
+
+
+SPREADABLE = ("tawpipe", "tawpipe-nooverlap", "tawpipe-zb")   # the TawPipe plans --tawpipe-ownership applies to
+
+
+def check_spread(name: str, args) -> None:
+    """A one-line ``ValueError`` naming the flags where ``--tawpipe-ownership spread`` cannot apply to ``name``."""
+    if getattr(args, "tawpipe_ownership", "owner") != "spread" or name not in SPREADABLE:
+        return
+    problem = spread_problem(args.groups, args.replicate_first_shard, args.flat)
+    if problem:
+        flags = "--flat" if args.flat else "--replicate-first-shard" if args.replicate_first_shard else \
+            f"--groups {args.groups}"
+        raise ValueError(f"--tawpipe-ownership spread with {flags}: {problem}")
 
 
 def replicable(name: str, args) -> bool:
@@ -151,7 +183,15 @@ def make_plan(name: str, args, validate: bool = True):
 
 def run_one(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
     """(plan or None, SimResult); the result's ``options["memory_breakdown"]`` is
-    the per-GPU memory by term (:mod:`plan.memory`)."""
+    the per-GPU memory by term (:mod:`plan.memory`). ``--tawpipe-ownership auto``: both layouts simulated, the
+    faster kept (its speeds in ``options["ownership_speeds"]``)."""
+    if getattr(args, "tawpipe_ownership", "owner") == "auto" and name in SPREADABLE:
+        applies = not spread_problem(args.groups, args.replicate_first_shard, args.flat)
+        layout = lambda o: run_one(name, argparse.Namespace(**{**vars(args), "tawpipe_ownership": o}),  # noqa: E731
+                                   cost, validate, record)
+        _, (plan, result), speeds = choose_ownership(layout, lambda x: x[1].tokens_per_sec_per_rank, applies)
+        result.options["ownership_speeds"] = speeds
+        return plan, result
     tp = tensor_parallel_for(name, args)
     if name in STRATEGIES:
         return None, run_strategy(name, cost, args.ranks, args.groups, args.num_layers,

@@ -181,6 +181,35 @@ class AllReduceStart:
 
 
 @dataclass(frozen=True, slots=True)
+class AllGatherStart:
+    """Collective over ``ranks``, the holders of a shard kept in slices (``Plan.ownership`` "spread"):
+    every member's ``buf`` becomes the whole shard in the compute dtype, gathered from every member's
+    master slice (member k of the sorted ``ranks`` holds slice k)."""
+    tag: int
+    ranks: Tuple[int, ...]
+    buf: str
+    kind: str
+    shard: int
+    link: str
+    size: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceScatterStart:
+    """Collective over ``ranks``, the holders of a shard kept in slices: the members' ``buf`` (partial
+    gradients of the whole shard) are summed and each member's ``buf`` ends holding its own slice of the
+    sum (member k: slice k), which ``AccumulateToOwner`` then adds into its slice of ``main``; nothing
+    else may use that buffer before it is zeroed again."""
+    tag: int
+    ranks: Tuple[int, ...]
+    buf: str
+    kind: str
+    shard: int
+    link: str
+    size: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicatedAllReduceStart:
     """All-reduce (sum) of the replicated parameters' gradients over ``ranks``.
 
@@ -215,7 +244,8 @@ BUFFER_ROLES = {
     LoadWeights: (("buf", "weight"),), ZeroGrad: (("buf", "grad"),),
     AccumulateToOwner: (("buf", "grad"),),
 }
-COMM_BUFFER = (SendStart, RecvStart, BroadcastStart, ReduceStart, AllReduceStart)
+COMM_BUFFER = (SendStart, RecvStart, BroadcastStart, ReduceStart, AllReduceStart, AllGatherStart,
+               ReduceScatterStart)
 
 
 def buffer_roles(action):
@@ -229,11 +259,15 @@ def buffer_roles(action):
 
 ACTION_TYPES = (Forward, Backward, BackwardInput, BackwardWeight, LoadWeights, ZeroGrad,
                 AccumulateToOwner, SendStart, RecvStart, BroadcastStart, ReduceStart,
-                AllReduceStart, ReplicatedAllReduceStart, Wait, OptimizerStep)
+                AllReduceStart, AllGatherStart, ReduceScatterStart, ReplicatedAllReduceStart, Wait,
+                OptimizerStep)
 BY_NAME = {cls.__name__: cls for cls in ACTION_TYPES}
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 P2P = (SendStart, RecvStart)
-COLLECTIVE = (BroadcastStart, ReduceStart, AllReduceStart, ReplicatedAllReduceStart)
+COLLECTIVE = (BroadcastStart, ReduceStart, AllReduceStart, AllGatherStart, ReduceScatterStart,
+              ReplicatedAllReduceStart)
+#: Collectives over the holders of a shard kept in slices (``Plan.ownership`` "spread"): rings without a root.
+SLICE_COLLECTIVES = (AllGatherStart, ReduceScatterStart)
 STARTS = P2P + COLLECTIVE
 FIELD_NAMES = {cls: tuple(f.name for f in fields(cls)) for cls in ACTION_TYPES}
 
@@ -305,6 +339,10 @@ def short(action, starts=None) -> str:
         return f"rd{action.shard}@{action.root}"
     if t is AllReduceStart:
         return f"ar{action.shard}"
+    if t is AllGatherStart:
+        return f"ag{action.shard}"
+    if t is ReduceScatterStart:
+        return f"rs{action.shard}"
     if t is ReplicatedAllReduceStart:
         return "ar" if action.part == "all" else f"ar:{action.part}"
     if t is Wait:

@@ -83,13 +83,14 @@ class PlanBuilder:
         return tag
 
     def all_reduce(self, members: Sequence[int], bufs: Dict[int, str], kind: str, shard: int,
-                   start_key: tuple, wait_key: tuple, size: float = 1.0) -> int:
-        """An all-reduce of ``bufs`` over ``members``, started and waited at the same keys on every member."""
+                   start_key: tuple, wait_key: tuple, size: float = 1.0, cls=A.AllReduceStart) -> int:
+        """An all-reduce of ``bufs`` over ``members`` (``cls``: or another collective without a root, an
+        all-gather or a reduce-scatter), started and waited at the same keys on every member."""
         tag = self.new_tag()
         ranks = tuple(sorted(members))
         link = self.link(ranks)
         for r in ranks:
-            self.emit(r, start_key, A.AllReduceStart, tag, ranks, bufs[r], kind, shard, link, size)
+            self.emit(r, start_key, cls, tag, ranks, bufs[r], kind, shard, link, size)
             self.emit(r, wait_key, A.Wait, tag)
         return tag
 
@@ -113,7 +114,8 @@ class PlanBuilder:
     # ------------------------------------------------------------- finalise
     def build(self, *, schedule: str, family: str, num_layers: int, num_microbatches: int,
               owners: Sequence[int], streams: Sequence[int], options: dict,
-              replicas: Dict[int, Sequence[int]] = None, shard_layers: Sequence[int] = ()) -> Plan:
+              replicas: Dict[int, Sequence[int]] = None, shard_layers: Sequence[int] = (),
+              ownership: str = "owner") -> Plan:
         lists = []
         weight_slots = grad_slots = 0
         batches = itertools.count()
@@ -129,7 +131,7 @@ class PlanBuilder:
                     streams=tuple(streams), max_weight_buffers=weight_slots,
                     max_grad_buffers=grad_slots, actions=lists, options=dict(options),
                     replicas={s: tuple(r) for s, r in (replicas or {}).items()},
-                    shard_layers=tuple(shard_layers or ()))
+                    shard_layers=tuple(shard_layers or ()), ownership=ownership)
 
 
 def _batch_p2p(rank: int, items: list, counter) -> list:

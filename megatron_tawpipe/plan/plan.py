@@ -39,6 +39,10 @@ class Plan:
     layers, in shard order); not given, the default split of ``num_layers`` over the
     shards (:func:`common.layer_split.default_layer_split`: equal when they divide).
     Buffers hold the largest shard; a shard uses the first ``shard_layers[s]`` layers' worth.
+    ``ownership``: ``"owner"`` (each holder of a shard keeps all of it) or ``"spread"`` (the holders of a
+    shard -- its owner and replicas -- each keep one slice of it, member k of the sorted holders slice k:
+    master weights, optimizer state and ``main`` gradient; its weights are gathered from them
+    (``AllGatherStart``) and its gradient reduce-scattered to them (``ReduceScatterStart``)).
     """
 
     schedule: str
@@ -55,6 +59,7 @@ class Plan:
     options: Dict[str, object] = field(default_factory=dict)
     replicas: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
     shard_layers: Tuple[int, ...] = ()
+    ownership: str = "owner"
 
     def __post_init__(self) -> None:
         if self.shard_layers:
@@ -100,8 +105,16 @@ class Plan:
         the ones it owns and the ones it holds a replica of."""
         return shards_held_by(self.owners, self.replicas, rank)
 
-    def layers_held_by(self, rank: int) -> int:
-        """Decoder layers of the shards ``rank`` keeps masters of."""
+    @property
+    def spread(self) -> bool:
+        """Whether every holder of a shard keeps a slice of it (``ownership`` "spread")."""
+        return self.ownership == "spread"
+
+    def layers_held_by(self, rank: int) -> float:
+        """Decoder layers of the shards ``rank`` keeps masters of (a slice counts its share: the spread
+        layout's holders of a shard keep 1/len(holders) of it each)."""
+        if self.spread:
+            return sum(self.shard_layers[s] / len(self.holders(s)) for s in self.shards_held_by(rank))
         return sum(self.shard_layers[s] for s in self.shards_held_by(rank))
 
     def holders(self, shard: int) -> Tuple[int, ...]:
@@ -118,7 +131,7 @@ class Plan:
         seen = {}
         for rank_actions in self.actions:
             for a in rank_actions:
-                if isinstance(a, (A.BroadcastStart, A.ReduceStart, A.AllReduceStart)):
+                if isinstance(a, (A.BroadcastStart, A.ReduceStart, A.AllReduceStart) + A.SLICE_COLLECTIVES):
                     seen.setdefault((a.ranks, A.CHANNEL[a.kind]), None)
                 elif isinstance(a, A.ReplicatedAllReduceStart):
                     seen.setdefault((a.ranks, "replicated"), None)
@@ -138,6 +151,7 @@ class Plan:
             "max_grad_buffers": self.max_grad_buffers, "options": self.options,
             **({"replicas": {str(s): list(r) for s, r in self.replicas.items()}} if self.replicas else {}),
             **({"shard_layers": list(self.shard_layers)} if self.uneven else {}),
+            **({"ownership": self.ownership} if self.spread else {}),
         }
 
     @classmethod
@@ -153,7 +167,8 @@ class Plan:
                    max_grad_buffers=int(meta["max_grad_buffers"]),
                    actions=actions, options=dict(meta.get("options", {})),
                    replicas={int(s): tuple(r) for s, r in meta.get("replicas", {}).items()},
-                   shard_layers=tuple(meta.get("shard_layers", ())))
+                   shard_layers=tuple(meta.get("shard_layers", ())),
+                   ownership=str(meta.get("ownership", "owner")))
 
     def to_json(self, indent: Optional[int] = None) -> str:
         doc = {"meta": self.meta(),

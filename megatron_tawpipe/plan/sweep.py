@@ -29,6 +29,16 @@ TAWPIPE_OPTIONS = {
     "flat": (False, True),
     "replicate_first": (False, True),
 }
+# The spread layout's options (every group keeps a slice of every shard; the groups run in step, so no
+# stagger, and every shard is in every group, so no replicated first shard): ``tawpipe-spread`` in the sweep.
+SPREAD_OPTIONS = {
+    "overlap": (True, False),
+    "cache": (True, False),
+    "early_grads": (True, False),
+    "drain": (False, True),
+    "chunk": (1, 2, 3),
+    "prefetch": (2, 1, 3),
+}
 
 
 @dataclass
@@ -89,7 +99,7 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
 SPLITS = ("even", "uneven")
 
 
-SWEPT = ("tawpipe", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "tawpipe-zb", "weipipe-interleave-zb",
+SWEPT = ("tawpipe", "tawpipe-spread", "weipipe", "weipipe-naive", "weipipe-zb1", "weipipe-zb2", "tawpipe-zb", "weipipe-interleave-zb",
          "weipipe-zb1-paired", "gpipe", "1f1b", "interleaved")
 
 
@@ -116,6 +126,31 @@ def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_m
             yield schedule, dict(kwargs, num_layers=kwargs["num_layers"] + (stages + 1) // 2)
 
 
+def _spread_options(N: int, D: int, full: bool) -> Iterator[dict]:
+    """The spread layout's option sets (two or more groups): the whole product when ``full``, else each
+    option changed on its own from the default."""
+    if D < 2:
+        return
+    names = list(SPREAD_OPTIONS)
+    if full:
+        combos = [dict(zip(names, values)) for values in itertools.product(*SPREAD_OPTIONS.values())]
+    else:
+        default = {k: v[0] for k, v in SPREAD_OPTIONS.items()}
+        combos = [default] + [dict(default, **{k: v}) for k, values in SPREAD_OPTIONS.items() for v in values[1:]]
+    seen = set()
+    for c in combos:
+        c = dict(c, chunk=min(c["chunk"], N), ownership="spread")
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            yield c
+
+
+def build_case(schedule: str, kwargs: dict):
+    """The plan of one sweep case (``tawpipe-spread``: TawPipe's planner, ``ownership`` in ``kwargs``)."""
+    return build_plan("tawpipe" if schedule == "tawpipe-spread" else schedule, **kwargs)
+
+
 def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int,
                 layers_per_shard: int) -> Iterator[Tuple[str, dict]]:
     for P in ranks:
@@ -126,6 +161,8 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
                 for opts in _tawpipe_options(N, D, full=P <= full_product_max_ranks):
                     yield "tawpipe", dict(shape, **opts)
                     yield "tawpipe-zb", dict(shape, **opts)     # the same plans with deferred weight passes
+                for opts in _spread_options(N, D, full=P <= full_product_max_ranks):
+                    yield "tawpipe-spread", dict(shape, **opts)
                 for interleave, overlap in itertools.product((True, False), (True, False)):
                     name = "weipipe" if interleave else "weipipe-naive"
                     yield name, dict(shape, overlap=overlap)
@@ -150,7 +187,7 @@ def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_ma
                                        schedules=schedules):
         error: Optional[str] = None
         try:
-            plan = build_plan(schedule, **kwargs)
+            plan = build_case(schedule, kwargs)
             validate_plan(plan)
             if report:
                 _report(plan, schedule, result)

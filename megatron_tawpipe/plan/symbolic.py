@@ -18,11 +18,13 @@ from typing import Dict, List, Optional
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.plan import Plan
+from megatron_tawpipe.plan.symbolic_end import EndChecks
+from megatron_tawpipe.plan.symbolic_slices import SliceRules
 
 
 class _RankState:
     __slots__ = ("w", "g", "moved", "locks", "pending", "main", "act", "agrad", "pc",
-                 "replicated_done", "compute_closed", "last_input")
+                 "replicated_done", "compute_closed", "last_input", "scattered")
 
     def __init__(self):
         self.w: Dict[str, int] = {}                 # weight buffer -> shard
@@ -37,9 +39,10 @@ class _RankState:
         self.replicated_done = set()                # parts all-reduced
         self.compute_closed = set()                 # parts whose all-reduce started
         self.last_input = -1                        # last micro-batch started at shard 0
+        self.scattered = set()                      # grad buffers holding only this rank's slice
 
 
-class SymbolicExecutor:
+class SymbolicExecutor(SliceRules, EndChecks):
     def __init__(self, plan: Plan, starts):
         self.plan = plan
         self.starts = starts
@@ -137,8 +140,10 @@ class SymbolicExecutor:
             what = "nothing" if held is None else f"shard {held}"
             self._err(f"weight buffer {buf!r} holds {what}, not shard {shard}", r, i, a)
 
-    def _grad_target(self, st, buf, shard, r, i, a) -> list:
+    def _grad_target(self, st, buf, shard, r, i, a, slice_ok=False) -> list:
         self._unlocked(st, buf, r, i, a)
+        if not slice_ok:
+            self._whole(st, buf, r, i, a)
         entry = st.g.get(buf)
         if entry is None:
             if buf in st.moved:
@@ -239,6 +244,9 @@ class SymbolicExecutor:
         if a.gbuf == A.MAIN:
             if a.shard not in st.main:
                 self._err(f"writes 'main' but this rank does not own shard {a.shard}", r, i, a)
+            if self._sliced(a.shard):
+                self._err(f"writes 'main', which holds one slice of shard {a.shard} (spread ownership): a "
+                          "backward needs a whole gradient buffer", r, i, a)
             self._add(st.main, a.shard, bit, "this backward", r, i, a)
         else:
             self._grad_target(st, a.gbuf, a.shard, r, i, a)
@@ -264,6 +272,9 @@ class SymbolicExecutor:
     def _load(self, r, st, i, a):
         if not 0 <= a.shard < self.S or r not in self.plan.holders(a.shard):
             self._err(f"only the owner of shard {a.shard} (or a replica) can load it", r, i, a)
+        if self._sliced(a.shard):
+            self._err(f"this rank keeps one slice of shard {a.shard} (spread ownership): gather the shard "
+                      "from its holders (AllGatherStart)", r, i, a)
         self._unlocked(st, a.buf, r, i, a)
         st.w[a.buf] = a.shard
 
@@ -275,12 +286,19 @@ class SymbolicExecutor:
                       f"shard {entry[0]} in {a.buf!r}", r, i, a)
         st.g[a.buf] = [a.shard, 0]
         st.moved.pop(a.buf, None)
+        st.scattered.discard(a.buf)
 
     def _accumulate(self, r, st, i, a):
         if a.shard not in st.main:
             self._err(f"this rank does not own shard {a.shard}", r, i, a)
-        entry = self._grad_target(st, a.buf, a.shard, r, i, a)
+        entry = self._grad_target(st, a.buf, a.shard, r, i, a, slice_ok=True)
+        if self._sliced(a.shard) != (a.buf in st.scattered):
+            self._err(f"this rank keeps one slice of shard {a.shard}: only the result of its reduce-scatter "
+                      "can be accumulated" if self._sliced(a.shard) else
+                      f"{a.buf!r} holds one slice of a reduce-scatter, shard {a.shard} is not kept in slices",
+                      r, i, a)
         self._add(st.main, a.shard, entry[1], "accumulating", r, i, a)
+        st.scattered.discard(a.buf)
         del st.g[a.buf]
         st.moved[a.buf] = i
 
@@ -322,6 +340,7 @@ class SymbolicExecutor:
         return token
 
     def _grad_target_read(self, st, buf, shard, r, i, a):
+        self._whole(st, buf, r, i, a)
         locks = st.locks.get(buf)
         if locks and "w" in locks.values():
             self._err(f"buffer {buf!r} is being received into (not yet waited)", r, i, a)
@@ -344,6 +363,7 @@ class SymbolicExecutor:
                     self._err(f"receiving into {a.buf!r} discards its undelivered contributions",
                               r, i, a)
                 st.g.pop(a.buf, None)
+                st.scattered.discard(a.buf)
             else:
                 st.w.pop(a.buf, None)
             self._lock(st, a.buf, a.tag, "w")
@@ -387,6 +407,9 @@ class SymbolicExecutor:
         if tuple(sorted(self.plan.holders(a.shard))) != a.ranks:
             self._err(f"all-reduces shard {a.shard} over ranks {list(a.ranks)}, not over its holders "
                       f"{sorted(self.plan.holders(a.shard))}", r, i, a)
+        if self._sliced(a.shard):
+            self._err(f"shard {a.shard} is kept in slices (spread ownership): its gradient is reduce-scattered "
+                      "to the holders (ReduceScatterStart), not all-reduced", r, i, a)
         entry = self._grad_target(st, a.buf, a.shard, r, i, a)
         self._lock(st, a.buf, a.tag, "w")
         st.pending[a.tag] = (i, a, entry[1])
@@ -426,8 +449,10 @@ class SymbolicExecutor:
                 st.agrad.add(snap)
         elif t is A.BroadcastStart and r != a.root:
             st.w[a.buf] = self.posted[w.tag][a.root]
-        elif (t is A.ReduceStart and r == a.root) or t is A.AllReduceStart:
-            what = "reduction" if t is A.ReduceStart else "all-reduce"
+        elif t is A.AllGatherStart:
+            st.w[a.buf] = a.shard
+        elif (t is A.ReduceStart and r == a.root) or t is A.AllReduceStart or t is A.ReduceScatterStart:
+            what = "reduction" if t is A.ReduceStart else "all-reduce" if t is A.AllReduceStart else "reduce-scatter"
             total = 0
             for member, snap in self.posted[w.tag].items():
                 if total & snap:
@@ -435,61 +460,16 @@ class SymbolicExecutor:
                               f" twice (member {member})", r, i, w)
                 total |= snap
             st.g[a.buf] = [a.shard, total]
+            if t is A.ReduceScatterStart:
+                st.scattered.add(a.buf)
         elif t is A.ReplicatedAllReduceStart:
             st.replicated_done.add(a.part)
-
-    # ---------------------------------------------------------------- end
-    def _deadlock(self, unfinished) -> None:
-        lines = []
-        for r in unfinished:
-            st = self.state[r]
-            i = st.pc
-            a = self.plan.actions[r][i]
-            if type(a) is A.Wait:
-                _, start, _ = st.pending[a.tag]
-                posted = self.posted.get(a.tag, {})
-                missing = [x[0] for x in self.starts[a.tag] if x[0] not in posted]
-                lines.append((r, i, a, f"waits for {A.describe(start)}; rank(s) {missing} "
-                              "have not posted their side"))
-            else:
-                lines.append((r, i, a, "cannot proceed"))
-        r, i, a, why = lines[0]
-        more = "; ".join(f"rank {rr} step {ii} {A.short(aa)}: {ww}"
-                         for rr, ii, aa, ww in lines[1:6])
-        raise PlanError(f"deadlock: {why}" + (f". Also blocked: {more}" if more else ""),
-                        r, i, a)
-
-    def _final_checks(self) -> None:
-        S, N = self.S, self.N
-        for stream in self.stream_index:
-            for m in range(N):
-                key = (stream, m)
-                fwd, bwd = self.fwd_next.get(key, 0), S - 1 - self.bwd_next.get(key, S - 1)
-                if fwd != S or bwd != S:
-                    raise PlanError(f"micro-batch {m} of stream {stream} ran {fwd} of {S} forward "
-                                    f"and {bwd} of {S} backward shards")
-        if self.bi_open:
-            (stream, mb, shard), rank = next(iter(self.bi_open.items()))
-            raise PlanError(f"rank {rank}: the BackwardInput of (mb {mb}, shard {shard}) of stream {stream} "
-                            "has no BackwardWeight")
-        for r, st in enumerate(self.state):
-            for buf, (shard, mask) in st.g.items():
-                if mask:
-                    raise PlanError(f"rank {r}: gradient buffer {buf!r} ends holding undelivered "
-                                    f"contributions {self._describe_mask(mask)} of shard {shard}")
-            for shard, mask in st.main.items():
-                if mask != self.full:
-                    raise PlanError(f"rank {r}: gradient of owned shard {shard} is missing "
-                                    f"contributions {self._describe_mask(self.full & ~mask)}")
-            acts = self.plan.actions[r]
-            if not acts or type(acts[-1]) is not A.OptimizerStep or \
-                    sum(type(x) is A.OptimizerStep for x in acts) != 1:
-                raise PlanError(f"rank {r} must end with exactly one OptimizerStep")
 
     _handlers = {
         A.Forward: _forward, A.Backward: _backward, A.BackwardInput: _bi, A.BackwardWeight: _bw,
         A.LoadWeights: _load, A.ZeroGrad: _zero, A.AccumulateToOwner: _accumulate,
         A.OptimizerStep: _optimizer, A.SendStart: _send, A.RecvStart: _recv,
         A.BroadcastStart: _broadcast, A.ReduceStart: _reduce, A.AllReduceStart: _all_reduce,
+        A.AllGatherStart: SliceRules._all_gather, A.ReduceScatterStart: SliceRules._reduce_scatter,
         A.ReplicatedAllReduceStart: _replicated,
     }

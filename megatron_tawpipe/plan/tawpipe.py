@@ -59,6 +59,18 @@ drain=True`` is the reference arrangement, schedule ``tawpipe-paper``):
   gradients.  The price is shard 0's master, optimizer state and gradient on
   D-1 more ranks (``Plan.replicas``).  Needs D >= 2; the simulator finds it
   faster for D = 2 and not for more groups.
+* ``ownership="spread"``: each group keeps a 1/D slice of every shard (master weights, optimizer state,
+  ``main`` gradient) on the rank that would stage it, the owner among them (``Plan.ownership``, the other
+  holders in ``Plan.replicas``).  The groups run in step (no stagger), so the D holders of a shard need it
+  at the same slot: they all-gather it (``AllGatherStart``, at a group's first visit with the cache, at every
+  visit without) and, after its last backward (every backward visit without the cache), reduce-scatter the
+  groups' gradients of it (``ReduceScatterStart``), each adding its slice into ``main``.  The same bytes
+  between nodes as one owner with the cache, carried by every node link at once instead of queued on the
+  owner's (docs/tawpipe-spread.md).
+* ``early_grads`` (default: with ``ownership="spread"``): a shard's last backward visit's reduction is waited
+  after the next visit's first micro-batch instead of after that whole visit, so its gradient leaves while
+  the rest of the visit computes (with one owner the simulator finds it no faster: the early gradients queue
+  on the owner's link with the others).
 * ``groups``: scheduling groups (default: the physical groups).  ``groups=1``
   is the flat-group ablation (one group of all ranks, no GWPS).
 """
@@ -71,6 +83,7 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.builder import PlanBuilder
 
+OWNERSHIPS = ("owner", "spread")   # shard state kept whole by one owner, or in slices by every group
 START, END = -(10 ** 9), 10 ** 9    # slots before and after every visit
 UNSET = -1                          # an empty key position: before every step placed there
 WAIT, POST, COMP, AFTER = range(4)  # phases of a slot
@@ -137,6 +150,8 @@ class _Layout:
     cache: bool
     prefetch: int
     replicate_first: bool
+    spread: bool                        # every group keeps a slice of every shard (``ownership="spread"``)
+    early: bool                         # each shard's last gradient leaves right after its last backward
     slack: int                          # slots a group may run off its nominal stagger
     owner: List[int]
     replicas: Dict[int, Tuple[int, ...]]
@@ -145,8 +160,13 @@ class _Layout:
     last_b: Dict[int, int]              # shard -> its last backward visit
 
     def root(self, g: int, s: int) -> int:
-        """The rank of group ``g`` at which shard ``s`` arrives: its owner or its staging rank."""
+        """The rank of group ``g`` at which shard ``s`` arrives: its owner or its staging rank (spread: the
+        group's holder of a slice of it, the same rank)."""
         return self.owner[s] if self.owner[s] // self.G == g else g * self.G + s // self.D
+
+    def holders(self, s: int) -> List[int]:
+        """Spread layout: the ranks that keep a slice of shard ``s``, one per group."""
+        return [self.root(g, s) for g in range(self.D)]
 
 
 def _weights_in(t: _Layout, members: List[int], v: int, tau: int, root: int,
@@ -166,7 +186,17 @@ def _weights_in(t: _Layout, members: List[int], v: int, tau: int, root: int,
     else:
         fetched_key, bcast_key = Key(tau - 1, AFTER, LATE, FETCHED), Key(tau - 1, AFTER, LATE, BROADCAST)
     wbuf = {m: f"~w{v}" for m in members}
-    if root == t.owner[s]:
+    if t.spread:
+        # Every group gathers the shard from the D slice holders at the same key (the groups run in
+        # step): emitted once, with group 0's visit, for every holder.
+        wbuf[root] = f"~wc{s}" if t.cache else f"~w{v}"
+        if members[0] == 0 and (not t.cache or s not in fetched):
+            fetched.add(s)
+            keys = (Key(tau - t.prefetch, POST, FETCH), fetched_key) if t.overlap \
+                else (Key(tau, WAIT, FETCH), Key(tau, WAIT, FETCHED))
+            t.b.all_reduce(t.holders(s), {h: wbuf[root] for h in t.holders(s)}, "weight", s, *keys,
+                           cls=A.AllGatherStart)
+    elif root == t.owner[s]:
         wbuf[root] = "~wown"
     elif root in t.replicas.get(s, ()):
         wbuf[root] = f"~wrep{s}"
@@ -194,8 +224,8 @@ def _compute(t: _Layout, members: List[int], v: int, tau: int, root: int, wbuf: 
         return {}
     gbuf = {m: f"~g{v}" for m in members}
     replicated = s in t.replicas
-    cached = t.cache and root != t.owner[s]
-    if t.G == 1 and root == t.owner[s] and not replicated:
+    cached = t.cache and (root != t.owner[s] or t.spread)
+    if t.G == 1 and root == t.owner[s] and not replicated and not t.spread:
         gbuf[root] = A.MAIN             # straight into the owner's gradient
     elif replicated:
         gbuf[root] = f"~gx{s}"          # the group's gradient, all-reduced among the holders at the end
@@ -217,13 +247,14 @@ def _gradient_keys(t: _Layout, v: int, slots: List[int]) -> Tuple[Optional[Key],
         return None, Key(tau, AFTER, READY), Key(tau, AFTER, READY)
     if not t.overlap:
         reduced = Key(tau, AFTER, REDUCED)
-    elif (t.replicate_first and v + 2 == len(t.visits) and slots[v + 1] == tau + 1
-          and len(t.visits[v + 1].mbs) > 1):
-        # With replicate_first, when the next visit is the group's last and has more than one
-        # micro-batch: after its first one, so that this gradient leaves for its owner while the
-        # rest of that visit computes instead of joining shard 0's all-reduce on the node link.
-        # (Not in general: moving a send ahead of others on the gradient channel can block them
-        # behind a late receiver.)
+    elif ((t.early and t.last_b[t.visits[v].shard] == v) or (t.replicate_first and v + 2 == len(t.visits))) \
+            and v + 1 < len(t.visits) and slots[v + 1] == tau + 1 and len(t.visits[v + 1].mbs) > 1:
+        # With replicate_first, when the next visit is the group's last, and with ``early`` for
+        # every shard's last backward, when the next visit has more than one micro-batch: after its
+        # first one, so that this gradient leaves for its owner(s) while the rest of that visit
+        # computes, not after it (for the second-to-last visit: not after the whole backward).
+        # (Not by default with one owner: moving a send ahead of others on the gradient channel can
+        # block them behind a late receiver; the spread layout's reduce-scatters gain from it.)
         reduced = Key(tau + 1, COMP, 0, 1)
     else:
         # After the next visit's compute: a member that finished this visit
@@ -243,6 +274,9 @@ def _gradients_out(t: _Layout, g: int, members: List[int], v: int, slots: List[i
         t.b.collective(A.ReduceStart, root, members, gbuf, "grad", s, Key(tau, AFTER, REDUCE), reduced)
     if s in t.replicas:
         return ready if t.last_b[s] == v else None
+    if t.spread:
+        _reduce_scatter(t, members, v, s, ready, after_ready, gbuf[root])
+        return None
     if root == t.owner[s]:
         t.b.emit(root, ready, A.AccumulateToOwner, s, gbuf[root])
         return None
@@ -261,6 +295,25 @@ def _gradients_out(t: _Layout, g: int, members: List[int], v: int, slots: List[i
             src_wait_key=wait, dst_wait_key=wait)
     t.b.emit(t.owner[s], wait.next(), A.AccumulateToOwner, s, recv)
     return None
+
+
+def _reduce_scatter(t: _Layout, members: List[int], v: int, s: int, ready: Key, after_ready: Key,
+                    buf: str) -> None:
+    """Spread layout: the groups' gradients of shard ``s`` reduce-scattered to its D slice holders (once,
+    after the last backward, with the cache; after every backward visit without), each holder adding its
+    slice into ``main``.  Emitted once, with group 0's visit, for every holder (the groups run in step)."""
+    if members[0] != 0 or (t.cache and t.last_b[s] != v):
+        return
+    if t.overlap and t.cache:
+        start, wait = after_ready, Key(END, OPEN, CACHED)
+    elif t.overlap:
+        start, wait = after_ready, Key(ready.slot + 1 + t.slack, WAIT, WAITED)
+    else:
+        start, wait = Key(ready.slot, AFTER, SEND), Key(ready.slot, AFTER, SENT)
+    holders = t.holders(s)
+    t.b.all_reduce(holders, {h: buf for h in holders}, "grad", s, start, wait, cls=A.ReduceScatterStart)
+    for h in holders:
+        t.b.emit(h, wait.next(), A.AccumulateToOwner, s, buf)
 
 
 def _group(t: _Layout, g: int, slots: List[int]) -> Optional[Key]:
@@ -305,19 +358,30 @@ def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optio
 
 
 def _schedule_name(D: int, num_groups: int, overlap: bool, cache: bool, drain: bool,
-                   replicate_first: bool) -> str:
-    if not cache and drain and D == num_groups and overlap:
+                   replicate_first: bool, spread: bool = False) -> str:
+    if not cache and drain and D == num_groups and overlap and not spread:
         return "tawpipe-paper"
     name = "tawpipe" if D == num_groups else ("tawpipe-flat" if D == 1 else f"tawpipe-groups{D}")
-    return name + ("-rep" if replicate_first else "") + ("" if overlap else "-nooverlap")
+    return name + ("-rep" if replicate_first else "") + ("-spread" if spread else "") + \
+        ("" if overlap else "-nooverlap")
 
 
 def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
                  groups: int = None, overlap: bool = True, stagger: bool = None,
                  drain: bool = False, chunk: int = 1, cache: bool = None, prefetch: int = 2,
-                 replicate_first: bool = False):
+                 replicate_first: bool = False, ownership: str = "owner", early_grads: bool = None):
+    """TawPipe's plan (see the module's text). ``ownership``: ``"owner"`` (shard s kept whole by its owner)
+    or ``"spread"`` (each group keeps a 1/D slice of every shard; the groups run in step, gather each shard
+    from the D holders and reduce-scatter its gradient to them). ``early_grads``: each shard's last gradient
+    leaves during the next visit (after its first micro-batch) instead of after it; default: with spread."""
     P, N = num_ranks, num_microbatches
     D = num_groups if groups is None else groups
+    if ownership not in OWNERSHIPS:
+        raise ValueError(f"ownership {ownership!r}: one of {', '.join(OWNERSHIPS)}")
+    spread = ownership == "spread"
+    if spread and (D < 2 or replicate_first or stagger):
+        raise ValueError("spread ownership needs two or more scheduling groups, running in step (no stagger), "
+                         "and holds every shard in every group already (no replicate_first)")
     if D < 1 or P % D:
         raise ValueError(f"scheduling groups ({D}) must divide ranks ({P})")
     if num_layers < P:
@@ -327,6 +391,10 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     G = P // D
     if replicate_first and D < 2:
         raise ValueError("replicate_first needs at least 2 scheduling groups (one holder of shard 0 per group)")
+    if spread:
+        stagger = False
+    if early_grads is None:
+        early_grads = spread
     if stagger is None:
         # Two groups that both hold shard 0 start together (a stagger would only delay the
         # second); with more, staggering still spreads each slot's fetches over the owners.
@@ -347,20 +415,25 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     replicas = {0: tuple(g * G for g in range(D) if g != owner[0] // G)} if replicate_first else {}
     visits = _visits(P, N, chunk)
     backward = [(v, x.shard) for v, x in enumerate(visits) if x.phase == "B"]
-    t = _Layout(b, P, D, G, overlap, cache, prefetch, replicate_first, slack, owner, replicas, visits,
-                first_b={s: v for v, s in reversed(backward)}, last_b={s: v for v, s in backward})
+    t = _Layout(b, P, D, G, overlap, cache, prefetch, replicate_first, spread, early_grads, slack, owner,
+                replicas, visits, first_b={s: v for v, s in reversed(backward)}, last_b={s: v for v, s in backward})
     for s in range(P):
-        b.emit(owner[s], Key(START, 0), A.LoadWeights, s, "~wown")
+        if not spread:
+            b.emit(owner[s], Key(START, 0), A.LoadWeights, s, "~wown")
         for r in replicas.get(s, ()):
             b.emit(r, Key(START, 0), A.LoadWeights, s, f"~wrep{s}")
     slots = [[(g if stagger else 0) + v + (x.round * (D - 1) if drain else 0)
               for v, x in enumerate(visits)] for g in range(D)]
     replica_ready = [_group(t, g, slots[g]) for g in range(D)]
     _iteration_end(t, slots, replica_ready)
-    return b.build(schedule=_schedule_name(D, num_groups, overlap, cache, drain, replicate_first),
+    if spread:     # the plan's holders of shard s: its owner and the other groups' slice holders
+        replicas = {s: tuple(h for h in t.holders(s) if h != owner[s]) for s in range(P)}
+    return b.build(schedule=_schedule_name(D, num_groups, overlap, cache, drain, replicate_first, spread),
                    family="weight", num_layers=num_layers, num_microbatches=N,
-                   owners=owner, streams=range(P), replicas=replicas,
+                   owners=owner, streams=range(P), replicas=replicas, ownership=ownership,
                    options={"groups": D, "overlap": overlap, "stagger": stagger,
                             "drain": drain, "chunk": chunk, "cache": cache,
                             "prefetch": prefetch, **({"replicate_first": True} if replicate_first else {}),
+                            **({"ownership": ownership} if spread else {}),
+                            **({"early_grads": True} if early_grads else {}),
                             "slots": max(x[-1] for x in slots) + 1})

@@ -21,7 +21,9 @@ def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float =
     root's group counts as intra, otherwise inter).  A gradient unit is
     ``bytes_per_grad`` (default ``bytes_per_shard``).  An executor that counts
     the same way (per send, per received broadcast copy, per contributed
-    reduction input) measures the same numbers.  The replicated all-reduce is
+    reduction input) measures the same numbers.  All-reduce, all-gather and
+    reduce-scatter (the holders' of a replicated or sliced shard) are rings: each
+    member sends its ring share (:func:`ring_share`) to its successor.  The replicated all-reduce is
     not included (see ``replicated_allreduce_bytes``).
 
     With shards of different sizes, ``bytes_per_shard`` and ``bytes_per_grad`` are the
@@ -45,17 +47,21 @@ def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float =
                 out[a.link] += a.size * unit(a)
             elif (t is A.BroadcastStart or t is A.ReduceStart) and r != a.root:
                 out["intra" if r // G == a.root // G else "inter"] += a.size * unit(a)
-            elif t is A.AllReduceStart:
-                successor, share = ring_share(a.ranks, r)
+            elif t is A.AllReduceStart or t in _SLICES:
+                successor, share = ring_share(a.ranks, r, t in _SLICES)
                 out["intra" if r // G == successor // G else "inter"] += share * a.size * unit(a)
     return out
 
 
-def ring_share(ranks, rank: int):
+_SLICES = frozenset(A.SLICE_COLLECTIVES)
+
+
+def ring_share(ranks, rank: int, half: bool = False):
     """``rank``'s successor in a ring all-reduce over ``ranks`` and the fraction of the buffer it
-    sends there: 2(n-1)/n (reduce-scatter, then all-gather)."""
+    sends there: 2(n-1)/n (reduce-scatter, then all-gather); ``half``: a ring all-gather or
+    reduce-scatter alone, (n-1)/n."""
     n = len(ranks)
-    return ranks[(ranks.index(rank) + 1) % n], (2 * (n - 1) / n if n > 1 else 0.0)
+    return ranks[(ranks.index(rank) + 1) % n], ((1 if half else 2) * (n - 1) / n if n > 1 else 0.0)
 
 
 def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float) -> Dict[str, float]:

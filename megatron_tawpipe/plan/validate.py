@@ -89,6 +89,8 @@ def _check_meta(plan: Plan) -> None:
                         f"(owners {plan.owners})")
     if plan.family not in ("weight", "activation"):
         raise PlanError(f"unknown plan family {plan.family!r}")
+    if plan.ownership not in ("owner", "spread"):
+        raise PlanError(f"unknown ownership {plan.ownership!r}; known: owner, spread")
     for shard, ranks in plan.replicas.items():
         if not 0 <= shard < plan.num_shards:
             raise PlanError(f"replicas name shard {shard}, outside 0..{plan.num_shards - 1}")
@@ -158,7 +160,7 @@ def _check_static(plan: Plan):
                                         "include this rank", r, i, a)
                     channel = "replicated"
                     if t is not A.ReplicatedAllReduceStart:
-                        if t is not A.AllReduceStart and a.root not in a.ranks:
+                        if t in _ROOTED and a.root not in a.ranks:
                             raise PlanError(f"root {a.root} is not a member", r, i, a)
                         if a.kind not in ("weight", "grad"):
                             raise PlanError(f"collectives move weights or grads, not {a.kind!r}",
@@ -249,3 +251,4 @@ def _fields_but_buf(a):
 
 
 _STARTS = frozenset(A.STARTS)
+_ROOTED = (A.BroadcastStart, A.ReduceStart)

@@ -32,8 +32,8 @@ from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.plan import Plan
 
 Choose = Callable[[int, Sequence[object], Tuple[int, ...], List[int]], int]
-_CONSUMERS = (A.SendStart, A.ReduceStart, A.AllReduceStart, A.AccumulateToOwner)
-_WEIGHT_WRITERS = (A.LoadWeights, A.RecvStart, A.BroadcastStart)
+_CONSUMERS = (A.SendStart, A.ReduceStart, A.AllReduceStart, A.ReduceScatterStart, A.AccumulateToOwner)
+_WEIGHT_WRITERS = (A.LoadWeights, A.RecvStart, A.BroadcastStart, A.AllGatherStart)
 
 
 def _grad_buf(a) -> Optional[str]:

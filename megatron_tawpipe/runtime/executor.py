@@ -76,6 +76,9 @@ class PlanExecutor:
 
     def __init__(self, plan, rank: int, compute, communicators: Communicators,
                  timeout: Optional[datetime.timedelta] = None, nccl_faithful: bool = False, transport=None):
+        if getattr(plan, "spread", False):
+            raise ExecutionError(f"{plan.schedule}: a plan with every shard kept in slices over the groups "
+                                 "(--tawpipe-ownership spread) is not run by this executor yet")
         self.plan = plan
         # Bounded waits: a dead or stalled peer becomes an error, never a silent hang.
         self.timeout = timeout or datetime.timedelta(minutes=10)

@@ -261,7 +261,7 @@ class CostModel:
         return 0.0 if bw == float("inf") else self.shard_bytes(plan, shard) / bw
 
     def optimizer_time(self, plan, rank: int) -> float:
-        n = sum(plan.shard_layers[s] for s in plan.shards_held_by(rank)) * self.params_per_layer
+        n = plan.layers_held_by(rank) * self.params_per_layer
         return (n + self.replicated_params) * self.optimizer_time_per_param
 
 

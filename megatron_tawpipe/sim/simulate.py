@@ -25,7 +25,8 @@ transfer holds its stream until its partner runs.  Then it moves its bytes:
   embedding / output layer's over all ranks) are rings: each member sends
   ``2(n-1)/n`` of the buffer to its successor as one flow, the hops between
   nodes sharing the node links with the other flows, and the ring pays
-  ``2(n-1)`` latencies.
+  ``2(n-1)`` latencies; all-gathers and reduce-scatters (the holders' of a
+  shard kept in slices) likewise with ``(n-1)/n`` and ``n-1`` latencies.
 
 Results: iteration time, tokens/s per rank, bubble ratio (idle compute
 fraction), bytes per link class (the plan's transfers, :func:`plan.traffic.link_bytes`,
@@ -306,7 +307,8 @@ class _Simulator:
         op.began = True
         a = next(iter(op.start.values()))
         cls = type(a)
-        ring = cls is A.AllReduceStart or cls is A.ReplicatedAllReduceStart
+        half = cls in _SLICES           # a ring all-gather or reduce-scatter: (n-1)/n, n-1 steps
+        ring = cls is A.AllReduceStart or cls is A.ReplicatedAllReduceStart or half
         if cls in (A.SendStart, A.RecvStart):
             send = next(x for x in op.start.values() if type(x) is A.SendStart)
             src = next(rr for rr, x in op.start.items() if x is send)
@@ -325,13 +327,14 @@ class _Simulator:
         else:
             kind, nbytes = a.kind, a.size * self.unit[a.kind][a.shard]
         if ring:
-            nbytes *= ring_share(a.ranks, a.ranks[0])[1]
+            nbytes *= ring_share(a.ranks, a.ranks[0], half)[1]
         op.flows_left = len(pairs)
         if not pairs:
             self.push(t, "done", op)
         if ring and pairs:   # a ring's 2(n-1) steps each pay a latency; the flows pay one
             crossing = any(src // self.G != dst // self.G for src, dst in pairs)
-            t += (2 * len(pairs) - 3) * (self.cost.inter if crossing else self.cost.intra).latency
+            steps = len(pairs) - 1 if half else 2 * len(pairs) - 2
+            t += (steps - 1) * (self.cost.inter if crossing else self.cost.intra).latency
         for src, dst in pairs:
             link = "intra" if src // self.G == dst // self.G else "inter"
             tr = Transfer(op.tag, src, dst, kind, link, nbytes, t)
@@ -382,6 +385,7 @@ class _Simulator:
 
 
 _STARTS = frozenset(A.STARTS)
+_SLICES = frozenset(A.SLICE_COLLECTIVES)
 
 
 def peak_activation_bytes(plan: Plan, cost: CostModel) -> float:

@@ -10,7 +10,7 @@ from typing import Optional
 from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,
                                               SUPPORTED_TOKENIZERS, ArgumentError, is_weight_passing, plan_file_of)
 from megatron_tawpipe.arguments.layout import data_parallel_size
-from megatron_tawpipe.arguments.weight_passing import tawpipe_cache_problem
+from megatron_tawpipe.arguments.weight_passing import tawpipe_cache_problem, tawpipe_ownership_problem
 from megatron_tawpipe.compat.megatron_lm import NOTICES
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.optimizer.precision_aware import precision_refusal
@@ -327,8 +327,10 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     _validate_tensor_parallel(args)
     cache_problem = tawpipe_cache_problem(args.pipeline_schedule, args.tawpipe_cache,
                                           args.tawpipe_num_groups or world_size // _ranks_per_node(world_size))
-    if cache_problem:
-        raise ArgumentError(cache_problem)
+    problem = cache_problem or tawpipe_ownership_problem(args.pipeline_schedule,
+                                                         getattr(args, "tawpipe_ownership", "owner"))
+    if problem:
+        raise ArgumentError(problem)
     pp = args.pipeline_model_parallel_size
     if is_weight_passing(args.pipeline_schedule):
         if pp != 1:
