@@ -9,9 +9,11 @@
 # shard's forward (2 x 24.4 ms). Then the simulator's prediction of the same configuration.
 #   sudo bash examples/benchmark_long_context.sh        (REPS=3 ITERS=4 RATE=1gbit VISIT=4)
 # tawpipe-rep: TawPipe with --tawpipe-replicate-first-shard (shard 0 in both nodes).
-# At equal activation memory (EQUAL_MEMORY=1, the default): each strategy runs the micro-batch size
-# the simulator predicts fastest among those whose activations fit what TawPipe's visit holds
-# (tools/benchmark.py --equal-memory); EQUAL_MEMORY=0 runs every strategy at micro-batch size 1.
+# At equal memory (EQUAL_MEMORY=1, the default): each strategy runs the micro-batch size the simulator
+# predicts fastest among those whose memory fits what TawPipe holds (tools/benchmark.py --equal-memory):
+# the whole footprint (EQUAL_MEMORY_RULE=whole, the default: weights, gradients, optimizer state, buffers,
+# activations) or activations only (EQUAL_MEMORY_RULE=activations, the rule of the runs before 2026-11-28);
+# EQUAL_MEMORY=0 runs every strategy at micro-batch size 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/long_context}
@@ -24,8 +26,9 @@ VISIT=${VISIT:-4}            # tawpipe micro-batches per shard visit
 BUCKET=${BUCKET:-1000000}    # megatron DDP buckets of ~1 decoder layer (0.8M parameters): overlap on this small model
 BACKEND=${BACKEND:-gloo}     # the simulator as the CPU runs the libraries (nccl: what GPUs would do)
 EQUAL_MEMORY=${EQUAL_MEMORY:-1}
+EQUAL_MEMORY_RULE=${EQUAL_MEMORY_RULE:-whole}
 EQUAL=()
-[ "$EQUAL_MEMORY" = 1 ] && EQUAL=(--equal-memory)
+[ "$EQUAL_MEMORY" = 1 ] && EQUAL=(--equal-memory --equal-memory-rule "$EQUAL_MEMORY_RULE")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 source examples/long_context_model.sh
 mkdir -p "$OUT"

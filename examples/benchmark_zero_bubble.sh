@@ -22,7 +22,8 @@ source examples/long_context_model.sh
 mkdir -p "$OUT"
 calibrate_times "$OUT/times.json" --measure-activations
 python tools/benchmark.py --nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" --train-iters "$ITERS" \
-    --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" --equal-memory --schedules $STRATEGIES \
+    --warmup-iters 1 --no-recompute --tawpipe-microbatches-per-visit "$VISIT" --equal-memory --equal-memory-rule activations \
+    --schedules $STRATEGIES \
     --emulated-compute-times "$OUT/times.json" --outdir "$OUT/runs" --json "$OUT/split.json" -- "${MODEL[@]}"
 python tools/benchmark.py --results "$OUT/split.json"
 

@@ -422,23 +422,29 @@ def _long_context_config(tmp_path, **kw):
     return BenchmarkConfig(**{**base, **kw})
 
 
-def test_equal_memory_choice_respects_the_budget(tmp_path):
-    """Each strategy's micro-batch size: the fastest the simulator predicts among the sizes whose
-    activation memory fits the budget (TawPipe's by default), ties to the larger; a budget nothing fits
-    leaves the smallest, marked."""
-    from megatron_tawpipe.bench.equal_memory import TIE, choose_micro_batch_sizes, format_choices
+@pytest.mark.parametrize("rule", ["whole", "activations"])
+def test_equal_memory_choice_respects_the_budget(tmp_path, rule):
+    """Each strategy's micro-batch size: the fastest the simulator predicts among the sizes whose memory
+    (the rule's: the whole footprint by default, or activations and logits only) fits the budget (TawPipe's
+    by default), ties to the larger; a budget nothing fits leaves the smallest, marked."""
+    from megatron_tawpipe.bench.equal_memory import RULES, TIE, choose_micro_batch_sizes, format_choices
 
-    config = _long_context_config(tmp_path)
+    config = _long_context_config(tmp_path, equal_memory_rule=rule)
     selection = choose_micro_batch_sizes(config)
-    assert selection["candidates"] == [1, 2, 4]
+    assert selection["candidates"] == [1, 2, 4] and selection["rule"] == rule
     budget = selection["budget_bytes"]
-    assert budget == selection["choices"]["tawpipe"]["activation_bytes"] > 0
+    tawpipe = selection["choices"]["tawpipe"]
+    assert budget == tawpipe["counted_bytes"] > 0
+    assert tawpipe["counted_bytes"] == (tawpipe["memory_bytes"] if rule == "whole" else tawpipe["activation_bytes"])
     for name, choice in selection["choices"].items():
+        # the whole footprint is every part of the memory model, whatever the rule counts
+        assert choice["memory_bytes"] == pytest.approx(sum(choice["memory_parts"].values()))
+        assert choice["memory_bytes"] > choice["activation_bytes"] > 0
         if name == "tawpipe":
             assert choice["micro_batch_size"] == 1 and not choice["tried"]
             continue
-        fits = [t for t in choice["tried"] if t["activation_bytes"] <= budget * (1 + 1e-9)]
-        assert choice["fits"] and choice["activation_bytes"] <= budget * (1 + 1e-9)
+        fits = [t for t in choice["tried"] if t["counted_bytes"] <= budget * (1 + 1e-9)]
+        assert choice["fits"] and choice["counted_bytes"] <= budget * (1 + 1e-9)
         best = max(t["predicted_tokens_per_sec_per_rank"] for t in fits)
         assert choice["predicted_tokens_per_sec_per_rank"] >= (1 - TIE) * best
         assert all(t["micro_batch_size"] <= choice["micro_batch_size"] for t in fits
@@ -446,16 +452,68 @@ def test_equal_memory_choice_respects_the_budget(tmp_path):
         # Activation memory grows with the micro-batch: the sizes are really priced, not assumed.
         acts = [t["activation_bytes"] for t in choice["tried"]]
         assert acts == sorted(acts) and acts[-1] > acts[0]
-    # TawPipe's visit of 4 holds what one micro-batch of 4 samples holds: data parallelism gets that window.
+    # TawPipe's visit of 4 holds what one micro-batch of 4 samples holds: data parallelism gets that window
+    # (with the whole footprint too: on this small model the state is a few MB beside 1.7 GB of activations)
     assert selection["choices"]["distopt"]["micro_batch_size"] == 4
     assert selection["choices"]["fsdp"]["micro_batch_size"] == 4
-    assert "activation budget" in format_choices(selection)
+    assert RULES[rule] in format_choices(selection)
 
-    small = choose_micro_batch_sizes(config, budget_bytes=selection["choices"]["distopt"]["tried"][0]["activation_bytes"])
+    first = selection["choices"]["distopt"]["tried"][0]["counted_bytes"]
+    small = choose_micro_batch_sizes(config, budget_bytes=first)
     assert small["choices"]["distopt"]["micro_batch_size"] == 1 and small["choices"]["distopt"]["fits"]
     none = choose_micro_batch_sizes(config, budget_bytes=1.0)
     assert none["choices"]["fsdp"]["micro_batch_size"] == 1 and not none["choices"]["fsdp"]["fits"]
     assert "nothing fits" in format_choices(none)
+
+
+def test_equal_whole_memory_counts_every_part_and_activations_only_is_an_option(tmp_path):
+    """The whole-memory rule counts each part of a strategy's footprint (weights, gradients, optimizer
+    state, buffers, activations, logits): a strategy whose state alone is larger than TawPipe's gets a
+    smaller micro-batch than at equal activation memory, and adding to any one part changes what is
+    counted by that much. The activation rule is the option that ignores the state, and says so."""
+    from megatron_tawpipe.bench.equal_memory import RULES, choose_micro_batch_sizes, format_choices
+    from megatron_tawpipe.sim.memory import TERMS
+
+    state = {"weights": 30e6, "grads": 60e6, "optimizer": 20e6, "comm_buffers": 10e6}
+
+    def fake_simulate(cmd):
+        b = int(cmd[cmd.index("--micro-batch-size") + 1])
+        rows = []
+        for s in cmd[cmd.index("--schedule") + 1].split(","):
+            parts = dict(weights=2e6, grads=4e6, optimizer=12e6, comm_buffers=40e6, activations=400e6 * 4,
+                         logits=50e6) if s == "tawpipe" else dict(state, activations=400e6 * b, logits=10e6 * b)
+            rows.append({"schedule": s, "tokens_per_sec_per_rank": 1000.0 * (1 + b / 10), "bubble_ratio": 0.1,
+                         "options": {"memory_breakdown": dict(parts, total=sum(parts.values()), notes={})}})
+        return rows
+
+    config = _long_context_config(tmp_path, schedules=("tawpipe", "distopt"))
+    whole = choose_micro_batch_sizes(config, simulate=fake_simulate, rule="whole")
+    acts = choose_micro_batch_sizes(config, simulate=fake_simulate, rule="activations")
+    assert whole["budget_bytes"] == pytest.approx(2e6 + 4e6 + 12e6 + 40e6 + 1600e6 + 50e6)
+    assert acts["budget_bytes"] == pytest.approx(1650e6)
+    # distopt at b=4: 1600 MB activations + 40 MB logits + 120 MB state > TawPipe's 1708 MB whole; b=2 fits
+    assert whole["choices"]["distopt"]["micro_batch_size"] == 2 and whole["choices"]["distopt"]["fits"]
+    # activations and logits only: b=4 (1640 MB) fits TawPipe's 1650 MB: the state is not counted
+    assert acts["choices"]["distopt"]["micro_batch_size"] == 4
+    tried = {t["micro_batch_size"]: t for t in whole["choices"]["distopt"]["tried"]}
+    assert tried[1]["memory_parts"] == dict(state, activations=400e6, logits=10e6)
+    assert tried[1]["counted_bytes"] == pytest.approx(120e6 + 410e6)
+    for term in TERMS:          # each part is counted: one more MB in it is one more MB counted
+        def more(cmd, term=term):
+            rows = fake_simulate(cmd)
+            for r in rows:
+                r["options"]["memory_breakdown"][term] += 1e6
+            return rows
+        bumped = choose_micro_batch_sizes(config, simulate=more, rule="whole")
+        assert bumped["choices"]["distopt"]["tried"][0]["counted_bytes"] == pytest.approx(tried[1]["counted_bytes"]
+                                                                                        + 1e6), term
+        counted_acts = choose_micro_batch_sizes(config, simulate=more, rule="activations")
+        delta = counted_acts["choices"]["distopt"]["tried"][0]["counted_bytes"] - 410e6
+        assert delta == pytest.approx(1e6 if term in ("activations", "logits") else 0.0), term
+    assert RULES["whole"] in format_choices(whole) and "grads 60.0 MB" in format_choices(whole)
+    assert "activations and logits only" in format_choices(acts)
+    with pytest.raises(Exception, match="equal-memory rule 'peak': one of whole, activations"):
+        choose_micro_batch_sizes(config, simulate=fake_simulate, rule="peak")
 
 
 def test_equal_memory_runs_each_strategy_at_its_size(tmp_path):
@@ -485,7 +543,11 @@ def test_equal_memory_runs_each_strategy_at_its_size(tmp_path):
     assert seen == {"tawpipe": 1, "distopt": 4, "fsdp": 2}
     assert {r["schedule"]: r["micro_batch_size"] for r in result["summary"]} == seen
     assert result["equal_memory"]["choices"]["fsdp"]["micro_batch_size"] == 4  # the choice, overridden by hand
-    assert any("activation budget" in line for line in lines)
+    assert result["equal_memory"]["rule"] == "whole" and any("equal whole memory" in line for line in lines)
+    # the table sets each strategy's predicted whole memory beside its measured peak
+    from megatron_tawpipe.bench.benchmark_report import format_table
+    table = format_table(result)
+    assert "peak mem/rank  predicted mem" in table and "equal whole memory" in table
 
 
 def test_equal_memory_results_compare_with_their_own_predictions():

@@ -130,7 +130,8 @@ def main(argv=None) -> int:
             model = ModelSpec(seq_length=seq, **PRESETS[name])
             gbs = args.global_batch_tokens // seq
             t0 = time.time()
-            summary = advise(model, cluster, gbs, plan_cache=plan_cache, check_command=check_command)
+            summary = advise(model, cluster, gbs, plan_cache=plan_cache, check_command=check_command,
+                             listed=args.top)
             text_path = f"{args.out}_{name}_{seq // 1024}k.txt"
             command = (f"python tools/simulate.py --advise --model {name} --ranks {args.ranks} --ranks-per-node "
                        f"{args.ranks_per_node} --seq-length {seq} --global-batch-size {gbs} --intra-bw {args.intra_bw} "

@@ -82,11 +82,19 @@ def main(argv=None) -> int:
                    help="passed to the tawpipe runs (see pretrain_llama.py --help)")
     p.add_argument("--equal-memory", action="store_true",
                    help="give each strategy its own --micro-batch-size: the fastest (by tools/simulate.py on the "
-                        "same model, times and links) whose activation memory fits the budget; tawpipe keeps the "
-                        "model flags' size, its window being the visit (megatron_tawpipe/bench/equal_memory.py)")
+                        "same model, times and links) whose memory (--equal-memory-rule) fits the budget; tawpipe "
+                        "keeps the model flags' size, its window being the visit "
+                        "(megatron_tawpipe/bench/equal_memory.py)")
+    p.add_argument("--equal-memory-rule", choices=("whole", "activations"), default="whole",
+                   help="with --equal-memory: what is counted against the budget: the whole footprint per rank "
+                        "(weights, gradients, optimizer state, buffers, activations, logits; the default) or "
+                        "activations and logits only (equal activation memory)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="with --equal-memory (rule whole): the whole memory per rank (e.g. 4GB; default: TawPipe's "
+                        "at the model's micro-batch size and --tawpipe-microbatches-per-visit)")
     p.add_argument("--activation-budget", default=None, metavar="SIZE",
-                   help="with --equal-memory: the activation memory per rank (e.g. 2GB; default: TawPipe's at "
-                        "the model's micro-batch size and --tawpipe-microbatches-per-visit)")
+                   help="with --equal-memory --equal-memory-rule activations: the activation memory per rank (e.g. "
+                        "2GB; default: TawPipe's at the model's micro-batch size and --tawpipe-microbatches-per-visit)")
     p.add_argument("--micro-batch-size-of", action="append", default=[], metavar="STRATEGY=N",
                    help="a strategy's own --micro-batch-size (repeatable; wins over --equal-memory's choice)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -137,14 +145,19 @@ def main(argv=None) -> int:
             p.error(f"--micro-batch-size-of {item!r}: give STRATEGY=N with N >= 1 and STRATEGY one of "
                     f"{', '.join(SCHEDULES)}")
         own_sizes[name] = int(value)
-    budget = None
-    if args.activation_budget is not None:
-        if not args.equal_memory:
-            p.error("--activation-budget goes with --equal-memory")
+    budgets = {}
+    for flag, rule in (("--memory-budget", "whole"), ("--activation-budget", "activations")):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if not args.equal_memory or args.equal_memory_rule != rule:
+            p.error(f"{flag} goes with --equal-memory --equal-memory-rule {rule}")
         try:
-            budget = parse_size(args.activation_budget)
+            budgets[rule] = parse_size(value)
         except ValueError as exc:
-            p.error(f"--activation-budget: {exc}")
+            p.error(f"{flag}: {exc}")
+    if args.equal_memory_rule != "whole" and not args.equal_memory:
+        p.error("--equal-memory-rule goes with --equal-memory")
     cluster = None
     ranks = args.ranks or 4
     if args.nodes is not None:
@@ -163,7 +176,9 @@ def main(argv=None) -> int:
                              record_plan_memory=args.record_plan_memory, measured_times=args.measured_times,
                              tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
                              ddp_bucket_size=args.ddp_bucket_size, tensor_parallel_size=args.tensor_parallel_size,
-                             micro_batch_sizes=own_sizes, equal_memory=args.equal_memory, activation_budget=budget,
+                             micro_batch_sizes=own_sizes, equal_memory=args.equal_memory,
+                             equal_memory_rule=args.equal_memory_rule, memory_budget=budgets.get("whole"),
+                             activation_budget=budgets.get("activations"),
                              bf16_gradients=args.bf16_gradients)
     if args.bf16_gradients and "--bf16" not in config.model_args:
         p.error("--bf16-gradients needs --bf16 among the model flags (bf16 main gradients hold bf16 compute's)")

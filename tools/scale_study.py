@@ -21,6 +21,10 @@ included, but HFSDP with tensor parallelism).
     python tools/scale_study.py --models 7b --gpus 16 --seq 8192 --out /tmp/s.json
     python tools/scale_study.py --summary            # the counts docs/advisor-scale-study.md quotes
     python tools/scale_study.py --gpus 64 --tawpipe-cache off --out /tmp/off.json   # TawPipe without the cache only
+    python tools/scale_study.py --gpus 64 --only tawpipe --out /tmp/taw.json        # TawPipe's exact best per cell
+
+The search is the advisor's (``tools/simulate.py --advise``): micro-batch sizes 1, 2, 4, ... up to each strategy's
+batch per replica, TawPipe's micro-batches per visit up to one visit per shard, each within memory.
 """
 
 from __future__ import annotations
@@ -51,13 +55,18 @@ COLOURS = {"tawpipe": "#d62728", "hsdp": "#1f77b4", "hfsdp": "#9467bd", "distopt
 CACHE_CHOICES = {"choice": (True, False), "on": (True,), "off": (False,)}
 
 
-def cell(model_name, gpus, gbit, seq, plan_cache, per_node=8, peak=989.0, eff=0.4, tawpipe_cache="choice"):
+def cell(model_name, gpus, gbit, seq, plan_cache, per_node=8, peak=989.0, eff=0.4, tawpipe_cache="choice",
+         only=None):
     model = ModelSpec(seq_length=seq, **PRESETS[model_name])
     cluster = Cluster(ranks=gpus, nodes=gpus // per_node, intra_bw=450e9, inter_bw=gbit * 1e9 / 8,
                       peak_tflops=peak, efficiency=eff, gpu_memory=80e9, memory_reserve=5e9)
     gbs = max(2 ** 22 // seq, gpus)
     caches = CACHE_CHOICES[tawpipe_cache]
-    keep = lambda c: c.strategy != "tawpipe" or c.knobs["cache"] in caches or cluster.nodes == 1  # noqa: E731
+
+    def keep(c):
+        return (c.strategy != "tawpipe" or c.knobs["cache"] in caches or cluster.nodes == 1) and \
+            (only is None or c.strategy in only)
+
     s = advise(model, cluster, gbs, prune="top2", plan_cache=plan_cache, runtime_knobs_only=True,
                check_command=check_command, keep=keep)
     ranked = s["ranked"]
@@ -219,6 +228,9 @@ def main(argv=None) -> int:
     p.add_argument("--tawpipe-cache", choices=sorted(CACHE_CHOICES), default="choice",
                    help="TawPipe's shard cache in the study: tried on and off (choice, the default), or only on / "
                         "only off (off at 8 nodes is the runtime's rule before --tawpipe-cache)")
+    p.add_argument("--only", default=None, metavar="STRATEGIES",
+                   help="rank only these strategies (comma-separated, e.g. tawpipe: its exact best per cell, which "
+                        "--prune top2 leaves a lower bound where it is neither winner nor runner-up)")
     p.add_argument("--out", default=os.path.join(ROOT, "examples", "results", "scale_study.json"))
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
     p.add_argument("--replot", action="store_true", help="only redraw the chart from --out")
@@ -250,7 +262,8 @@ def main(argv=None) -> int:
             cache = {}     # plans depend on ranks, layers and micro-batches, not on links or S
             for s in seqs:
                 for bw in gbits:
-                    r = cell(m, g, bw, s, cache, eff=args.efficiency, tawpipe_cache=args.tawpipe_cache)
+                    r = cell(m, g, bw, s, cache, eff=args.efficiency, tawpipe_cache=args.tawpipe_cache,
+                             only=args.only.split(",") if args.only else None)
                     rows.append(r)
                     w = r["winner"]
                     print(f"{m:>4} {g:>3} GPUs {bw:>4} Gbit/s S={s:>6}: "
@@ -262,6 +275,7 @@ def main(argv=None) -> int:
             "command": "python tools/scale_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "gpus_per_node": 8, "gpu_memory_GB": 80, "memory_reserve_GB": 5, "intra_GB_per_s": 450,
             "peak_tflops": 989, "efficiency": args.efficiency, "tawpipe_cache": args.tawpipe_cache,
+            "only": args.only,
             "global_batch": "max(2^22 tokens / S, one sequence per GPU) sequences"}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -107,7 +107,7 @@ def advise_main(args, argv) -> int:
 
     model, cluster, gbs = advisor_inputs(args, argv)
     summary = advise(model, cluster, gbs, prune=args.prune, trainable_only=args.trainable_only,
-                     check_command=check_command)
+                     check_command=check_command, listed=args.top)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

@@ -32,8 +32,11 @@ def main(argv=None) -> int:
     p.add_argument("--burst", default=None, help="measure: htb burst of the node links (default: "
                    "tools/emulated_cluster.py's)")
     p.add_argument("--equal-memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure: each strategy at its own micro-batch size under TawPipe's activation memory "
+                   help="measure: each strategy at its own micro-batch size under TawPipe's memory "
                    "(tools/benchmark.py --equal-memory); --no-equal-memory runs every strategy at 1")
+    p.add_argument("--equal-memory-rule", choices=("whole", "activations"), default="whole",
+                   help="measure: what equal memory counts (tools/benchmark.py --equal-memory-rule): the whole "
+                        "footprint, or activations and logits only (the matrix's runs before 2026-11-28)")
     p.add_argument("--remeasure", default=None, metavar="S,S",
                    help="measure: these strategies again in every measured configuration (at the micro-batch sizes "
                         "its results chose) and replace their rows")
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
             only = [s.strip() for s in (args.remeasure or "").split(",") if s.strip()] if os.path.exists(results) else []
             print(f"== {c.name}" + (f" (again: {', '.join(only)})" if only else ""), flush=True)
             measure(c, outdir, args.repetitions, args.train_iters, progress=lambda line: print(line, flush=True),
-                    burst=args.burst, equal_memory=args.equal_memory, only=only)
+                    burst=args.burst, equal_memory=args.equal_memory, only=only,
+                    equal_memory_rule=args.equal_memory_rule)
         if args.stage in ("simulate", "all"):
             simulate(c, outdir, args.backend)
         if args.stage in ("report", "all"):

@@ -101,8 +101,10 @@ class BenchmarkConfig:
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
     bf16_gradients: bool = False  # every strategy's bf16 gradient option (bf16_gradient_flags), with --bf16
     micro_batch_sizes: Dict[str, int] = field(default_factory=dict)  # a strategy's own --micro-batch-size
-    equal_memory: bool = False   # choose each strategy's micro-batch size under an activation budget (.equal_memory)
-    activation_budget: Optional[float] = None  # bytes; default: TawPipe's activation memory
+    equal_memory: bool = False   # choose each strategy's micro-batch size under a memory budget (.equal_memory)
+    equal_memory_rule: str = "whole"   # what equal memory counts: the whole footprint or activations (.equal_memory.RULES)
+    memory_budget: Optional[float] = None  # bytes of whole memory (rule whole); default: TawPipe's
+    activation_budget: Optional[float] = None  # bytes of activations (rule activations); default: TawPipe's
     count_bytes: bool = True   # run pretrain_llama.py through bench/counted_pretrain.py: every collective's bytes
     python: str = sys.executable
     env: Dict[str, str] = field(default_factory=dict)
@@ -325,9 +327,15 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
                                  f"({', '.join(config.schedules)})")
     selection = None
     if config.equal_memory:
-        from megatron_tawpipe.bench.equal_memory import choose_micro_batch_sizes, format_choices
+        from megatron_tawpipe.bench.equal_memory import check_rule, choose_micro_batch_sizes, format_choices
 
-        selection = choose_micro_batch_sizes(config, config.activation_budget)
+        rule = check_rule(config.equal_memory_rule)
+        if (config.activation_budget is not None and rule != "activations") or \
+                (config.memory_budget is not None and rule != "whole"):
+            raise BenchmarkError("an activation budget goes with the equal-memory rule 'activations', a memory "
+                                 f"budget with 'whole' (the rule here: {rule!r})")
+        selection = choose_micro_batch_sizes(config, config.memory_budget if rule == "whole"
+                                             else config.activation_budget, rule=rule)
         chosen = {s: c["micro_batch_size"] for s, c in selection["choices"].items()}
         config = replace(config, micro_batch_sizes={**chosen, **config.micro_batch_sizes})  # given by hand win
         progress(format_choices(selection))

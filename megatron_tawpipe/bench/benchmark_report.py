@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from megatron_tawpipe.bench.collective_bytes import format_formulas
-from megatron_tawpipe.bench.equal_memory import activation_memory
+from megatron_tawpipe.bench.equal_memory import RULES, activation_memory, predicted_memory_by_schedule
 
 
 def _fmt_bytes(value: Optional[float]) -> str:
@@ -29,7 +29,9 @@ def format_table(result: dict) -> str:
     headers.append("plan transfers/iter")
     if cluster:
         headers += ["counted whole run/iter", "eth0 tx/iter", "eth0/counted"]
-    headers += ["peak mem/rank", "busy"]
+    # an equal-memory run: each strategy's predicted whole memory beside its measured peak
+    predicted = predicted_memory_by_schedule(result) if result.get("equal_memory") else {}
+    headers += ["peak mem/rank"] + (["predicted mem"] if predicted else []) + ["busy"]
     lines = []
     for r in rows:
         cells = [r["schedule"], str(r.get("micro_batch_size") or "-"), f"{r['tokens_per_sec_per_rank']:.1f}",
@@ -43,11 +45,17 @@ def format_table(result: dict) -> str:
         if cluster:
             whole, tx = r.get("inter_node_bytes_whole_run_per_iteration"), r["node_tx_bytes_per_iteration"]
             cells += [_fmt_bytes(whole), _fmt_bytes(tx), f"{tx / whole:.3f}" if whole and tx is not None else "-"]
-        cells += [_fmt_bytes(r["peak_memory_bytes_max_rank"]),
-                  "-" if r["compute_busy_fraction"] is None else f"{100 * r['compute_busy_fraction']:.0f}%"]
+        cells += [_fmt_bytes(r["peak_memory_bytes_max_rank"])]
+        cells += [_fmt_bytes(predicted.get(r["schedule"]))] if predicted else []
+        cells += ["-" if r["compute_busy_fraction"] is None else f"{100 * r['compute_busy_fraction']:.0f}%"]
         lines.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(headers)]
-    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
+    out = []
+    if result.get("equal_memory"):
+        selection = result["equal_memory"]
+        out.append(f"{RULES[selection.get('rule', 'activations')]}: budget {_fmt_bytes(selection['budget_bytes'])} "
+                   f"({selection['budget_from']})")
+    out.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths))))
     out.append("  ".join("-" * w for w in widths))
     for cells in lines:
         out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
@@ -121,7 +129,8 @@ def simulated_rows(result: dict) -> List[dict]:
             rows.append({"schedule": s, "tokens_per_sec_per_rank": row["predicted_tokens_per_sec_per_rank"],
                          "busy": row.get("predicted_busy"),
                          "predicted_inter_node_bytes": row.get("predicted_inter_node_bytes"),
-                         "activation_memory_bytes": row.get("activation_bytes")})
+                         "activation_memory_bytes": row.get("activation_bytes"),
+                         "memory_bytes_whole": row.get("memory_bytes")})
     return rows
 
 
@@ -145,6 +154,9 @@ def compare_with_simulation(result: dict, simulated: Optional[List[dict]] = None
              # model's activations and logits
              "plan_memory_measured": summary[s].get("plan_memory_growth_bytes_max_rank"),
              "plan_memory_predicted": _activation_memory(sim[s]),
+             # the whole footprint: the measured peak against the memory model's every part
+             "memory_measured": summary[s].get("peak_memory_bytes_max_rank"),
+             "memory_predicted": _whole_memory(sim[s]),
              # between nodes per iteration: every collective counted in the run, and the simulator's bytes
              "node_bytes_measured": summary[s].get("inter_node_bytes_per_iteration"),
              "node_bytes_predicted": sim[s].get("inter_group_bytes", sim[s].get("predicted_inter_node_bytes"))}
@@ -163,6 +175,14 @@ def _activation_memory(row: dict) -> Optional[float]:
     if "activation_memory_bytes" in row:
         return row["activation_memory_bytes"]
     return activation_memory(row) if "activation_bytes" in row else None
+
+
+def _whole_memory(row: dict) -> Optional[float]:
+    """The whole footprint of a prediction: an equal-memory choice's, or a ``tools/simulate.py`` row's."""
+    if "memory_bytes_whole" in row:
+        return row["memory_bytes_whole"]
+    memory = (row.get("options") or {}).get("memory_breakdown")
+    return float(sum(v for k, v in memory.items() if k not in ("total", "notes"))) if memory else None
 
 
 def _predicted_busy(row: dict) -> Optional[float]:
@@ -185,11 +205,14 @@ def _mb1(value: Optional[float]) -> str:
 
 def format_comparison(comparison: dict) -> str:
     memory = any(r.get("plan_memory_measured") is not None for r in comparison["rows"])
+    whole = any(r.get("memory_measured") is not None and r.get("memory_predicted") is not None
+                for r in comparison["rows"])
     nodes = any(r.get("node_bytes_measured") is not None and r.get("node_bytes_predicted") is not None
                 for r in comparison["rows"])
     out = [f"{'schedule':<15}  {'measured tok/s/rank':>19}  {'simulated':>9}  {'measured/simulated':>18}  "
            f"{'busy':>5}  {'simulated':>9}" + (f"  {'plan memory':>11}  {'simulated':>9}" if memory else "")
-           + (f"  {'between nodes':>13}  {'simulated':>9}" if nodes else "")]
+           + (f"  {'between nodes':>13}  {'simulated':>9}" if nodes else "")
+           + (f"  {'peak memory':>11}  {'whole, simulated':>16}" if whole else "")]
     for r in comparison["rows"]:
         out.append(f"{r['schedule']:<15}  {r['measured']:>19.1f}  {r['predicted']:>9.1f}  "
                    f"{r['measured_over_predicted']:>18.2f}  {_pct(r.get('busy_measured')):>5}  "
@@ -197,7 +220,8 @@ def format_comparison(comparison: dict) -> str:
                    (f"  {_mb(r.get('plan_memory_measured')):>11}  {_mb(r.get('plan_memory_predicted')):>9}"
                     if memory else "") +
                    (f"  {_mb1(r.get('node_bytes_measured')):>13}  {_mb1(r.get('node_bytes_predicted')):>9}"
-                    if nodes else ""))
+                    if nodes else "") +
+                   (f"  {_mb(r.get('memory_measured')):>11}  {_mb(r.get('memory_predicted')):>16}" if whole else ""))
     out.append("")
     out.append(f"{'ratio':<20}  {'measured':>8}  {'simulated':>9}  {'deviation':>9}")
     for r in comparison["ratios"]:

@@ -1,20 +1,29 @@
-"""Every strategy at the same activation memory: its own micro-batch size, chosen under a budget.
+"""Every strategy at the same memory: its own micro-batch size, chosen under a budget.
 
 A fair comparison gives each strategy the overlap window its memory allows. TawPipe runs ``c``
 micro-batches per shard visit and holds their activations together; a data-parallel strategy holding
-the same activation memory runs micro-batches of ``c`` samples, and its gradient reduction hides behind
-a last backward ``c`` times longer. So the benchmark gives every strategy its own ``--micro-batch-size``
+the same memory may run micro-batches of several samples, and its gradient reduction hides behind
+a longer last backward. So the benchmark gives every strategy its own ``--micro-batch-size``
 (the global batch and the data stay the same), either as given (``--micro-batch-size-of STRATEGY=N``)
 or chosen here: for each strategy, among the micro-batch sizes that divide every rank's share of the
-global batch, the one the simulator predicts fastest whose activation memory (stored activations plus
-the output layer's logits, the memory model of :mod:`megatron_tawpipe.sim.memory`) fits the budget --
-by default what TawPipe holds at the configured micro-batch size and visit. Predicted ties (within
-:data:`TIE`) go to the larger micro-batch (the longer window). The weight-passing references keep the
-configured micro-batch size: their window is the visit.
+global batch, the one the simulator predicts fastest whose memory fits the budget -- by default what
+TawPipe holds at the configured micro-batch size and visit. Predicted ties (within :data:`TIE`) go to
+the larger micro-batch (the longer window). The weight-passing references keep the configured
+micro-batch size: their window is the visit.
+
+What "memory" counts is the rule (:data:`RULES`, ``--equal-memory-rule``):
+
+* ``whole`` (the default): the whole footprint per rank, every part of the memory model of
+  :mod:`megatron_tawpipe.sim.memory` -- weights, gradients, optimizer state, communication buffers,
+  activations and the output layer's logits. A strategy that keeps more state (the distributed
+  optimizer's full gradient buffer, a replica's weights) has less room left for its micro-batch.
+* ``activations``: stored activations plus the logits only (equal *activation* memory; the state each
+  strategy keeps is not counted). Reported as such wherever it is used.
 
 The prediction is ``tools/simulate.py --json`` run once per candidate size on the benchmark's own
 model flags, times file and links (as :mod:`.matrix` runs it), so a choice can be reproduced and
-checked by hand.
+checked by hand; the benchmark's table sets each strategy's predicted whole memory beside its measured
+peak (:func:`predicted_memory_by_schedule`).
 """
 
 from __future__ import annotations
@@ -28,12 +37,17 @@ from typing import Callable, Dict, List, Optional, Sequence
 from megatron_tawpipe.bench.stages import flag_value, interleaved_virtual_stages
 from megatron_tawpipe.common.errors import BenchmarkError
 from megatron_tawpipe.common.units import parse_rate
+from megatron_tawpipe.sim.memory import TERMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXED = ("tawpipe", "tawpipe-rep", "tawpipe-nocache", "tawpipe-tp")   # their window is the visit: the configured size
 NO_CACHE = "tawpipe-nocache"     # simulated as tawpipe with --no-cache
 TIE = 0.005            # predicted speeds this close are a tie, won by the larger micro-batch
 INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on the 2-core VM (docs/simulator-validation.md)
+#: what equal memory counts: the rule's name -> how the choices and reports label it
+RULES = {"whole": "equal whole memory (weights, gradients, optimizer state, buffers, activations, logits)",
+         "activations": "equal activation memory (activations and logits only; weights, gradients, optimizer "
+                        "state and buffers not counted)"}
 
 
 def simulator_rate(tc_rate: str) -> str:
@@ -45,6 +59,33 @@ def activation_memory(row: dict) -> float:
     """A simulated row's batch-dependent memory: stored activations plus the output layer's logits."""
     memory = (row.get("options") or {}).get("memory_breakdown") or {}
     return float(memory.get("activations", row.get("activation_bytes", 0.0))) + float(memory.get("logits", 0.0))
+
+
+def memory_parts(row: dict) -> Dict[str, float]:
+    """A simulated row's memory per part (:data:`megatron_tawpipe.sim.memory.TERMS`: weights, grads,
+    optimizer, comm_buffers, activations, logits), from its memory breakdown."""
+    memory = (row.get("options") or {}).get("memory_breakdown")
+    if not memory:
+        raise BenchmarkError(f"the simulator's row for {row.get('schedule', '?')} has no memory breakdown: the "
+                             "whole footprint cannot be counted (--equal-memory-rule activations counts "
+                             "activations only)")
+    return {term: float(memory.get(term, 0.0)) for term in TERMS}
+
+
+def whole_memory(row: dict) -> float:
+    """A simulated row's whole footprint per rank: the sum of every part (:func:`memory_parts`)."""
+    return sum(memory_parts(row).values())
+
+
+def counted_memory(row: dict, rule: str) -> float:
+    """What ``rule`` (:data:`RULES`) counts of a simulated row."""
+    return whole_memory(row) if rule == "whole" else activation_memory(row)
+
+
+def check_rule(rule: str) -> str:
+    if rule not in RULES:
+        raise BenchmarkError(f"equal-memory rule {rule!r}: one of {', '.join(RULES)}")
+    return rule
 
 
 def model_int(config, flag: str, default: Optional[int] = None) -> int:
@@ -119,13 +160,26 @@ def _busy(row: dict) -> Optional[float]:
     return 1.0 - float(row["bubble_ratio"]) if row.get("bubble_ratio") is not None else None
 
 
-def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
-                             simulate: Callable[[List[str]], List[dict]] = run_simulator) -> dict:
-    """Each strategy's micro-batch size at equal activation memory (see the module's text).
+def _priced(row: dict, micro_batch_size: int) -> dict:
+    """One candidate's figures: its memory (whole and activations, each part), speed, busy and bytes."""
+    return {"micro_batch_size": micro_batch_size, "memory_bytes": whole_memory(row), "memory_parts": memory_parts(row),
+            "activation_bytes": activation_memory(row),
+            "predicted_tokens_per_sec_per_rank": row.get("tokens_per_sec_per_rank"),
+            "predicted_busy": _busy(row), "predicted_inter_node_bytes": row.get("inter_group_bytes")}
 
-    Returns ``{"budget_bytes", "budget_from", "candidates", "choices": {strategy: {"micro_batch_size",
-    "activation_bytes", "predicted_tokens_per_sec_per_rank", "fits", "tried": [...]}}}``; a strategy whose
-    every size exceeds the budget gets its smallest and ``fits`` False."""
+
+def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
+                             simulate: Callable[[List[str]], List[dict]] = run_simulator,
+                             rule: Optional[str] = None) -> dict:
+    """Each strategy's micro-batch size at equal memory (see the module's text); ``rule``: what is counted
+    (default ``config.equal_memory_rule``).
+
+    Returns ``{"rule", "rule_label", "budget_bytes", "budget_from", "candidates", "choices": {strategy:
+    {"micro_batch_size", "memory_bytes", "memory_parts", "activation_bytes", "counted_bytes",
+    "predicted_tokens_per_sec_per_rank", "fits", "tried": [...]}}}`` (``counted_bytes``: what the rule
+    counts, set against the budget); a strategy whose every size exceeds the budget gets its smallest and
+    ``fits`` False."""
+    rule = check_rule(rule or getattr(config, "equal_memory_rule", "whole"))
     sizes = candidate_sizes(config)
     fixed = model_int(config, "--micro-batch-size", 1)
     if fixed not in sizes:
@@ -141,25 +195,25 @@ def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
     if NO_CACHE in config.schedules:
         (row,) = simulate(simulate_command(config, fixed, ["tawpipe"]) + ["--no-cache"])
         predicted[fixed][NO_CACHE] = {**row, "schedule": NO_CACHE}
-    budget_from = "--activation-budget"
+    what = "whole memory" if rule == "whole" else "activation memory"
+    budget_from = "--memory-budget" if rule == "whole" else "--activation-budget"
     if budget_bytes is None:
-        budget_bytes = activation_memory(predicted[fixed]["tawpipe"])
-        budget_from = (f"tawpipe at --micro-batch-size {fixed}, {config.tawpipe_microbatches_per_visit} "
+        budget_bytes = counted_memory(predicted[fixed]["tawpipe"], rule)
+        budget_from = (f"tawpipe's {what} at --micro-batch-size {fixed}, {config.tawpipe_microbatches_per_visit} "
                        "micro-batches per visit")
     choices = {}
     for s in config.schedules:
         if s in FIXED:
-            row = predicted[fixed].get(s, {})
-            choices[s] = {"micro_batch_size": fixed, "fits": True, "activation_bytes": activation_memory(row) if row
-                          else None, "predicted_tokens_per_sec_per_rank": row.get("tokens_per_sec_per_rank"),
-                          "predicted_busy": _busy(row), "predicted_inter_node_bytes": row.get("inter_group_bytes"),
-                          "tried": []}
+            row = predicted[fixed].get(s)
+            base = dict(_priced(row, fixed), counted_bytes=counted_memory(row, rule)) if row else {
+                "micro_batch_size": fixed, "memory_bytes": None, "memory_parts": None, "activation_bytes": None,
+                "counted_bytes": None, "predicted_tokens_per_sec_per_rank": None, "predicted_busy": None,
+                "predicted_inter_node_bytes": None}
+            choices[s] = {**base, "fits": True, "tried": []}
             continue
-        tried = [{"micro_batch_size": m, "activation_bytes": activation_memory(predicted[m][s]),
-                  "predicted_tokens_per_sec_per_rank": predicted[m][s]["tokens_per_sec_per_rank"],
-                  "predicted_busy": _busy(predicted[m][s]),
-                  "predicted_inter_node_bytes": predicted[m][s].get("inter_group_bytes")} for m in sizes]
-        fits = [t for t in tried if t["activation_bytes"] <= budget_bytes * (1 + 1e-9)]
+        tried = [dict(_priced(predicted[m][s], m), counted_bytes=counted_memory(predicted[m][s], rule))
+                 for m in sizes]
+        fits = [t for t in tried if t["counted_bytes"] <= budget_bytes * (1 + 1e-9)]
         if fits:
             best_speed = max(t["predicted_tokens_per_sec_per_rank"] for t in fits)
             pick = max((t for t in fits if t["predicted_tokens_per_sec_per_rank"] >= (1 - TIE) * best_speed),
@@ -167,21 +221,48 @@ def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
         else:
             pick = tried[0]
         choices[s] = {**pick, "fits": bool(fits), "tried": tried}
-    return {"budget_bytes": budget_bytes, "budget_from": budget_from, "candidates": sizes, "choices": choices}
+    return {"rule": rule, "rule_label": RULES[rule], "budget_bytes": budget_bytes, "budget_from": budget_from,
+            "candidates": sizes, "choices": choices}
+
+
+def _mb(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1e6:.1f} MB"
+
+
+_SHORT = {"weights": "weights", "grads": "grads", "optimizer": "optimizer", "comm_buffers": "buffers",
+          "activations": "activations", "logits": "logits"}
 
 
 def format_choices(selection: dict) -> str:
-    """One line per strategy: the micro-batch size, its activation memory against the budget, and why."""
-    out = [f"equal memory: activation budget {selection['budget_bytes'] / 1e6:.1f} MB ({selection['budget_from']}); "
+    """The rule and budget, then one line per strategy: the micro-batch size, its whole memory with each part
+    and what the rule counts against the budget, and why."""
+    rule = selection.get("rule", "activations")      # results written before the rule existed: activations
+    out = [f"{RULES[rule]}: budget {selection['budget_bytes'] / 1e6:.1f} MB ({selection['budget_from']}); "
            f"micro-batch sizes tried: {', '.join(map(str, selection['candidates']))}"]
     for s, c in selection["choices"].items():
-        act = "-" if c["activation_bytes"] is None else f"{c['activation_bytes'] / 1e6:.1f} MB"
         speed = c.get("predicted_tokens_per_sec_per_rank")
         why = ("fixed (its window is the visit)" if not c["tried"] else
                "fastest predicted that fits" if c["fits"] else "nothing fits: the smallest")
-        out.append(f"  {s:<13} micro-batch {c['micro_batch_size']:>3}  activations {act:>10}"
-                   + (f"  predicted {speed:.0f} tok/s/rank" if speed else "") + f"  ({why})")
+        parts = c.get("memory_parts")
+        whole = (f"  whole {_mb(c.get('memory_bytes')):>10} (" + ", ".join(
+            f"{_SHORT[k]} {_mb(v)}" for k, v in parts.items()) + ")") if parts else ""
+        counted = _mb(c.get("counted_bytes", c.get("activation_bytes")))
+        out.append(f"  {s:<13} micro-batch {c['micro_batch_size']:>3}  counted {counted:>10}"
+                   + (f"  predicted {speed:.0f} tok/s/rank" if speed else "") + f"  ({why})" + whole)
     return "\n".join(out)
+
+
+def predicted_memory_by_schedule(result: dict) -> Dict[str, Optional[float]]:
+    """An equal-memory benchmark's predicted whole memory per strategy at the micro-batch size it ran (a size
+    given by hand takes the prediction priced for that size); None where it was not priced."""
+    selection = result.get("equal_memory") or {}
+    ran = (result.get("config") or {}).get("micro_batch_sizes") or {}
+    out = {}
+    for s, c in (selection.get("choices") or {}).items():
+        size = ran.get(s, c["micro_batch_size"])
+        row = next((p for p in [c] + list(c.get("tried") or []) if p["micro_batch_size"] == size), None)
+        out[s] = row.get("memory_bytes") if row else None
+    return out
 
 
 def simulate_as_run(config, simulate: Callable[[List[str]], List[dict]] = run_simulator) -> List[dict]:

@@ -120,7 +120,7 @@ def calibrate(c: MatrixConfig, path: str) -> None:
 
 def measure(c: MatrixConfig, outdir: str, repetitions: int, train_iters: int,
             progress=print, burst: Optional[str] = None, equal_memory: bool = True,
-            only: Sequence[str] = ()) -> dict:
+            only: Sequence[str] = (), equal_memory_rule: str = "whole") -> dict:
     """Measure the configuration into ``OUTDIR/results.json``; with ``only``, measure those strategies again
     at the micro-batch sizes the existing results chose for them and replace their runs and rows."""
     times = os.path.join(outdir, "times.json")
@@ -137,7 +137,7 @@ def measure(c: MatrixConfig, outdir: str, repetitions: int, train_iters: int,
                              outdir=os.path.join(outdir, "runs"), cluster=(NODES, RANKS // NODES, c.rate),
                              recompute=False, emulated_compute_times=times,
                              tawpipe_microbatches_per_visit=c.visit, ddp_bucket_size=1_000_000, burst=burst,
-                             equal_memory=equal_memory and not only,
+                             equal_memory=equal_memory and not only, equal_memory_rule=equal_memory_rule,
                              micro_batch_sizes={s: sizes[s] for s in only if s in sizes})
     result = run_benchmark(config, progress=progress)
     if previous is not None:

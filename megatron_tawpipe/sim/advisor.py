@@ -3,14 +3,16 @@ keep what divides the global batch and fits in GPU memory, rank the rest by
 predicted tokens/s per GPU, and print the command line of the best
 (``tools/simulate.py --advise``).
 
-Strategies: the weight-passing ``tawpipe`` (micro-batches per visit 1/2/4,
-cache on/off, shard 0 replicated in every group or not) and ``weipipe``;
+Strategies: the weight-passing ``tawpipe`` (micro-batches per visit 1, 2, 4, ... up to one visit per
+shard, cache on/off, shard 0 replicated in every group or not) and ``weipipe``;
 megatron pipelines (``pp-nodes``: one stage per node; ``1f1b`` /
 ``interleaved`` with larger pipelines, every stage inside one node, data
 parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
 ``distopt-node``, ``distopt`` and ``hfsdp`` (megatron-core's Megatron-FSDP,
 ``--use-megatron-fsdp``).  Every strategy
-is tried with micro-batch sizes 1/2/4 and recompute on/off.
+is tried with micro-batch sizes 1, 2, 4, ... up to its batch per replica, each family of knobs up to the
+first size that does not fit, and recompute on/off (:meth:`Advisor.run`; what was searched:
+:func:`megatron_tawpipe.sim.advisor_report.searched`).
 
 Plan-based strategies cost a plan simulation each (more than 4 visits' worth
 of micro-batches per rank, or 4 x pipeline size per pipeline, are simulated as
@@ -34,10 +36,10 @@ from dataclasses import replace
 from typing import Callable, Dict, List, Optional
 
 from megatron_tawpipe.common.layer_split import default_layer_split
-from megatron_tawpipe.sim.advisor_configs import (STRATEGY_ORDER, Absence, Cluster, Config, ModelSpec,
-                                                  enumerate_configs)
+from megatron_tawpipe.sim.advisor_configs import (PLAIN_TWINS, STRATEGY_ORDER, Cluster, Config, ModelSpec,
+                                                  enumerate_configs, family_of, plain_family_of, size_of)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
-from megatron_tawpipe.sim.advisor_report import PLAN_FILE, command, summarize
+from megatron_tawpipe.sim.advisor_report import PLAN_FILE, command, left_out, searched, summarize
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
 from megatron_tawpipe.plan.files import write_plan
 from megatron_tawpipe.plan.planners import build_plan
@@ -46,7 +48,7 @@ from megatron_tawpipe.sim.fsdp import simulate_fsdp
 from megatron_tawpipe.sim.pipelines import pipeline_memory, simulate_extended, simulate_pipeline
 from megatron_tawpipe.sim.strategies import plan_memory_fields, simulate_distopt, simulate_hfsdp, simulate_hsdp
 from megatron_tawpipe.sim.memory import generic_breakdown
-from megatron_tawpipe.sim.stages import native_pipeline_split, pipeline_time_bound, stage_works
+from megatron_tawpipe.sim.stages import first_last_options, native_pipeline_split, pipeline_time_bound, stage_works
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
 
 ORDER = STRATEGY_ORDER
@@ -68,6 +70,8 @@ class Advisor:
         self.grad_bytes = grad_bytes
         self._virtual: Dict[int, "Advisor"] = {}
         self._stage_splits: Dict[tuple, tuple] = {}
+        self._node_bytes: Dict[tuple, float] = {}
+        self._candidate_splits: Dict[int, set] = {}      # pipeline size -> the splits settle() chooses among
 
     def cost(self, b: int, recompute: bool) -> CostModel:
         key = (b, recompute)
@@ -139,8 +143,8 @@ class Advisor:
         pipeline bubble where the schedule has one (pipelines: the bound of
         :func:`megatron_tawpipe.sim.stages.pipeline_time_bound`, each stage with its own layers and the
         output layer on the last, 1F1B's ``m/(m+p-1)`` and interleaved's ``Vm/(Vm+p-1)`` for equal
-        stages; WeiPipe ``NP/(NP+P-1)``)."""
-        self.settle(cfg)
+        stages; WeiPipe ``NP/(NP+P-1)``).  A pipeline whose stages are not chosen yet (:meth:`settle`
+        simulates candidates) takes the best of the candidates' bounds: its ceiling whichever is chosen."""
         sub, inner, tp = self._split(cfg)
         if tp > 1:
             return sub.bound(inner) / tp
@@ -152,10 +156,19 @@ class Advisor:
         if "pipeline_size" in k:
             p, v = k["pipeline_size"], k.get("virtual_stages", 1)
             m = mbs // (P // p)
-            split = k.get("stage_layers") or default_layer_split(L, p * v)
-            works = stage_works(split, c.layer_forward + c.layer_backward + c.layer_recompute,
-                                c.head_forward + c.head_backward)
-            return m * c.tokens_per_microbatch / (pipeline_time_bound(works, p, m) * p)
+            if k.get("stage_layers"):
+                splits = [k["stage_layers"]]
+            elif k.get("uneven") and v == 1:       # settle() picks one of these
+                if p not in self._candidate_splits:
+                    self._candidate_splits[p] = {split for split, _ in first_last_options(L, p)} | \
+                        {default_layer_split(L, p)}
+                splits = self._candidate_splits[p]
+            else:
+                splits = [default_layer_split(L, p * v)]
+            work = c.layer_forward + c.layer_backward + c.layer_recompute
+            t = min(pipeline_time_bound(stage_works(split, work, c.head_forward + c.head_backward), p, m)
+                    for split in splits)
+            return m * c.tokens_per_microbatch / (t * p)
         elif cfg.strategy == "weipipe":
             # (P - 1) turns of the largest work of one turn (3 of F = 1, B = 2 once a round holds every
             # pass; WZB2's trail: 1, 2 at 1, 2 micro-batches per rank; docs/plan-ir-and-schedules.md)
@@ -184,21 +197,29 @@ class Advisor:
         else:
             N, c = mbs // cl.ranks, k.get("chunk", 1)
             n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
-            opts = _wp_options(cfg)
-            name = _wp_schedule(cfg)
+            # a split backward moves its weight passes, not its transfers: its plain schedule's bytes
+            name, opts = _bytes_twin(cfg)
             plan = self._plan(name, n2, **opts)
             weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
-            b1, b2 = (link_bytes(self._plan(name, n, **opts), weight, bytes_per_grad=grad)["inter"]
-                      for n in (n1, n2))
-            rep = replicated_allreduce_bytes(self._plan(name, n2, **opts),
-                                             cost.replicated_params * cost.grad_bytes)["inter"]
-            node_bytes = (b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes + rep / cl.nodes
+            rep_bytes = cost.replicated_params * cost.grad_bytes
+            # the same for every micro-batch size and recompute setting with these plans: counted once
+            key = (name, tuple(sorted(opts.items())), N, n1, n2, weight, grad, rep_bytes)
+            if key not in self._node_bytes:
+                b1, b2 = (link_bytes(self._plan(name, n, **opts), weight, bytes_per_grad=grad)["inter"]
+                          for n in (n1, n2))
+                rep = replicated_allreduce_bytes(plan, rep_bytes)["inter"]
+                self._node_bytes[key] = ((b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes
+                                         + rep / cl.nodes)
+            node_bytes = self._node_bytes[key]
         t = node_bytes / cl.inter_bw
         return self.G * self.model.seq_length / (cl.ranks * t) if t > 0 else float("inf")
 
+    def _plan_key(self, name, N, **opts):
+        return (name, self.cluster.ranks, self.cluster.nodes, self.model.num_layers, N, tuple(sorted(opts.items())))
+
     def _plan(self, name, N, **opts):
         P, D, L = self.cluster.ranks, self.cluster.nodes, self.model.num_layers
-        key = (name, P, D, L, N, tuple(sorted(opts.items())))
+        key = self._plan_key(name, N, **opts)
         if key not in self.plan_cache:
             self.plan_cache[key] = build_plan(name, num_ranks=P, num_groups=D, num_layers=L,
                                               num_microbatches=N, **opts)
@@ -220,7 +241,13 @@ class Advisor:
             # WZB2 keeps a third micro-batch while its weight-gradient passes trail a round (moved weight
             # passes and WZB1's paired blocks may too)
             extra = cfg.knobs.get("zero_bubble") == 2 or bool(cfg.knobs.get("plan_schedule"))
-            probe = self._plan(_wp_schedule(cfg), min(N, 2 * c + extra), **_wp_options(cfg))
+            # the plan its simulation needs (4c or N micro-batches; at least 2c + 1: the same peak) where it is
+            # built already or costly to build (a plan-file schedule's), else the smaller one
+            name, opts = _wp_schedule(cfg), _wp_options(cfg)
+            n = min(N, 4 * c)
+            if not cfg.knobs.get("plan_schedule") and self._plan_key(name, n, **opts) not in self.plan_cache:
+                n = min(N, 2 * c + extra)
+            probe = self._plan(name, n, **opts)
             return weight_passing_breakdown(plan_memory_fields(probe, cost), cost, probe, c)
         pp = cfg.knobs["pipeline_size"]
         m = self.G // cfg.micro_batch_size // (cl.ranks // pp)
@@ -229,7 +256,26 @@ class Advisor:
                                self.plan_cache, min(m, 4 * pp), cfg.knobs.get("stage_layers"))
 
     def evaluate(self, cfg: Config) -> Config:
-        """Simulate ``cfg``; its figures per GPU, whether it fits, and its command line."""
+        """Simulate ``cfg``; its figures per GPU, whether it fits, its command line and whether
+        ``pretrain_llama.py`` runs it (:meth:`check`)."""
+        self._evaluate(cfg)
+        self.check(cfg)
+        return cfg
+
+    def check(self, cfg: Config) -> Optional[bool]:
+        """Whether ``pretrain_llama.py`` accepts ``cfg``'s command (``check_command``; once per configuration):
+        ``cfg.trainable``, with the refusal in ``cfg.note``."""
+        if cfg.checked or not cfg.argv:
+            return cfg.trainable
+        cfg.checked = True
+        if cfg.trainable and self.check_command is not None:
+            problem = self._check(cfg)
+            if problem:
+                cfg.trainable = False
+                cfg.note = "pretrain_llama.py refuses it: " + problem
+        return cfg.trainable
+
+    def _evaluate(self, cfg: Config) -> Config:
         self.settle(cfg)
         sub, inner, tp = self._split(cfg)
         if tp > 1:
@@ -243,11 +289,6 @@ class Advisor:
             self.measure(cfg)
         cfg.status = "ok" if cfg.memory.total <= self.cluster.usable_memory else "no-fit"
         cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
-        if cfg.trainable and self.check_command is not None:
-            problem = self._check(cfg)
-            if problem:
-                cfg.trainable = False
-                cfg.note = "pretrain_llama.py refuses it: " + problem
         return cfg
 
     def _check(self, cfg: Config) -> str:
@@ -275,7 +316,7 @@ class Advisor:
         if s in ("tawpipe", "weipipe"):
             opts, c, name = _wp_options(cfg), cfg.knobs.get("chunk", 1), _wp_schedule(cfg)
             res = simulate_extended(lambda n: self._plan(name, n, **opts), cost, N, 2 * c, 4 * c)
-            plan = self._plan(name, min(N, 2 * c), **opts)
+            plan = self._plan(name, min(N, 4 * c), **opts)   # simulated: its shards and peaks are the full plan's
             mem = weight_passing_breakdown(res, cost, plan, c)
             res_inter = res.link_bytes["inter"] / D
         elif s in ("pp-nodes", "1f1b", "interleaved"):
@@ -307,12 +348,18 @@ class Advisor:
         return cfg
 
     def run(self, prune: str = "strategy", trainable_only: bool = False,
-            runtime_knobs_only: bool = False, keep: Optional[Callable[[Config], bool]] = None):
+            runtime_knobs_only: bool = False, keep: Optional[Callable[[Config], bool]] = None,
+            listed: int = 15):
         """Evaluate every configuration (pruned as described in the module doc);
-        returns (configs, absent): :class:`Absence` lines for every strategy or knob not tried
-        (enumeration), not simulated (pruning) or left out (``trainable_only``).  Analytic
-        strategies first (cheap), then plan-based ones by decreasing ceiling.  ``keep``: only the
-        configurations it accepts (a study's restriction, e.g. TawPipe's cache off)."""
+        returns (configs, absent): :class:`~megatron_tawpipe.sim.advisor_configs.Absence` lines for every
+        strategy or knob not tried (enumeration), not simulated (pruning) or left out (``trainable_only``).  Analytic
+        strategies first (cheap), then plan-based ones by decreasing ceiling; within a strategy's
+        knobs, the smaller micro-batches (TawPipe: fewer per visit) first, and once one does not fit the
+        larger ones of the same knobs are not evaluated (status ``larger``: memory grows with them).
+        ``keep``: only the configurations it accepts (a study's restriction, e.g. TawPipe's cache off).
+        ``pretrain_llama.py``'s check (``check_command``) runs on what the answer needs: the ``listed`` best,
+        each strategy's best down to its first runnable configuration, the best runnable one (and, with
+        ``trainable_only``, every configuration); the others' ``trainable`` is None (not checked)."""
         configs, na = enumerate_configs(self.model, self.cluster, self.G,
                                         runtime_knobs_only or trainable_only)
         if keep is not None:
@@ -321,10 +368,17 @@ class Advisor:
             c.bound = self.bound(c)
         rank = {s: i for i, s in enumerate(ORDER)}
         configs.sort(key=lambda c: (c.strategy in PLAN_BASED,
-                                    -c.bound if c.strategy in PLAN_BASED else rank[c.strategy]))
+                                    -c.bound if c.strategy in PLAN_BASED else rank[c.strategy], size_of(c),
+                                    bool(c.knobs.get("plan_schedule"))))
         best: Dict[str, float] = {}
         best_runnable = 0.0
+        too_large: Dict[tuple, int] = {}      # knobs -> smallest size (b x c) known not to fit
         for cfg in configs:
+            family, size = family_of(cfg), size_of(cfg)
+            # a split backward holds at least what its plain schedule holds (its weight-gradient store more)
+            if min(too_large.get(f, size + 1) for f in (family, plain_family_of(cfg))) <= size:
+                cfg.status = "larger"
+                continue
             if cfg.strategy in PLAN_BASED:
                 vals = sorted(best.values(), reverse=True)
                 need = best.get(cfg.strategy, 0.0)
@@ -342,16 +396,34 @@ class Advisor:
                 if probe.total > self.cluster.usable_memory:
                     cfg.memory, cfg.status = probe, "no-fit"
                     cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
+                    too_large[family] = size
                     continue
-            self.evaluate(cfg)
-            if trainable_only and not cfg.trainable:
+            self._evaluate(cfg)
+            if cfg.status == "no-fit":
+                too_large[family] = size
+                continue
+            if trainable_only and not self.check(cfg):
                 cfg.status = "skipped"
                 continue
-            if cfg.status == "ok":
-                best[cfg.strategy] = max(best.get(cfg.strategy, 0.0), cfg.tokens_per_sec_per_gpu)
-                if cfg.trainable:
-                    best_runnable = max(best_runnable, cfg.tokens_per_sec_per_gpu)
-        return configs, na + _left_out(configs, prune)
+            best[cfg.strategy] = max(best.get(cfg.strategy, 0.0), cfg.tokens_per_sec_per_gpu)
+            if prune == "top2" and cfg.tokens_per_sec_per_gpu > best_runnable and self.check(cfg):
+                best_runnable = cfg.tokens_per_sec_per_gpu
+        self._check_listed(configs, listed)
+        return configs, na + left_out(configs, prune)
+
+    def _check_listed(self, configs: List[Config], listed: int) -> None:
+        """Check what the answer shows (see :meth:`run`), in the ranking's order; mark the rest not checked."""
+        if self.check_command is None:
+            return
+        ok = sorted((c for c in configs if c.status == "ok"),
+                    key=lambda c: (-round(c.tokens_per_sec_per_gpu, 1), c.memory.total))
+        runnable: set = set()
+        for i, cfg in enumerate(ok):
+            if i < listed or cfg.strategy not in runnable or not runnable:
+                if self.check(cfg):
+                    runnable.add(cfg.strategy)
+            elif not cfg.checked:
+                cfg.trainable, cfg.note = None, "not checked against pretrain_llama.py (not listed)"
 
 
 class _VirtualRankAdvisor(Advisor):
@@ -380,6 +452,13 @@ def _wp_schedule(cfg: Config) -> str:
     return cfg.knobs.get("plan_schedule") or cfg.strategy
 
 
+def _bytes_twin(cfg: Config):
+    """(schedule, options) of a plan with ``cfg``'s transfers that is cheap to build: a split-backward
+    schedule's plain twin (:data:`~megatron_tawpipe.sim.advisor_configs.PLAIN_TWINS`), else ``cfg``'s own."""
+    name = _wp_schedule(cfg)
+    return PLAIN_TWINS.get(name, name), _wp_options(cfg)
+
+
 def _wp_options(cfg: Config) -> dict:
     options = {}
     if cfg.strategy == "tawpipe":
@@ -393,36 +472,17 @@ def _wp_options(cfg: Config) -> dict:
     return options
 
 
-def _left_out(configs: List[Config], prune: str) -> List[Absence]:
-    """Why a strategy that applies has no configuration in the ranking although none failed to fit
-    (pruned, or left out by ``trainable_only``), and how many knobs ``trainable_only`` left out."""
-    out = []
-    for s in ORDER:
-        mine = [c for c in configs if c.strategy == s]
-        skipped = [c for c in mine if c.status == "skipped"]
-        if any(c.status in ("ok", "no-fit") for c in mine):
-            if skipped:
-                out.append(Absence((s,), f"{len(skipped)} configurations", "not runnable with pretrain_llama.py "
-                                   "(their notes), left out by --trainable-only", "leave out --trainable-only"))
-            continue
-        pruned = [c for c in mine if c.status == "pruned"]
-        if pruned:
-            out.append(Absence((s,), "", f"not simulated: its ceiling, {max(c.bound for c in pruned):.0f} tokens/s "
-                               f"per GPU, cannot beat what is ranked (--prune {prune})",
-                               "--prune strategy simulates every strategy's best"))
-        elif skipped:
-            out.append(Absence((s,), "", "not runnable with pretrain_llama.py, left out by --trainable-only",
-                               "leave out --trainable-only"))
-    return out
-
-
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",
            plan_cache: Optional[Dict] = None, trainable_only: bool = False,
            runtime_knobs_only: bool = False,
            check_command: Optional[Callable[[List[str], int], str]] = None,
-           keep: Optional[Callable[[Config], bool]] = None) -> dict:
-    """Run the advisor; returns the summary dict (``--json`` prints it)."""
+           keep: Optional[Callable[[Config], bool]] = None, listed: int = 15) -> dict:
+    """Run the advisor; returns the summary dict (``--json`` prints it; ``searched``: what was searched,
+    per strategy, :func:`megatron_tawpipe.sim.advisor_report.searched`).  ``listed``: the rows of the report
+    (checked against ``pretrain_llama.py``, see :meth:`Advisor.run`)."""
     adv = Advisor(model, cluster, global_batch, plan_cache, check_command=check_command)
     configs, na = adv.run(prune=prune, trainable_only=trainable_only,
-                          runtime_knobs_only=runtime_knobs_only, keep=keep)
-    return summarize(model, cluster, global_batch, configs, na, prune)
+                          runtime_knobs_only=runtime_knobs_only, keep=keep, listed=listed)
+    out = summarize(model, cluster, global_batch, configs, na, prune)
+    out["searched"] = searched(configs, global_batch, cluster.ranks)
+    return out

@@ -27,7 +27,30 @@ PRESETS = {
                 num_query_groups=8, vocab_size=32000),
 }
 
+#: micro-batch sizes whose absence (not dividing the batch) is reported; larger powers of two are searched up to
+#: each strategy's batch per replica (:func:`micro_batch_sizes`) without a line for those that do not divide
 MICRO_BATCHES = (1, 2, 4)
+
+
+def micro_batch_sizes(global_batch: int) -> List[int]:
+    """Every micro-batch size the advisor tries: the powers of two up to the global batch (each strategy
+    keeps those that split over its data-parallel replicas; memory stops each family at the first size
+    that does not fit, :meth:`megatron_tawpipe.sim.advisor.Advisor.run`)."""
+    out, b = [], 1
+    while b <= global_batch:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def visit_sizes(n: int) -> List[int]:
+    """TawPipe's micro-batches per visit for ``n`` micro-batches per rank: the powers of two dividing ``n``
+    and ``n`` itself (one visit per shard)."""
+    out, c = [], 1
+    while c <= n and n % c == 0:
+        out.append(c)
+        c *= 2
+    return out + ([n] if n not in out else [])
 
 
 @dataclass(frozen=True)
@@ -87,13 +110,14 @@ class Config:
     knobs: Dict = field(default_factory=dict)
     bound: float = 0.0                       # compute-bound tokens/s per GPU
     # filled by evaluation
-    status: str = "pending"                  # ok, no-fit, pruned
+    status: str = "pending"                  # ok, no-fit, pruned, larger (a smaller size did not fit)
     tokens_per_sec_per_gpu: float = 0.0
     iteration_time: float = 0.0
     bubble: float = 0.0
     inter_bytes_per_node: float = 0.0
     memory: Optional[MemoryBreakdown] = None
-    trainable: bool = True
+    trainable: Optional[bool] = True         # None: not checked against pretrain_llama.py (not listed)
+    checked: bool = False
     note: str = ""
     argv: List[str] = field(default_factory=list)
     command: str = ""
@@ -134,6 +158,32 @@ class Config:
                 "memory_breakdown": self.memory.as_dict() if self.memory else None,
                 "compute_bound_tokens_per_sec_per_gpu": self.bound, "trainable": self.trainable,
                 "note": self.note, "command": self.command}
+
+
+#: split-backward schedules and the schedule whose transfers they keep (their weight passes move, not their bytes)
+PLAIN_TWINS = {"tawpipe-zb": "tawpipe", "weipipe-interleave-zb": "weipipe"}
+
+
+def size_of(cfg: Config) -> int:
+    """The samples a configuration's memory grows with: micro-batch size x micro-batches per visit."""
+    return cfg.micro_batch_size * cfg.knobs.get("chunk", 1)
+
+
+def plain_family_of(cfg: Config) -> tuple:
+    """The family (:func:`family_of`) of a split-backward configuration's plain schedule
+    (:data:`PLAIN_TWINS`); its own family for any other."""
+    name = cfg.knobs.get("plan_schedule")
+    if name not in PLAIN_TWINS:
+        return family_of(cfg)
+    knobs = {k: v for k, v in cfg.knobs.items() if k != "plan_schedule"}
+    return family_of(Config(cfg.strategy, cfg.micro_batch_size, cfg.recompute, knobs))
+
+
+def family_of(cfg: Config) -> tuple:
+    """A configuration's knobs but its size (:func:`size_of`): its memory grows with the size."""
+    knobs = sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in cfg.knobs.items()
+                   if k not in ("chunk", "stage_layers", "split_flags"))
+    return (cfg.strategy, cfg.recompute, tuple(knobs))
 
 
 # ------------------------------------------------------------------ enumerate
@@ -218,13 +268,14 @@ def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_kn
     if L < P:
         absent(("tawpipe", "weipipe"), "", f"--num-layers {L} < {who}: one shard per rank needs a layer each",
                f"tensor parallelism T >= {-(-cluster.ranks * tp // L)} (no more shards than layers), or fewer GPUs")
-    for b in MICRO_BATCHES:
+    for b in micro_batch_sizes(global_batch):
         if global_batch % b:
-            absent(STRATEGY_ORDER, f"b={b}", f"global batch {global_batch} is not a multiple of micro-batch size {b}",
-                   f"--global-batch-size a multiple of {b}")
+            if b in MICRO_BATCHES:
+                absent(STRATEGY_ORDER, f"b={b}", f"global batch {global_batch} is not a multiple of micro-batch "
+                       f"size {b}", f"--global-batch-size a multiple of {b}")
             continue
         mbs = global_batch // b
-        if mbs % P:
+        if mbs % P and b in MICRO_BATCHES:
             absent(DATA_PARALLEL, f"b={b}", f"{mbs} micro-batches of {b} do not split over {who} (data parallel)",
                    f"--global-batch-size a multiple of {b * P}")
         for r in (True, False):
@@ -254,16 +305,17 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
     if P % 2 == 0:
         add("weipipe", **layers, plan_schedule="weipipe-zb1-paired")
     # TawPipe: c micro-batches per visit cost what a c times larger micro-batch costs, with less memory:
-    # micro-batch size 1 only.
+    # micro-batch size 1 only, with 1, 2, 4, ... micro-batches per visit up to all of a rank's (one visit
+    # per shard in each direction).
     if b != 1:
         absent(("tawpipe",), f"b={b}", "not tried: c micro-batches per visit at b=1 cost what a c times "
-               "larger micro-batch costs, with less memory", "c=2, 4 at b=1 stand for it")
+               "larger micro-batch costs, with less memory", "c=2, 4, ... at b=1 stand for it")
         return
-    for c in (1, 2, 4):
+    for c in (2, 4):
         if N % c:
             absent(("tawpipe",), f"c={c}", f"{N} micro-batches per rank are not a multiple of {c} per visit",
                    f"--global-batch-size a multiple of {c * P} (b={b})")
-            continue
+    for c in visit_sizes(N):
         # --tawpipe-cache on / off; with one group there is no foreign shard to keep (the same plan)
         for cache in ((True, False) if D > 1 else (False,)):
             for rep in (False, True) if D > 1 else (False,):
@@ -288,8 +340,9 @@ def _pipelines(add, absent, L, P, D, mbs, b, who):
             absent(here + ("interleaved",), f"pp={p}", f"--num-layers {L} < {p} stages: a stage needs a layer",
                    "a smaller pipeline size")
         elif mbs % (P // p):
-            absent(here + ("interleaved",), f"pp={p} b={b}", f"{mbs} micro-batches of {b} do not split over "
-                   f"{P // p} pipelines (data parallel)", f"--global-batch-size a multiple of {b * (P // p)}")
+            if b in MICRO_BATCHES:      # larger sizes: past the search's end, no line
+                absent(here + ("interleaved",), f"pp={p} b={b}", f"{mbs} micro-batches of {b} do not split over "
+                       f"{P // p} pipelines (data parallel)", f"--global-batch-size a multiple of {b * (P // p)}")
         else:
             m = mbs // (P // p)
             add(here[0], pipeline_size=p, **({"uneven": True} if L % p else {}))
@@ -298,9 +351,10 @@ def _pipelines(add, absent, L, P, D, mbs, b, who):
                     absent(("interleaved",), f"pp={p} vp={v}", f"--num-layers {L} < {p * v} virtual stages",
                            "fewer virtual stages or a smaller pipeline")
                 elif m % p:
-                    absent(("interleaved",), f"pp={p} vp={v} b={b}", f"{m} micro-batches per pipeline are not a "
-                           f"multiple of the pipeline size {p}", f"--global-batch-size a multiple of "
-                           f"{b * (P // p) * p}")
+                    if b in MICRO_BATCHES:
+                        absent(("interleaved",), f"pp={p} vp={v} b={b}", f"{m} micro-batches per pipeline are "
+                               f"not a multiple of the pipeline size {p}", f"--global-batch-size a multiple of "
+                               f"{b * (P // p) * p}")
                 else:
                     add("interleaved", pipeline_size=p, virtual_stages=v,
                         **({"uneven": True} if L % (p * v) else {}))

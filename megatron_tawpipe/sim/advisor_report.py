@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 
-from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER
+from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER, Absence
 from megatron_tawpipe.sim.memory import MemoryBreakdown, gb
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
 
@@ -90,6 +90,58 @@ def plan_build_command(cfg, model, cluster, global_batch: int) -> str:
 
 
 # ---------------------------------------------------------------------- report
+def left_out(configs, prune: str) -> list:
+    """Why a strategy that applies has no configuration in the ranking although none failed to fit
+    (pruned, or left out by ``trainable_only``), and how many knobs ``trainable_only`` left out."""
+    out = []
+    for s in STRATEGY_ORDER:
+        mine = [c for c in configs if c.strategy == s]
+        skipped = [c for c in mine if c.status == "skipped"]
+        if any(c.status in ("ok", "no-fit") for c in mine):
+            if skipped:
+                out.append(Absence((s,), f"{len(skipped)} configurations", "not runnable with pretrain_llama.py "
+                                   "(their notes), left out by --trainable-only", "leave out --trainable-only"))
+            continue
+        pruned = [c for c in mine if c.status == "pruned"]
+        if pruned:
+            out.append(Absence((s,), "", f"not simulated: its ceiling, {max(c.bound for c in pruned):.0f} tokens/s "
+                               f"per GPU, cannot beat what is ranked (--prune {prune})",
+                               "--prune strategy simulates every strategy's best"))
+        elif skipped:
+            out.append(Absence((s,), "", "not runnable with pretrain_llama.py, left out by --trainable-only",
+                               "leave out --trainable-only"))
+    return out
+
+
+def searched(configs, global_batch: int, ranks: int) -> dict:
+    """What was searched, per strategy: the micro-batch sizes (TawPipe: micro-batches per visit at b=1,
+    with the visits per shard they make), recompute, tensor-parallel sizes, and how many configurations
+    were simulated, found too large without a simulation (a smaller size did not fit), pruned by their
+    ceiling or left out."""
+    out = {}
+    for s in STRATEGY_ORDER:
+        mine = [c for c in configs if c.strategy == s]
+        if not mine:
+            continue
+        tried = [c for c in mine if c.status in ("ok", "no-fit", "skipped")]
+        fits = [c for c in mine if c.status in ("ok", "skipped")]
+        entry = {"micro_batch_sizes": sorted({c.micro_batch_size for c in mine}),
+                 "micro_batch_sizes_fitting": sorted({c.micro_batch_size for c in fits}),
+                 "tensor_parallel": sorted({c.knobs.get("tp", 1) for c in mine}),
+                 "recompute": sorted({c.recompute for c in mine}),
+                 "configurations": len(mine), "evaluated": len(tried),
+                 "larger_than_fits": sum(c.status == "larger" for c in mine),
+                 "pruned": sum(c.status == "pruned" for c in mine)}
+        if s == "tawpipe":
+            entry["microbatches_per_visit"] = sorted({c.knobs["chunk"] for c in mine})
+            entry["microbatches_per_visit_fitting"] = sorted({c.knobs["chunk"] for c in fits})
+            entry["one_visit_per_shard_fits"] = any(
+                c.knobs["chunk"] == global_batch // c.micro_batch_size // (ranks // c.knobs.get("tp", 1))
+                for c in fits)
+        out[s] = entry
+    return out
+
+
 def summarize(model, cluster, global_batch: int, configs, absent, prune: str = "strategy") -> dict:
     """The advisor's answer (``--json``): ``ranked``, ``rejected`` (the smallest configuration of each
     strategy that does not fit, with ``reason`` and ``fix``), ``not_applicable`` (one line per
@@ -99,7 +151,7 @@ def summarize(model, cluster, global_batch: int, configs, absent, prune: str = "
     # ties (to 0.1 tok/s: several strategies at the compute bound) go to what this
     # project can train, then to the smaller memory requirement
     ok = sorted((c for c in configs if c.status == "ok"),
-                key=lambda c: (-round(c.tokens_per_sec_per_gpu, 1), not c.trainable, c.memory.total))
+                key=lambda c: (-round(c.tokens_per_sec_per_gpu, 1), c.trainable is False, c.memory.total))
     nofit = [c for c in configs if c.status == "no-fit"]
     rejected = {}
     for c in sorted(nofit, key=lambda c: c.memory.total):
@@ -118,6 +170,7 @@ def summarize(model, cluster, global_batch: int, configs, absent, prune: str = "
         "not_applicable": [f"{_group(a.strategies)}: {a.line()}" for a in absent],
         "absent": [a.as_dict() for a in absent],
         "pruned": sum(c.status == "pruned" for c in configs),
+        "larger": sum(c.status == "larger" for c in configs),
         "prune": prune,
         "evaluated": sum(c.status in ("ok", "no-fit") for c in configs),
         "best": ok[0].row() if ok else None,
@@ -138,6 +191,29 @@ def summarize(model, cluster, global_batch: int, configs, absent, prune: str = "
         smallest = min(nofit, key=lambda c: c.memory.total) if nofit else None
         out["error"] = nothing_fits_message(smallest, cluster, out["not_applicable"])
     return out
+
+
+def _sizes(values) -> str:
+    return ", ".join(map(str, values)) if values else "none"
+
+
+def searched_lines(searched: dict) -> list:
+    """One line per strategy: the micro-batch sizes tried and those that fit (TawPipe: micro-batches per
+    visit at b=1, and whether one visit per shard fits), recompute and tensor-parallel sizes."""
+    if not searched:
+        return []
+    lines = ["searched (every strategy: micro-batch sizes in powers of two up to its batch per replica, each "
+             "family up to the first that does not fit; recompute on and off):"]
+    for s, e in searched.items():
+        if s == "tawpipe":
+            what = (f"b=1 with micro-batches per visit {_sizes(e['microbatches_per_visit'])} (fit: "
+                    f"{_sizes(e['microbatches_per_visit_fitting'])}; one visit per shard "
+                    f"{'fits' if e['one_visit_per_shard_fits'] else 'does not fit'})")
+        else:
+            what = (f"b={_sizes(e['micro_batch_sizes'])} (fit: {_sizes(e['micro_batch_sizes_fitting'])})")
+        lines.append(f"  {s:<12} {what}, T={_sizes(e['tensor_parallel'])}: {e['evaluated']} evaluated, "
+                     f"{e['larger_than_fits']} larger than what fits, {e['pruned']} pruned")
+    return lines
 
 
 def _group(strategies) -> str:
@@ -222,7 +298,9 @@ def format_report(summary: dict, top_memory: int = 3, rows: int = 15, reasons_pe
         f"{summary['global_batch_sequences']} sequences ({summary['global_batch_tokens'] / 1e6:.2f}M tokens)",
         f"{summary['evaluated']} configurations evaluated, {summary['pruned']} not simulated (their "
         "ceiling cannot beat " + ("their strategy's best" if summary["prune"] == "strategy"
-                                                else "their strategy's best or the runner-up") + ")", ""]
+                                                else "their strategy's best or the runner-up") + "), "
+        f"{summary.get('larger', 0)} not simulated (a smaller micro-batch of the same knobs does not fit)"]
+    lines += searched_lines(summary.get("searched", {})) + [""]
     ranked = summary["ranked"]
     if ranked:
         top = ranked[0]["tokens_per_sec_per_gpu"]
@@ -238,8 +316,8 @@ def format_report(summary: dict, top_memory: int = 3, rows: int = 15, reasons_pe
                          f"{100 * (r['tokens_per_sec_per_gpu'] / top - 1):+.1f}%",
                          f"{r['iteration_time_s']:.2f}", f"{r['bubble_ratio']:.3f}",
                          f"{r['inter_bytes_per_node'] / 1e9:.1f}", f"{r['memory_bytes'] / 1e9:.1f}",
-                         "" if r["trainable"] else "not runnable here (note)"))
-            if not r["trainable"] and r["note"] not in notes:
+                         "" if r["trainable"] is not False else "not runnable here (note)"))
+            if r["trainable"] is False and r["note"] not in notes:
                 notes.append(r["note"])
         widths = [max(len(h), *(len(x[i]) for x in body)) for i, h in enumerate(head)]
         fmt = lambda cells: "  ".join(c.ljust(w) if i in (1, 2, 9) else c.rjust(w)  # noqa: E731
