@@ -118,17 +118,24 @@ def _latest(rank, acts, block, cands):
     return cands[-1]
 
 
-def _weight_waits(rank, acts, block, cands):
-    """The last ``Wait`` for weights (a fetched or broadcast shard) in the window, else stay."""
-    kinds = {}
-    for a in acts:
-        if type(a) in A.COMM_BUFFER and a.kind == "weight" and not (type(a) is A.SendStart):
-            kinds[a.tag] = a
-    waits = [c for c in cands[1:] if c < len(acts) and type(acts[c]) is A.Wait and acts[c].tag in kinds]
-    return waits[-1] if waits else cands[0]
+class _WeightWaits:
+    """The last ``Wait`` for weights (a fetched or broadcast shard) in the window, else stay. The tags of a
+    rank's weight transfers are found once per rank: moving blocks reorders a rank's actions, never changes
+    them (one instance per :func:`defer_weight_passes` call)."""
+
+    def __init__(self) -> None:
+        self._tags = {}
+
+    def __call__(self, rank, acts, block, cands):
+        tags = self._tags.get(rank)
+        if tags is None:
+            tags = self._tags[rank] = {a.tag for a in acts if type(a) in A.COMM_BUFFER and a.kind == "weight"
+                                       and type(a) is not A.SendStart}
+        waits = [c for c in cands[1:] if c < len(acts) and type(acts[c]) is A.Wait and acts[c].tag in tags]
+        return waits[-1] if waits else cands[0]
 
 
-POLICIES = {"latest": _latest, "weight-waits": _weight_waits}
+POLICIES = {"latest": lambda: _latest, "weight-waits": _WeightWaits}   # a fresh chooser per call
 
 
 def defer_weight_passes(plan: Plan, choose: Union[str, Choose] = "latest", name: Optional[str] = None) -> Plan:
@@ -138,7 +145,7 @@ def defer_weight_passes(plan: Plan, choose: Union[str, Choose] = "latest", name:
     if isinstance(choose, str):
         if choose not in POLICIES:
             raise ValueError(f"choose must be one of {', '.join(POLICIES)} or a function, not {choose!r}")
-        choose = POLICIES[choose]
+        choose = POLICIES[choose]()
     if plan.family != "weight":
         raise ValueError("defer_weight_passes takes a weight-passing plan")
     split = plan if plan.options.get("split_backward") else split_backward(plan)
