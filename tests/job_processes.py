@@ -9,22 +9,42 @@ import time
 JOB_MARK = "TAWPIPE_TEST_JOB"   # set in the job's environment: every process it starts inherits it
 
 
+def state(pid):
+    """(state letter, parent pid) of process ``pid`` from /proc, or None once it is gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) "
+    return fields[0], int(fields[1])
+
+
+def alive(pid):
+    """Whether ``pid`` runs (a zombie does not)."""
+    found = state(pid)
+    return found is not None and found[0] != "Z"
+
+
+def environ(pid):
+    """Process ``pid``'s environment entries (bytes ``NAME=value``), empty once it is gone."""
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return []
+
+
+def children(pid):
+    """The live processes whose parent is ``pid``."""
+    found = {int(e): state(e) for e in os.listdir("/proc") if e.isdigit()}
+    return [p for p, st in found.items() if st is not None and st[0] != "Z" and st[1] == pid]
+
+
 def job_pids(job):
     """The live (not zombie) processes of ``job``: torchrun, the ranks (each in a session of its own),
     their loader workers and checkpoint writers, orphans included."""
     mark = f"{JOB_MARK}={job}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-            stat = open(f"/proc/{entry}/stat").read()
-        except OSError:
-            continue
-        if mark in environ and stat[stat.rindex(")") + 2] != "Z":
-            pids.append(int(entry))
-    return pids
+    return [int(e) for e in os.listdir("/proc")
+            if e.isdigit() and int(e) != os.getpid() and mark in environ(e) and alive(e)]
 
 
 def signal_job(job, signum):

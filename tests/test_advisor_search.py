@@ -11,19 +11,11 @@ from megatron_tawpipe.cli.plan_args import check_command
 from megatron_tawpipe.plan import build_plan
 from megatron_tawpipe.plan.traffic import link_bytes
 from megatron_tawpipe.sim.advisor import Advisor, advise
-from megatron_tawpipe.sim.advisor_configs import (Cluster, ModelSpec, enumerate_configs, family_of, micro_batch_sizes,
-                                                  size_of, visit_sizes)
+from megatron_tawpipe.sim.advisor_configs import (enumerate_configs, family_of, micro_batch_sizes, size_of,
+                                                  visit_sizes)
 from megatron_tawpipe.sim.advisor_report import format_report
 
-TINY = ModelSpec(num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8,
-                 num_query_groups=4, vocab_size=1000, seq_length=2048)
-
-
-def cluster(**kw):
-    args = dict(ranks=8, nodes=2, intra_bw=100e9, inter_bw=1.25e9, peak_tflops=100, efficiency=0.5,
-                gpu_memory=80e9, memory_reserve=0)
-    args.update(kw)
-    return Cluster(**args)
+from test_advisor import TINY, tiny_cluster as cluster   # the advisor tests' model and cluster
 
 
 def test_sizes_searched():

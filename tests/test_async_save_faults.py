@@ -5,7 +5,6 @@ restarts from the latest checkpoint). Nothing is lost: the tracker never names a
 uninterrupted run's."""
 
 import glob
-import json
 import os
 import random
 import signal
@@ -13,7 +12,8 @@ import subprocess
 import time
 
 from distributed_harness import free_port
-from job_processes import ended, job_pids, start
+from job_processes import ended, environ, job_pids, start, state
+from training_helpers import metrics_by_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
@@ -33,36 +33,17 @@ def _env(out_dir, restarts):
     return env
 
 
-def _metrics(path):
-    last = {}
-    if os.path.exists(path):
-        for line in open(path, encoding="utf-8"):
-            if line.strip():
-                record = json.loads(line)
-                last[record["iteration"]] = record
-    return last
-
-
 def _rank_pids(job):
     """pid -> LOCAL_RANK of the ranks (torchrun's workers) of ``job``, not their writers or loader workers."""
     ranks = {}
     for pid in job_pids(job):
-        environ = _environ(pid)
-        local = [v for v in environ if v.startswith(b"LOCAL_RANK=")]
-        try:
-            parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+        local = [v for v in environ(pid) if v.startswith(b"LOCAL_RANK=")]
+        found = state(pid)
+        if found is None:
             continue
-        if local and not any(v.startswith(b"LOCAL_RANK=") for v in _environ(parent)):
+        if local and not any(v.startswith(b"LOCAL_RANK=") for v in environ(found[1])):
             ranks[pid] = int(local[0].split(b"=")[1])
     return ranks
-
-
-def _environ(pid):
-    try:
-        return open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return []
 
 
 def _check_tracker(checkpoints, problems):
@@ -90,7 +71,7 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
     reference = tmp_path / "reference"
     subprocess.run(["bash", SCRIPT, *FLAGS], env=_env(reference, 0), cwd=ROOT, check=True, timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    expected = _metrics(reference / "metrics.jsonl")
+    expected = metrics_by_iteration(reference / "metrics.jsonl")
     assert sorted(expected) == list(range(1, ITERS + 1))
 
     run = tmp_path / "faulted"
@@ -107,7 +88,7 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
             if plan and latest is not None:
                 moment, after = plan[0]
                 saving = bool(glob.glob(os.path.join(checkpoints, "iter_*.tmp")))
-                done = max(_metrics(run / "metrics.jsonl"), default=0)
+                done = max(metrics_by_iteration(run / "metrics.jsonl"), default=0)
                 if done >= after and saving == (moment == "saving"):
                     ranks = _rank_pids(proc.job)
                     if len(ranks) == 2:
@@ -125,7 +106,7 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
     assert [k[0] for k in kills] == ["training", "saving"], f"seed {seed}: kills {kills}"
     assert text.count("from the latest checkpoint") >= 2, text[-3000:]
 
-    ours = _metrics(run / "metrics.jsonl")
+    ours = metrics_by_iteration(run / "metrics.jsonl")
     assert sorted(ours) == list(range(1, ITERS + 1))
     assert [ours[i]["lm_loss"] for i in ours] == [expected[i]["lm_loss"] for i in ours], f"seed {seed}, kills {kills}"
     # What retention keeps: the multiples of --save-retain-interval and the latest; nothing half-written remains

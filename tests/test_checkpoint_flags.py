@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed_harness import free_port, run_ranks
-from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+from training_helpers import assert_close_rel, loaded_trainer, losses, tiny_args, train_rank
 
 ITERS = 6
 
@@ -220,21 +220,7 @@ def write_megatron_legacy(root, weights, args, tp, pp, tracker="release", iterat
 def _loaded_masters(rank, argv, expected=None):
     """Build the schedule's trainer, load --load into it; ``(iteration, consumed samples)`` and the names of the
     parameters this rank holds, each equal to ``expected``'s (under either layer-norm spelling)."""
-    from megatron_tawpipe.arguments import parse_args
-    from megatron_tawpipe.checkpoint import load_checkpoint
-    from megatron_tawpipe.data import build_tokenizer
-    from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
-    from megatron_tawpipe.training.forward_step import gpt_forward_step
-    from megatron_tawpipe.training.loop import build_trainer
-    from megatron_tawpipe.training.validate_args import validate_args
-
-    args = validate_args(parse_args(argv))
-    initialize_distributed(args)
-    initialize_model_parallel(args)
-    try:
-        build_tokenizer(args)
-        trainer = build_trainer(args, gpt_forward_step)
-        position = load_checkpoint(args.load, trainer, None, args)
+    with loaded_trainer(argv) as (trainer, position):
         names = []
         for name, _param, master in trainer.named_master_parameters():
             if expected is not None:
@@ -242,8 +228,6 @@ def _loaded_masters(rank, argv, expected=None):
                 assert torch.equal(master.detach(), source), name
             names.append(name)
         return position, names
-    finally:
-        destroy()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from training_helpers import train_rank
+from training_helpers import loaded_trainer, train_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "hf_checkpoint.py")
@@ -184,29 +184,14 @@ def test_rope_base_and_scaling_are_the_models(models):
 
 def _project_logits(rank, argv, tokens):
     """The model pretrain_llama.py builds (native, one rank) with the checkpoint under --load: its logits."""
-    from megatron_tawpipe.arguments import parse_args
-    from megatron_tawpipe.checkpoint import load_checkpoint
-    from megatron_tawpipe.data import build_tokenizer
-    from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
     from megatron_tawpipe.models.parameters import unwrap_model
-    from megatron_tawpipe.training.forward_step import gpt_forward_step
-    from megatron_tawpipe.training.loop import build_trainer
-    from megatron_tawpipe.training.validate_args import validate_args
 
-    args = validate_args(parse_args(argv))
-    initialize_distributed(args)
-    initialize_model_parallel(args)
-    try:
-        build_tokenizer(args)
-        trainer = build_trainer(args, gpt_forward_step)
-        load_checkpoint(args.load, trainer, None, args)
+    with loaded_trainer(argv) as (trainer, _position):
         model = unwrap_model(trainer.model[0])
         model.eval()
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         with torch.no_grad():   # (a numpy array: a tensor would cross to the parent through shared memory)
             return model(tokens, positions, None).double().numpy()
-    finally:
-        destroy()
 
 
 @pytest.mark.parametrize("kind", ["llama31", "qwen2"])

@@ -2,7 +2,6 @@
 ``--exit-signal-handler``, every process of the job (torchrun, the ranks, their data-loader workers) is gone
 within seconds; a signalled stop saves, exits with the documented status and resumes exactly."""
 
-import json
 import os
 import signal
 import subprocess
@@ -12,8 +11,8 @@ import time
 import pytest
 
 from distributed_harness import free_port
-from job_processes import ended as _ended, job_pids as _job_pids, signal_job as _signal_job, start as _start, wait_for as _wait_for
-from training_helpers import tiny_args
+import job_processes as jobs
+from training_helpers import metrics_by_iteration, tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
@@ -23,11 +22,11 @@ GRACE_S = 30.0   # the issue's bound: every process gone within 30 s of the summ
 
 def _gone_after(proc, marker_seen, timeout=600):
     """Seconds from ``marker_seen()`` first being true to the last process of the job ending."""
-    seen = _wait_for(marker_seen, timeout)
+    seen = jobs.wait_for(marker_seen, timeout)
     if seen is None:
-        _ended(proc, 0)
+        jobs.ended(proc, 0)
         raise AssertionError("the marker never appeared")
-    ended, left = _ended(proc)
+    ended, left = jobs.ended(proc)
     assert ended is not None, f"processes still alive 120 s after the marker: {left}"
     return ended - seen
 
@@ -64,7 +63,7 @@ def test_every_process_ends_after_the_summary(tmp_path, schedule, evaluation):
         flags[flags.index("--eval-iters") + 1] = "1"
         flags += ["--eval-interval", "1"]
     log = tmp_path / "run.log"
-    proc = _start(_torchrun(2, tiny_args(*SCHEDULES[schedule], *flags, train_iters=2)), log, _env(), tmp_path)
+    proc = jobs.start(_torchrun(2, tiny_args(*SCHEDULES[schedule], *flags, train_iters=2)), log, _env(), tmp_path)
     seconds = _gone_after(proc, _contains(log, SUMMARY))
     text = open(log).read()
     assert proc.returncode == 0, text[-3000:]
@@ -77,21 +76,11 @@ def test_every_process_ends_after_an_error_mid_training(tmp_path):
     log = tmp_path / "run.log"
     argv = tiny_args("--pipeline-schedule", "tawpipe", *HANGING_FLAGS, "--lr", "1e30", "--min-lr", "0",
                      "--clip-grad", "0", train_iters=6)
-    proc = _start(_torchrun(2, argv), log, _env(), tmp_path)
+    proc = jobs.start(_torchrun(2, argv), log, _env(), tmp_path)
     seconds = _gone_after(proc, _contains(log, "pretrain_llama.py: error:"))
     text = open(log).read()
     assert "NaN/Inf" in text and proc.returncode != 0, text[-3000:]
     assert seconds < GRACE_S, f"the job lived {seconds:.1f} s after the error"
-
-
-def _metrics(path):
-    last = {}
-    if os.path.exists(path):
-        for line in open(path, encoding="utf-8"):
-            if line.strip():
-                record = json.loads(line)
-                last[record["iteration"]] = record
-    return last
 
 
 def _script_env(out_dir):
@@ -107,16 +96,16 @@ def _signal_job_at(tmp_path, name, iteration, *flags):
     ``iteration`` is in its metrics, as Slurm sends it. Returns (process, seconds to the last exit, log text)."""
     out = tmp_path / name
     log = tmp_path / f"{name}.log"
-    proc = _start(["bash", SCRIPT, "--num-workers", "2", *flags], log, _script_env(out), ROOT)
+    proc = jobs.start(["bash", SCRIPT, "--num-workers", "2", *flags], log, _script_env(out), ROOT)
     metrics = out / "metrics.jsonl"
-    if not _wait_for(lambda: max(_metrics(metrics), default=0) >= iteration, 600, proc):
-        _ended(proc, 0)
+    if not jobs.wait_for(lambda: max(metrics_by_iteration(metrics), default=0) >= iteration, 600, proc):
+        jobs.ended(proc, 0)
         raise AssertionError(open(log).read()[-3000:])
-    workers = len(_job_pids(proc.job))
+    workers = len(jobs.job_pids(proc.job))
     assert workers >= 8, workers   # bash, torchrun, 2 ranks, 2 loader workers each
     signalled = time.monotonic()
-    _signal_job(proc.job, signal.SIGTERM)
-    ended, left = _ended(proc)
+    jobs.signal_job(proc.job, signal.SIGTERM)
+    ended, left = jobs.ended(proc)
     assert ended is not None, f"processes still alive 120 s after SIGTERM: {left}"
     return proc, ended - signalled, open(log).read()
 
@@ -125,7 +114,7 @@ def test_sigterm_with_the_handler_saves_stops_and_resumes_exactly(tmp_path):
     reference = tmp_path / "reference"
     subprocess.run(["bash", SCRIPT, "--num-workers", "2"], env=_script_env(reference), cwd=ROOT, check=True,
                    timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    expected = _metrics(reference / "metrics.jsonl")
+    expected = metrics_by_iteration(reference / "metrics.jsonl")
     assert sorted(expected) == list(range(1, 9))
 
     proc, seconds, text = _signal_job_at(tmp_path, "stopped", 2, "--exit-signal-handler")
@@ -135,7 +124,7 @@ def test_sigterm_with_the_handler_saves_stops_and_resumes_exactly(tmp_path):
     assert seconds < GRACE_S, f"the job lived {seconds:.1f} s after SIGTERM"
     tracker = tmp_path / "stopped" / "checkpoints" / "latest_checkpointed_iteration.txt"
     saved = int(tracker.read_text().strip())
-    done = _metrics(tmp_path / "stopped" / "metrics.jsonl")
+    done = metrics_by_iteration(tmp_path / "stopped" / "metrics.jsonl")
     assert 2 <= saved < 8 and max(done) == saved, (saved, sorted(done))
     assert f"exiting after iteration {saved}: received SIGTERM" in text
 
@@ -143,7 +132,7 @@ def test_sigterm_with_the_handler_saves_stops_and_resumes_exactly(tmp_path):
     subprocess.run(["bash", SCRIPT, "--num-workers", "2", "--exit-signal-handler"],
                    env=_script_env(tmp_path / "stopped"), cwd=ROOT, check=True, timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    resumed = _metrics(tmp_path / "stopped" / "metrics.jsonl")
+    resumed = metrics_by_iteration(tmp_path / "stopped" / "metrics.jsonl")
     assert sorted(resumed) == list(range(1, 9))
     assert [resumed[i]["lm_loss"] for i in range(1, 9)] == [expected[i]["lm_loss"] for i in range(1, 9)]
 
@@ -165,28 +154,6 @@ class _Numbers:
         import torch
 
         return {"tokens": torch.tensor([index])}
-
-
-def _alive(pid):
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def _child_pids(pid):
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                children.append(int(entry))
-    return children
 
 
 def test_closing_a_data_iterator_ends_its_workers_at_once():
@@ -219,12 +186,12 @@ def test_a_workers_rank_killed_leaves_no_orphan():
     rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env())
     try:
         assert rank.stdout.readline().strip() == "ready"
-        workers = _child_pids(rank.pid)
+        workers = jobs.children(rank.pid)
         assert len(workers) >= 2, workers
     finally:
         rank.kill()
         rank.wait()
-    gone = _wait_for(lambda: not any(_alive(pid) for pid in workers), 30)
+    gone = jobs.wait_for(lambda: not any(jobs.alive(pid) for pid in workers), 30)
     assert gone is not None, f"workers {workers} outlived their killed rank by 30 s"
 
 

@@ -1,14 +1,13 @@
 """The launch scripts: they relaunch a failed job from its latest checkpoint (examples/restarts.sh) and
 pass the package's Llama flags (examples/llama_flags.sh)."""
 
-import json
 import os
 import signal
 import subprocess
 import time
 
 from distributed_harness import free_port
-from training_helpers import assert_close_rel
+from training_helpers import assert_close_rel, metrics_by_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
@@ -22,16 +21,6 @@ def _env(out_dir, restarts):
                MAX_RESTARTS=str(restarts), RESTART_DELAY_S="1", OMP_NUM_THREADS="1")
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
     return env
-
-
-def _iterations(metrics):
-    """The last record of every iteration (a resumed run repeats those after its checkpoint)."""
-    last = {}
-    if os.path.exists(metrics):
-        for line in open(metrics, encoding="utf-8"):
-            record = json.loads(line)
-            last[record["iteration"]] = record
-    return last
 
 
 def _worker_pid(local_rank):
@@ -61,7 +50,7 @@ def test_a_killed_rank_costs_no_manual_step(tmp_path):
     killed = None
     deadline = time.time() + 300
     while killed is None and time.time() < deadline and proc.poll() is None:
-        done = _iterations(metrics)
+        done = metrics_by_iteration(metrics)
         if checkpoint.exists() and max(done, default=0) >= 3:
             pid = _worker_pid(2)
             if pid:
@@ -72,7 +61,7 @@ def test_a_killed_rank_costs_no_manual_step(tmp_path):
     assert proc.wait(timeout=600) == 0, open(tmp_path / "killed.log").read()[-3000:]
     text = open(tmp_path / "killed.log").read()
     assert "restart 1 of 1 from the latest checkpoint" in text
-    ours, reference = _iterations(metrics), _iterations(os.path.join(reference_dir, "metrics.jsonl"))
+    ours, reference = metrics_by_iteration(metrics), metrics_by_iteration(os.path.join(reference_dir, "metrics.jsonl"))
     assert sorted(ours) == list(range(1, 9))
     assert_close_rel([ours[i]["lm_loss"] for i in range(1, 9)], [reference[i]["lm_loss"] for i in range(1, 9)],
                      1e-5)

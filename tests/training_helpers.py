@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS
@@ -51,6 +52,44 @@ def train_rank(rank: int, argv: List[str], forward_step_func=None) -> List[dict]
         return [record.to_json() for record in pretrain(args, forward_step_func or gpt_forward_step)]
     finally:
         destroy()
+
+
+@contextlib.contextmanager
+def loaded_trainer(argv: List[str]):
+    """The trainer ``pretrain_llama.py`` builds for ``argv`` (process groups up, tokenizer built) with the
+    checkpoint under ``--load`` loaded: yields ``(trainer, (iteration, consumed samples))``; tears down after."""
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.checkpoint import load_checkpoint
+    from megatron_tawpipe.data import build_tokenizer
+    from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
+    from megatron_tawpipe.training.loop import build_trainer
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    args = validate_args(parse_args(argv))
+    initialize_distributed(args)
+    initialize_model_parallel(args)
+    try:
+        build_tokenizer(args)
+        trainer = build_trainer(args, gpt_forward_step)
+        yield trainer, load_checkpoint(args.load, trainer, None, args)
+    finally:
+        destroy()
+
+
+def metrics_by_iteration(path) -> dict:
+    """A ``--metrics-file``'s records by iteration, the last of each (a resumed run repeats those after its
+    checkpoint); empty while the file does not exist."""
+    import json
+    import os
+
+    last = {}
+    if os.path.exists(path):
+        for line in open(path, encoding="utf-8"):
+            if line.strip():
+                record = json.loads(line)
+                last[record["iteration"]] = record
+    return last
 
 
 def losses(records: List[dict]) -> List[float]:

@@ -26,14 +26,13 @@ import torch
 from megatron_tawpipe.checkpoint.hf_config import (ModelShape, hf_config, model_flags, read_hf_config,
                                                     shape_from_args, vocab_divisor)
 from megatron_tawpipe.checkpoint.hf_weights import HfTensors, core_to_hf, hf_to_core, write_safetensors
+from megatron_tawpipe.checkpoint.legacy_torch import split_for_rank
 from megatron_tawpipe.common.atomic import atomic_torch_save, atomic_write_text, fsync_dir
 from megatron_tawpipe.common.errors import CheckpointSetupError
 
 FLAGS_FILE = "model_flags.txt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
-_ROWS = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
-_COLUMNS = ("linear_proj.weight", "linear_fc2.weight")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,21 +70,6 @@ def _saved_args(flags: List[str], shape: ModelShape, tp: int, pp: int) -> argpar
     saved.ckpt_format, saved.iteration, saved.consumed_train_samples, saved.consumed_valid_samples = "torch", 0, 0, 0
     saved.hf_model_type = shape.model_type
     return saved
-
-
-def _tp_slice(name: str, whole: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Tensor-parallel rank ``rank``'s slice, as Megatron-LM's files hold it (SwiGLU's fc1: its share of the
-    gate rows, then of the up rows)."""
-    if size == 1:
-        return whole
-    if name.endswith("linear_fc1.weight"):
-        gate, up = whole.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0).clone()
-    if name.endswith(_ROWS):
-        return whole.chunk(size, dim=0)[rank].clone()
-    if name.endswith(_COLUMNS):
-        return whole.chunk(size, dim=1)[rank].clone()
-    return whole
 
 
 def _check_layout(shape: ModelShape, tp: int, pp: int) -> None:
@@ -165,10 +149,10 @@ def _write_release(weights: Dict[str, torch.Tensor], saved: argparse.Namespace, 
                     name = f"decoder.layers.{int(layer) - stage * per_stage}.{rest}"
                 elif stage != (0 if name.startswith("embedding.") else pp - 1):
                     continue
-                model[name] = _tp_slice(name, whole, rank, tp)
+                model[name] = split_for_rank(name, whole, rank, tp, swiglu=True)
             if shape.tied and pp > 1 and stage == pp - 1:    # the last stage's copy of the tied embeddings
-                model["output_layer.weight"] = _tp_slice("output_layer.weight",
-                                                         weights["embedding.word_embeddings.weight"], rank, tp)
+                model["output_layer.weight"] = split_for_rank(
+                    "output_layer.weight", weights["embedding.word_embeddings.weight"], rank, tp, swiglu=True)
             state = {"args": saved, "checkpoint_version": 3.0, "iteration": 0, "model": model,
                      "num_floating_point_operations_so_far": 0}
             rank_dir = os.path.join(root, "release", f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else ""))

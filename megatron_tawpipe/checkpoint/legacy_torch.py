@@ -109,6 +109,21 @@ def _merge(name: str, slices: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
     return slices[0]  # replicated over tensor-parallel ranks (norms, row-parallel biases)
 
 
+def split_for_rank(name: str, whole: torch.Tensor, rank: int, size: int, swiglu: bool) -> torch.Tensor:
+    """Tensor-parallel rank ``rank``'s slice of ``whole`` as Megatron-LM's files hold it: the inverse of
+    :func:`_merge` (SwiGLU's fc1: its share of the gate rows, then of the up rows)."""
+    if size == 1:
+        return whole
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and swiglu:
+        gate, up = whole.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0).clone()
+    if name.endswith(_ROWS):
+        return whole.chunk(size, dim=0)[rank].clone()
+    if name.endswith(_COLUMNS):
+        return whole.chunk(size, dim=1)[rank].clone()
+    return whole  # replicated over tensor-parallel ranks (norms, row-parallel biases)
+
+
 class LegacyCheckpoint:
     """The weights of a ``--ckpt-format torch`` checkpoint under global names, joined when asked for."""
 
