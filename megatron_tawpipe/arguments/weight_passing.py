@@ -20,7 +20,7 @@ TAWPIPE_CACHE_SETTINGS = ("auto", "on", "off")
 # allocator fragmentation, kernels' temporaries).
 AUTO_CACHE_MEMORY_FRACTION = 0.9
 # --tawpipe-ownership: each shard's state on one rank of one group (owner), or a 1/D slice of it in every group
-# (spread; planned, validated and simulated: tools/simulate.py --tawpipe-ownership spread|auto).
+# (spread), or the spread layout where it applies (auto; tools/simulate.py --tawpipe-ownership auto simulates both).
 TAWPIPE_OWNERSHIP_SETTINGS = ("owner", "spread", "auto")
 
 
@@ -51,15 +51,31 @@ def tawpipe_cache_problem(schedule: str, setting: str, groups: int) -> str:
     return ""
 
 
-def tawpipe_ownership_problem(schedule: str, setting: str) -> str:
-    """Why ``--tawpipe-ownership SETTING`` cannot run with ``--pipeline-schedule SCHEDULE`` ("" when it can)."""
+def tawpipe_ownership_problem(schedule: str, setting: str, groups: int = 2, replicate_first: bool = False) -> str:
+    """Why ``--tawpipe-ownership SETTING`` cannot run with ``--pipeline-schedule SCHEDULE`` over ``groups`` groups
+    ("" when it can)."""
     if setting == "owner":
         return ""
     if schedule != "tawpipe":
         return f"--tawpipe-ownership {setting} applies to --pipeline-schedule tawpipe only; leave it at owner"
-    return (f"--tawpipe-ownership {setting}: the weight-passing runtime does not run the spread layout yet (each group "
-            "keeping a slice of every shard); its plans are validated and simulated: tools/simulate.py --schedule "
-            f"tawpipe --tawpipe-ownership {setting}. Use --tawpipe-ownership owner (the default)")
+    if setting == "spread" and groups < 2:
+        return ("--tawpipe-ownership spread needs two or more groups (nodes, or --tawpipe-num-groups): with one, "
+                "every shard is in the group already; leave it at owner (or auto)")
+    if setting == "spread" and replicate_first:
+        return ("--tawpipe-ownership spread with --tawpipe-replicate-first-shard: the spread layout keeps every "
+                "shard, the first included, in every group already; give one of them")
+    return ""
+
+
+def tawpipe_ownership(args, groups: int) -> str:
+    """The layout a TawPipe run over ``groups`` groups uses: ``--tawpipe-ownership`` owner or spread; ``auto`` takes the spread layout
+    wherever it applies (two or more groups, no replicated first shard) -- what the simulator picks in every
+    configuration docs/tawpipe-spread.md tabulates; the runtime has no link speed to simulate with."""
+    setting = getattr(args, "tawpipe_ownership", "owner")
+    if setting != "auto":
+        return setting
+    applies = groups >= 2 and not getattr(args, "tawpipe_replicate_first_shard", False)
+    return "spread" if applies else "owner"
 
 
 def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -102,8 +118,8 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "live. owner (default): on one rank of one group, which serves the shard to the other "
                         "groups and receives their gradients; spread: a 1/D slice on one rank of every group, the "
                         "groups running in step, gathering each shard from the D holders and reduce-scattering its "
-                        "gradient to them; auto: the faster of the two in the simulator. spread and auto are "
-                        "planned and simulated (tools/simulate.py), not yet run by this runtime: refused")
+                        "gradient to them (docs/tawpipe-spread.md); auto: spread wherever it applies (two or more "
+                        "groups, no --tawpipe-replicate-first-shard), else owner")
     g.add_argument("--weipipe-zero-bubble", type=int, choices=(0, 1, 2), default=0,
                    help="weipipe: split every backward into its input-gradient pass and its weight-gradient pass, "
                         "the only one the travelling gradient waits for: 1 (WZB1) runs the weight-gradient pass in "

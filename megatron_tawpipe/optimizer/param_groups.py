@@ -11,7 +11,7 @@ read here. The groups follow megatron-core's defaults:
 
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -22,14 +22,17 @@ def no_weight_decay(name: str, shape) -> bool:
     return name.endswith(".bias") or len(shape) == 1
 
 
-def megatron_param_groups(named: Iterable[Tuple[str, torch.Tensor]], args) -> List[dict]:
-    """Groups over ``(name, tensor)`` pairs; empty groups are left out."""
+def megatron_param_groups(named: Iterable[Tuple[str, torch.Tensor]], args,
+                          shape_of: Optional[Callable[[str, torch.Tensor], Tuple[int, ...]]] = None) -> List[dict]:
+    """Groups over ``(name, tensor)`` pairs; empty groups are left out. ``shape_of(name, tensor)``: the
+    parameter's shape where ``tensor`` is a flat piece of it (default: the tensor's own)."""
     decoupled_lr = getattr(args, "decoupled_lr", None)
     decoupled_min_lr = getattr(args, "decoupled_min_lr", None)
     buckets = {}
     for name, tensor in named:
         decoupled = decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT
-        key = (0.0 if no_weight_decay(name, tensor.shape) else 1.0, decoupled)
+        shape = tensor.shape if shape_of is None else shape_of(name, tensor)
+        key = (0.0 if no_weight_decay(name, shape) else 1.0, decoupled)
         buckets.setdefault(key, []).append(tensor)
     groups = []
     for (wd_mult, decoupled), params in sorted(buckets.items(), key=lambda kv: (-kv[0][0], kv[0][1])):

@@ -33,6 +33,7 @@ from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.plan.traffic import ring_share
+from megatron_tawpipe.runtime.shard_slices import padded_numel, slice_length
 from megatron_tawpipe.runtime.timing import ComputeTimer
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
 from megatron_tawpipe.runtime.warmup import connect
@@ -55,7 +56,7 @@ def _needed_for_forward(action, in_flight) -> bool:
         return True
     if isinstance(action, A.Wait):
         return action.tag in in_flight
-    return isinstance(action, (A.SendStart, A.RecvStart, A.BroadcastStart)) and action.kind == "weight"
+    return isinstance(action, (A.SendStart, A.RecvStart, A.BroadcastStart, A.AllGatherStart)) and action.kind == "weight"
 
 
 class PlanExecutor:
@@ -76,9 +77,6 @@ class PlanExecutor:
 
     def __init__(self, plan, rank: int, compute, communicators: Communicators,
                  timeout: Optional[datetime.timedelta] = None, nccl_faithful: bool = False, transport=None):
-        if getattr(plan, "spread", False):
-            raise ExecutionError(f"{plan.schedule}: a plan with every shard kept in slices over the groups "
-                                 "(--tawpipe-ownership spread) is not run by this executor yet")
         self.plan = plan
         # Bounded waits: a dead or stalled peer becomes an error, never a silent hang.
         self.timeout = timeout or datetime.timedelta(minutes=10)
@@ -99,11 +97,15 @@ class PlanExecutor:
         else:
             self.transport = DirectTransport(compute.device)
         self.timer = ComputeTimer(compute.device)
-        self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         per_layer, rest = divmod(compute.shard_numel, plan.max_layers_per_shard)
         if rest:
             raise ExecutionError(f"{compute.shard_numel} elements per buffer are not {plan.max_layers_per_shard} layers")
         self._numel = [per_layer * n for n in plan.shard_layers]   # each shard's elements
+        # A shard kept in slices (spread layout) is gathered and reduce-scattered as D equal slices: its
+        # buffers hold the padded length.
+        self._members = [len(plan.holders(s)) if plan.spread else 1 for s in range(plan.num_shards)]
+        self._buffer_numel = max([compute.shard_numel] + [padded_numel(n, d) for n, d in zip(self._numel, self._members)])
+        self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
         self._entries_cache: Optional[Tuple[list, dict]] = None
         self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
@@ -125,6 +127,8 @@ class PlanExecutor:
             A.BroadcastStart: self._broadcast,
             A.ReduceStart: self._reduce,
             A.AllReduceStart: self._all_reduce,
+            A.AllGatherStart: self._all_gather,
+            A.ReduceScatterStart: self._reduce_scatter,
             A.ReplicatedAllReduceStart: self._replicated_all_reduce,
             A.Wait: self._wait,
             A.OptimizerStep: self._optimizer_step,
@@ -142,16 +146,21 @@ class PlanExecutor:
                 if name != A.MAIN:
                     names[role].add(name)
         c = self.compute
-        weights = {n: torch.empty(c.shard_numel, dtype=c.compute_dtype, device=c.device)
+        weights = {n: torch.empty(self._buffer_numel, dtype=c.compute_dtype, device=c.device)
                    for n in sorted(names["weight"])}
         # partial gradients in the main gradients' dtype (fp32, or bf16 with --main-grads-dtype bf16)
         grad_dtype = getattr(c, "grad_dtype", torch.float32)
-        grads = {n: torch.zeros(c.shard_numel, dtype=grad_dtype, device=c.device) for n in sorted(names["grad"])}
+        grads = {n: torch.zeros(self._buffer_numel, dtype=grad_dtype, device=c.device) for n in sorted(names["grad"])}
         return weights, grads
 
     def shard_elements(self, shard: int) -> int:
         """Elements of shard ``shard`` (a prefix of every buffer)."""
         return self._numel[shard]
+
+    def slice_geometry(self, shard: int) -> Tuple[int, int]:
+        """``(holders, slice length)`` of ``shard``: (1, its elements) for a shard kept whole."""
+        members = self._members[shard]
+        return members, slice_length(self._numel[shard], members)
 
     def connect(self) -> int:
         """Make every connection the plan uses before its first iteration (:mod:`runtime.warmup`)."""
@@ -317,7 +326,18 @@ class PlanExecutor:
         self._grads(a.buf, a.shard).zero_()
 
     def _accumulate(self, a: A.AccumulateToOwner) -> None:
-        self.compute.main_grad(a.shard).add_(self._grads(a.buf, a.shard, write=False))
+        main = self.compute.main_grad(a.shard)
+        members, length = self.slice_geometry(a.shard)
+        if members == 1:
+            main.add_(self._grads(a.buf, a.shard, write=False))
+            return
+        # a reduce-scatter's result: this holder's slice of the sum, where the plan's holders put slice k
+        self._check_not_in_flight(a.buf, False)
+        start = self._slice_index(a.shard) * length
+        main.add_(self.grad_buffers[a.buf][start:start + length])
+
+    def _slice_index(self, shard: int) -> int:
+        return sorted(self.plan.holders(shard)).index(self.rank)
 
     def _optimizer_step(self, a: A.OptimizerStep) -> None:
         self.compute.optimizer_step()
@@ -391,6 +411,31 @@ class PlanExecutor:
         self._count(self.plan.link_between(self.rank, successor), tensor, share)
         self._start(a, work, a.buf)
 
+    def _all_gather(self, a: A.AllGatherStart) -> None:
+        """Every holder's master slice, in the compute dtype, into the whole (padded) buffer."""
+        members, length = self.slice_geometry(a.shard)
+        self._check_not_in_flight(a.buf, True)
+        whole = self.weight_buffers[a.buf][:members * length]
+        local = self.compute.master(a.shard).to(self.compute.compute_dtype)   # (a copy unless already that dtype)
+        work = self._collective(a, "allgather", [whole, local], -1)
+        successor, share = ring_share(a.ranks, self.rank, half=True)
+        self._count(self.plan.link_between(self.rank, successor), whole[:self._numel[a.shard]], share)
+        self._start(a, work, a.buf, after=lambda keep=local: None)   # (the slice lives until the wait)
+
+    def _reduce_scatter(self, a: A.ReduceScatterStart) -> None:
+        """The holders' partial gradients summed; this holder's slice of the sum ends at its slice's place."""
+        members, length = self.slice_geometry(a.shard)
+        self._check_not_in_flight(a.buf, True)
+        numel = self._numel[a.shard]
+        whole = self.grad_buffers[a.buf][:members * length]
+        whole[numel:].zero_()   # the padding: nothing of another (larger) shard's
+        mine = torch.empty(length, dtype=whole.dtype, device=whole.device)
+        work = self._collective(a, "reducescatter", [mine, whole], -1)
+        successor, share = ring_share(a.ranks, self.rank, half=True)
+        self._count(self.plan.link_between(self.rank, successor), whole[:numel], share)
+        start = self._slice_index(a.shard) * length
+        self._start(a, work, a.buf, after=lambda: whole[start:start + length].copy_(mine))
+
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
         # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
         grads = [g for g in self.compute.replicated_grads(a.part) if g.numel()]
@@ -458,7 +503,7 @@ def _arrives_here(action, rank: int) -> bool:
         return action.root != rank
     if isinstance(action, A.ReduceStart):
         return action.root == rank
-    return isinstance(action, A.AllReduceStart)
+    return isinstance(action, (A.AllReduceStart,) + A.SLICE_COLLECTIVES)
 
 
 class _PlanPosition:

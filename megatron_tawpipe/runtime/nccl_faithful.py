@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import describe_fifo, process_group
-from megatron_tawpipe.runtime.transport import Op
+from megatron_tawpipe.runtime.transport import SLICE_KINDS, Op, slice_collective
 
 _SEND, _RECV = 0, 1
 
@@ -172,6 +172,8 @@ class FaithfulTransport:
 
     def _collective(self, op: Op) -> None:
         if op.group is None or len(op.ranks) <= 1:
+            if op.kind in SLICE_KINDS:   # one holder: its slice is the whole
+                op.tensors[0].copy_(op.tensors[1])
             return
         count = sum(t.numel() for t in op.tensors)
         mine = torch.tensor([op.tag, op.step, count], dtype=torch.int64)
@@ -187,7 +189,9 @@ class FaithfulTransport:
                 raise RuntimeError(
                     f"rank {self.rank} step {op.step} ({A.describe(op.action)}) has {count} elements and rank "
                     f"{member} {int(header[2])}: NCCL would hang or truncate")
-        if op.kind == "broadcast":
+        if op.kind in SLICE_KINDS:
+            self._wait(slice_collective(op))
+        elif op.kind == "broadcast":
             self._wait(dist.broadcast(op.tensors[0], src=op.peer, group=op.group, async_op=True))
         elif op.kind == "reduce":
             self._wait(dist.reduce(op.tensors[0], dst=op.peer, op=dist.ReduceOp.SUM, group=op.group,

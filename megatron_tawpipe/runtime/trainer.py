@@ -35,6 +35,8 @@ from megatron_tawpipe.plan.traffic import link_bytes
 from megatron_tawpipe.common.errors import NonFiniteGradientError
 from megatron_tawpipe.runtime.precision import GradScaling, find_non_finite
 from megatron_tawpipe.runtime.schedules import get_forward_backward_func
+from megatron_tawpipe.runtime.shard_slices import SliceTarget
+from megatron_tawpipe.runtime.spread_checkpoint import gather_spread_shards, spread_load_targets
 from megatron_tawpipe.runtime.weight_pipe_model import WeightPipeModel
 
 
@@ -120,7 +122,7 @@ class WeightPassingTrainer(CheckpointDefaults):
             elif master.grad is None:
                 master.grad = grad
             self._named_masters.append((name, master))
-        groups = megatron_param_groups(self._named_masters, a)
+        groups = megatron_param_groups(self._named_masters, a, shape_of=self.model.parameter_shape)
         options = dict(lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, weight_decay=a.weight_decay)
         if precision_aware:
             self._adamw = PrecisionAwareAdamW(groups, exp_avg_dtype=dtypes.exp_avg,
@@ -328,13 +330,32 @@ class WeightPassingTrainer(CheckpointDefaults):
     # ---- checkpoint support ---------------------------------------------------------
 
     def named_master_parameters(self):
-        for name, tensor in self._named_masters:
-            yield name, tensor, tensor
+        """``(global name, master, master)``; a parameter this rank holds a piece of (spread layout) comes as a
+        stand-in that keeps its piece of the whole tensor a checkpoint gives."""
+        if not self.model.slices:
+            for name, tensor in self._named_masters:
+                yield name, tensor, tensor
+            return
+        yield from spread_load_targets(self.model, self.set_optimizer_state)
+        for name, master in self._named_masters[-len(self.model.replicated_masters):]:
+            yield name, master, master
+
+    def gathered_masters(self):
+        """Spread layout: each shard's slices gathered (collective over its holders), whole on its owner, which
+        writes it; the replicated parts as held. None (nothing gathered) for the other layouts."""
+        if not self.model.slices:
+            return None
+        entries = gather_spread_shards(self.model, self.optimizer_state_for)
+        replicated = self._named_masters[-len(self.model.replicated_masters):]
+        return entries + [(name, master, self.optimizer_state_for(master)) for name, master in replicated]
 
     def optimizer_state_for(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self._adamw.state.get(master, {})
 
-    def set_optimizer_state(self, master: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+    def set_optimizer_state(self, master, state: Dict[str, torch.Tensor]) -> None:
+        if isinstance(master, SliceTarget):   # the spread layout's stand-in: its pieces' states
+            master.store_state(state)
+            return
         self._adamw.state[master] = {key: self._place_state(key, value, master) for key, value in state.items()}
 
     def _place_state(self, key: str, value: torch.Tensor, master: torch.Tensor) -> torch.Tensor:

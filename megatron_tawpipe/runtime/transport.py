@@ -36,8 +36,8 @@ class Op:
     tag: int
     action: object
     step: int
-    kind: str                     # "send", "recv", "broadcast", "reduce", "allreduce"
-    tensors: List[torch.Tensor]
+    kind: str                     # "send", "recv", "broadcast", "reduce", "allreduce", "allgather", "reducescatter"
+    tensors: List[torch.Tensor]   # allgather / reducescatter: [output, input]
     group: Optional[dist.ProcessGroup]
     peer: int = -1                # send/recv: the other rank; broadcast/reduce: the root
     ranks: Tuple[int, ...] = field(default_factory=tuple)
@@ -151,8 +151,12 @@ class DirectTransport:
 
     def _collective(self, op: Op):
         if op.group is None or len(op.ranks) <= 1:
+            if op.kind in SLICE_KINDS:   # one holder: its slice is the whole
+                op.tensors[0].copy_(op.tensors[1])
             return _Done()
-        if op.kind == "broadcast":
+        if op.kind in SLICE_KINDS:
+            works = [slice_collective(op)]
+        elif op.kind == "broadcast":
             works = [dist.broadcast(op.tensors[0], src=op.peer, group=op.group, async_op=True)]
         elif op.kind == "reduce":
             works = [dist.reduce(op.tensors[0], dst=op.peer, op=dist.ReduceOp.SUM, group=op.group,
@@ -164,6 +168,22 @@ class DirectTransport:
 
     def close(self) -> None:
         return None
+
+
+#: The collectives over a shard's slice holders: output and input tensors of different lengths.
+SLICE_KINDS = ("allgather", "reducescatter")
+# torch 2.13 renamed them (the older names warn); earlier releases have only the older names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def slice_collective(op: Op):
+    """Start ``op``, an all-gather (each member's slice, ``tensors[1]``, into the whole ``tensors[0]``) or a
+    reduce-scatter (the sum of the members' whole ``tensors[1]``, member k keeping slice k in ``tensors[0]``)."""
+    output, source = op.tensors
+    if op.kind == "allgather":
+        return _ALL_GATHER(output, source, group=op.group, async_op=True)
+    return _REDUCE_SCATTER(output, source, op=dist.ReduceOp.SUM, group=op.group, async_op=True)
 
 
 def describe_op(action, rank: int, physical=lambda r: r) -> str:
@@ -185,4 +205,8 @@ def describe_op(action, rank: int, physical=lambda r: r) -> str:
         return f"all-reduce of {what} over its holders, ranks {ranks}"
     if isinstance(action, A.ReplicatedAllReduceStart):
         return f"all-reduce of the replicated gradients over ranks {ranks}"
+    if isinstance(action, A.AllGatherStart):
+        return f"all-gather of {what} from its slice holders, ranks {ranks}"
+    if isinstance(action, A.ReduceScatterStart):
+        return f"reduce-scatter of {what} to its slice holders, ranks {ranks}"
     return type(action).__name__

@@ -21,7 +21,8 @@ from megatron_tawpipe.plan.nccl import NcclModel, entries_of
 from megatron_tawpipe.runtime.transport import Op
 
 _KINDS = {A.SendStart: "send", A.RecvStart: "recv", A.BroadcastStart: "broadcast", A.ReduceStart: "reduce",
-          A.AllReduceStart: "allreduce", A.ReplicatedAllReduceStart: "allreduce"}
+          A.AllReduceStart: "allreduce", A.ReplicatedAllReduceStart: "allreduce", A.AllGatherStart: "allgather",
+          A.ReduceScatterStart: "reducescatter"}
 
 
 def connect(executor) -> int:
@@ -66,6 +67,10 @@ def _scratch(executor, action) -> List[torch.Tensor]:
     if type(action) is A.ReplicatedAllReduceStart:
         return [torch.zeros_like(g) for g in compute.replicated_grads(action.part) if g.numel()]
     dtype = compute.compute_dtype if action.kind == "weight" else torch.float32
+    if type(action) in A.SLICE_COLLECTIVES:   # [output, input]: the padded whole and one slice
+        members, length = executor.slice_geometry(action.shard)
+        whole = torch.zeros(members * length, dtype=dtype, device=compute.device)
+        return [whole, whole[:length].clone()] if type(action) is A.AllGatherStart else [whole[:length].clone(), whole]
     return [torch.zeros(executor.shard_elements(action.shard), dtype=dtype, device=compute.device)]
 
 

@@ -30,6 +30,7 @@ from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import params_dtype
 from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
 from megatron_tawpipe.arguments import plan_file_of
+from megatron_tawpipe.arguments.weight_passing import tawpipe_ownership
 from megatron_tawpipe.plan import BackwardInput, BackwardWeight, Plan, build_plan, read_plan, validate_plan
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
@@ -37,6 +38,7 @@ from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
 from megatron_tawpipe.runtime.microbatches import MicroBatches
 from megatron_tawpipe.runtime import tawpipe_cache
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
+from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, piece_view
 from megatron_tawpipe.runtime.warmup import launch_order_problem
 
 
@@ -47,9 +49,10 @@ def plan_name(args) -> str:
     return "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe"
 
 
-def plan_options(args, cache: Optional[bool] = None) -> dict:
+def plan_options(args, cache: Optional[bool] = None, groups: int = 1) -> dict:
     """The planner's options from the flags; ``cache``: TawPipe's shard cache as decided at start-up
-    (``--tawpipe-cache``, :mod:`megatron_tawpipe.runtime.tawpipe_cache`); None leaves it to the planner."""
+    (``--tawpipe-cache``, :mod:`megatron_tawpipe.runtime.tawpipe_cache`); None leaves it to the planner.
+    ``groups``: the run's scheduling groups (``--tawpipe-ownership auto`` spreads over two or more)."""
     if args.pipeline_schedule != "tawpipe":
         return {}
     options = {} if cache is None else {"cache": cache}
@@ -58,6 +61,8 @@ def plan_options(args, cache: Optional[bool] = None) -> dict:
         options["chunk"] = chunk
     if getattr(args, "tawpipe_replicate_first_shard", False):
         options["replicate_first"] = True
+    if tawpipe_ownership(args, groups) == "spread":
+        options["ownership"] = "spread"
     return options
 
 
@@ -83,7 +88,7 @@ def plans_for_run(args, world: int, groups: int, cache: Optional[bool] = None) -
     if path is None:
         return {count: build_plan(plan_name(args), num_ranks=world, num_groups=groups, num_layers=args.num_layers,
                                   num_microbatches=count, shard_layers=args.decoder_layer_split,
-                                  **plan_options(args, cache))
+                                  **plan_options(args, cache, groups))
                 for count in planned_microbatch_counts(args)}
     plan = read_plan(path)
     if (plan.num_ranks, plan.num_groups) != (world, groups):
@@ -135,18 +140,31 @@ class WeightPipeModel:
         # Every shard whose master this rank keeps and steps (owned or replicated, --tawpipe-replicate-first-shard);
         # ``counted`` are the ones it counts in the global norm and writes to checkpoints (owned).
         self.owned = self.topology.held_shards()
-        self.counted = self.topology.owned_shards()
-        self._masters = {s: torch.empty(self.template.numel_of(s), dtype=self.dtypes.main_params, device=self.device)
+        # The spread layout (--tawpipe-ownership spread): every holder of a shard keeps one slice of it, and counts
+        # and writes (gathered) its slice; otherwise the owner counts and writes a shard its replicas also hold.
+        self.slices: Dict[int, ShardSlice] = {}
+        if self.plan.spread:
+            for shard in self.owned:
+                holders = tuple(sorted(self.plan.holders(shard)))
+                self.slices[shard] = ShardSlice(shard, self.template.numel_of(shard), len(holders),
+                                                holders.index(self.rank), holders)
+        self.counted = list(self.owned) if self.slices else self.topology.owned_shards()
+        length = {s: self.slices[s].length if s in self.slices else self.template.numel_of(s) for s in self.owned}
+        self._masters = {s: torch.zeros(length[s], dtype=self.dtypes.main_params, device=self.device)
                          for s in self.owned}
-        self._main_grads = {s: torch.zeros(self.template.numel_of(s), dtype=self.grad_dtype, device=self.device)
+        self._main_grads = {s: torch.zeros(length[s], dtype=self.grad_dtype, device=self.device)
                             for s in self.owned}
         for shard, flat in self._masters.items():
-            if flat.dtype == torch.float32:
+            if flat.dtype == torch.float32 and shard not in self.slices:
                 self.template.init_shard(shard, flat)
-            else:   # initialised in fp32 (partition-independent values), then rounded
-                whole = torch.empty(flat.shape, dtype=torch.float32, device=self.device)
+            else:   # initialised whole in fp32 (partition-independent values), then rounded and/or sliced
+                whole = torch.empty(self.template.numel_of(shard), dtype=torch.float32, device=self.device)
                 self.template.init_shard(shard, whole)
-                flat.copy_(whole)
+                piece = self.slices.get(shard)
+                start, valid = (piece.start, piece.valid) if piece else (0, whole.numel())
+                flat[:valid].copy_(whole[start:start + valid])
+        self._pieces = {s: piece.pieces(self.template.slots_of(s), lambda slot, s=s: self.template.global_name(s, slot))
+                        for s, piece in self.slices.items()}
         self._build_replicated_masters()
         self._replica_names = {self.template.global_name(shard, slot) for shard in self.owned
                                if shard not in self.counted for slot in self.template.slots_of(shard)}
@@ -243,9 +261,15 @@ class WeightPipeModel:
     # ---- parameters ---------------------------------------------------------------------
 
     def named_masters(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(global name, master, gradient)`` for every parameter this rank updates."""
+        """``(global name, master, gradient)`` for every parameter this rank updates (of a shard kept in slices,
+        the flat piece of each parameter its slice covers: :meth:`parameter_shape` gives the parameter's shape)."""
         out = []
         for shard in self.owned:
+            if shard in self.slices:
+                for piece in self._pieces[shard]:
+                    out.append((piece.name, piece_view(self._masters[shard], piece),
+                                piece_view(self._main_grads[shard], piece)))
+                continue
             views = self.template.tagged_views(self._masters[shard])
             grads = self.template.views(self._main_grads[shard])
             for slot, view, grad in zip(self.template.slots_of(shard), views, grads):
@@ -254,13 +278,28 @@ class WeightPipeModel:
             out.append((name, master, grad))
         return out
 
+    def parameter_shape(self, name: str, master: torch.Tensor) -> Tuple[int, ...]:
+        """The shape of the parameter ``master`` (a piece of, under the spread layout) belongs to."""
+        for pieces in self._pieces.values():
+            for piece in pieces:
+                if piece.name == name:
+                    return piece.slot.shape
+        return tuple(master.shape)
+
+    def slice_pieces(self, shard: int) -> List[Piece]:
+        """The parameters this rank's slice of ``shard`` covers (spread layout)."""
+        return self._pieces[shard]
+
     def shard_grads(self) -> List[torch.Tensor]:
         return list(self._main_grads.values())
 
     def _owned_grad_slots(self, shards: Optional[List[int]] = None) -> Iterator[Tuple[ParamSlot, torch.Tensor]]:
         """``(slot, gradient view)`` of every parameter of ``shards`` (default: every shard held)."""
         for shard in self.owned if shards is None else shards:
-            yield from zip(self.template.slots_of(shard), self.template.views(self._main_grads[shard]))
+            if shard in self.slices:
+                yield from ((piece.slot, piece_view(self._main_grads[shard], piece)) for piece in self._pieces[shard])
+            else:
+                yield from zip(self.template.slots_of(shard), self.template.views(self._main_grads[shard]))
 
     def is_replica(self, name: str) -> bool:
         """Whether ``name`` is a decoder parameter of a shard this rank holds as a replica (its owner

@@ -41,10 +41,6 @@ def check_plan_file(args: argparse.Namespace, world_size: int, ranks_per_node: i
     if tuple(plan.streams) != tuple(range(plan.num_ranks)):
         raise ArgumentError(f"{flag}: the plan's streams are {list(plan.streams)}; weight passing runs every rank on "
                             f"its own micro-batches: streams [0, 1, ..., {plan.num_ranks - 1}]")
-    if plan.spread:
-        raise ArgumentError(f"{flag}: the plan keeps every shard in slices over its groups (ownership spread, as "
-                            "--tawpipe-ownership spread plans it), which the weight-passing runtime does not run yet; "
-                            "build the plan with the one-owner layout (--tawpipe-ownership owner)")
     try:
         validate_plan(plan)
     except PlanError as exc:

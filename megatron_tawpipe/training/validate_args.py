@@ -325,10 +325,11 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: context parallelism needs "
                             "Transformer Engine on GPUs and is not supported yet; leave it at 1")
     _validate_tensor_parallel(args)
-    cache_problem = tawpipe_cache_problem(args.pipeline_schedule, args.tawpipe_cache,
-                                          args.tawpipe_num_groups or world_size // _ranks_per_node(world_size))
-    problem = cache_problem or tawpipe_ownership_problem(args.pipeline_schedule,
-                                                         getattr(args, "tawpipe_ownership", "owner"))
+    groups = args.tawpipe_num_groups or world_size // _ranks_per_node(world_size)
+    cache_problem = tawpipe_cache_problem(args.pipeline_schedule, args.tawpipe_cache, groups)
+    problem = cache_problem or tawpipe_ownership_problem(
+        args.pipeline_schedule, getattr(args, "tawpipe_ownership", "owner"), groups,
+        bool(getattr(args, "tawpipe_replicate_first_shard", False)))
     if problem:
         raise ArgumentError(problem)
     pp = args.pipeline_model_parallel_size
