@@ -111,7 +111,9 @@ BAD_FLAGS = [
     (["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "1", "--tawpipe-replicate-first-shard"], 4,
      "--tawpipe-replicate-first-shard needs two or more groups"),
     (["--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "spread"], 4,
-     "--tawpipe-ownership spread: the weight-passing runtime does not run the spread layout yet"),
+     "--tawpipe-ownership spread needs two or more groups"),
+    (["--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "spread", "--tawpipe-num-groups", "2",
+      "--tawpipe-replicate-first-shard"], 4, "--tawpipe-ownership spread with --tawpipe-replicate-first-shard"),
     (["--pipeline-schedule", "weipipe", "--tawpipe-ownership", "auto"], 4,
      "--tawpipe-ownership auto applies to --pipeline-schedule tawpipe only"),
     # Megatron-LM's flags that are not implemented: one line each, never "unrecognized arguments".
@@ -164,19 +166,3 @@ def test_nccl_without_a_gpu_is_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert "--distributed-backend nccl needs CUDA GPUs" in lines[-1] and "Traceback" not in proc.stderr
-
-
-def test_a_spread_ownership_plan_file_is_refused_naming_the_flag(tmp_path, capsys, monkeypatch):
-    """The runtime does not run the spread layout yet: a plan file with it is one line naming --tawpipe-ownership."""
-    import pretrain_llama
-    from megatron_tawpipe.plan import build_plan
-
-    plan = build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=8, num_microbatches=2, ownership="spread")
-    path = tmp_path / "spread.json"
-    path.write_text(plan.to_json())
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    argv = tiny_args("--pipeline-schedule", f"plan:{path}", "--tawpipe-num-groups", "2")
-    assert pretrain_llama.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ownership spread" in err[0] and "--tawpipe-ownership owner" in err[0], err
-    assert not dist.is_initialized()

@@ -25,9 +25,8 @@ def spread_load_targets(model, set_state: Callable[[torch.Tensor, Dict[str, torc
                         ) -> Iterator[Tuple[str, SliceTarget, SliceTarget]]:
     """``(global name, target, target)`` for every parameter this rank's slices cover."""
     for shard in sorted(model.slices):
-        master = model.master(shard)
-        for piece in model.slice_pieces(shard):
-            target = SliceTarget(piece.slot, master.device, [(piece, piece_view(master, piece))], set_state)
+        for piece, view in model.slice_pieces(shard):
+            target = SliceTarget(piece.slot, view.device, [(piece, view)], set_state)
             yield piece.name, target, target
 
 
@@ -51,8 +50,8 @@ def gather_spread_shards(model, state_for: Callable[[torch.Tensor], Dict[str, to
         local = torch.zeros(1 + len(_MOMENTS), length, dtype=torch.float32, device=master.device)
         local[0].copy_(master)
         step = torch.zeros(1, dtype=torch.float64, device=master.device)
-        for piece in model.slice_pieces(shard):
-            state = state_for(piece_view(master, piece))
+        for piece, view in model.slice_pieces(shard):
+            state = state_for(view)
             for row, moment in enumerate(_MOMENTS, start=1):
                 if moment in state:
                     piece_view(local[row], piece).copy_(state[moment].reshape(-1))

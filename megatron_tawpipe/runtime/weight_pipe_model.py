@@ -163,8 +163,11 @@ class WeightPipeModel:
                 piece = self.slices.get(shard)
                 start, valid = (piece.start, piece.valid) if piece else (0, whole.numel())
                 flat[:valid].copy_(whole[start:start + valid])
-        self._pieces = {s: piece.pieces(self.template.slots_of(s), lambda slot, s=s: self.template.global_name(s, slot))
-                        for s, piece in self.slices.items()}
+        # each parameter piece's master and gradient views, made once (the optimizer keys its state by them)
+        self._pieces: Dict[int, List[Tuple[Piece, torch.Tensor, torch.Tensor]]] = {
+            s: [(p, piece_view(self._masters[s], p), piece_view(self._main_grads[s], p))
+                for p in held.pieces(self.template.slots_of(s), lambda slot, s=s: self.template.global_name(s, slot))]
+            for s, held in self.slices.items()}
         self._build_replicated_masters()
         self._replica_names = {self.template.global_name(shard, slot) for shard in self.owned
                                if shard not in self.counted for slot in self.template.slots_of(shard)}
@@ -266,9 +269,7 @@ class WeightPipeModel:
         out = []
         for shard in self.owned:
             if shard in self.slices:
-                for piece in self._pieces[shard]:
-                    out.append((piece.name, piece_view(self._masters[shard], piece),
-                                piece_view(self._main_grads[shard], piece)))
+                out.extend((piece.name, master, grad) for piece, master, grad in self._pieces[shard])
                 continue
             views = self.template.tagged_views(self._masters[shard])
             grads = self.template.views(self._main_grads[shard])
@@ -281,14 +282,14 @@ class WeightPipeModel:
     def parameter_shape(self, name: str, master: torch.Tensor) -> Tuple[int, ...]:
         """The shape of the parameter ``master`` (a piece of, under the spread layout) belongs to."""
         for pieces in self._pieces.values():
-            for piece in pieces:
+            for piece, _master, _grad in pieces:
                 if piece.name == name:
                     return piece.slot.shape
         return tuple(master.shape)
 
-    def slice_pieces(self, shard: int) -> List[Piece]:
-        """The parameters this rank's slice of ``shard`` covers (spread layout)."""
-        return self._pieces[shard]
+    def slice_pieces(self, shard: int) -> List[Tuple[Piece, torch.Tensor]]:
+        """``(piece, master view)`` of every parameter this rank's slice of ``shard`` covers (spread layout)."""
+        return [(piece, master) for piece, master, _grad in self._pieces[shard]]
 
     def shard_grads(self) -> List[torch.Tensor]:
         return list(self._main_grads.values())
@@ -297,7 +298,7 @@ class WeightPipeModel:
         """``(slot, gradient view)`` of every parameter of ``shards`` (default: every shard held)."""
         for shard in self.owned if shards is None else shards:
             if shard in self.slices:
-                yield from ((piece.slot, piece_view(self._main_grads[shard], piece)) for piece in self._pieces[shard])
+                yield from ((piece.slot, grad) for piece, _master, grad in self._pieces[shard])
             else:
                 yield from zip(self.template.slots_of(shard), self.template.views(self._main_grads[shard]))
 

@@ -1,0 +1,133 @@
+"""TawPipe's spread ownership layout trained by the runtime (``--tawpipe-ownership spread``): exactly like the
+single-process reference at 2, 3 and 4 groups, with shards of different sizes, without the shard cache and with
+tensor parallelism inside the groups, all under NCCL's ordering rules on gloo; the bytes between groups those of
+its plan (and of the one-owner layout's); checkpoints that one layout writes resumed by the other and by native
+megatron, with their optimizer state."""
+
+import json
+
+import pytest
+
+from distributed_harness import run_ranks
+from training_helpers import assert_close_rel, assert_trains_like, losses, tiny_args, train_rank
+
+from megatron_tawpipe.plan import build_plan
+from megatron_tawpipe.plan.traffic import link_bytes
+from megatron_tawpipe.sim.costmodel import params_per_layer
+
+ITERS = 3
+LAYERS, BATCH = 12, 12      # 12 layers and sequences: 2, 3 or 4 groups of one rank (or of one TP group of 2)
+SPREAD = ("--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "spread", "--tawpipe-nccl-faithful",
+          "--distributed-timeout-minutes", "2")
+# a decoder layer of the tiny model (H 64, FFN 128, 4 heads, gated FFN, RMSNorm, no biases), fp32 on the wire
+LAYER_BYTES = 4 * params_per_layer(64, 128, 4, 4)
+
+
+def _args(*extra, save=None, iters=ITERS, hidden=64):
+    argv = tiny_args(*extra, train_iters=iters, global_batch=BATCH, micro_batch=1)
+    argv[argv.index("--num-layers") + 1] = str(LAYERS)
+    argv[argv.index("--hidden-size") + 1] = str(hidden)
+    return argv + (["--save", save, "--save-interval", "1"] if save else [])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("ref"))
+    (records,) = run_ranks(train_rank, 1, _args(save=save))
+    return records, save
+
+
+def _inter_layers(groups, cache, **options):
+    """Layers' worth of bytes between groups per iteration of the run's plan (weights and gradients fp32)."""
+    plan = build_plan("tawpipe", num_ranks=groups, num_groups=groups, num_layers=LAYERS,
+                      num_microbatches=BATCH // groups, cache=cache, **options)
+    return link_bytes(plan, 1.0)["inter"] * plan.max_layers_per_shard
+
+
+@pytest.mark.parametrize("groups,extra", [
+    (2, ()),
+    (3, ()),
+    (4, ()),
+    (3, ("--tawpipe-cache", "off")),                                   # every visit gathered and reduce-scattered
+    (4, ("--decoder-first-pipeline-num-layers", "6")),                 # shards of 6, 2, 2, 2 layers
+], ids=["D2", "D3", "D4", "D3-no-cache", "D4-uneven"])
+def test_trains_like_the_single_process_reference(groups, extra, reference, tmp_path):
+    save = str(tmp_path / "ckpt")
+    per_rank = run_ranks(train_rank, groups, _args(*SPREAD, "--tawpipe-num-groups", str(groups), *extra, save=save))
+    assert_trains_like(per_rank, reference[0], save, reference[1], ITERS)
+    sent = [r["inter_group_bytes"] for r in per_rank[0]]
+    assert sent == [r["planned_inter_group_bytes"] for r in per_rank[0]]
+    if "--decoder-first-pipeline-num-layers" not in extra:
+        cache = "off" not in extra
+        spread = _inter_layers(groups, cache, ownership="spread")
+        # with the cache both layouts move the same bytes (every foreign shard in and its gradient out once)
+        assert spread == pytest.approx(_inter_layers(groups, cache)) or not cache
+        assert sent == [pytest.approx(spread * LAYER_BYTES, rel=1e-9)] * ITERS
+
+
+def test_slices_padded_past_the_shard_train_like_the_reference(tmp_path):
+    """Hidden size 80: a decoder layer has 80 x (4 x 80 + 3 x 128 + 2) = 56480 elements, a shard of 4 layers
+    is not a multiple of 3, so the third group's slice ends in padding that the gather and the
+    reduce-scatter carry and nothing reads."""
+    assert (4 * 80 * (4 * 80 + 3 * 128 + 2)) % 3 != 0
+    reference_save, save = str(tmp_path / "ref"), str(tmp_path / "ckpt")
+    (expected,) = run_ranks(train_rank, 1, _args(save=reference_save, hidden=80))
+    per_rank = run_ranks(train_rank, 3, _args(*SPREAD, "--tawpipe-num-groups", "3", save=save, hidden=80))
+    assert_trains_like(per_rank, expected, save, reference_save, ITERS)
+
+
+def test_tensor_parallel_inside_the_groups_trains_like_the_reference(reference, tmp_path):
+    """2 groups of one tensor-parallel group of 2 ranks: each tensor-parallel index gathers and reduce-scatters
+    its 1/2 of every shard's slices; sequence parallelism's partial gradients are summed over the pieces."""
+    save = str(tmp_path / "ckpt")
+    per_rank = run_ranks(train_rank, 4, _args(*SPREAD, "--tawpipe-num-groups", "2", "--tensor-model-parallel-size",
+                                              "2", "--sequence-parallel", save=save))
+    assert_trains_like(per_rank, reference[0], save, reference[1], ITERS)
+
+
+def test_a_spread_plan_file_runs(reference, tmp_path):
+    """``--pipeline-schedule plan:FILE`` with a plan of the spread layout (here with early gradients off)."""
+    plan = build_plan("tawpipe", num_ranks=2, num_groups=2, num_layers=LAYERS, num_microbatches=BATCH // 2,
+                      ownership="spread", early_grads=False)
+    path = tmp_path / "spread.json"
+    path.write_text(plan.to_json())
+    assert json.loads(path.read_text())["meta"]["ownership"] == "spread"
+    per_rank = run_ranks(train_rank, 2, _args("--pipeline-schedule", f"plan:{path}", "--tawpipe-num-groups", "2",
+                                              "--tawpipe-nccl-faithful"))
+    for records in per_rank:
+        assert_close_rel(losses(records), losses(reference[0]), 1e-5)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+RESUME_ITERS = 4
+LAYOUTS = {"spread": (3, SPREAD + ("--tawpipe-num-groups", "3")),
+           "owner": (3, ("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3")),
+           "native": (1, ())}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    ranks, flags = LAYOUTS["spread"]
+    return run_ranks(train_rank, ranks, _args(*flags, iters=RESUME_ITERS))[0]
+
+
+@pytest.mark.parametrize("writer,reader,fmt", [
+    ("spread", "owner", "torch_dist"), ("owner", "spread", "torch_dist"), ("spread", "native", "torch_dist"),
+    ("spread", "spread", "torch"),
+])
+def test_a_checkpoint_resumes_in_the_other_layout(writer, reader, fmt, uninterrupted, tmp_path):
+    """Train 2 of 4 iterations in one layout, resume the last 2 in another: the losses of an uninterrupted
+    run; without the optimizer state (--no-load-optim) they are not, so the state did travel."""
+    save = str(tmp_path / "ckpt")
+    ranks, flags = LAYOUTS[writer]
+    fmt_flags = ("--ckpt-format", fmt)
+    run_ranks(train_rank, ranks, _args(*flags, *fmt_flags, "--save", save, "--save-interval", "2", "--exit-interval",
+                                       "2", iters=RESUME_ITERS))
+    ranks, flags = LAYOUTS[reader]
+    resumed = run_ranks(train_rank, ranks, _args(*flags, *fmt_flags, "--load", save, iters=RESUME_ITERS))[0]
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert_close_rel(losses(resumed), losses(uninterrupted)[2:], 1e-6)
+    if (writer, reader) == ("spread", "owner"):
+        fresh = run_ranks(train_rank, ranks, _args(*flags, *fmt_flags, "--load", save, "--no-load-optim",
+                                                   iters=RESUME_ITERS))[0]
+        assert abs(losses(fresh)[-1] - losses(uninterrupted)[-1]) > 1e-4 * abs(losses(uninterrupted)[-1])
