@@ -49,6 +49,8 @@ STRATEGIES = {
     "tawpipe-rep": "TawPipe with shard 0 held by one rank of every node (--tawpipe-replicate-first-shard)",
     "tawpipe-nocache": "TawPipe without its shard cache (--tawpipe-cache off: foreign shards fetched every visit; "
                        "tawpipe and tawpipe-rep run --tawpipe-cache auto, which keeps them where memory allows)",
+    "tawpipe-spread": "TawPipe with every node keeping a slice of every shard (--tawpipe-ownership spread: shards "
+                      "gathered from and gradients reduce-scattered to all nodes at once)",
     "tawpipe-tp": "TawPipe over tensor-parallel groups inside each node (--tensor-model-parallel-size: the "
                   "ranks per node unless --tensor-parallel-size says otherwise; --sequence-parallel)",
     "weipipe": "WeiPipe: weight passing in one ring",
@@ -174,6 +176,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
             extra += ["--tawpipe-replicate-first-shard"]
         if schedule == "tawpipe-nocache":
             extra += ["--tawpipe-cache", "off"]
+        if schedule == "tawpipe-spread":
+            extra += ["--tawpipe-ownership", "spread"]
         if schedule == "tawpipe-tp":
             extra += ["--tensor-model-parallel-size", str(config.tawpipe_tensor_parallel_size()), "--sequence-parallel"]
         return ([PRETRAIN, "--pipeline-schedule", schedule.split("-")[0], "--tawpipe-num-groups",
@@ -321,6 +325,9 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
     if "tawpipe-rep" in config.schedules and config.num_groups() < 2:
         raise BenchmarkError("tawpipe-rep (--tawpipe-replicate-first-shard) needs at least 2 nodes (groups): "
                              "one holder of shard 0 per node")
+    if "tawpipe-spread" in config.schedules and config.num_groups() < 2:
+        raise BenchmarkError("tawpipe-spread (--tawpipe-ownership spread) needs at least 2 nodes (groups): one slice "
+                             "holder of every shard per node")
     for s in config.micro_batch_sizes:
         if s not in config.schedules:
             raise BenchmarkError(f"a micro-batch size is given for {s!r}, which is not among the strategies run "

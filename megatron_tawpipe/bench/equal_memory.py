@@ -40,8 +40,10 @@ from megatron_tawpipe.common.units import parse_rate
 from megatron_tawpipe.sim.memory import TERMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXED = ("tawpipe", "tawpipe-rep", "tawpipe-nocache", "tawpipe-tp")   # their window is the visit: the configured size
+FIXED = ("tawpipe", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "tawpipe-tp")   # their window is the visit
 NO_CACHE = "tawpipe-nocache"     # simulated as tawpipe with --no-cache
+# The TawPipe variants the simulator prices as tawpipe with these flags.
+VARIANTS = {NO_CACHE: ["--no-cache"], "tawpipe-spread": ["--tawpipe-ownership", "spread"]}
 TIE = 0.005            # predicted speeds this close are a tie, won by the larger micro-batch
 INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on the 2-core VM (docs/simulator-validation.md)
 #: what equal memory counts: the rule's name -> how the choices and reports label it
@@ -186,15 +188,16 @@ def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
         raise BenchmarkError(f"--micro-batch-size {fixed} does not divide each rank's {samples_per_rank(config)} "
                              f"samples of the global batch")
     chosen = [s for s in config.schedules if s not in FIXED]
-    names = list(dict.fromkeys(["tawpipe"] + [s for s in config.schedules if s not in ("tawpipe-tp", NO_CACHE)]))
+    names = list(dict.fromkeys(["tawpipe"] + [s for s in config.schedules if s != "tawpipe-tp" and s not in VARIANTS]))
     predicted: Dict[int, Dict[str, dict]] = {}
     for m in sizes:
         wanted = names if m == fixed else chosen
         if wanted:
             predicted[m] = {row["schedule"]: row for row in simulate(simulate_command(config, m, wanted))}
-    if NO_CACHE in config.schedules:
-        (row,) = simulate(simulate_command(config, fixed, ["tawpipe"]) + ["--no-cache"])
-        predicted[fixed][NO_CACHE] = {**row, "schedule": NO_CACHE}
+    for variant, flags in VARIANTS.items():
+        if variant in config.schedules:
+            (row,) = simulate(simulate_command(config, fixed, ["tawpipe"]) + flags)
+            predicted[fixed][variant] = {**row, "schedule": variant}
     what = "whole memory" if rule == "whole" else "activation memory"
     budget_from = "--memory-budget" if rule == "whole" else "--activation-budget"
     if budget_bytes is None:
@@ -267,7 +270,8 @@ def predicted_memory_by_schedule(result: dict) -> Dict[str, Optional[float]]:
 
 def simulate_as_run(config, simulate: Callable[[List[str]], List[dict]] = run_simulator) -> List[dict]:
     """``tools/simulate.py --json`` rows for every strategy of ``config`` at the micro-batch size it ran
-    (``config.micro_batch_size_of``), ``tawpipe-nocache`` as tawpipe with ``--no-cache``: what the runs are
+    (``config.micro_batch_size_of``), ``tawpipe-nocache`` and ``tawpipe-spread`` as tawpipe with ``--no-cache`` and
+    ``--tawpipe-ownership spread``: what the runs are
     compared with (``tools/benchmark.py --results R --simulate-as-run``)."""
     by_size: Dict[int, List[str]] = {}
     for s in config.schedules:
@@ -275,10 +279,11 @@ def simulate_as_run(config, simulate: Callable[[List[str]], List[dict]] = run_si
             by_size.setdefault(config.micro_batch_size_of(s), []).append(s)
     rows = []
     for size, schedules in sorted(by_size.items()):
-        plain = [s for s in schedules if s != NO_CACHE]
+        plain = [s for s in schedules if s not in VARIANTS]
         if plain:
             rows += simulate(simulate_command(config, size, plain))
-        if NO_CACHE in schedules:
-            (row,) = simulate(simulate_command(config, size, ["tawpipe"]) + ["--no-cache"])
-            rows.append({**row, "schedule": NO_CACHE})
+        for variant, flags in VARIANTS.items():
+            if variant in schedules:
+                (row,) = simulate(simulate_command(config, size, ["tawpipe"]) + flags)
+                rows.append({**row, "schedule": variant})
     return rows

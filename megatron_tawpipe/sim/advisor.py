@@ -465,6 +465,8 @@ def _wp_options(cfg: Config) -> dict:
         options = {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
         if cfg.knobs.get("replicate_first"):
             options["replicate_first"] = True
+        if cfg.knobs.get("ownership") == "spread":
+            options["ownership"] = "spread"
     if cfg.knobs.get("zero_bubble"):
         options["zero_bubble"] = cfg.knobs["zero_bubble"]
     if cfg.knobs.get("shard_layers"):

@@ -137,6 +137,8 @@ class Config:
             parts.append("cache" if k["cache"] else "no-cache")
         if k.get("replicate_first"):
             parts.append("rep0")
+        if k.get("ownership") == "spread":
+            parts.append("spread")
         if k.get("zero_bubble"):
             parts.append(f"wzb{k['zero_bubble']}")
         if k.get("plan_schedule"):
@@ -323,6 +325,12 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
                 layers = {"shard_layers": split, "split_flags": flags} if split else {}
                 add("tawpipe", chunk=c, cache=cache, replicate_first=rep, **layers)
                 add("tawpipe", chunk=c, cache=cache, replicate_first=rep, plan_schedule="tawpipe-zb", **layers)
+        # --tawpipe-ownership spread: every node keeps a slice of every shard (with the cache: without it the
+        # spread layout gathers every visit, as one owner does, and no better where the link binds)
+        if D > 1:
+            split, flags = weight_passing_split(L, P, False)
+            layers = {"shard_layers": split, "split_flags": flags} if split else {}
+            add("tawpipe", chunk=c, cache=True, replicate_first=False, ownership="spread", **layers)
 
 
 def _pipelines(add, absent, L, P, D, mbs, b, who):
