@@ -13,7 +13,8 @@ from megatron_tawpipe.plan.actions import (Forward, Backward, BackwardInput, Bac
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.validate import ValidationReport, validate_plan
-from megatron_tawpipe.plan.planners import SCHEDULES, build_plan, split_backward
+from megatron_tawpipe.plan.planners import SCHEDULES, build_plan
+from megatron_tawpipe.plan.zero_bubble import split_backward
 
 __all__ = [
     "actions", "Plan", "PlanError", "ValidationReport", "validate_plan", "build_plan",

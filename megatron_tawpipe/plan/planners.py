@@ -105,20 +105,3 @@ def build_plan(schedule: str, *, num_ranks: int, num_groups: int = 1, num_layers
     if shard_layers is not None:
         plan.shard_layers = check_layer_split(shard_layers, num_layers, plan.num_shards)
     return plan
-
-
-def split_backward(plan: Plan) -> Plan:
-    """The same plan with every Backward split into BackwardInput followed by
-    BackwardWeight (a starting point for zero-bubble reordering)."""
-    lists = []
-    for acts in plan.actions:
-        out = []
-        for a in acts:
-            if type(a) is A.Backward:
-                out.append(A.BackwardInput(a.mb, a.shard, a.wbuf))
-                out.append(A.BackwardWeight(a.mb, a.shard, a.wbuf, a.gbuf))
-            else:
-                out.append(a)
-        lists.append(out)
-    options = dict(plan.options, split_backward=True)
-    return dataclasses.replace(plan, actions=lists, options=options)

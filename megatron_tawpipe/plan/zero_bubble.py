@@ -1,7 +1,7 @@
 """Deferred weight passes: a lowering pass from a plan to a plan with split backwards.
 
 ``defer_weight_passes(plan, choose)`` splits every ``Backward`` into ``BackwardInput`` and
-``BackwardWeight`` (:func:`~megatron_tawpipe.plan.planners.split_backward`) and then moves weight passes
+``BackwardWeight`` (:func:`split_backward`) and then moves weight passes
 later on their rank, each *block* as a whole: the weight passes adding into one gradient buffer between
 two other uses of it, together with the buffer's next user when that is what sends it on (the
 ``SendStart`` / ``ReduceStart`` of the gradient, or ``AccumulateToOwner``). A block may move to any
@@ -140,7 +140,6 @@ POLICIES = {"latest": lambda: _latest, "weight-waits": _WeightWaits}   # a fresh
 
 def defer_weight_passes(plan: Plan, choose: Union[str, Choose] = "latest", name: Optional[str] = None) -> Plan:
     """``plan`` with split backwards whose weight-pass blocks are moved by ``choose`` (see the module)."""
-    from megatron_tawpipe.plan.planners import split_backward
 
     if isinstance(choose, str):
         if choose not in POLICIES:
@@ -171,3 +170,20 @@ def defer_weight_passes(plan: Plan, choose: Union[str, Choose] = "latest", name:
     options = dict(split.options, split_backward=True, deferred_weight_passes=True)
     return dataclasses.replace(split, actions=lists, options=options,
                                schedule=name or split.schedule + "-zb")
+
+
+def split_backward(plan: Plan) -> Plan:
+    """The same plan with every Backward split into BackwardInput followed by
+    BackwardWeight (a starting point for zero-bubble reordering)."""
+    lists = []
+    for acts in plan.actions:
+        out = []
+        for a in acts:
+            if type(a) is A.Backward:
+                out.append(A.BackwardInput(a.mb, a.shard, a.wbuf))
+                out.append(A.BackwardWeight(a.mb, a.shard, a.wbuf, a.gbuf))
+            else:
+                out.append(a)
+        lists.append(out)
+    options = dict(plan.options, split_backward=True)
+    return dataclasses.replace(plan, actions=lists, options=options)

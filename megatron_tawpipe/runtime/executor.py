@@ -35,6 +35,7 @@ from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.plan.traffic import ring_share
 from megatron_tawpipe.runtime.shard_slices import padded_numel, slice_length
 from megatron_tawpipe.runtime.timing import ComputeTimer
+from megatron_tawpipe.runtime.trace import COMPUTE, SPAN_KINDS, PlanPosition, arrives_here, collective_link, resolve_times
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
 from megatron_tawpipe.runtime.warmup import connect
 from megatron_tawpipe.common.errors import ExecutionError, PeerFailure, first_line
@@ -206,7 +207,7 @@ class PlanExecutor:
         for step, action in enumerate(actions):
             if forward_only and not _needed_for_forward(action, self.in_flight):
                 continue
-            board.at(_PlanPosition(step, len(actions), action))
+            board.at(PlanPosition(step, len(actions), action))
             self._step = step
             if self.trace is not None:
                 host = time.time()
@@ -216,7 +217,7 @@ class PlanExecutor:
                 if self.trace is not None:
                     ended = time.time()
                     self._record(action, started, self.timer.stamp(ended), host, ended)
-                if self.memory_probe is not None and type(action) in _COMPUTE:
+                if self.memory_probe is not None and type(action) in COMPUTE:
                     held = self.memory_probe()
                     if held is not None:
                         self.memory_peak = held if self.memory_peak is None else max(self.memory_peak, held)
@@ -233,7 +234,7 @@ class PlanExecutor:
         if self.in_flight:
             raise ExecutionError(f"{self.name}: plan ended with transfers in flight: {sorted(self.in_flight)}")
         if self.trace is not None:
-            self._resolve_trace()
+            resolve_times(self.trace)
 
     def close(self) -> None:
         self.transport.close()
@@ -250,10 +251,10 @@ class PlanExecutor:
         """``start``/``end``: seconds, or on CUDA stamps of the stream (resolved after the plan);
         ``host_start``/``host_end``: the host's clock around the action (``trace["actions"]``: every
         action's ``[step, label, host start, host end, detail]``, what ``bench/idle_breakdown.py`` splits)."""
-        kind = _SPAN_KINDS.get(type(action))
+        kind = SPAN_KINDS.get(type(action))
         label, detail = kind, 0.0
         if kind is not None:
-            if type(action) in _COMPUTE:   # device time
+            if type(action) in COMPUTE:   # device time
                 start, end = self.timer.last_span()
                 detail = [start, end]      # the compute span inside the action
             self.trace["spans"].append([self.rank, start, end, kind, getattr(action, "mb", -1),
@@ -266,28 +267,16 @@ class PlanExecutor:
             link = getattr(started, "link", None)
             if link is None:
                 root = getattr(started, "root", None)
-                link = self.plan.link_between(self.rank, root) if root is not None else _collective_link(
+                link = self.plan.link_between(self.rank, root) if root is not None else collective_link(
                     self.plan, getattr(started, "ranks", ()))
             kind = "replicated" if type(started) is A.ReplicatedAllReduceStart else (
                 "allreduce" if type(started) is A.AllReduceStart else getattr(started, "kind", "allreduce"))
             label, detail = f"wait:{kind}:{link}", self._after_s
-            self.trace["transfers"].append([self.rank, "in" if _arrives_here(started, self.rank) else "out",
+            self.trace["transfers"].append([self.rank, "in" if arrives_here(started, self.rank) else "out",
                                             getattr(started, "kind", "allreduce"), link, posted, end])
         else:
             label = "wait" if isinstance(action, A.Wait) else type(action).__name__
         self.trace["actions"].append([self._step, label, host_start, host_end, detail])
-
-    def _resolve_trace(self) -> None:
-        """Turn times measured with CUDA events into wall-clock seconds (after the plan)."""
-        for span in self.trace["spans"]:
-            if callable(span[1]):
-                span[1], span[2] = span[1](), span[2]()
-        for transfer in self.trace["transfers"]:
-            if callable(transfer[4]):
-                transfer[4], transfer[5] = transfer[4](), transfer[5]()
-        for record in self.trace["actions"]:
-            if isinstance(record[4], list) and callable(record[4][0]):
-                record[4] = [record[4][0](), record[4][1]()]
 
     def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:
@@ -482,37 +471,3 @@ class PlanExecutor:
         begun = time.time()   # a timeline splits a wait's own work (zeroing a sent gradient) from its waiting
         op.after()
         self._after_s = time.time() - begun
-
-
-_COMPUTE = (A.Forward, A.Backward, A.BackwardInput, A.BackwardWeight)
-_SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw",
-               A.LoadWeights: "load", A.AccumulateToOwner: "acc", A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
-
-
-def _collective_link(plan, ranks) -> str:
-    """"inter" where a collective's members span groups, else "intra"."""
-    return "inter" if len({plan.group_of(r) for r in ranks}) > 1 else "intra"
-
-
-def _arrives_here(action, rank: int) -> bool:
-    """Whether a transfer brings data to ``rank`` (else it takes data away); an all-reduce
-    both sends and receives, and what a rank waits on is its result: "in"."""
-    if isinstance(action, A.RecvStart):
-        return True
-    if isinstance(action, A.BroadcastStart):
-        return action.root != rank
-    if isinstance(action, A.ReduceStart):
-        return action.root == rank
-    return isinstance(action, (A.AllReduceStart,) + A.SLICE_COLLECTIVES)
-
-
-class _PlanPosition:
-    """A plan step as the progress board shows it; formatted only when posted."""
-
-    __slots__ = ("step", "length", "action")
-
-    def __init__(self, step: int, length: int, action) -> None:
-        self.step, self.length, self.action = step, length, action
-
-    def __str__(self) -> str:
-        return f"plan step {self.step} of {self.length}, {self.action}"

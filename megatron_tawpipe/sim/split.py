@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.plan.planners import split_backward
+from megatron_tawpipe.plan.zero_bubble import split_backward
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.zero_bubble import defer_weight_passes
 from megatron_tawpipe.sim.costmodel import CostModel
