@@ -154,8 +154,8 @@ def defer_weight_passes(plan: Plan, choose: Union[str, Choose] = "latest", name:
         acts = list(acts)
         # Later blocks first, each found again by its members' identity after every move.
         order = [[id(acts[i]) for i in block] for block in blocks(acts)]
+        where = {id(a): i for i, a in enumerate(acts)}
         for ids in reversed(order):
-            where = {id(a): i for i, a in enumerate(acts)}
             block = tuple(where[x] for x in ids)
             cands = candidates(acts, block, last, r)
             at = choose(r, acts, block, cands)
@@ -165,7 +165,11 @@ def defer_weight_passes(plan: Plan, choose: Union[str, Choose] = "latest", name:
                 continue
             members = set(block)
             moved = [acts[i] for i in block]
+            if max(block) >= at:
+                raise ValueError(f"rank {r}: a block moves later only; insertion index {at} is not after {block}")
             acts = [a for i, a in enumerate(acts[:at]) if i not in members] + moved + acts[at:]
+            for i in range(min(block), at):   # only these moved: the rest keep their positions
+                where[id(acts[i])] = i
         lists.append(acts)
     options = dict(split.options, split_backward=True, deferred_weight_passes=True)
     return dataclasses.replace(split, actions=lists, options=options,
