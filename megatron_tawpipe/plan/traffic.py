@@ -13,7 +13,7 @@ from megatron_tawpipe.plan.plan import Plan
 
 
 def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float = 0.0,
-               bytes_per_grad: Optional[float] = None) -> Dict[str, float]:
+               bytes_per_grad: Optional[float] = None, reduce_scatter_factor: float = 1.0) -> Dict[str, float]:
     """Bytes moved per link class in one iteration, exactly as the plan says.
 
     Point-to-point: ``size`` units from sender to receiver.  Broadcast/reduce:
@@ -24,7 +24,8 @@ def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float =
     reduction input) measures the same numbers.  All-reduce, all-gather and
     reduce-scatter (the holders' of a replicated or sliced shard) are rings: each
     member sends its ring share (:func:`ring_share`) to its successor.  The replicated all-reduce is
-    not included (see ``replicated_allreduce_bytes``).
+    not included (see ``replicated_allreduce_bytes``). ``reduce_scatter_factor``: 2 where the library's
+    reduce-scatter runs an all-reduce (gloo), 1 for a ring (NCCL, and what the executor counts).
 
     With shards of different sizes, ``bytes_per_shard`` and ``bytes_per_grad`` are the
     largest shard's (a buffer's); a transfer of shard ``s`` carries
@@ -49,6 +50,7 @@ def link_bytes(plan: Plan, bytes_per_shard: float, bytes_per_activation: float =
                 out["intra" if r // G == a.root // G else "inter"] += a.size * unit(a)
             elif t is A.AllReduceStart or t in _SLICES:
                 successor, share = ring_share(a.ranks, r, t in _SLICES)
+                share *= reduce_scatter_factor if t is A.ReduceScatterStart else 1.0
                 out["intra" if r // G == successor // G else "inter"] += share * a.size * unit(a)
     return out
 

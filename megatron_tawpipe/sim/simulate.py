@@ -303,8 +303,10 @@ class _Simulator:
         op.began = True
         a = next(iter(op.start.values()))
         cls = type(a)
-        half = cls in _SLICES           # a ring all-gather or reduce-scatter: (n-1)/n, n-1 steps
-        ring = cls is A.AllReduceStart or cls is A.ReplicatedAllReduceStart or half
+        # a ring all-gather or reduce-scatter: (n-1)/n, n-1 steps; gloo's reduce-scatter runs an all-reduce
+        # (``cost.reduce_scatter_factor``), priced as for every other strategy's
+        half = cls is A.AllGatherStart or (cls is A.ReduceScatterStart and self.cost.reduce_scatter_factor == 1.0)
+        ring = cls is A.AllReduceStart or cls is A.ReplicatedAllReduceStart or cls in _SLICES
         if cls in (A.SendStart, A.RecvStart):
             send = next(x for x in op.start.values() if type(x) is A.SendStart)
             src = next(rr for rr, x in op.start.items() if x is send)
@@ -523,7 +525,8 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
     iteration = max(sim.finish) if P else 0.0
     compute = sum(sim.busy)
     tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
-    lb = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan))
+    lb = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan),
+                    reduce_scatter_factor=cost.reduce_scatter_factor)
     rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.grad_bytes)
     lb = {k: v + rep[k] for k, v in lb.items()}       # what crosses the links: the replicated ring too
     return SimResult(
