@@ -7,6 +7,7 @@ from typing import List, Optional
 
 from megatron_tawpipe.bench.collective_bytes import format_formulas
 from megatron_tawpipe.bench.equal_memory import RULES, activation_memory, predicted_memory_by_schedule
+from megatron_tawpipe.common.units import parse_tc_rate
 
 
 def _fmt_bytes(value: Optional[float]) -> str:
@@ -32,6 +33,11 @@ def format_table(result: dict) -> str:
     # an equal-memory run: each strategy's predicted whole memory beside its measured peak
     predicted = predicted_memory_by_schedule(result) if result.get("equal_memory") else {}
     headers += ["peak mem/rank"] + (["predicted mem"] if predicted else []) + ["busy"]
+    # on an emulated cluster with shaped links: how busy a node's link is, each way (ring collectives send
+    # alike from every node: between-node bytes / nodes / (rate x iteration))
+    link_rate = _link_bytes_per_s(result) if counted else None
+    if link_rate:
+        headers.append("node link busy")
     lines = []
     for r in rows:
         cells = [r["schedule"], str(r.get("micro_batch_size") or "-"), f"{r['tokens_per_sec_per_rank']:.1f}",
@@ -48,6 +54,9 @@ def format_table(result: dict) -> str:
         cells += [_fmt_bytes(r["peak_memory_bytes_max_rank"])]
         cells += [_fmt_bytes(predicted.get(r["schedule"]))] if predicted else []
         cells += ["-" if r["compute_busy_fraction"] is None else f"{100 * r['compute_busy_fraction']:.0f}%"]
+        if link_rate:
+            busy = node_link_busy(r, result["config"]["cluster"][0], link_rate)
+            cells.append("-" if busy is None else f"{100 * busy:.0f}%")
         lines.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(headers)]
     out = []
@@ -63,6 +72,22 @@ def format_table(result: dict) -> str:
         out += ["", BYTES_LEGEND]
         out += format_byte_formulas(result)
     return "\n".join(out)
+
+
+def _link_bytes_per_s(result: dict) -> Optional[float]:
+    """The emulated node links' rate in bytes/s (None off a cluster or unshaped)."""
+    cluster = (result.get("config") or {}).get("cluster")
+    bits = parse_tc_rate(cluster[2]) if cluster else None
+    return bits / 8 if bits else None
+
+
+def node_link_busy(row: dict, nodes: int, link_bytes_per_s: float) -> Optional[float]:
+    """The share of an iteration a node's link (each way) carries a strategy's between-node bytes: a measured
+    iteration's counted bytes between nodes, over the nodes, at the link's rate, over the iteration's time."""
+    sent, ms = row.get("inter_node_bytes_per_iteration"), row.get("elapsed_ms")
+    if sent is None or not ms or nodes < 2:
+        return None
+    return sent / nodes / link_bytes_per_s / (ms / 1000.0)
 
 
 BYTES_LEGEND = ("between/inside nodes: every collective and transfer the ranks called, each counted by the "
