@@ -68,9 +68,10 @@ def tawpipe_ownership_problem(schedule: str, setting: str, groups: int = 2, repl
 
 
 def tawpipe_ownership(args, groups: int) -> str:
-    """The layout a TawPipe run over ``groups`` groups uses: ``--tawpipe-ownership`` owner or spread; ``auto`` takes the spread layout
-    wherever it applies (two or more groups, no replicated first shard) -- what the simulator picks in every
-    configuration docs/tawpipe-spread.md tabulates; the runtime has no link speed to simulate with."""
+    """The layout a TawPipe run over ``groups`` groups uses: ``--tawpipe-ownership`` owner or spread; ``auto``
+    takes the spread layout wherever it applies (two or more groups, no replicated first shard) -- what the
+    simulator picks over one owner in every configuration docs/tawpipe-spread.md tabulates; the runtime has no
+    link speed to simulate with."""
     setting = getattr(args, "tawpipe_ownership", "owner")
     if setting != "auto":
         return setting

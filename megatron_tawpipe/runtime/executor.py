@@ -35,7 +35,8 @@ from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.plan.traffic import ring_share
 from megatron_tawpipe.runtime.shard_slices import padded_numel, slice_length
 from megatron_tawpipe.runtime.timing import ComputeTimer
-from megatron_tawpipe.runtime.trace import COMPUTE, SPAN_KINDS, PlanPosition, arrives_here, collective_link, resolve_times
+from megatron_tawpipe.runtime.trace import (COMPUTE, SPAN_KINDS, PlanPosition, arrives_here, collective_link,
+                                             resolve_times)
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
 from megatron_tawpipe.runtime.warmup import connect
 from megatron_tawpipe.common.errors import ExecutionError, PeerFailure, first_line
@@ -57,7 +58,8 @@ def _needed_for_forward(action, in_flight) -> bool:
         return True
     if isinstance(action, A.Wait):
         return action.tag in in_flight
-    return isinstance(action, (A.SendStart, A.RecvStart, A.BroadcastStart, A.AllGatherStart)) and action.kind == "weight"
+    weight_transfer = (A.SendStart, A.RecvStart, A.BroadcastStart, A.AllGatherStart)
+    return isinstance(action, weight_transfer) and action.kind == "weight"
 
 
 class PlanExecutor:
@@ -105,7 +107,8 @@ class PlanExecutor:
         # A shard kept in slices (spread layout) is gathered and reduce-scattered as D equal slices: its
         # buffers hold the padded length.
         self._members = [len(plan.holders(s)) if plan.spread else 1 for s in range(plan.num_shards)]
-        self._buffer_numel = max([compute.shard_numel] + [padded_numel(n, d) for n, d in zip(self._numel, self._members)])
+        self._buffer_numel = max([compute.shard_numel] +
+                                 [padded_numel(n, d) for n, d in zip(self._numel, self._members)])
         self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
         self._entries_cache: Optional[Tuple[list, dict]] = None

@@ -430,7 +430,8 @@ def activation_peaks(plan: Plan, cost: CostModel, store: bool = False) -> list:
     if cost.deferred_weight_gradients:
         weights = (cost.layer_weight_store_bytes, 0.0, 0.0)
     else:
-        weights = (cost.params_per_layer * cost.dtype_bytes, cost.replicated_part_params("embedding") * cost.dtype_bytes,
+        weights = (cost.params_per_layer * cost.dtype_bytes,
+                   cost.replicated_part_params("embedding") * cost.dtype_bytes,
                    cost.replicated_part_params("head") * cost.dtype_bytes)
     out = []
     for states in _held_states(plan):
