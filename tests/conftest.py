@@ -22,10 +22,11 @@ except ImportError:
     pass
 
 
-def megatron_core_api_files():
-    """``(selected, left_out)``: the test files of CI's second pass (newest megatron-core, Python 3.12), and
-    those left to the first pass with the reason, from ``tests/megatron_core_api_files.txt``."""
-    selected, left_out = [], {}
+def megatron_core_api_processes():
+    """``(processes, left_out)`` from ``tests/megatron_core_api_files.txt``: the pytest processes of CI's second
+    pass (newest megatron-core, Python 3.12), each ``(files, expression)`` (expression: the ``-k`` subset, or
+    None), and the files left to the first pass with the reason."""
+    processes, left_out = [], {}
     with open(os.path.join(TESTS, "megatron_core_api_files.txt"), encoding="utf-8") as f:
         for line in f:
             line = line.strip()
@@ -34,9 +35,17 @@ def megatron_core_api_files():
             if line.startswith("- "):
                 name, _, reason = line[2:].partition(":")
                 left_out[name.strip()] = reason.strip()
-            else:
-                selected.append(line.split()[0])      # "FILE" or "FILE -k EXPRESSION"
-    return selected, left_out
+            else:   # "FILE [FILE ...] [-k EXPRESSION]"
+                files, _, expression = line.partition(" -k ")
+                processes.append((files.split(), expression.strip() or None))
+    return processes, left_out
+
+
+def megatron_core_api_files():
+    """``(selected, left_out)``: the test files of CI's second pass (newest megatron-core, Python 3.12), and
+    those left to the first pass with the reason, from ``tests/megatron_core_api_files.txt``."""
+    processes, left_out = megatron_core_api_processes()
+    return [name for files, _ in processes for name in files], left_out
 
 
 def pytest_configure(config):

@@ -7,11 +7,13 @@ import re
 import subprocess
 import sys
 
-from conftest import TESTS, megatron_core_api_files
+from conftest import TESTS, megatron_core_api_files, megatron_core_api_processes
 
 # What makes a test file touch megatron-core's API: importing it, training (train_rank / pretrain /
 # pretrain_llama.py) or parsing the flags.
 TOUCHES_MEGATRON = re.compile(r"megatron\.core|megatron\.training|train_rank|pretrain\(|pretrain_llama|parse_args")
+# What makes a test file fork ranks from its pytest process (the harness's run_ranks, multiprocessing, torchrun, a fork).
+FORKS_RANKS = re.compile(r"run_ranks|multiprocessing|torchrun|torch\.distributed\.run|os\.fork\(")
 
 
 def test_every_listed_file_exists_once_and_has_a_reason_if_left_out():
@@ -37,6 +39,27 @@ def test_every_test_file_touching_megatron_core_is_selected_or_left_out_with_a_r
                     unlisted.append(name)
     assert not unlisted, (f"{unlisted} use megatron-core's API: add them to tests/megatron_core_api_files.txt "
                           "(or leave them out there, with a reason)")
+
+
+# Files that fork ranks but share one pytest process in the second pass, checked there: 10 runs of the four
+# in one process clean, also with test_device_portability.py's and test_cpu_compat.py's CUDA stand-ins first.
+CHECKED_SHARED = {"test_attention.py", "test_data_paths.py", "test_uneven_layers.py", "test_device_portability.py"}
+
+
+def test_files_sharing_a_process_fork_no_ranks():
+    """A line naming several files runs them in one pytest process: in torch's 3.12 CUDA build the ranks that a
+    long pytest process forks can crash once earlier tests have loaded CUDA's bindings, so none may fork ranks
+    unless the shared run was checked (CHECKED_SHARED)."""
+    processes, _ = megatron_core_api_processes()
+    assert processes and all(files for files, _ in processes)
+    forking = []
+    for files, _ in processes:
+        if len(files) > 1:
+            for name in files:
+                with open(os.path.join(TESTS, name), encoding="utf-8") as f:
+                    if FORKS_RANKS.search(f.read()) and name not in CHECKED_SHARED:
+                        forking.append(name)
+    assert not forking, f"{forking} fork ranks: give each its own line in tests/megatron_core_api_files.txt"
 
 
 def test_the_marker_selects_exactly_the_listed_files():

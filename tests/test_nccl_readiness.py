@@ -135,6 +135,7 @@ def test_transfer_stamps_are_stream_times_on_cuda(fake_cuda):
 def test_executor_resolves_cuda_stamps_of_transfers_after_the_plan(fake_cuda):
     from megatron_tawpipe.plan import actions as A
     from megatron_tawpipe.runtime.executor import PlanExecutor
+    from megatron_tawpipe.runtime.trace import resolve_times
 
     plan = build_plan("tawpipe", num_ranks=2, num_groups=2, num_microbatches=1)
     ex = types.SimpleNamespace(trace={"rank": 0, "spans": [], "transfers": [], "actions": []}, _posted={}, rank=0,
@@ -144,7 +145,7 @@ def test_executor_resolves_cuda_stamps_of_transfers_after_the_plan(fake_cuda):
     PlanExecutor._record(ex, A.Wait(send.tag), ex.timer.stamp(1.0), ex.timer.stamp(1.0), 2.0, 2.5)
     transfer = ex.trace["transfers"][0]
     assert callable(transfer[4]) and callable(transfer[5])
-    PlanExecutor._resolve_trace(ex)
+    resolve_times(ex.trace)
     assert isinstance(transfer[4], float) and transfer[5] > transfer[4]
     assert [record[2:4] for record in ex.trace["actions"]] == [[1.0, 1.5], [2.0, 2.5]]   # the host's clock
 

@@ -157,7 +157,8 @@ def test_the_advisor_offers_the_cache_at_8_nodes_as_a_runnable_flag():
     configs, absent = enumerate_configs(model, cluster, 32)
     assert not [a for a in absent if "cache" in a.what]
     pick = {c.knobs["cache"]: c for c in configs if c.strategy == "tawpipe" and c.recompute and "tp" not in c.knobs
-            and c.knobs["chunk"] == 1 and not c.knobs["replicate_first"] and not c.knobs.get("plan_schedule")}
+            and c.knobs["chunk"] == 1 and not c.knobs["replicate_first"] and not c.knobs.get("plan_schedule")
+            and not c.knobs.get("ownership")}   # one owner per shard, with and without the cache
     assert set(pick) == {True, False}
     for cache, cfg in pick.items():
         adv.evaluate(cfg)

@@ -37,7 +37,6 @@ buffer counts and memory, and the per-rank timeline (compute spans and transfers
 from __future__ import annotations
 
 import heapq
-import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -46,7 +45,7 @@ from collections import deque
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.sim.costmodel import CostModel
 from megatron_tawpipe.sim.network import Flow, max_min_rates
-from megatron_tawpipe.plan.nccl import batch_entries
+from megatron_tawpipe.sim.plan_facts import held_states, plan_structure
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes, ring_share
 
@@ -153,7 +152,7 @@ class _Simulator:
         self.flows: List[Flow] = []
         self.net_time = 0.0
         self.net_version = 0
-        need, entries = _plan_structure(plan)
+        need, entries = plan_structure(plan)
         self.need = dict(need)
         self.starts: Dict[int, Dict[int, object]] = {}
         # NCCL streams: entries (lists of tags, a batch is one entry) per (rank, communicator).
@@ -434,7 +433,7 @@ def activation_peaks(plan: Plan, cost: CostModel, store: bool = False) -> list:
                    cost.replicated_part_params("embedding") * cost.dtype_bytes,
                    cost.replicated_part_params("head") * cost.dtype_bytes)
     out = []
-    for states in _held_states(plan):
+    for states in held_states(plan):
         best, best_kept = 0.0, 0.0
         for stash, layers, first, last in states:
             kept = layers * weights[0] + first * weights[1] + last * weights[2]
@@ -443,63 +442,6 @@ def activation_peaks(plan: Plan, cost: CostModel, store: bool = False) -> list:
                 best, best_kept = held, kept
         out.append(best_kept if store else best)
     return out
-
-
-# id(plan) -> (the plan, weakly; id of its action lists; what was derived): plans are neither hashable nor
-# immutable, and the advisor prices one plan under many cost models
-_HELD_STATES: Dict[int, Tuple[weakref.ref, int, list]] = {}
-_STRUCTURE: Dict[int, Tuple[weakref.ref, int, tuple]] = {}
-
-
-def _cached(cache: dict, plan: Plan, derive):
-    """``derive(plan)``, computed once per plan object and action lists."""
-    hit = cache.get(id(plan))
-    if hit is not None and hit[0]() is plan and hit[1] == id(plan.actions):
-        return hit[2]
-    value = derive(plan)
-    if len(cache) >= 512:
-        cache.clear()
-    cache[id(plan)] = (weakref.ref(plan), id(plan.actions), value)
-    return value
-
-
-def _plan_structure(plan: Plan) -> tuple:
-    """(starts per tag, [(rank, communicator key, tags of one NCCL entry)]) of ``plan``."""
-    def derive(plan):
-        need: Dict[int, int] = {}
-        for acts in plan.actions:
-            for a in acts:
-                if type(a) in _STARTS:
-                    need[a.tag] = need.get(a.tag, 0) + 1
-        entries = [(r, key, tuple(a.tag for _, a in ops))
-                   for r in range(plan.num_ranks) for key, ops in batch_entries(plan, r, "group")]
-        return need, entries
-    return _cached(_STRUCTURE, plan, derive)
-
-
-def _held_states(plan: Plan) -> list:
-    """Per rank, the distinct (stored inputs, layers in the weight-gradient store, shard-0 backwards in it,
-    last-shard backwards in it) after each action, in order of first appearance; cached per plan."""
-    return _cached(_HELD_STATES, plan, _derive_held_states)
-
-
-def _derive_held_states(plan: Plan) -> list:
-    last_shard = plan.num_shards - 1
-    per_rank = []
-    for acts in plan.actions:
-        stash = layers = first = last = 0
-        seen = {}
-        for a in acts:
-            t = type(a)
-            stash += (t is A.Forward) - (t is A.Backward or t is A.BackwardInput)
-            if t is A.BackwardInput or t is A.BackwardWeight:
-                sign = 1 if t is A.BackwardInput else -1
-                layers += sign * plan.shard_layers[a.shard]
-                first += sign * (a.shard == 0)
-                last += sign * (a.shard == last_shard)
-            seen.setdefault((stash, layers, first, last), None)
-        per_rank.append(list(seen))
-    return per_rank
 
 
 def memory_fields(plan: Plan, cost: CostModel) -> Dict[str, float]:
