@@ -33,7 +33,7 @@ from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.plan.traffic import ring_share
-from megatron_tawpipe.runtime.shard_slices import padded_numel, slice_length
+from megatron_tawpipe.runtime.shard_slices import ShardSlice, holder_slice
 from megatron_tawpipe.runtime.timing import ComputeTimer
 from megatron_tawpipe.runtime.trace import (COMPUTE, SPAN_KINDS, PlanPosition, arrives_here, collective_link,
                                              resolve_times)
@@ -104,11 +104,12 @@ class PlanExecutor:
         if rest:
             raise ExecutionError(f"{compute.shard_numel} elements per buffer are not {plan.max_layers_per_shard} layers")
         self._numel = [per_layer * n for n in plan.shard_layers]   # each shard's elements
-        # A shard kept in slices (spread layout) is gathered and reduce-scattered as D equal slices: its
-        # buffers hold the padded length.
-        self._members = [len(plan.holders(s)) if plan.spread else 1 for s in range(plan.num_shards)]
-        self._buffer_numel = max([compute.shard_numel] +
-                                 [padded_numel(n, d) for n, d in zip(self._numel, self._members)])
+        # A shard kept in slices (spread layout) is gathered and reduce-scattered as D equal slices over its
+        # holders (this rank's among them): its buffers hold the padded length.
+        self._slices: Dict[int, ShardSlice] = {
+            s: holder_slice(plan, s, rank, self._numel[s]) for s in range(plan.num_shards)
+            if plan.spread and rank in plan.holders(s)}
+        self._buffer_numel = max([compute.shard_numel] + [p.members * p.length for p in self._slices.values()])
         self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
         self._entries_cache: Optional[Tuple[list, dict]] = None
@@ -163,8 +164,8 @@ class PlanExecutor:
 
     def slice_geometry(self, shard: int) -> Tuple[int, int]:
         """``(holders, slice length)`` of ``shard``: (1, its elements) for a shard kept whole."""
-        members = self._members[shard]
-        return members, slice_length(self._numel[shard], members)
+        piece = self._slices.get(shard)
+        return (1, self._numel[shard]) if piece is None else (piece.members, piece.length)
 
     def connect(self) -> int:
         """Make every connection the plan uses before its first iteration (:mod:`runtime.warmup`)."""
@@ -319,17 +320,13 @@ class PlanExecutor:
 
     def _accumulate(self, a: A.AccumulateToOwner) -> None:
         main = self.compute.main_grad(a.shard)
-        members, length = self.slice_geometry(a.shard)
-        if members == 1:
+        piece = self._slices.get(a.shard)
+        if piece is None:
             main.add_(self._grads(a.buf, a.shard, write=False))
             return
         # a reduce-scatter's result: this holder's slice of the sum, where the plan's holders put slice k
         self._check_not_in_flight(a.buf, False)
-        start = self._slice_index(a.shard) * length
-        main.add_(self.grad_buffers[a.buf][start:start + length])
-
-    def _slice_index(self, shard: int) -> int:
-        return sorted(self.plan.holders(shard)).index(self.rank)
+        main.add_(self.grad_buffers[a.buf][piece.start:piece.start + piece.length])
 
     def _optimizer_step(self, a: A.OptimizerStep) -> None:
         self.compute.optimizer_step()
@@ -405,9 +402,9 @@ class PlanExecutor:
 
     def _all_gather(self, a: A.AllGatherStart) -> None:
         """Every holder's master slice, in the compute dtype, into the whole (padded) buffer."""
-        members, length = self.slice_geometry(a.shard)
+        piece = self._slices[a.shard]
         self._check_not_in_flight(a.buf, True)
-        whole = self.weight_buffers[a.buf][:members * length]
+        whole = self.weight_buffers[a.buf][:piece.members * piece.length]
         local = self.compute.master(a.shard).to(self.compute.compute_dtype)   # (a copy unless already that dtype)
         work = self._collective(a, "allgather", [whole, local], -1)
         successor, share = ring_share(a.ranks, self.rank, half=True)
@@ -416,16 +413,15 @@ class PlanExecutor:
 
     def _reduce_scatter(self, a: A.ReduceScatterStart) -> None:
         """The holders' partial gradients summed; this holder's slice of the sum ends at its slice's place."""
-        members, length = self.slice_geometry(a.shard)
+        piece = self._slices[a.shard]
         self._check_not_in_flight(a.buf, True)
-        numel = self._numel[a.shard]
-        whole = self.grad_buffers[a.buf][:members * length]
+        numel, start, length = piece.numel, piece.start, piece.length
+        whole = self.grad_buffers[a.buf][:piece.members * length]
         whole[numel:].zero_()   # the padding: nothing of another (larger) shard's
         mine = torch.empty(length, dtype=whole.dtype, device=whole.device)
         work = self._collective(a, "reducescatter", [mine, whole], -1)
         successor, share = ring_share(a.ranks, self.rank, half=True)
         self._count(self.plan.link_between(self.rank, successor), whole[:numel], share)
-        start = self._slice_index(a.shard) * length
         self._start(a, work, a.buf, after=lambda: whole[start:start + length].copy_(mine))
 
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:

@@ -22,11 +22,6 @@ def slice_length(numel: int, members: int) -> int:
     return -(-numel // members)
 
 
-def padded_numel(numel: int, members: int) -> int:
-    """What a gather or reduce-scatter of ``numel`` elements over ``members`` holders moves: ``members`` slices."""
-    return members * slice_length(numel, members)
-
-
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """The part of one parameter that a slice covers."""
@@ -70,6 +65,12 @@ class ShardSlice:
             if first < last:
                 out.append(Piece(global_name(slot), slot, first - slot.offset, first - lo, last - first))
         return out
+
+
+def holder_slice(plan, shard: int, rank: int, numel: int) -> ShardSlice:
+    """``rank``'s slice of ``shard`` (``numel`` elements) among the plan's holders of it (``plan.holders``)."""
+    holders = tuple(sorted(plan.holders(shard)))
+    return ShardSlice(shard, numel, len(holders), holders.index(rank), holders)
 
 
 def piece_view(flat_slice: torch.Tensor, piece: Piece) -> torch.Tensor:

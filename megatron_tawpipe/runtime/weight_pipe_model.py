@@ -38,7 +38,7 @@ from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
 from megatron_tawpipe.runtime.microbatches import MicroBatches
 from megatron_tawpipe.runtime import tawpipe_cache
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
-from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, piece_view
+from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, holder_slice, piece_view
 from megatron_tawpipe.runtime.warmup import launch_order_problem
 
 
@@ -144,10 +144,8 @@ class WeightPipeModel:
         # and writes (gathered) its slice; otherwise the owner counts and writes a shard its replicas also hold.
         self.slices: Dict[int, ShardSlice] = {}
         if self.plan.spread:
-            for shard in self.owned:
-                holders = tuple(sorted(self.plan.holders(shard)))
-                self.slices[shard] = ShardSlice(shard, self.template.numel_of(shard), len(holders),
-                                                holders.index(self.rank), holders)
+            self.slices = {shard: holder_slice(self.plan, shard, self.rank, self.template.numel_of(shard))
+                           for shard in self.owned}
         self.counted = list(self.owned) if self.slices else self.topology.owned_shards()
         length = {s: self.slices[s].length if s in self.slices else self.template.numel_of(s) for s in self.owned}
         self._masters = {s: torch.zeros(length[s], dtype=self.dtypes.main_params, device=self.device)
