@@ -381,14 +381,18 @@ def test_sequence_parallel_backward_prices_three_collectives_per_layer():
 @pytest.mark.parametrize("schedule", ["tawpipe", "weipipe"])
 def test_weight_passing_inter_bytes_include_the_replicated_allreduce(schedule):
     """The embedding / output layer's gradient all-reduce crosses the node links too: the simulator's
-    and the advisor's inter-node bytes count its ring, 2 (P-1)/P of the fp32 replicated gradients per
-    node, and its ceiling from the node links counts them."""
+    and the advisor's inter-node bytes count it, per node 2 (D-1)/D of the fp32 replicated gradients through
+    the nodes (TawPipe's) or 2 (P-1)/P in a ring over every rank (WeiPipe's), and its ceiling from the node
+    links counts them."""
+    def node_share(ranks, nodes):
+        return 2 * (nodes - 1) / nodes if schedule == "tawpipe" else 2 * (ranks - 1) / ranks
+
     from megatron_tawpipe.plan import link_bytes
     from megatron_tawpipe.sim.advisor_configs import Config
 
     c = small_cost()
     plan = build_plan(schedule, num_ranks=P, num_groups=D, num_layers=L, num_microbatches=N)
-    ring = 2 * (P - 1) / P * c.replicated_params * 4
+    ring = node_share(P, D) * c.replicated_params * 4
     plan_only = link_bytes(plan, c.shard_bytes(plan), c.activation_bytes, c.grad_shard_bytes(plan))["inter"]
     assert ring > 0 and simulate(plan, c).link_bytes["inter"] == pytest.approx(plan_only + D * ring)
     adv = Advisor(TINY, tiny_cluster(), 16)
@@ -398,7 +402,7 @@ def test_weight_passing_inter_bytes_include_the_replicated_allreduce(schedule):
     n = 16 // cl.ranks
     wp = build_plan(schedule, num_ranks=cl.ranks, num_groups=cl.nodes, num_layers=TINY.num_layers,
                     num_microbatches=n, **({"chunk": 1, "cache": True} if knobs else {}))
-    ring = 2 * (cl.ranks - 1) / cl.ranks * cost.replicated_params * 4
+    ring = node_share(cl.ranks, cl.nodes) * cost.replicated_params * 4
     decoder = link_bytes(wp, cost.shard_bytes(wp), bytes_per_grad=cost.grad_shard_bytes(wp))["inter"] / cl.nodes
     assert cfg.inter_bytes_per_node == pytest.approx(decoder + ring)
     ceiling = TINY.seq_length * 16 / (cl.ranks * (decoder + ring) / cl.inter_bw)

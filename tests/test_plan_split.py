@@ -10,7 +10,7 @@ from megatron_tawpipe.plan import build_plan, split_backward, validate_plan
 from megatron_tawpipe.plan.sweep import run_sweep
 from megatron_tawpipe.plan.zero_bubble import defer_weight_passes
 from megatron_tawpipe.sim import CostModel, simulate
-from megatron_tawpipe.sim.simulate import activation_peaks
+from megatron_tawpipe.sim.plan_memory import activation_peaks
 from megatron_tawpipe.sim.split import best_split, place_weight_passes
 
 SHAPES = [(2, 1, 2), (2, 2, 3), (3, 1, 2), (4, 2, 2), (4, 4, 1), (6, 3, 2)]

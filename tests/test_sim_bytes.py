@@ -36,21 +36,28 @@ def _psi_r(tied):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_tawpipe_node_bytes_are_the_closed_form(tied):
+@pytest.mark.parametrize("reduce", ["hierarchical", "flat"])
+def test_tawpipe_node_bytes_are_the_closed_form(tied, reduce):
     """(w+g) Psi_L (D-1) -- each foreign shard in and its gradient out once, the cache on -- plus the
-    replicated parameters' ring over all P ranks, D hops crossing: D 2(P-1)/P g Psi_R."""
-    flags = ("--cache", "--chunk", "2") + (("--tie-embeddings-and-output-weights",) if tied else ())
+    replicated parameters' all-reduce: through the nodes, each node's link 2(D-1)/D g Psi_R, D of them;
+    flat, a ring over all P ranks, D hops crossing: D 2(P-1)/P g Psi_R."""
+    flags = ("--cache", "--chunk", "2", "--tawpipe-replicated-reduce", reduce) + \
+        (("--tie-embeddings-and-output-weights",) if tied else ())
     r = _run("tawpipe", *flags)
-    expected = (W + G) * PSI_L * (D - 1) + D * 2 * (P - 1) / P * G * _psi_r(tied)
+    ring = 2 * (D - 1) / D if reduce == "hierarchical" else 2 * (P - 1) / P
+    expected = (W + G) * PSI_L * (D - 1) + D * ring * G * _psi_r(tied)
     assert r.link_bytes["inter"] == pytest.approx(expected, rel=1e-12)
 
 
-def test_tied_and_untied_tawpipe_differ_by_one_embedding_in_the_ring():
-    tied = _run("tawpipe", "--cache", "--tie-embeddings-and-output-weights")
-    untied = _run("tawpipe", "--cache")
-    assert untied.link_bytes["inter"] - tied.link_bytes["inter"] == pytest.approx(D * 2 * (P - 1) / P * G * V * H)
-    assert untied.replicated_allreduce_bytes - tied.replicated_allreduce_bytes == pytest.approx(
-        P * 2 * (P - 1) / P * G * V * H)
+def test_tied_and_untied_tawpipe_differ_by_one_embedding_in_the_all_reduce():
+    for reduce, ring, inside in (("flat", 2 * (P - 1) / P, 2 * (P - 1) / P),
+                                 ("hierarchical", 2 * (D - 1) / D, 2 * (D - 1) / D / M + 2 * (M - 1) / M)):
+        flags = ("--cache", "--tawpipe-replicated-reduce", reduce)
+        tied = _run("tawpipe", *flags, "--tie-embeddings-and-output-weights")
+        untied = _run("tawpipe", *flags)
+        assert untied.link_bytes["inter"] - tied.link_bytes["inter"] == pytest.approx(D * ring * G * V * H)
+        assert untied.replicated_allreduce_bytes - tied.replicated_allreduce_bytes == pytest.approx(
+            P * inside * G * V * H)
 
 
 @pytest.mark.parametrize("tied", [True, False])

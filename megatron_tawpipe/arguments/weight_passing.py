@@ -121,6 +121,13 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "groups running in step, gathering each shard from the D holders and reduce-scattering its "
                         "gradient to them (docs/tawpipe-spread.md); auto: spread wherever it applies (two or more "
                         "groups, no --tawpipe-replicate-first-shard), else owner")
+    g.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default="hierarchical",
+                   help="tawpipe: how the replicated parameters' gradients (embedding, final norm, output layer) are "
+                        "all-reduced over the ranks. hierarchical (default): inside each node (a reduce-scatter), "
+                        "across the nodes (an all-reduce of each rank's part among the ranks of the same local index), "
+                        "back inside (an all-gather), so each node's link carries 2(D-1)/D of them over D nodes; "
+                        "flat: one all-reduce over every rank, 2(P-1)/P over P ranks. The same where there is one "
+                        "node or one rank per node")
     g.add_argument("--weipipe-zero-bubble", type=int, choices=(0, 1, 2), default=0,
                    help="weipipe: split every backward into its input-gradient pass and its weight-gradient pass, "
                         "the only one the travelling gradient waits for: 1 (WZB1) runs the weight-gradient pass in "

@@ -90,6 +90,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--early-grads", action=argparse.BooleanOptionalAction, default=None,
                    help="tawpipe: each shard's last gradient leaves during the next visit, after its first "
                         "micro-batch, instead of after it (default: with --tawpipe-ownership spread)")
+    s.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default="hierarchical",
+                   help="tawpipe: the replicated gradients' all-reduce through the nodes (inside, across, back "
+                        "inside; default) or flat over every rank")
     s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
     s.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
                    help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
@@ -144,6 +147,8 @@ def planner_options(name: str, args) -> dict:
             kw["ownership"] = "spread"
         if getattr(args, "early_grads", None) is not None:
             kw["early_grads"] = args.early_grads
+        if getattr(args, "tawpipe_replicated_reduce", "hierarchical") == "flat":
+            kw["hierarchical_replicated"] = False
     elif name.startswith("weipipe") and args.no_overlap:
         kw["overlap"] = False
     elif name == "interleaved" and args.virtual_stages:

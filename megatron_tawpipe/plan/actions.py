@@ -218,10 +218,16 @@ class ReplicatedAllReduceStart:
     once the rank's last backward of the last shard ran; ``"embedding"`` -- what
     shard 0's backward writes (embedding, and a tied output layer, which is the
     embedding's weight), final after the rank's last backward of shard 0.  A plan
-    all-reduces either ``"all"`` or both other parts before its step."""
+    all-reduces either ``"all"`` or both other parts before its step.
+
+    ``node_size``: 0 for one all-reduce over ``ranks``; G > 1 for a hierarchical one over nodes of G
+    consecutive members: a reduce-scatter inside each node, an all-reduce of member j's 1/G over the
+    j-th members of every node, an all-gather inside the node -- each node's link then carries
+    2(D-1)/D of the gradients (D nodes) instead of a ring's 2(P-1)/P."""
     tag: int
     ranks: Tuple[int, ...]
     part: str = "all"
+    node_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,21 +95,25 @@ class PlanBuilder:
         return tag
 
     def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key: tuple,
-                             part: str = "all") -> int:
+                             part: str = "all", hierarchical: bool = False) -> int:
+        """The replicated gradients' all-reduce over every rank; ``hierarchical``: through the groups
+        (nodes) when there are several of more than one rank (``ReplicatedAllReduceStart.node_size``)."""
         tag = self.new_tag()
         ranks = tuple(range(self.num_ranks))
+        G = self.ranks_per_group
+        node_size = G if hierarchical and self.num_groups > 1 and G > 1 else 0
         for r in ranks:
-            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart, tag, ranks, part)
+            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart, tag, ranks, part, node_size)
             self.emit(r, wait_key, A.Wait, tag)
         return tag
 
     def replicated_allreduce_parts(self, head_keys: Dict[int, tuple], embedding_keys: Dict[int, tuple],
-                                   wait_key: tuple) -> None:
+                                   wait_key: tuple, hierarchical: bool = False) -> None:
         """The head's replicated gradients all-reduced once the last shard's last
         backward ran, the embedding's after shard 0's: the first overlaps the
         remaining backward work instead of waiting for the end."""
-        self.replicated_allreduce(head_keys, wait_key, "head")
-        self.replicated_allreduce(embedding_keys, wait_key, "embedding")
+        self.replicated_allreduce(head_keys, wait_key, "head", hierarchical)
+        self.replicated_allreduce(embedding_keys, wait_key, "embedding", hierarchical)
 
     # ------------------------------------------------------------- finalise
     def build(self, *, schedule: str, family: str, num_layers: int, num_microbatches: int,

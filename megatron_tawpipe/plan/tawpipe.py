@@ -334,9 +334,10 @@ def _group(t: _Layout, g: int, slots: List[int]) -> Optional[Key]:
     return replica_ready
 
 
-def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optional[Key]]) -> None:
+def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optional[Key]],
+                   hierarchical: bool) -> None:
     """Shard 0's all-reduce among its holders, the replicated (embedding, head)
-    gradients' all-reduce and the optimizer step."""
+    gradients' all-reduce (``hierarchical``: through the nodes) and the optimizer step."""
     b, P, G = t.b, t.P, t.G
     for s in t.replicas:
         members = (t.owner[s],) + t.replicas[s]
@@ -352,7 +353,7 @@ def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optio
             for x in slots]     # each group's slot of its last backward of the last shard
     b.replicated_allreduce_parts({r: Key(head[r // G], AFTER, ALL_REDUCE) for r in range(P)},
                                  {r: Key(slots[r // G][-1], AFTER, ALL_REDUCE) for r in range(P)},
-                                 Key(END, ALL_REDUCED))
+                                 Key(END, ALL_REDUCED), hierarchical)
     for r in range(P):
         b.emit(r, Key(END, OPTIMIZER), A.OptimizerStep)
 
@@ -369,11 +370,14 @@ def _schedule_name(D: int, num_groups: int, overlap: bool, cache: bool, drain: b
 def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatches: int,
                  groups: int = None, overlap: bool = True, stagger: bool = None,
                  drain: bool = False, chunk: int = 1, cache: bool = None, prefetch: int = 2,
-                 replicate_first: bool = False, ownership: str = "owner", early_grads: bool = None):
+                 replicate_first: bool = False, ownership: str = "owner", early_grads: bool = None,
+                 hierarchical_replicated: bool = True):
     """TawPipe's plan (see the module's text). ``ownership``: ``"owner"`` (shard s kept whole by its owner)
     or ``"spread"`` (each group keeps a 1/D slice of every shard; the groups run in step, gather each shard
     from the D holders and reduce-scatter its gradient to them). ``early_grads``: each shard's last gradient
-    leaves during the next visit (after its first micro-batch) instead of after it; default: with spread."""
+    leaves during the next visit (after its first micro-batch) instead of after it; default: with spread.
+    ``hierarchical_replicated``: the replicated gradients' all-reduce goes through the nodes (inside each, across
+    them, back inside) where there are several nodes of several ranks; otherwise one all-reduce over all."""
     P, N = num_ranks, num_microbatches
     D = num_groups if groups is None else groups
     if ownership not in OWNERSHIPS:
@@ -425,7 +429,7 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     slots = [[(g if stagger else 0) + v + (x.round * (D - 1) if drain else 0)
               for v, x in enumerate(visits)] for g in range(D)]
     replica_ready = [_group(t, g, slots[g]) for g in range(D)]
-    _iteration_end(t, slots, replica_ready)
+    _iteration_end(t, slots, replica_ready, hierarchical_replicated)
     if spread:     # the plan's holders of shard s: its owner and the other groups' slice holders
         replicas = {s: tuple(h for h in t.holders(s) if h != owner[s]) for s in range(P)}
     return b.build(schedule=_schedule_name(D, num_groups, overlap, cache, drain, replicate_first, spread),
@@ -436,4 +440,5 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                             "prefetch": prefetch, **({"replicate_first": True} if replicate_first else {}),
                             **({"ownership": ownership} if spread else {}),
                             **({"early_grads": True} if early_grads else {}),
+                            **({} if hierarchical_replicated else {"flat_replicated": True}),
                             "slots": max(x[-1] for x in slots) + 1})

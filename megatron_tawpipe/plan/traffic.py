@@ -67,12 +67,18 @@ def ring_share(ranks, rank: int, half: bool = False):
 
 
 def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float) -> Dict[str, float]:
-    """Ring all-reduce estimate: each rank sends 2(P-1)/P of the data to its
-    ring successor; with groups of consecutive ranks D of the P hops cross
-    groups (none when D = 1)."""
+    """Ring all-reduce estimate, summed over the ranks: each rank sends 2(P-1)/P of the data to its
+    ring successor; with groups of consecutive ranks D of the P hops cross groups (none when D = 1).
+    Through the nodes (``node_size`` G > 1): each rank sends 2(G-1)/G of the data inside its node (the
+    reduce-scatter and the all-gather) and 2(D-1)/D of its 1/G across the nodes."""
     P, D = plan.num_ranks, plan.num_groups
-    if P == 1 or not any(isinstance(a, A.ReplicatedAllReduceStart) for a in plan.actions[0]):
+    rep = [a for a in plan.actions[0] if isinstance(a, A.ReplicatedAllReduceStart)]
+    if P == 1 or not rep:
         return {"intra": 0.0, "inter": 0.0}
+    G = rep[0].node_size
+    if G > 1:
+        return {"intra": P * 2 * (G - 1) / G * replicated_bytes,
+                "inter": P * 2 * (D - 1) / D * replicated_bytes / G}
     per_hop = 2 * (P - 1) / P * replicated_bytes
     inter_hops = D if D > 1 else 0
     return {"intra": (P - inter_hops) * per_hop, "inter": inter_hops * per_hop}

@@ -373,7 +373,8 @@ class PlanExecutor:
     def _collective(self, a, kind: str, tensors, peer: int):
         physical = self.comms.physical
         op = Op(a.tag, a, self._step, kind, tensors, self.comms.for_action(a, self.rank),
-                peer=physical(peer) if peer >= 0 else peer, ranks=tuple(physical(r) for r in a.ranks))
+                peer=physical(peer) if peer >= 0 else peer, ranks=tuple(physical(r) for r in a.ranks),
+                subgroups=self.comms.subgroups(a, self.rank))
         return self.transport.issue([op])[a.tag]
 
     def _broadcast(self, a: A.BroadcastStart) -> None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import describe_fifo, process_group
+from megatron_tawpipe.runtime.node_reduce import reduce_through_nodes
 from megatron_tawpipe.runtime.transport import SLICE_KINDS, Op, slice_collective
 
 _SEND, _RECV = 0, 1
@@ -189,7 +190,10 @@ class FaithfulTransport:
                 raise RuntimeError(
                     f"rank {self.rank} step {op.step} ({A.describe(op.action)}) has {count} elements and rank "
                     f"{member} {int(header[2])}: NCCL would hang or truncate")
-        if op.kind in SLICE_KINDS:
+        if op.subgroups:   # the replicated all-reduce through the nodes, its stages in order
+            for work in reduce_through_nodes(op.tensors, *op.subgroups, op.action.node_size, self._wait):
+                self._wait(work)
+        elif op.kind in SLICE_KINDS:
             self._wait(slice_collective(op))
         elif op.kind == "broadcast":
             self._wait(dist.broadcast(op.tensors[0], src=op.peer, group=op.group, async_op=True))

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import DIRECTIONS, process_group
+from megatron_tawpipe.runtime.node_reduce import NodeReducer, all_gather_into, reduce_scatter_from, reduce_through_nodes
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Op:
     peer: int = -1                # send/recv: the other rank; broadcast/reduce: the root
     ranks: Tuple[int, ...] = field(default_factory=tuple)
     header_tag: int = -1          # NCCL-faithful mode: position among the pair's operations
+    subgroups: tuple = ()         # a replicated all-reduce through the nodes: (node group, cross group)
 
 
 class Communicators:
@@ -71,6 +73,8 @@ class Communicators:
         members.update({("collective", tuple(ranks), channel): tuple(ranks)
                         for plan in plans for ranks, channel in plan.communicators() if channel != "replicated"})
         members[("replicated", everyone)] = everyone
+        for plan in plans:   # the groups of a replicated all-reduce through the nodes
+            members.update({("replicated", ranks): ranks for ranks in node_reduce_groups(plan)})
         physical_world = world_size * tensor_parallel_size
         self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {}
         mine: Dict[tuple, Tuple[int, ...]] = {}
@@ -97,6 +101,26 @@ class Communicators:
     def for_action(self, action, rank: int) -> Optional[dist.ProcessGroup]:
         """The process group of ``action`` of (plan) rank ``rank``."""
         return self.groups[process_group(action, rank)]
+
+    def subgroups(self, action, rank: int) -> tuple:
+        """A replicated all-reduce through the nodes: ``rank``'s node group and cross group; else ()."""
+        size = getattr(action, "node_size", 0) if type(action) is A.ReplicatedAllReduceStart else 0
+        if size <= 1:
+            return ()
+        i = action.ranks.index(rank)
+        node = action.ranks[i - i % size:i - i % size + size]
+        return self.groups[("replicated", node)], self.groups[("replicated", action.ranks[i % size::size])]
+
+
+def node_reduce_groups(plan) -> List[Tuple[int, ...]]:
+    """The node groups and cross groups of ``plan``'s replicated all-reduces through the nodes."""
+    out: Dict[Tuple[int, ...], None] = {}
+    for a in plan.actions[0] if plan.actions else ():
+        if type(a) is A.ReplicatedAllReduceStart and a.node_size > 1:
+            size = a.node_size
+            out.update({a.ranks[i:i + size]: None for i in range(0, len(a.ranks), size)})
+            out.update({a.ranks[j::size]: None for j in range(size)})
+    return list(out)
 
 
 class _Done:
@@ -127,6 +151,7 @@ class DirectTransport:
     def __init__(self, device: torch.device):
         self.nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.host_blocking = device.type != "cuda"
+        self._node_reducer: Optional[NodeReducer] = None   # host-blocking: the stages run on its thread
 
     def issue(self, ops: List[Op]) -> Dict[int, object]:
         handles: Dict[int, object] = {}
@@ -154,6 +179,14 @@ class DirectTransport:
             if op.kind in SLICE_KINDS:   # one holder: its slice is the whole
                 op.tensors[0].copy_(op.tensors[1])
             return _Done()
+        if op.subgroups:
+            if not self.host_blocking:
+                return _Works(reduce_through_nodes(op.tensors, *op.subgroups, op.action.node_size,
+                                                   lambda work: work.wait()), False)
+            if self._node_reducer is None:
+                self._node_reducer = NodeReducer()
+            return self._node_reducer.submit(op.tensors, *op.subgroups, op.action.node_size,
+                                             describe_op(op.action, -1))
         if op.kind in SLICE_KINDS:
             works = [slice_collective(op)]
         elif op.kind == "broadcast":
@@ -167,14 +200,12 @@ class DirectTransport:
         return _Works(works, self.host_blocking)
 
     def close(self) -> None:
-        return None
+        if self._node_reducer is not None:
+            self._node_reducer.close()
 
 
 #: The collectives over a shard's slice holders: output and input tensors of different lengths.
 SLICE_KINDS = ("allgather", "reducescatter")
-# torch 2.13 renamed them (the older names warn); earlier releases have only the older names.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def slice_collective(op: Op):
@@ -182,8 +213,8 @@ def slice_collective(op: Op):
     reduce-scatter (the sum of the members' whole ``tensors[1]``, member k keeping slice k in ``tensors[0]``)."""
     output, source = op.tensors
     if op.kind == "allgather":
-        return _ALL_GATHER(output, source, group=op.group, async_op=True)
-    return _REDUCE_SCATTER(output, source, op=dist.ReduceOp.SUM, group=op.group, async_op=True)
+        return all_gather_into(output, source, group=op.group, async_op=True)
+    return reduce_scatter_from(output, source, op=dist.ReduceOp.SUM, group=op.group, async_op=True)
 
 
 def describe_op(action, rank: int, physical=lambda r: r) -> str:

@@ -58,7 +58,8 @@ def _op(executor, step: int, action, scratch: Dict[int, List[torch.Tensor]]) -> 
     else:
         peer = -1
     ranks = tuple(comms.physical(r) for r in getattr(action, "ranks", ()))
-    return Op(action.tag, action, step, _KINDS[t], tensors, comms.for_action(action, executor.rank), peer=peer, ranks=ranks)
+    return Op(action.tag, action, step, _KINDS[t], tensors, comms.for_action(action, executor.rank), peer=peer,
+              ranks=ranks, subgroups=comms.subgroups(action, executor.rank))
 
 
 def _scratch(executor, action) -> List[torch.Tensor]:

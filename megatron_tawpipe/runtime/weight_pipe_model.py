@@ -63,6 +63,8 @@ def plan_options(args, cache: Optional[bool] = None, groups: int = 1) -> dict:
         options["replicate_first"] = True
     if tawpipe_ownership(args, groups) == "spread":
         options["ownership"] = "spread"
+    if getattr(args, "tawpipe_replicated_reduce", "hierarchical") == "flat":
+        options["hierarchical_replicated"] = False
     return options
 
 

@@ -167,7 +167,7 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
     lps = plan.max_layers_per_shard
     per = cost.activation_bytes if cost.recompute else lps * cost.layer_activation_bytes
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
-    from megatron_tawpipe.sim.simulate import activation_peaks
+    from megatron_tawpipe.sim.plan_memory import activation_peaks
 
     peaks = activation_peaks(plan, cost)   # the busiest rank's peak: its stored inputs and its W store
     store = activation_peaks(plan, cost, store=True)[peaks.index(max(peaks))] if peaks else 0.0
@@ -213,9 +213,9 @@ def generic_breakdown(result, cost) -> MemoryBreakdown:
 
 def weight_store_peak_bytes(plan, cost) -> float:
     """The most a rank's weight-gradient store holds at once (plan order only): the sum of
-    :func:`~megatron_tawpipe.sim.simulate.weight_store_bytes` over the split backwards between their input
+    :func:`~megatron_tawpipe.sim.plan_memory.weight_store_bytes` over the split backwards between their input
     and weight passes, the largest over ranks (the runtime's ``WgradStore.peak_bytes``, measured after each
     input pass)."""
-    from megatron_tawpipe.sim.simulate import held_after_each
+    from megatron_tawpipe.sim.plan_memory import held_after_each
 
     return max([0.0] + [kept for acts in plan.actions for _, kept in held_after_each(plan, cost, acts)])

@@ -46,7 +46,8 @@ from megatron_tawpipe.sim.costmodel import CostModel
 from megatron_tawpipe.sim.memory import (MemoryBreakdown, gb, generic_breakdown, logits_bytes, native_activations,
                                          replicated_state, weight_passing_breakdown, _logits_note)
 from megatron_tawpipe.sim.pipelines import peak_stash, pipeline_memory, simulate_extended, simulate_pipeline
-from megatron_tawpipe.sim.simulate import SimResult, memory_fields
+from megatron_tawpipe.sim.plan_memory import memory_fields
+from megatron_tawpipe.sim.simulate import SimResult
 
 # The pipeline family (megatron_tawpipe.sim.pipelines) and total_params (sim.collectives) lived here; their
 # importers still find them here.

@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION, TAWPIPE_CACHE_SETTINGS
 from megatron_tawpipe.sim.costmodel import CostModel
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
-from megatron_tawpipe.sim.simulate import memory_fields
+from megatron_tawpipe.sim.plan_memory import memory_fields
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown
 
 
