@@ -8,6 +8,10 @@ if ROOT not in sys.path:
 TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+# The measurement lab (tools/tawpipe_lab): not installed, found beside the tools that use it.
+TOOLS = os.path.join(ROOT, "tools")
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
 
 # megatron-core warns at import about missing optional GPU packages.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

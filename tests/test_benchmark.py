@@ -224,7 +224,8 @@ def test_a_run_that_failed_while_training_is_not_retried_and_fails_the_benchmark
 
 
 def test_a_local_run_that_times_out_is_stopped_with_its_ranks(tmp_path):
-    from megatron_tawpipe.bench import bench_runs, netns
+    from megatron_tawpipe.bench import bench_runs
+    from tawpipe_lab import netns
 
     script = tmp_path / "sleeper.py"
     pids = tmp_path / "pids"
@@ -264,8 +265,8 @@ def test_comparison_with_the_simulator():
 
 
 def test_simulator_matrix_report():
-    from megatron_tawpipe.bench.matrix import (MATRIX, compare, format_config, format_markdown, format_summary,
-                                               simulate_command, summarize)
+    from tawpipe_lab.matrix import (MATRIX, compare, format_config, format_markdown, format_summary,
+                                    simulate_command, summarize)
 
     c = MATRIX[0]
     measured = {"summary": [
@@ -303,7 +304,7 @@ def test_simulator_matrix_calibrates_the_model_it_measures(tmp_path):
     """The matrix's emulated compute comes from the cost model of the Llama layer its runs build
     (SwiGLU, its FFN size), at the configuration's device speed."""
     from megatron_tawpipe.arguments import llama_ffn_hidden_size
-    from megatron_tawpipe.bench.matrix import HIDDEN, MATRIX, calibrate
+    from tawpipe_lab.matrix import HIDDEN, MATRIX, calibrate
     from megatron_tawpipe.sim.costmodel import CostModel
 
     c = MATRIX[0]
@@ -324,6 +325,41 @@ def test_replicated_first_shard_needs_two_nodes(tmp_path):
     with pytest.raises(BenchmarkError, match="tawpipe-rep .* at least 2 nodes"):
         run_benchmark(config, launcher=fork_launcher)
     assert not os.listdir(tmp_path)      # refused before any run
+
+
+def test_an_emulated_cluster_is_the_callers(tmp_path):
+    """The package builds no emulated cluster: a run on one takes it from ``cluster=`` (tools/benchmark.py
+    --nodes gives the lab's), entered once around every run and left after them; without it, refused."""
+    import contextlib
+
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig, BenchmarkError, run_benchmark
+
+    config = BenchmarkConfig(ranks=2, model_args=BENCH_MODEL, schedules=["distopt", "fsdp"], cluster=(2, 1, "1gbit"),
+                             burst="64k", repetitions=1, train_iters=3, count_bytes=False, outdir=str(tmp_path))
+    with pytest.raises(BenchmarkError, match="needs the cluster"):
+        run_benchmark(config, launcher=fork_launcher)
+    assert not os.listdir(tmp_path)      # refused before any run
+
+    calls, lines = [], []
+
+    @contextlib.contextmanager
+    def cluster(nodes, ranks_per_node, rate, burst, progress):
+        calls.append(("enter", nodes, ranks_per_node, rate, burst))
+        yield "the cluster"
+        calls.append(("exit",))
+
+    def launcher(config, script_args, log_path):
+        calls.append(("run", config.cluster))
+        metrics = script_args[script_args.index("--metrics-file") + 1]
+        with open(metrics, "w") as f:
+            for _ in range(3):
+                f.write(json.dumps({"tokens_per_sec_per_rank": 1.0, "elapsed_ms": 1.0,
+                                    "peak_memory_bytes_max_rank": 1}) + "\n")
+        return 0
+
+    result = run_benchmark(config, progress=lines.append, launcher=launcher, cluster=cluster)
+    assert calls == [("enter", 2, 1, "1gbit", "64k"), ("run", (2, 1, "1gbit")), ("run", (2, 1, "1gbit")), ("exit",)]
+    assert [r["schedule"] for r in result["summary"]] == ["distopt", "fsdp"]
 
 
 def _validated_commands(model, schedules, ranks=4, groups=2):
@@ -385,7 +421,7 @@ def test_benchmark_with_uneven_layers_trains_alike(tmp_path):
 
 
 def test_simulator_matrix_takes_uneven_layers():
-    from megatron_tawpipe.bench.matrix import MatrixConfig, simulate_command
+    from tawpipe_lab.matrix import MatrixConfig, simulate_command
 
     six, ten = (MatrixConfig(f"s1k-l{n}", 1024, n, "1gbit", 1, 0.1) for n in (6, 10))
     assert six.layers_per_shard == "2,2,1,1" and "interleaved" not in six.schedules()
@@ -395,7 +431,7 @@ def test_simulator_matrix_takes_uneven_layers():
 
 
 def test_simulator_matrix_simulates_each_strategy_at_the_size_it_ran():
-    from megatron_tawpipe.bench.matrix import MATRIX, ran_sizes, simulate_command
+    from tawpipe_lab.matrix import MATRIX, ran_sizes, simulate_command
 
     c = MATRIX[1]
     sizes = ran_sizes(c, {"config": {"micro_batch_sizes": {"distopt": 4, "fsdp": 2, "tawpipe": 1}}})
@@ -580,7 +616,7 @@ def test_equal_memory_results_compare_with_their_own_predictions():
 
 
 def test_simulator_matrix_replaces_the_rows_it_measures_again():
-    from megatron_tawpipe.bench.matrix import _replace_rows
+    from tawpipe_lab.matrix import _replace_rows
 
     previous = {"config": {"micro_batch_sizes": {"hfsdp": 4}},
                 "runs": [{"schedule": "tawpipe", "repetition": 0}, {"schedule": "hfsdp", "repetition": 0}],

@@ -93,7 +93,7 @@ HIDE_CUDA = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def _small_run(dtype: str, **overrides):
-    from megatron_tawpipe.bench.one_rank import LlamaRun
+    from tawpipe_lab.one_rank import LlamaRun
 
     fields = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1024,
                   micro_batch_size=1, global_batch_size=4, train_iters=4, dtype=dtype, attention_backend="sdpa")
@@ -105,7 +105,7 @@ def _initial_weights(dtype: str) -> dict:
     """The model's initial parameters as built by the runtime on this process's device (on the host)."""
     import torch.distributed as dist
 
-    from megatron_tawpipe.bench.one_rank import one_rank_process_group, parsed_args
+    from tawpipe_lab.one_rank import one_rank_process_group, parsed_args
     from megatron_tawpipe.models.llama import build_llama_model, llama_config
 
     args = parsed_args(_small_run(dtype, num_layers=2, hidden_size=128))
@@ -138,7 +138,7 @@ class _Capture:
 
 def _train(dtype: str, *schedules: str) -> dict:
     """One-rank runs of ``schedules`` ("tawpipe", "native") through pretrain(): records, backend, device."""
-    from megatron_tawpipe.bench.one_rank import NATIVE_1F1B_FLAGS, TAWPIPE_FLAGS, train_one_rank
+    from tawpipe_lab.one_rank import NATIVE_1F1B_FLAGS, TAWPIPE_FLAGS, train_one_rank
 
     flags = {"tawpipe": TAWPIPE_FLAGS, "native": NATIVE_1F1B_FLAGS}
     out = {}

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from distributed_harness import run_ranks
-from megatron_tawpipe.bench import emulated_cluster as ec
-from megatron_tawpipe.bench import link_burst, link_probe, netns, node_network
+from tawpipe_lab import emulated_cluster as ec
+from tawpipe_lab import link_burst, link_probe, netns, node_network
 from megatron_tawpipe.common.units import parse_tc_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,14 +199,14 @@ def _printed_by_tool(rank, module, argv):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        importlib.import_module(f"megatron_tawpipe.bench.{module}").main(argv)
+        importlib.import_module(f"tawpipe_lab.{module}").main(argv)
     return out.getvalue()
 
 
 def test_link_duplex_times_every_pattern_on_four_ranks():
     """The gloo duplex measurement runs its patterns (here on one machine's loopback), one of them with a
     process group per direction, and reports rates and their ratios to one way alone."""
-    from megatron_tawpipe.bench.link_duplex import DIRECTED, patterns
+    from tawpipe_lab.link_duplex import DIRECTED, patterns
 
     assert patterns(4)["both ways, two pairs"] == [(0, 2), (2, 0), (1, 3), (3, 1)]
     assert set(patterns(2)) == {"one way", "both ways, one pair"}
@@ -347,6 +347,7 @@ def test_counted_bytes_match_the_interfaces_and_the_plan(tmp_path):
     node's link 2(D-1)/D of their gradients (the all-reduce of each rank's half with its peer on the other node)."""
     from megatron_tawpipe.bench.benchmark import BenchmarkConfig, read_metrics, run_benchmark
     from megatron_tawpipe.bench.collective_bytes import INTERFACE_TOLERANCE
+    from tawpipe_lab.benchmark_cluster import benchmark_cluster
 
     stale = f"twp{_dead_pid()}n0"
     netns.add_namespace(stale)
@@ -355,7 +356,7 @@ def test_counted_bytes_match_the_interfaces_and_the_plan(tmp_path):
                              repetitions=1, train_iters=3, warmup_iters=1, model_args=BYTES_MODEL,
                              outdir=str(tmp_path), timeout_s=240, env={"OMP_NUM_THREADS": "1"})
     try:
-        result = run_benchmark(config, progress=lines.append)
+        result = run_benchmark(config, progress=lines.append, cluster=benchmark_cluster)
     finally:
         netns.delete_namespace(stale)
     assert any(stale in line and "left by killed runs" in line for line in lines)

@@ -13,8 +13,8 @@ import torch
 
 from distributed_harness import run_ranks
 
-from megatron_tawpipe.bench import gpu_check, layer_specs
-from megatron_tawpipe.bench.one_rank import LlamaRun, one_rank_process_group, parsed_args
+from tawpipe_lab import gpu_check, layer_specs
+from tawpipe_lab.one_rank import LlamaRun, one_rank_process_group, parsed_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
@@ -164,7 +164,7 @@ def test_layer_spec_comparison_agrees_on_equal_weights_and_catches_a_wrong_one(f
 
 def _compute_case(rank, args):
     """Runs in a forked child (see _layer_spec_case): equal weights, then one native weight changed."""
-    from megatron_tawpipe.bench import compute_check
+    from tawpipe_lab import compute_check
 
     cpu = torch.device("cpu")
     tolerance = compute_check.default_tolerance(torch.float32)
@@ -216,7 +216,7 @@ def test_compute_check_agrees_on_the_same_weights_and_fails_on_a_wrong_one(fp32_
 
 def _wait_probe_case(rank, args):
     """Runs in a forked child (see _layer_spec_case)."""
-    from megatron_tawpipe.bench.waits import probe_wait_behind_compute
+    from tawpipe_lab.waits import probe_wait_behind_compute
     from megatron_tawpipe.runtime.executor import PlanExecutor
 
     original = PlanExecutor.wait_observer
@@ -235,7 +235,7 @@ def test_wait_probe_runs_through_the_executor_and_restores_it(fp32_args):
 
 
 def _probe(executor_s, c10d_s, c10d_timeout_s, issued=True, pending=True):
-    from megatron_tawpipe.bench.waits import WaitProbe
+    from tawpipe_lab.waits import WaitProbe
 
     return WaitProbe(queued_compute_s=[0.05] * 3, executor_wait_s=[executor_s] * 3, executor_issued=issued,
                      executor_pending=[pending] * 3, c10d_wait_s=[c10d_s] * 3,

@@ -1,4 +1,5 @@
-"""bench/idle_breakdown.py: a measured iteration's wall time split per rank, and the simulator's beside it."""
+"""tools/tawpipe_lab/idle_breakdown.py: a measured iteration's wall time split per rank, and the simulator's
+beside it."""
 
 import json
 import time
@@ -9,8 +10,8 @@ import torch
 from distributed_harness import run_ranks
 from training_helpers import tiny_args, train_rank
 
-from megatron_tawpipe.bench.idle_breakdown import (CATEGORIES, check_plan_matches, grouped, measured_breakdown,
-                                                   simulated_breakdown)
+from tawpipe_lab.idle_breakdown import (CATEGORIES, check_plan_matches, grouped, measured_breakdown,
+                                        simulated_breakdown)
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.runtime.executor import PlanExecutor
 from megatron_tawpipe.sim.costmodel import CostModel, Link

@@ -288,8 +288,8 @@ def _exchange_plan(kinds=("act", "actgrad")) -> Plan:
 def test_gloo_pair_takes_turns_beyond_its_first_bytes(nbytes):
     """On gloo two ranks sending each other large messages at once on one process group move the first
     GLOO_PAIR_DUPLEX_BYTES of each at the link rate, the rest at half of it (measured by
-    bench/link_duplex.py with the emulated link's default bucket: 0.50-0.55 of one direction's rate per
-    direction from 1 to 12.6 MB); NCCL's are full duplex."""
+    tools/tawpipe_lab/link_duplex.py with the emulated link's default bucket: 0.50-0.55 of one direction's
+    rate per direction from 1 to 12.6 MB); NCCL's are full duplex."""
     from megatron_tawpipe.sim.costmodel import GLOO_PAIR_DUPLEX_BYTES as B
 
     rate = 125e6
@@ -307,7 +307,8 @@ def test_gloo_pair_takes_turns_beyond_its_first_bytes(nbytes):
     alone = simulate(_two_flows_plan(False), replace(cost, backend="gloo"))
     assert sorted(t.end - t.posted for t in alone.transfers) == pytest.approx([nbytes / rate] * 2, rel=1e-6)
     # The weight-passing runtime's gradients both ways: a process group per direction (two gloo
-    # connections, measured near full duplex by bench/link_duplex.py), so neither waits for the other.
+    # connections, measured near full duplex by tools/tawpipe_lab/link_duplex.py), so neither waits for the
+    # other.
     grads = simulate(_exchange_plan(("grad", "grad")), replace(cost, backend="gloo", grad_bytes=1))
     assert [t.end for t in grads.transfers] == pytest.approx([nbytes / rate] * 2)
 

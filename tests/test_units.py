@@ -42,7 +42,7 @@ def test_the_flags_simulate_takes_are_read_as_before():
     assert parse_rate("450GB/s") == 450e9 and parse_rate("1.25GB/s") == 1.25e9
     assert parse_rate("10Gbit/s") == 1.25e9 and parse_rate("25Gbit/s") == 3.125e9
     assert parse_rate("0.6GB/s") == 0.6e9 and parse_rate("100MB/s") == 100e6
-    # bench/matrix.py: a tc rate + '/s'
+    # tools/tawpipe_lab/matrix.py: a tc rate + '/s'
     assert parse_rate("500mbit/s") == 62.5e6 and parse_rate("2gbit/s") == 250e6
 
 

@@ -79,10 +79,10 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.bench.emulated_cluster import DEFAULT_MASTER_PORT, EmulatedCluster  # noqa: E402
-from megatron_tawpipe.bench.link_probe import format_rate, measure_throughput  # noqa: E402
-from megatron_tawpipe.bench.netns import check_prerequisites, cleanup_stale  # noqa: E402
-from megatron_tawpipe.bench.node_network import DEFAULT_BURST_RULE, DEFAULT_SUBNET, default_burst  # noqa: E402
+from tawpipe_lab.emulated_cluster import DEFAULT_MASTER_PORT, EmulatedCluster  # noqa: E402
+from tawpipe_lab.link_probe import format_rate, measure_throughput  # noqa: E402
+from tawpipe_lab.netns import check_prerequisites, cleanup_stale  # noqa: E402
+from tawpipe_lab.node_network import DEFAULT_BURST_RULE, DEFAULT_SUBNET, default_burst  # noqa: E402
 from megatron_tawpipe.common.errors import ClusterError  # noqa: E402
 from megatron_tawpipe.common.units import parse_tc_rate  # noqa: E402
 
@@ -145,7 +145,7 @@ def _measure(cluster: EmulatedCluster) -> None:
 
 
 def build_sweep_parser() -> argparse.ArgumentParser:
-    from megatron_tawpipe.bench import link_burst
+    from tawpipe_lab import link_burst
 
     p = argparse.ArgumentParser(
         prog="emulated_cluster.py burst-sweep",
@@ -172,7 +172,7 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 def sweep_main(argv) -> int:
     import json
 
-    from megatron_tawpipe.bench import link_burst
+    from tawpipe_lab import link_burst
 
     args = build_sweep_parser().parse_args(argv)
     try:

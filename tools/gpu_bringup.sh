@@ -211,7 +211,7 @@ if [ -n "$GPU_CHECK_EXTRA" ]; then
     GPU_CHECK_FLAGS+=("${_extra[@]}")
 fi
 # tools/gpu_check.py's checks, as its CHECKS tuple names them: the compute check first, the others later.
-GPU_CHECK_ALL=$(sed -n 's/^CHECKS = (\(.*\)).*/\1/p' megatron_tawpipe/bench/gpu_check.py | tr -d "\"' ")
+GPU_CHECK_ALL=$(sed -n 's/^CHECKS = (\(.*\)).*/\1/p' tools/tawpipe_lab/gpu_check.py | tr -d "\"' ")
 if [[ ",$GPU_CHECK_ALL," == *",compute,"* ]]; then
     COMPUTE_CHECK=compute
 else

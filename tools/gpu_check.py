@@ -24,6 +24,6 @@ def _hide_gpus_for_cpu_runs(argv) -> None:
 if __name__ == "__main__":
     _hide_gpus_for_cpu_runs(sys.argv[1:])
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megatron_tawpipe.bench.gpu_check import main
+    from tawpipe_lab.gpu_check import main
 
     sys.exit(main())

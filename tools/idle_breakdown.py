@@ -10,7 +10,7 @@
 The timeline is ``pretrain_llama.py --timeline-file`` (the latest training iteration); with
 ``--schedule`` (and tools/simulate.py's cluster and model flags) the same plan is simulated and its
 per-rank idle per Wait set beside the measurement (the tool refuses a plan whose actions differ from the
-timeline's). Categories: megatron_tawpipe/bench/idle_breakdown.py.
+timeline's). Categories: tools/tawpipe_lab/idle_breakdown.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.bench.idle_breakdown import (check_plan_matches, format_table, grouped,  # noqa: E402
-                                                   mean_over_ranks, measured_breakdown, simulated_breakdown)
+from tawpipe_lab.idle_breakdown import (check_plan_matches, format_table, grouped,  # noqa: E402
+                                        mean_over_ranks, measured_breakdown, simulated_breakdown)
 from megatron_tawpipe.cli.plan_args import add_model_args, cost_model, run_one  # noqa: E402
 
 

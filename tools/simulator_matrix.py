@@ -7,7 +7,7 @@ them, and report measured against predicted for every strategy.
     python tools/simulator_matrix.py report --out runs/matrix \\
         --json examples/results/simulator_matrix.json --text examples/results/simulator_matrix.txt
 
-The configurations are in megatron_tawpipe/bench/matrix.py (MATRIX); --configs picks some.
+The configurations are in tools/tawpipe_lab/matrix.py (MATRIX); --configs picks some.
 """
 
 import argparse
@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.bench.matrix import (MATRIX, compare, format_config, format_markdown, format_summary,  # noqa: E402
-                                           measure, simulate, summarize)
+from tawpipe_lab.matrix import (MATRIX, compare, format_config, format_markdown, format_summary,  # noqa: E402
+                                measure, simulate, summarize)
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ a fresh rendezvous port per run, no process left behind, and a failure told with
   locally torchrun ``--standalone`` picks a free port itself.
 * **Leftovers**: a run that times out has its whole process group stopped (SIGTERM, then SIGKILL); on the
   cluster, whatever still runs in the node namespaces after a run is stopped before the next starts
-  (:func:`.netns.kill_namespace_processes`), and said.
+  (the cluster's ``stop_leftovers``, ``tools/tawpipe_lab/emulated_cluster.py``), and said.
 * **Retries**: a run is started again (once, on a fresh port, and said so) only when it failed before
   training began (no metrics written) with a rendezvous/connection error in its log
   (:data:`RETRY_PATTERNS`): nothing was measured, so nothing is lost or mixed.

@@ -15,8 +15,9 @@ rank's log and is reported with its failing rank's tail (``bench/bench_runs.py``
 the other strategies still run, then :class:`BenchmarkFailed` is raised.
 
 Locally the ranks run on this machine (``torch.distributed.run --standalone``);
-with ``cluster=(nodes, ranks_per_node, rate)`` they run on an emulated cluster
-(``megatron_tawpipe.bench.emulated_cluster``: a network namespace per node, shaped
+with ``cluster=(nodes, ranks_per_node, rate)`` they run on an emulated cluster that
+the caller supplies (``tools/benchmark.py --nodes``: the lab's
+``tools/tawpipe_lab/benchmark_cluster.py``, a network namespace per node, shaped
 links, root needed), and the bytes each node's ``eth0`` sent are measured for
 every schedule as well.
 """
@@ -91,7 +92,7 @@ class BenchmarkConfig:
     num_layers: int = 8
     outdir: str = "runs/benchmark"
     cluster: Optional[tuple] = None  # (nodes, ranks_per_node, rate) for the emulated cluster
-    burst: Optional[str] = None  # htb burst of the emulated node links (default: emulated_cluster's)
+    burst: Optional[str] = None  # htb burst of the emulated node links (default: the cluster's)
     timeout_s: Optional[float] = None
     recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
@@ -309,11 +310,14 @@ class BenchmarkFailed(BenchmarkError):
 
 
 def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = print,
-                  launcher: Optional[Callable] = None) -> dict:
+                  launcher: Optional[Callable] = None, cluster: Optional[Callable] = None) -> dict:
     """Run every schedule ``repetitions`` times, alternating; return the results dict.
 
     ``launcher(config, script_args, log_path)`` starts one run and returns its
     exit status (default: torchrun on this machine, or on the emulated cluster).
+    With ``config.cluster``, ``cluster(nodes, ranks_per_node, rate, burst, progress)``
+    is a context manager giving the emulated cluster the runs share (the package
+    itself builds none: ``tools/tawpipe_lab/benchmark_cluster.py``).
     """
     for s in config.schedules:
         if s not in SCHEDULES:
@@ -322,6 +326,9 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
         nodes, per_node, _rate = config.cluster
         if nodes * per_node != config.ranks:
             raise BenchmarkError(f"--nodes x --ranks-per-node ({nodes} x {per_node}) must equal the ranks {config.ranks}")
+        if cluster is None:
+            raise BenchmarkError("an emulated cluster run needs the cluster (run_benchmark's cluster=; "
+                                 "tools/benchmark.py --nodes gives it)")
     if "tawpipe-rep" in config.schedules and config.num_groups() < 2:
         raise BenchmarkError("tawpipe-rep (--tawpipe-replicate-first-shard) needs at least 2 nodes (groups): "
                              "one holder of shard 0 per node")
@@ -413,17 +420,9 @@ def run_benchmark(config: BenchmarkConfig, progress: Callable[[str], None] = pri
     if config.cluster is None:
         body(launcher or _launch_local)
     else:
-        from megatron_tawpipe.bench.emulated_cluster import EmulatedCluster
-        from megatron_tawpipe.bench.netns import cleanup_stale
-
         nodes, per_node, rate = config.cluster
-        kwargs = {} if config.burst is None else {"burst": config.burst}
-        gone = cleanup_stale()
-        if gone:
-            progress(f"deleted {len(gone)} network namespace(s) left by killed runs: {' '.join(gone)}")
-        with EmulatedCluster(nodes, per_node, rate, **kwargs) as cluster:
-            progress(cluster.describe())
-            body(launcher or _ClusterLauncher(cluster, progress))
+        with cluster(nodes, per_node, rate, config.burst, progress) as emulated:
+            body(launcher or _ClusterLauncher(emulated, progress))
     result = {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()
                    if k not in ("env", "python")},

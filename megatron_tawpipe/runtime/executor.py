@@ -254,7 +254,8 @@ class PlanExecutor:
     def _record(self, action, start, end, host_start: float, host_end: float) -> None:
         """``start``/``end``: seconds, or on CUDA stamps of the stream (resolved after the plan);
         ``host_start``/``host_end``: the host's clock around the action (``trace["actions"]``: every
-        action's ``[step, label, host start, host end, detail]``, what ``bench/idle_breakdown.py`` splits)."""
+        action's ``[step, label, host start, host end, detail]``, what
+        ``tools/tawpipe_lab/idle_breakdown.py`` splits)."""
         kind = SPAN_KINDS.get(type(action))
         label, detail = kind, 0.0
         if kind is not None:

@@ -139,7 +139,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         return 1
 
     def train_step(self, data_iterators: List[Iterator]) -> StepResult:
-        # --timeline-file: (phase, host time at its end) of this step, for bench/idle_breakdown.py
+        # --timeline-file: (phase, host time at its end) of this step, for tools/tawpipe_lab/idle_breakdown.py
         # (the first: where the previous step's timeline was written, None on the first step)
         self._marks = [("previous step", self._step_left), ("between steps", time.time())] \
             if self.args.timeline_file else None

@@ -62,7 +62,7 @@ BACKENDS = {
 #: gloo point-to-point between two ranks in both directions at once on one process group (a pipeline
 #: boundary's activations one way and gradients the other): the first bytes of a message flow both ways
 #: at the link rate, the rest takes turns with the reverse message -- each direction at half the rate.
-#: Measured with ``megatron_tawpipe.bench.link_duplex`` on the emulated cluster (1 Gbit/s, htb bucket
+#: Measured with ``tools/tawpipe_lab/link_duplex.py`` on the emulated cluster (1 Gbit/s, htb bucket
 #: of 500 us at the rate, 2026-11-26, ``examples/results/link_duplex_1gbit.json``): both ways over one
 #: pair, per direction, 0.55 of one way alone for 1 MB, 0.52 for 3 MB, 0.50-0.51 for 6.3 and 12.6 MB
 #: (the model with 256 KiB: 0.58, 0.52, 0.51, 0.51). With the former 2 MiB bucket, which let a link

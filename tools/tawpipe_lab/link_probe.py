@@ -13,12 +13,12 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
-from megatron_tawpipe.bench.netns import tc_size_bytes
+from tawpipe_lab.netns import tc_size_bytes
 from megatron_tawpipe.bench.subprocesses import terminate_all
 from megatron_tawpipe.common.errors import ClusterError
 
 if TYPE_CHECKING:
-    from megatron_tawpipe.bench.emulated_cluster import EmulatedCluster
+    from tawpipe_lab.emulated_cluster import EmulatedCluster
 
 # The probes' server side: listen on (host, port), print "ready", accept one connection as ``conn``.
 _LISTEN = r"""

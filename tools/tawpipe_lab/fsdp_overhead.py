@@ -10,7 +10,7 @@ backward with a one-token input (no compute to speak of), against the same ranks
 ``all_gather_into_tensor`` (twice: forward and backward, as with resharding after forward) and
 ``reduce_scatter_tensor`` of one layer's bytes. Run one process per rank of one node::
 
-    torchrun --nproc-per-node 2 -m megatron_tawpipe.bench.fsdp_overhead --layer-params 786432
+    torchrun --nproc-per-node 2 tools/tawpipe_lab/fsdp_overhead.py --layer-params 786432
 
 Rank 0 prints one JSON object: seconds per layer and micro-batch of FSDP2 and of the bare
 collectives, their difference, and that difference per byte of the layer (as a copy bandwidth).

@@ -32,8 +32,8 @@ import sys
 import threading
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from megatron_tawpipe.bench.netns import kill_namespace_processes, netns_pids
-from megatron_tawpipe.bench.node_network import DEFAULT_SUBNET, NODE_IFNAME, Node, NodeNetwork
+from tawpipe_lab.netns import kill_namespace_processes, netns_pids
+from tawpipe_lab.node_network import DEFAULT_SUBNET, NODE_IFNAME, Node, NodeNetwork
 from megatron_tawpipe.bench.subprocesses import TeardownSignals, pump, set_pdeathsig, terminate_all, wait_all
 from megatron_tawpipe.common.errors import ClusterError
 

@@ -6,7 +6,7 @@ so does TawPipe's weights-out / gradients-in traffic. Run under torchrun on the 
 two nodes, one or two ranks per node::
 
     python tools/emulated_cluster.py --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
-        -m megatron_tawpipe.bench.link_duplex --sizes 1048576,3145728,6291456,8388608,12582912
+        tools/tawpipe_lab/link_duplex.py --sizes 1048576,3145728,6291456,8388608,12582912
 
 For each message size it times ``--messages`` gloo point-to-point messages per transfer (as
 megatron's p2p exchanges send them: each rank posts its sends and receives of a step together with

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_tawpipe.bench.one_rank import LlamaRun
+from tawpipe_lab.one_rank import LlamaRun
 from megatron_tawpipe.common.atomic import atomic_write_json
 
 PROG = "gpu_check.py"
@@ -164,7 +164,7 @@ def _model_flag_problem(tool: argparse.Namespace) -> Optional[str]:
     """What pretrain_llama.py's own validation says about the two models (flag names are shared)."""
     from megatron_tawpipe.arguments import ArgumentError, parse_args
     from megatron_tawpipe.training.validate_args import validate_args
-    from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS
+    from tawpipe_lab.one_rank import TAWPIPE_FLAGS
 
     try:
         for run in (small_run(tool), real_run(tool)):
@@ -232,8 +232,8 @@ class Session:
 
 
 def check_compute(session: Session) -> List[CheckRow]:
-    from megatron_tawpipe.bench.compute_check import compare_compute, default_tolerance
-    from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS, one_rank_process_group, parsed_args
+    from tawpipe_lab.compute_check import compare_compute, default_tolerance
+    from tawpipe_lab.one_rank import TAWPIPE_FLAGS, one_rank_process_group, parsed_args
     from megatron_tawpipe.models.llama import params_dtype
 
     tool = session.tool
@@ -248,9 +248,9 @@ def check_compute(session: Session) -> List[CheckRow]:
 
 
 def check_te(session: Session) -> List[CheckRow]:
-    from megatron_tawpipe.bench.layer_specs import DEFAULT_TOLERANCE, compare_layer_specs, \
+    from tawpipe_lab.layer_specs import DEFAULT_TOLERANCE, compare_layer_specs, \
         transformer_engine_unavailable_reason
-    from megatron_tawpipe.bench.one_rank import one_rank_process_group, parsed_args
+    from tawpipe_lab.one_rank import one_rank_process_group, parsed_args
 
     tool = session.tool
     reason = transformer_engine_unavailable_reason()
@@ -272,8 +272,8 @@ def check_te(session: Session) -> List[CheckRow]:
 
 def _run_small_tawpipe(session: Session) -> List[dict]:
     """The small one-rank TawPipe run, with every plan Wait timed (kept for ``wait``)."""
-    from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS, train_one_rank
-    from megatron_tawpipe.bench.waits import WaitTimer
+    from tawpipe_lab.one_rank import TAWPIPE_FLAGS, train_one_rank
+    from tawpipe_lab.waits import WaitTimer
 
     with WaitTimer(on_cuda=session.device.type == "cuda") as waits:
         records = train_one_rank(small_run(session.tool).argv(*TAWPIPE_FLAGS))
@@ -283,7 +283,7 @@ def _run_small_tawpipe(session: Session) -> List[dict]:
 
 
 def _run_small_native(session: Session) -> List[dict]:
-    from megatron_tawpipe.bench.one_rank import NATIVE_1F1B_FLAGS, train_one_rank
+    from tawpipe_lab.one_rank import NATIVE_1F1B_FLAGS, train_one_rank
 
     records = train_one_rank(small_run(session.tool).argv(*NATIVE_1F1B_FLAGS))
     _release_memory()
@@ -291,7 +291,7 @@ def _run_small_native(session: Session) -> List[dict]:
 
 
 def check_losses(session: Session) -> List[CheckRow]:
-    from megatron_tawpipe.bench.one_rank import relative_loss_differences
+    from tawpipe_lab.one_rank import relative_loss_differences
 
     tool = session.tool
     run = small_run(tool)
@@ -312,8 +312,8 @@ def check_losses(session: Session) -> List[CheckRow]:
 
 
 def check_wait(session: Session) -> List[CheckRow]:
-    from megatron_tawpipe.bench.one_rank import one_rank_process_group, parsed_args
-    from megatron_tawpipe.bench.waits import probe_wait_behind_compute
+    from tawpipe_lab.one_rank import one_rank_process_group, parsed_args
+    from tawpipe_lab.waits import probe_wait_behind_compute
     from megatron_tawpipe.models.llama import params_dtype
 
     tool = session.tool
@@ -339,8 +339,8 @@ def check_wait(session: Session) -> List[CheckRow]:
 
 
 def check_timings(session: Session) -> List[CheckRow]:
-    from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS, one_rank_process_group, parsed_args
-    from megatron_tawpipe.bench.shard_timing import calibration_record, measure_shard_times
+    from tawpipe_lab.one_rank import TAWPIPE_FLAGS, one_rank_process_group, parsed_args
+    from tawpipe_lab.shard_timing import calibration_record, measure_shard_times
     from megatron_tawpipe.bench.calibrate import write_times
 
     tool = session.tool
@@ -361,7 +361,7 @@ def check_timings(session: Session) -> List[CheckRow]:
 
 def check_memory(session: Session) -> List[CheckRow]:
     from megatron_tawpipe.bench.memory import MemoryComparison, held_bytes, predicted_memory
-    from megatron_tawpipe.bench.one_rank import TAWPIPE_FLAGS, TrainerCapture, parsed_args, train_one_rank
+    from tawpipe_lab.one_rank import TAWPIPE_FLAGS, TrainerCapture, parsed_args, train_one_rank
 
     tool = session.tool
     run = real_run(tool)

@@ -29,10 +29,10 @@ import shutil
 import statistics
 from typing import Callable, Dict, Optional, Sequence
 
-from megatron_tawpipe.bench.emulated_cluster import EmulatedCluster
-from megatron_tawpipe.bench.link_probe import measure_messages, measure_throughput
-from megatron_tawpipe.bench.netns import tc_size_bytes
-from megatron_tawpipe.bench.node_network import BURST_TIME_S, DEFAULT_BURST_RULE, MIN_BURST_BYTES, default_burst
+from tawpipe_lab.emulated_cluster import EmulatedCluster
+from tawpipe_lab.link_probe import measure_messages, measure_throughput
+from tawpipe_lab.netns import tc_size_bytes
+from tawpipe_lab.node_network import BURST_TIME_S, DEFAULT_BURST_RULE, MIN_BURST_BYTES, default_burst
 from megatron_tawpipe.common.units import parse_tc_rate
 
 DEFAULT_RATES = ("200mbit", "500mbit", "1gbit", "2gbit")

@@ -37,7 +37,7 @@ from typing import Callable, Dict, List
 import torch
 
 from megatron_tawpipe.bench.calibrate import time_once, timer_name
-from megatron_tawpipe.bench.layer_specs import copy_layer_weights, relative_difference
+from tawpipe_lab.layer_specs import copy_layer_weights, relative_difference
 
 PATHS = ("weight_passing", "weight_passing_recompute", "native")
 LABELS = {"weight_passing": "weight-passing", "weight_passing_recompute": "weight-passing with recompute",

@@ -40,7 +40,7 @@ node 0 prints ``local 10.77.0.1 dev lo``), so it never reaches ``eth0``'s qdisc
 and is not shaped.  Only packets to other nodes' addresses leave by ``eth0``.
 
 :class:`NodeNetwork` builds and deletes that network; the processes running in
-it are :class:`megatron_tawpipe.bench.emulated_cluster.EmulatedCluster`'s.  No torch.
+it are :class:`tawpipe_lab.emulated_cluster.EmulatedCluster`'s.  No torch.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
-from megatron_tawpipe.bench.netns import (NAME_PREFIX, NETNS_ETC, add_namespace, check_prerequisites,
-                                          check_tc_size, delete_namespace, htb_commands,
-                                          kill_namespace_processes, list_namespaces, run, unshape)
+from tawpipe_lab.netns import (NAME_PREFIX, NETNS_ETC, add_namespace, check_prerequisites,
+                               check_tc_size, delete_namespace, htb_commands,
+                               kill_namespace_processes, list_namespaces, run, unshape)
 from megatron_tawpipe.common.errors import ClusterError
 from megatron_tawpipe.common.units import parse_tc_rate
 

@@ -1,8 +1,8 @@
 """The simulator out of sample: a matrix of emulated configurations, measured and predicted.
 
-Each configuration is an emulated 2 x 2 cluster (``bench.emulated_cluster``:
+Each configuration is an emulated 2 x 2 cluster (``tawpipe_lab.emulated_cluster``:
 shaped node links, gloo over loopback inside a node) running every strategy of
-``bench.benchmark`` with emulated compute from the FLOP model, and the
+``megatron_tawpipe.bench.benchmark`` with emulated compute from the FLOP model, and the
 simulator (``tools/simulate.py --backend gloo``) on the same times and links.
 The configurations span G*S/(12H) (activation bytes of a stage boundary over a
 layer's weight bytes, G the micro-batch size) from 1/3 to 4, node links from
@@ -44,6 +44,7 @@ from megatron_tawpipe.bench.equal_memory import INTRA_BW, run_simulator, simulat
 from megatron_tawpipe.bench.stages import interleaved_virtual_stages
 from megatron_tawpipe.common.layer_split import default_layer_split
 from megatron_tawpipe.common.atomic import atomic_write
+from tawpipe_lab.benchmark_cluster import benchmark_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, HEADS, VOCAB, RANKS, NODES, GLOBAL_BATCH = 256, 4, 2047, 4, 2, 16
@@ -139,7 +140,7 @@ def measure(c: MatrixConfig, outdir: str, repetitions: int, train_iters: int,
                              tawpipe_microbatches_per_visit=c.visit, ddp_bucket_size=1_000_000, burst=burst,
                              equal_memory=equal_memory and not only, equal_memory_rule=equal_memory_rule,
                              micro_batch_sizes={s: sizes[s] for s in only if s in sizes})
-    result = run_benchmark(config, progress=progress)
+    result = run_benchmark(config, progress=progress, cluster=benchmark_cluster)
     if previous is not None:
         result = _replace_rows(previous, result, only)
     result["matrix_config"] = asdict(c)

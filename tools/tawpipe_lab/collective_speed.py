@@ -3,7 +3,7 @@
 Run under torchrun on the emulated cluster (or any cluster), one process per rank::
 
     python tools/emulated_cluster.py --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
-        -m megatron_tawpipe.bench.collective_speed --sizes 65536,819200,3276800
+        tools/tawpipe_lab/collective_speed.py --sizes 65536,819200,3276800
 
 Every node's ranks form a group; all nodes run the same collective at the same
 time (as FSDP2/HSDP and megatron's per-node reductions do), so ranks compete
