@@ -1,12 +1,20 @@
 """megatron_tawpipe: weight-passing pipeline parallelism (TawPipe, WeiPipe) for Megatron-Core."""
 
+import os
+import runpy
+
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The supported megatron-core and torch releases, stated once in compat/versions.py; run on its own (not
+# imported with the package: this runs before torch and megatron-core are installed).
+VERSIONS = runpy.run_path(os.path.join(HERE, "megatron_tawpipe", "compat", "versions.py"))
 
 setup(
     name="megatron_tawpipe",
     version="0.1.0",
     description="TawPipe and WeiPipe weight-passing pipeline schedules for Megatron-Core training",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tawpipe", "megatron_tawpipe.*"]),
@@ -15,10 +23,10 @@ setup(
     package_data={"megatron_tawpipe.compat": ["flag_data/*.tsv"]},
     # torch is not pinned here on purpose: install the build you want first
     # (the CPU build with `pip install torch==2.13.0` on CPU machines, a CUDA
-    # build on GPU clusters); any torch >= 2.6 satisfies this requirement.
+    # build on GPU clusters); any torch in the supported range satisfies this requirement.
     install_requires=[
-        "torch>=2.6",
-        "megatron-core>=0.15,<0.20",   # CI: 0.16.1 (Python 3.11); 0.17.0 and 0.19.2 checked under Python 3.12
+        VERSIONS["requirement"]("torch"),           # torch>=2.6
+        VERSIONS["requirement"]("megatron-core"),   # megatron-core>=0.16,<0.20 (CI: 0.16.1; 0.17.0, 0.19.2)
         "sentencepiece>=0.2",
         "numpy",
         # megatron-core's partial data parallelism (--num-distributed-optimizer-instances) builds its

@@ -107,15 +107,17 @@ def test_remove_restores_torch():
 
 
 def test_missing_patch_target_fails_loudly_naming_the_version(monkeypatch):
+    import megatron.core.tensor_parallel.random as megatron_random
+
     cpu_compat.remove()
-    table = cpu_compat._patch_table()
-    table.append(("megatron.core.tensor_parallel.random", "_no_such_function", None))
-    monkeypatch.setattr(cpu_compat, "_patch_table", lambda: table)
+    original = torch.cuda.current_device
+    monkeypatch.delattr(megatron_random, "_set_cuda_rng_state")   # a release without one of the targets
     with pytest.raises(cpu_compat.CpuCompatError) as info:
         cpu_compat.apply()
     assert cpu_compat.megatron_version() in str(info.value)
-    assert "_no_such_function" in str(info.value)
+    assert "_set_cuda_rng_state" in str(info.value) and "\n" not in str(info.value)
     assert not cpu_compat.is_applied(), "a failed apply must not leave a half-patched torch"
+    assert torch.cuda.current_device is original
 
 
 def test_uncovered_cuda_call_is_explained():

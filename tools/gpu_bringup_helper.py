@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Helper of tools/gpu_bringup.sh: inventory of the wheels, environment facts, imports, summary."""
-import ast, csv, importlib.metadata as md, json, os, platform, re, shlex, subprocess, sys, zipfile
+import csv, importlib.metadata as md, json, os, platform, re, runpy, shlex, subprocess, sys, types, zipfile
 
 TARGET_MACHINE = "x86_64"
 NEVER = ("torch", "torchvision", "torchaudio", "triton")
@@ -100,14 +100,23 @@ def installed_version(name):
 
 
 def repo_requirements(repo):
-    """install_requires of setup.py (read, not run), and pytest for the tests."""
-    tree = ast.parse(open(os.path.join(repo, "setup.py"), encoding="utf-8").read())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup":
-            for kw in node.keywords:
-                if kw.arg == "install_requires":
-                    return list(ast.literal_eval(kw.value)) + ["pytest"]
-    return ["pytest"]
+    """install_requires of setup.py, and pytest for the tests. setup.py computes the megatron-core and torch
+    ranges (from megatron_tawpipe/compat/versions.py): it runs with a stand-in setuptools whose setup() only
+    records what it is given (this Python may have no setuptools)."""
+    recorded = {}
+    stand_in = types.ModuleType("setuptools")
+    stand_in.setup = lambda **kwargs: recorded.update(kwargs)
+    stand_in.find_packages = lambda *args, **kwargs: []
+    saved = sys.modules.get("setuptools")
+    sys.modules["setuptools"] = stand_in
+    try:
+        runpy.run_path(os.path.join(repo, "setup.py"), run_name="__main__")
+    finally:
+        if saved is None:
+            sys.modules.pop("setuptools", None)
+        else:
+            sys.modules["setuptools"] = saved
+    return list(recorded.get("install_requires", [])) + ["pytest"]
 
 
 def shell_assign(out, name, value):

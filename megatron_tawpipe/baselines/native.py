@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from megatron_tawpipe.compat import patches
 from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.baselines.sharded_state import (SliceTarget, distributed_optimizer_target,
                                                       gather_distributed_optimizer, initialize_adam_state)
@@ -34,19 +34,21 @@ from megatron_tawpipe.common.errors import PeerFailure, first_line
 from megatron_tawpipe.distributed.megatron_schedules import megatron_forward_backward_func
 
 
-def report_pipeline_waits() -> None:
-    """Make megatron's pipeline transfers visible on the progress board.
+def report_pipeline_waits():
+    """Make megatron's pipeline transfers visible on the progress board (the registered patch
+    ``pipeline-transfer-waits``, :mod:`megatron_tawpipe.compat.patches`); the result's ``undo()`` ends it.
 
     megatron-core waits on its stage-to-stage transfers without a bound; with
     each transfer marked as a wait, the board's watchdog can tell a rank stuck
     waiting for a peer from the peer that stalled, and name the latter.
-    Installed once per process; diagnostics only, so a megatron-core without
-    ``P2PCommunicator._communicate`` simply goes without.
+    Users at the same time share one application.
     """
-    original = getattr(P2PCommunicator, "_communicate", None)
-    if original is None or getattr(original, "_reports_waits", False):
-        return
+    return patches.apply("pipeline-transfer-waits", wrap={f"{patches.P2P}._communicate": _reporting_waits})
 
+
+def _reporting_waits(original):
+    """megatron's ``P2PCommunicator._communicate`` as a wait on the progress board; a failed transfer raises
+    :class:`PeerFailure` naming rank, iteration and peers."""
     def communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, **kwargs):
         parts = [f"{verb} rank {peer}" for verb, peer, active in (
             ("send to", self.next_rank, tensor_send_next is not None),
@@ -63,8 +65,7 @@ def report_pipeline_waits() -> None:
                 raise PeerFailure(f"rank {dist.get_rank()}, iteration {board.iteration}, {what} failed: "
                                   f"{first_line(exc)}") from exc
 
-    communicate._reports_waits = True
-    P2PCommunicator._communicate = communicate
+    return communicate
 
 
 def optimizer_config(args) -> OptimizerConfig:
@@ -158,7 +159,7 @@ class NativeTrainer(CheckpointDefaults):
             gather = [chunk.start_param_sync for chunk in self.model]
             self.config.param_sync_func = gather if len(gather) > 1 else gather[0]
         self.forward_backward = megatron_forward_backward_func(args.pipeline_model_parallel_size, vpp)
-        report_pipeline_waits()
+        self._pipeline_waits = report_pipeline_waits()   # undone by close()
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:
         config = ddp_config(self.args)
@@ -403,4 +404,4 @@ class NativeTrainer(CheckpointDefaults):
         return self.optimizer.param_groups
 
     def close(self) -> None:
-        pass
+        self._pipeline_waits.undo()

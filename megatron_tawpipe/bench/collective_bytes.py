@@ -38,6 +38,8 @@ import os
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_tawpipe.compat import patches
+
 ENV_OUTPUT = "TAWPIPE_COLLECTIVE_BYTES_DIR"   # where each rank writes rank<r>.json (set by the benchmark)
 ENV_RANKS_PER_NODE = "TAWPIPE_COLLECTIVE_RANKS_PER_NODE"   # ranks of a node (default: torchrun's LOCAL_WORLD_SIZE)
 
@@ -125,7 +127,7 @@ class CollectiveCounter:
         self.formula_iterations: List[Dict[str, dict]] = []   # cumulative by_formula counts, the same
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._originals: Dict[Tuple[object, str], object] = {}
+        self._applied = None   # the patch in place while installed
         self.uncounted: Dict[str, int] = {}   # calls whose bytes could not be counted, per kind
 
     def node_of(self, rank: int) -> int:
@@ -163,24 +165,27 @@ class CollectiveCounter:
 
     # ------------------------------------------------------------------ wrapping torch.distributed
     def install(self) -> "CollectiveCounter":
+        """Wrap torch.distributed's functions (the registered patch ``collective-bytes``,
+        :mod:`megatron_tawpipe.compat.patches`) until :meth:`uninstall`."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
+        wrappers = {}
         for name, kind in _WRAPPED.items():
             original = getattr(c10d, name, None)
             if original is None:
                 continue
             wrapper = self._wrap(original, kind, inspect.signature(original))
-            for module in (dist, c10d):
-                if getattr(module, name, None) is original:
-                    self._originals[(module, name)] = original
-                    setattr(module, name, wrapper)
+            wrappers[f"{patches.C10D}:{name}"] = wrapper
+            if getattr(dist, name, None) is original:
+                wrappers[f"torch.distributed:{name}"] = wrapper
+        self._applied = patches.apply("collective-bytes", replace=wrappers)
         return self
 
     def uninstall(self) -> None:
-        for (module, name), original in self._originals.items():
-            setattr(module, name, original)
-        self._originals = {}
+        if self._applied is not None:
+            self._applied.undo()
+            self._applied = None
 
     def _wrap(self, original, kind: str, signature):
         counter = self
@@ -270,17 +275,20 @@ class CollectiveCounter:
         return path
 
 
-def install_in_training(counter: CollectiveCounter) -> None:
-    """Snapshot ``counter`` at the end of every training iteration (every rank records one)."""
+def install_in_training(counter: CollectiveCounter):
+    """Snapshot ``counter`` at the end of every training iteration (every rank records one): the registered
+    patch ``collective-bytes-iteration-end``; the result's ``undo()`` ends it."""
     from megatron_tawpipe.monitor.metrics import MetricsWriter
 
-    record = MetricsWriter.record
+    def counting(record):
+        def counted_record(self, *args, **kwargs):
+            counter.snapshot()
+            return record(self, *args, **kwargs)
 
-    def counted_record(self, *args, **kwargs):
-        counter.snapshot()
-        return record(self, *args, **kwargs)
+        return counted_record
 
-    MetricsWriter.record = counted_record
+    target = "megatron_tawpipe.monitor.metrics:MetricsWriter.record"
+    return patches.apply("collective-bytes-iteration-end", wrap={target: counting}, owners={target: MetricsWriter})
 
 
 # ---------------------------------------------------------------------- reading a run's files

@@ -26,13 +26,15 @@ def main() -> None:
     per_node = int(os.environ.get(ENV_RANKS_PER_NODE) or os.environ.get("LOCAL_WORLD_SIZE") or
                    os.environ.get("WORLD_SIZE", "1"))
     counter = CollectiveCounter(rank, per_node).install()
-    install_in_training(counter)
+    snapshots = install_in_training(counter)
     directory = os.environ.get(ENV_OUTPUT)
     script = os.path.join(ROOT, "pretrain_llama.py")
     sys.argv = [script] + sys.argv[1:]
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
+        snapshots.undo()
+        counter.uninstall()
         if directory:
             counter.write(directory)
 

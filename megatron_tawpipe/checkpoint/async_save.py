@@ -27,6 +27,8 @@ import queue
 import sys
 from typing import List, Optional
 
+from megatron_tawpipe.compat import patches
+
 _calls = None            # megatron-core's AsyncCallsQueue, made at the first async save
 _results_queues: dict = {}  # the writer's results queue, per kind of worker
 _reported = False           # whether a writer was told to say that its priority could not be set
@@ -46,14 +48,13 @@ def _calls_queue(args):
 
 
 def use_results_queue(args) -> None:
-    """Point megatron-core's torch_dist writer at a results queue the worker can reach.
+    """Point megatron-core's torch_dist writer at a results queue the worker can reach (the registered patch
+    ``checkpoint-write-results-queue``, :mod:`megatron_tawpipe.compat.patches`).
 
     The writer hands each rank's write results back through a module-level queue, by default served by a
     spawned multiprocessing manager (a second interpreter per rank). A synchronous save puts and gets in this
     process (a plain queue does); a temporal worker is forked, so a fork-inherited queue does; only the
     persistent worker, a spawned process, needs megatron-core's manager queue."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     kind = "sync" if not enabled(args) else (
         "persistent" if getattr(args, "use_persistent_ckpt_worker", False) else "fork")
     if kind not in _results_queues:
@@ -62,11 +63,8 @@ def use_results_queue(args) -> None:
         elif kind == "fork":
             _results_queues[kind] = mp.get_context("fork").Queue()
         else:
-            filesystem_async._results_queue = None
-            make = (getattr(filesystem_async, "get_write_results_queue", None)       # megatron-core 0.19
-                    or getattr(filesystem_async, "_get_write_results_queue"))        # 0.16
-            _results_queues[kind] = make()
-    filesystem_async._results_queue = _results_queues[kind]
+            _results_queues[kind] = patches.new_write_results_queue()
+    patches.apply("checkpoint-write-results-queue", replace={patches.WRITE_RESULTS_QUEUE: _results_queues[kind]})
 
 
 def _write_with_priority(cpu_priority: Optional[int], io_priority: Optional[int], report: bool, write, *args,

@@ -43,7 +43,12 @@ class PlanError(MegatronTawpipeError):
 
 
 # ---- setup -------------------------------------------------------------------------------------------------
-class CpuCompatError(MegatronTawpipeError, RuntimeError):
+class PatchError(MegatronTawpipeError, RuntimeError):
+    """A run-time patch (:mod:`megatron_tawpipe.compat.patches`) does not fit the installed megatron-core or
+    torch; the message names the patch, its target and the installed versions."""
+
+
+class CpuCompatError(PatchError):
     """The CPU compatibility layer does not fit the installed megatron-core."""
 
 

@@ -1,1 +1,3 @@
-"""Fitting Megatron-LM users' habits: its flags that this project answers without implementing."""
+"""Fitting megatron-core and Megatron-LM: the supported releases (``versions``), every run-time patch of
+megatron-core, torch or Python (``patches``), the CPU layer, and Megatron-LM's flags this project answers
+without implementing."""

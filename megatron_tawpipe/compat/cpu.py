@@ -16,32 +16,32 @@ This module makes those places run on the CPU, and nothing else:
 
 It is applied only when CUDA is unavailable (:func:`apply` is a no-op on a GPU
 machine), it can be removed again (:func:`remove`), and it refuses to run on
-a megatron-core whose patch targets moved: it raises :class:`CpuCompatError`
-naming the installed version instead of letting anything run half-patched.
+a megatron-core whose patch targets moved, or outside the supported releases
+(:mod:`.versions`): it raises :class:`CpuCompatError` naming the installed
+version instead of letting anything run half-patched. The replacements are the
+registered patch ``cpu-without-cuda`` (:mod:`.patches`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_tawpipe.common.errors import CpuCompatError
+from megatron_tawpipe.common.errors import CpuCompatError, PatchError
+from megatron_tawpipe.compat import patches, patching
 
 __all__ = ["CpuCompatError", "apply", "remove", "is_applied", "explain_cuda_errors", "megatron_version"]
 
 
 def megatron_version() -> str:
-    try:
-        from megatron.core.package_info import __version__
-    except Exception:  # pragma: no cover - megatron-core always has package_info
-        return "unknown"
-    return __version__
+    """The installed megatron-core's version ("unknown" where it cannot be told)."""
+    found = patching.installed_version("megatron-core")
+    return "unknown" if found == "not installed" else found
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -194,8 +194,8 @@ def _memory_zero(*args, **kwargs) -> int:
     return 0
 
 
-# (module, attribute, replacement); the module/attribute must exist, otherwise
-# this megatron-core (or torch) is not the one the layer was written for.
+# (module, attribute, replacement): the targets of the registered patch cpu-without-cuda
+# (megatron_tawpipe.compat.patches), whose self-check refuses a megatron-core or torch they do not fit.
 def _patch_table() -> List[Tuple[str, str, Any]]:
     return [
         ("torch.cuda", "current_device", _current_device),
@@ -226,7 +226,7 @@ def _patch_table() -> List[Tuple[str, str, Any]]:
 # apply / remove
 # --------------------------------------------------------------------------------------
 
-_saved: Dict[Tuple[str, str], Any] = {}
+_applied: patching.Applied | None = None
 _mode: _CudaToCpuMode | None = None
 
 # megatron's RNG tracker warns when the CPU generator changes inside a fork of the "CUDA" one. Here the
@@ -248,44 +248,24 @@ def is_applied() -> bool:
     return _mode is not None
 
 
-def _resolve(module_name: str, attr: str):
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise CpuCompatError(
-            f"megatron-core {megatron_version()}: CPU compatibility layer cannot import "
-            f"{module_name} ({exc}); this megatron-core version is not supported on CPU"
-        ) from exc
-    if not hasattr(module, attr):
-        raise CpuCompatError(
-            f"megatron-core {megatron_version()}: CPU compatibility layer expected "
-            f"{module_name}.{attr}, which this version does not have; "
-            "it is not supported on CPU (supported: megatron-core 0.14-0.16)"
-        )
-    return module
-
-
 def apply(force: bool = False) -> bool:
     """Make megatron-core run on the CPU. Returns True if the layer is active.
 
     A no-op (returns False) when CUDA is available, unless ``force``.
     Must be called before models are built, in every process.
     """
-    global _mode
+    global _mode, _applied
     if _mode is not None:
         return True
     if torch.cuda.is_available() and not force:
         return False
-    resolved = []
+    replace, wrap = {}, {}
     for module_name, attr, replacement in _patch_table():
-        module = _resolve(module_name, attr)
-        original = getattr(module, attr)
-        if replacement is _engine_with_mode:
-            replacement = _engine_with_mode(original)
-        resolved.append((module, module_name, attr, original, replacement))
-    for module, module_name, attr, original, replacement in resolved:
-        _saved[(module_name, attr)] = original
-        setattr(module, attr, replacement)
+        (wrap if replacement is _engine_with_mode else replace)[f"{module_name}:{attr}"] = replacement
+    try:
+        _applied = patches.apply("cpu-without-cuda", replace=replace, wrap=wrap)
+    except PatchError as exc:
+        raise CpuCompatError(f"CPU compatibility layer: {exc}; not supported on CPU") from None
     _mode = _CudaToCpuMode()
     _mode.__enter__()
     logging.getLogger(_RNG_LOGGER).addFilter(_rng_filter)
@@ -301,9 +281,7 @@ def remove() -> None:
     _mode.__exit__(None, None, None)
     _mode = None
     logging.getLogger(_RNG_LOGGER).removeFilter(_rng_filter)
-    for (module_name, attr), original in _saved.items():
-        setattr(importlib.import_module(module_name), attr, original)
-    _saved.clear()
+    _applied.undo()
 
 
 def _self_check() -> None:

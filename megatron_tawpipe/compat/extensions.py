@@ -15,6 +15,8 @@ import os
 import re
 import warnings
 
+from megatron_tawpipe.compat import patches
+
 MISSING_EXTENSION = r"(Transformer Engine and Apex are|Transformer Engine is|Apex is) not installed"
 # megatron-core's TransformerConfig warns about its own default cuda_graph_scope, on every rank alike.
 FULL_SCOPE_DEPRECATED = r"full scope is deprecated"
@@ -40,7 +42,13 @@ def missing_extension_warnings_once(rank: int = None) -> None:
         return
     for pattern in SAME_ON_EVERY_RANK:
         warnings.filterwarnings("always", message=pattern, category=UserWarning)
-    shown, show = set(), warnings.showwarning
+    # Python documents warnings.showwarning as the hook for this (the registered patch rank0-warnings-once)
+    patches.apply("rank0-warnings-once", wrap={"warnings:showwarning": _showing_once})
+
+
+def _showing_once(show):
+    """``show`` (Python's showwarning) with each distinct message of :data:`SAME_ON_EVERY_RANK` shown once."""
+    shown = set()
 
     def show_once(message, category, filename, lineno, file=None, line=None):
         if _is_same_on_every_rank(message, category):
@@ -50,7 +58,7 @@ def missing_extension_warnings_once(rank: int = None) -> None:
         show(message, category, filename, lineno, file, line)
 
     show_once.shows_missing_extensions_once = True
-    warnings.showwarning = show_once     # the hook Python's warnings module documents for this
+    return show_once
 
 
 def ignore_missing_extension_warnings() -> None:

@@ -11,9 +11,10 @@ instead of computing ``grad_output^T @ input``; :meth:`WgradStore.pop` returns t
 Outside a recording the layers compute both gradients in their backward, like megatron's.
 
 The layers are given through the layer spec (:func:`deferred_layer_spec`); megatron's modules are not
-patched. With Transformer Engine's layer the split is TE's own (``delay_wgrad_compute`` and each TE
-linear's ``backward_dw()``, TE >= 2.3): :func:`deferred_wgrad_kind` chooses, :func:`te_wgrad_modules`
-finds the modules.
+patched (the override of megatron's private hook is registered, and checked, in
+:mod:`megatron_tawpipe.compat.patches`). With Transformer Engine's layer the split is TE's own
+(``delay_wgrad_compute`` and each TE linear's ``backward_dw()``, TE >= 2.3): :func:`deferred_wgrad_kind`
+chooses, :func:`te_wgrad_modules` finds the modules.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_tawpipe.compat import patches
 
 Key = Tuple[int, int]   # (micro-batch, shard)
 
@@ -197,12 +200,12 @@ def _check_supported(layer) -> None:
 
 
 class _Deferred:
-    """The matrix multiply of megatron's linear (its ``_forward_impl`` hook) on :class:`DeferredWgradLinear`."""
+    """The matrix multiply of megatron's linear (its private ``_forward_impl`` hook, overridden: the registered
+    patch ``deferred-linear-forward-impl`` of :mod:`megatron_tawpipe.compat.patches`) on
+    :class:`DeferredWgradLinear`."""
 
     def _init_deferred(self, wgrad_store: WgradStore) -> None:
-        if not callable(getattr(super(), "_forward_impl", None)):
-            raise TypeError("this megatron-core's linear layers have no _forward_impl; deferred weight gradients "
-                            "need one (megatron-core 0.16 to 0.19 have it)")
+        patches.check("deferred-linear-forward-impl")   # the override's hook, in the releases it is written for
         _check_supported(self)
         self.wgrad_store = wgrad_store
 
