@@ -167,15 +167,20 @@ _COLUMNS = ("linear_proj.weight", "linear_fc2.weight")
 
 
 def _tp_slice(name, whole, t, tp):
-    """Megatron-LM's tensor-parallel slice ``t`` of ``tp`` of a whole tensor (SwiGLU's fc1: its share of the
-    gate rows, then of the up rows)."""
+    """Megatron-LM's tensor-parallel slice ``t`` of ``tp`` of a whole tensor, by index arithmetic: rows
+    [t*n/tp, (t+1)*n/tp) of a column-parallel weight (SwiGLU's fc1: those of its gate half, then of its up half),
+    those columns of a row-parallel one, the rest whole. The reference the loader is checked against: written
+    apart from the checkpoint code's own splitting (legacy_torch.split_for_rank), which it must not share."""
     if name.endswith("linear_fc1.weight"):
-        gate, up = whole.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, dim=0)[t], up.chunk(tp, dim=0)[t]], dim=0).clone()
+        half = whole.shape[0] // 2
+        rows = half // tp
+        return torch.cat([whole[t * rows:(t + 1) * rows], whole[half + t * rows:half + (t + 1) * rows]]).clone()
     if name.endswith(_ROWS):
-        return whole.chunk(tp, dim=0)[t].clone()
+        rows = whole.shape[0] // tp
+        return whole[t * rows:(t + 1) * rows].clone()
     if name.endswith(_COLUMNS):
-        return whole.chunk(tp, dim=1)[t].clone()
+        columns = whole.shape[1] // tp
+        return whole[:, t * columns:(t + 1) * columns].clone()
     return whole.clone()
 
 

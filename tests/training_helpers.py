@@ -63,7 +63,7 @@ def loaded_trainer(argv: List[str]):
     from megatron_tawpipe.data import build_tokenizer
     from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
     from megatron_tawpipe.training.forward_step import gpt_forward_step
-    from megatron_tawpipe.training.loop import build_trainer
+    from megatron_tawpipe.training.loop import build_trainer, legacy_reference_factory
     from megatron_tawpipe.training.validate_args import validate_args
 
     args = validate_args(parse_args(argv))
@@ -72,7 +72,8 @@ def loaded_trainer(argv: List[str]):
     try:
         build_tokenizer(args)
         trainer = build_trainer(args, gpt_forward_step)
-        yield trainer, load_checkpoint(args.load, trainer, None, args)
+        yield trainer, load_checkpoint(args.load, trainer, None, args,
+                                       legacy_reference_factory(args, gpt_forward_step))
     finally:
         destroy()
 

@@ -30,7 +30,7 @@ from megatron_tawpipe.arguments import TOOL_FLAGS  # noqa: E402
 from megatron_tawpipe.plan.files import read_plan  # noqa: E402
 from megatron_tawpipe.sim import CostModel, simulate  # noqa: E402
 from megatron_tawpipe.sim.memory import weight_store_peak_bytes  # noqa: E402
-from megatron_tawpipe.sim.simulate import activation_peaks  # noqa: E402
+from megatron_tawpipe.sim.plan_memory import activation_peaks  # noqa: E402
 from megatron_tawpipe.sim.strategies import plan_memory  # noqa: E402
 
 SCHEDULES = ("weipipe", "weipipe-zb1", "weipipe-zb2", "tawpipe", "tawpipe-zb")

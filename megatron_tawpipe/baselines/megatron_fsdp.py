@@ -117,7 +117,7 @@ class MegatronFsdpTrainer(NativeTrainer):
         restore_hfsdp_grad_scaling(wrapped)
         return [wrapped]
 
-    def megatron_sharded_state_dict(self, with_optimizer: bool) -> dict:
+    def megatron_model_chunks(self):
         raise NotImplementedError("checkpoints are not supported with --use-megatron-fsdp")
 
     def gathered_masters(self):

@@ -21,7 +21,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_tawpipe.compat import patches
 from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.baselines.sharded_state import (SliceTarget, distributed_optimizer_target,
-                                                      gather_distributed_optimizer, initialize_adam_state)
+                                                      gather_distributed_optimizer)
 from megatron_tawpipe.common.checkpointable import CheckpointDefaults
 from megatron_tawpipe.common.step import StepResult
 from megatron_tawpipe.emulation.compute import EmulatedCompute
@@ -264,60 +264,13 @@ class NativeTrainer(CheckpointDefaults):
                 else:
                     yield name, param, getattr(param, "main_param", param)
 
-    def megatron_sharded_state_dict(self, with_optimizer: bool) -> dict:
-        """``model`` (``model0``, ``model1``, ... with virtual stages) and ``optimizer`` as Megatron-LM
-        saves them with ``--ckpt-format torch_dist``: megatron-core's own sharded state dicts, the
-        distributed optimizer in its model-space ``fully_reshardable`` form."""
-        state = self._model_states(lambda chunk: chunk.sharded_state_dict())
-        if with_optimizer:
-            if self.args.use_distributed_optimizer:
-                initialize_adam_state(self._torch_optimizer())   # (no step taken yet: fp16 skipping its first steps)
-            metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if self.args.use_distributed_optimizer else None
-            state["optimizer"] = self.optimizer.sharded_state_dict(state, metadata=metadata)
-        return state
-
-    def megatron_legacy_state_dict(self, with_optimizer: bool, parameter_state: Optional[str]) -> dict:
-        """``model`` (``model0``, ``model1``, ...) and ``optimizer`` as Megatron-LM's ``--ckpt-format torch``
-        writes them: each chunk's ``state_dict_for_save_checkpoint()`` and megatron-core's
-        ``optimizer.state_dict()``; the distributed optimizer's parameter state goes to ``parameter_state``
-        (megatron-core's ``save_parameter_state``, written by data-parallel rank 0; collective)."""
-        state = self._model_states(lambda chunk: chunk.state_dict_for_save_checkpoint())
-        if with_optimizer:
-            if self.args.use_distributed_optimizer:
-                initialize_adam_state(self._torch_optimizer())   # (no step taken yet: fp16 skipping its first steps)
-                self.optimizer.save_parameter_state(parameter_state)
-            state["optimizer"] = self.optimizer.state_dict()
-        return state
-
-    def load_megatron_legacy_optimizer(self, optimizer_state: dict, parameter_state: Optional[str]) -> None:
-        """Megatron-LM's loading steps: ``optimizer.load_state_dict`` (for the fp16/bf16 optimizers the fp32
-        masters and the loss scaler too), then the distributed optimizer's ``load_parameter_state``."""
-        states = self._torch_optimizer().state
-        for param in [param for param, state in states.items() if not state]:
-            del states[param]   # (entries the weights' loading made by looking up states: megatron-core would keep them)
-        self.optimizer.load_state_dict(optimizer_state)
-        if self.args.use_distributed_optimizer:
-            # megatron-core 0.16.1 with torch's Adam (no Apex/TE) puts the step (from the param groups) into each
-            # parameter's state in load_state_dict, then load_parameter_state copies every state key from the
-            # file, which has none for the step: set it aside meanwhile. It sets one step tensor for every
-            # parameter, which torch's Adam would count up once per parameter: each gets its own copy.
-            states = self._torch_optimizer().state   # (load_state_dict replaced the dict)
-            steps = {param: state.pop("step") for param, state in states.items() if "step" in state}
-            try:
-                with torch.no_grad():   # (fp32: the main shards are views of the parameters)
-                    self.optimizer.load_parameter_state(parameter_state)
-            finally:
-                for param, step in steps.items():   # (one tensor shared by every parameter: each its own)
-                    states[param]["step"] = step.clone()
-
-    def _model_states(self, state_of) -> dict:
-        """``model`` (``model0``, ``model1``, ... with virtual stages): ``state_of`` each unwrapped chunk, once
-        the last step's parameter gather is finished."""
+    def megatron_model_chunks(self) -> List[torch.nn.Module]:
+        """The unwrapped model chunks, once the last step's parameter gather is finished."""
         self._finish_param_gather()
-        chunks = [unwrap_model(chunk) for chunk in self.model]
-        if len(chunks) == 1:
-            return {"model": state_of(chunks[0])}
-        return {f"model{i}": state_of(chunk) for i, chunk in enumerate(chunks)}
+        return [unwrap_model(chunk) for chunk in self.model]
+
+    def megatron_optimizer(self):
+        return self.optimizer
 
     def _finish_param_gather(self) -> None:
         if self.args.use_distributed_optimizer and self.args.overlap_param_gather:

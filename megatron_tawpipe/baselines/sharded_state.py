@@ -163,25 +163,3 @@ def fsdp_target(param: torch.nn.Parameter, optimizer: torch.optim.Optimizer) -> 
             for key, value in state.items()}
 
     return SliceTarget(param.shape, local.device, take, put, store_state)
-
-
-def initialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of torch's Adam/AdamW that has no state yet the state Adam creates at its first
-    step (step 0, zero moments): the same update follows. megatron-core 0.16.1's distributed optimizer cannot
-    write its state dict while torch's Adam has taken no step (it reads the step from the per-parameter state),
-    as under fp16 while the first iterations overflow and skip their step."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return
-    for group in optimizer.param_groups:
-        device_step = group.get("fused") or group.get("capturable")
-        for param in group["params"]:
-            if optimizer.state.get(param):
-                continue
-            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-            state = {"step": torch.zeros((), dtype=scalar, device=param.device) if device_step
-                     else torch.tensor(0.0, dtype=scalar),
-                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            optimizer.state[param] = state

@@ -1,6 +1,7 @@
 """Checkpoints that any schedule can resume from.
 
-Three formats, chosen with ``--ckpt-format`` when saving and recognised by their files when loading:
+Three formats, chosen with ``--ckpt-format`` when saving and recognised by their files when loading, each an
+object of :mod:`.formats`' registry that the functions here dispatch through:
 
 * ``torch_dist`` (the default, Megatron-LM's): megatron-core's ``dist_checkpointing``, tensors under
   megatron-core's model-space keys (:mod:`.torch_dist`), written in the background with ``--async-save``
@@ -21,25 +22,21 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_tawpipe.checkpoint import async_save, legacy_torch, per_parameter
+from megatron_tawpipe.checkpoint import async_save, formats
 from megatron_tawpipe.checkpoint.load_record import LoadRecord
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, TRACKER_FILE, checkpoint_dir,
                                                 is_release, iteration_dir, latest_iteration, model_signature, rank)
-from megatron_tawpipe.common.checkpointable import Checkpointable
+from megatron_tawpipe.common.checkpointable import Checkpointable, ReferenceFactory
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 
+
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer: Checkpointable, scheduler,
-                    args) -> str:
-    """Collectively write a checkpoint of ``trainer`` in ``--ckpt-format`` (every rank must call it)."""
-    if getattr(args, "ckpt_format", "torch_dist") == "tawpipe":
-        return per_parameter.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
-    from megatron_tawpipe.checkpoint import torch_dist
-
-    if args.ckpt_format == "torch":
-        return legacy_torch.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args,
-                                            torch_dist.saved_arguments(args, consumed_samples))
-
-    return torch_dist.save_checkpoint(root, iteration, consumed_samples, trainer, scheduler, args)
+                    args, legacy_reference: Optional[ReferenceFactory] = None) -> str:
+    """Collectively write a checkpoint of ``trainer`` in ``--ckpt-format`` (every rank must call it).
+    ``legacy_reference``: a weight-passing run's builder of megatron-core's objects at tensor/pipeline size 1, through
+    which ``--ckpt-format torch`` writes its optimizer state (:mod:`.legacy_reference`)."""
+    fmt = formats.named(getattr(args, "ckpt_format", "torch_dist"))
+    return fmt.save(root, iteration, consumed_samples, trainer, scheduler, args, legacy_reference)
 
 
 def finalize_async_saves(blocking: bool = False) -> None:
@@ -55,37 +52,24 @@ def close_async_saves(abort: bool) -> None:
 
 def checkpoint_format(directory: str) -> str:
     """``torch_dist``, ``torch`` or ``tawpipe``, from the files in a checkpoint directory."""
-    if os.path.isfile(os.path.join(directory, ".metadata")):
-        return "torch_dist"
-    if os.path.isfile(os.path.join(directory, "common.pt")):
-        return "tawpipe"
-    if legacy_torch.is_legacy_dir(directory):
-        return "torch"
-    raise CheckpointError(f"{directory}: neither a torch_dist checkpoint (.metadata), Megatron-LM's legacy torch "
-                          "format (mp_rank_*/model_optim_rng.pt) nor this project's per-parameter format (common.pt)")
+    return formats.recognise(directory).name
 
 
-def load_checkpoint(root: str, trainer: Checkpointable, scheduler, args) -> Tuple[int, int]:
+def load_checkpoint(root: str, trainer: Checkpointable, scheduler, args,
+                    legacy_reference: Optional[ReferenceFactory] = None) -> Tuple[int, int]:
     """Load the latest checkpoint under ``root`` in whichever format it was written;
     returns ``(iteration, consumed_samples)``, ``(0, 0)`` when there is none. Rank 0 prints one line: the
     directory, format, iteration, and what was and was not restored; ``args.loaded_checkpoint`` names the
-    directory for the run's summary."""
+    directory for the run's summary. ``legacy_reference`` as for :func:`save_checkpoint`."""
     iteration = latest_iteration(root)
     if iteration is None:
         return 0, 0
     directory = checkpoint_dir(root)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{root}: the tracker names iteration {iteration}, but {directory} is missing")
-    kind = checkpoint_format(directory)
-    report = LoadRecord(directory, kind, release=is_release(root), iteration=iteration)
-    if kind == "tawpipe":
-        position = per_parameter.load_checkpoint(root, trainer, scheduler, args, report)
-    elif kind == "torch":
-        position = legacy_torch.load_checkpoint(root, trainer, scheduler, args, report)
-    else:
-        from megatron_tawpipe.checkpoint import torch_dist
-
-        position = torch_dist.load_checkpoint(root, trainer, scheduler, args, report)
+    fmt = formats.recognise(directory)
+    report = LoadRecord(directory, fmt.name, release=is_release(root), iteration=iteration)
+    position = fmt.load(root, trainer, scheduler, args, report, legacy_reference)
     args.loaded_checkpoint = directory
     if rank() == 0:
         print(report.line(root), flush=True)
@@ -111,20 +95,11 @@ def checkpoint_arguments(root: str) -> Optional[Tuple[str, Dict[str, object]]]:
 def saved_run_arguments(directory: str) -> Dict[str, object]:
     """The arguments the checkpoint in ``directory`` was saved with (Megatron-LM's ``args``; for this project's
     per-parameter format, its model signature only)."""
-    path = os.path.join(directory, "common.pt")
+    fmt = formats.recognise(directory)
     try:
-        kind = checkpoint_format(directory)
-        if kind == "torch":
-            return dict(vars(legacy_torch.saved_args(directory)))
-        if kind == "torch_dist":
-            # Megatron-LM stores its argparse namespace in the common part: common.pt up to megatron-core
-            # 0.18, an object inside the .distcp files from 0.19 (megatron-core reads either).
-            from megatron.core import dist_checkpointing
-
-            path = directory
-            return dict(vars(dist_checkpointing.load_common_state_dict(directory)["args"]))
-        return dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
+        return fmt.saved_arguments(directory)
     except (OSError, KeyError, RuntimeError, EOFError) as exc:
+        path = os.path.join(directory, fmt.arguments_file) if fmt.arguments_file else directory
         raise CheckpointError(f"{path}: cannot read the checkpoint's arguments: {exc}") from exc
 
 
@@ -132,14 +107,7 @@ def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
     """Every parameter of the checkpoint in ``directory``, whole, on the host, without process groups: the
     fp32 masters where the checkpoint has them. Names are global (``decoder.layers.3.<...>``); a torch_dist
     checkpoint names them by megatron-core's keys (a local layer's norms under Transformer Engine's names)."""
-    kind = checkpoint_format(directory)
-    if kind == "tawpipe":
-        return per_parameter.read_parameters(directory)
-    if kind == "torch":
-        return legacy_torch.read_parameters(directory)
-    from megatron_tawpipe.checkpoint import torch_dist
-
-    return torch_dist.read_parameters(directory)
+    return formats.recognise(directory).read_parameters(directory)
 
 
 __all__ = ["ARCHITECTURE_KEYS", "CHECKPOINT_ARGS", "TRACKER_FILE", "CheckpointError", "CheckpointSetupError",

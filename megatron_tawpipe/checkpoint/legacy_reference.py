@@ -4,8 +4,9 @@ A weight-passing rank owns some parameters' fp32 masters and Adam moments; Megat
 ``optimizer.state_dict()``, indexed by megatron-core's parameter order. So the files are written exactly as a native
 run at tensor/pipeline size 1 with megatron-core's non-distributed optimizer writes them, by that run's own objects:
 rank 0 gathers the whole masters and moments, puts them (by global name) into megatron-core's model and optimizer
-built for that layout (the trainer's ``legacy_reference``; built on every rank, as megatron-core agrees its
-parameter groups over all ranks, and dropped again at once but on rank 0), and writes what megatron-core's
+built for that layout (by the ``legacy_reference`` factory the training layer passes to the checkpoint functions;
+built on every rank, as megatron-core agrees its parameter groups over all ranks, and dropped again at once but
+on rank 0), and writes what megatron-core's
 ``state_dict_for_save_checkpoint()`` and ``optimizer.state_dict()`` give. Loading runs the other way: rank 0 has
 megatron-core's ``optimizer.load_state_dict`` read the file, then hands each parameter's whole master and moments
 to the ranks that hold it, one parameter at a time. Rank 0 holds one whole model with its optimizer state meanwhile,
@@ -19,8 +20,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.common.checkpointable import ReferenceFactory
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.common.errors import CheckpointError
+from megatron_tawpipe.checkpoint import megatron_state
 from megatron_tawpipe.checkpoint.state import rank, restore_optimizer_state, tied_alias, world, writer_entries
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -42,7 +45,7 @@ def _gather(value) -> Optional[list]:
     return parts
 
 
-def reference_state(trainer, args) -> Optional[dict]:
+def reference_state(trainer, args, build_reference: ReferenceFactory) -> Optional[dict]:
     """Collective. On rank 0: ``model`` and ``optimizer`` as megatron-core writes them at tensor/pipeline size 1
     with its non-distributed optimizer, holding this run's masters, moments, LR and loss scale; None elsewhere."""
     tied = not args.untie_embeddings_and_output_weights
@@ -54,7 +57,7 @@ def reference_state(trainer, args) -> Optional[dict]:
     groups = [{key: group.get(key) for key in _HYPERPARAMETERS} | {"key": _group_key(group)}
               for group in trainer.optimizer.param_groups]
     parts, group_parts = _gather(local), _gather(groups)
-    reference = trainer.legacy_reference()   # (collective: megatron-core agrees its parameter groups over all ranks)
+    reference = build_reference()   # (collective: megatron-core agrees its parameter groups over all ranks)
     if rank() != 0:
         return None
     wholes: Dict[str, tuple] = {}
@@ -78,20 +81,20 @@ def reference_state(trainer, args) -> Optional[dict]:
         found = settings.get(_group_key(group))
         if found is not None:
             group.update({key: found[key] for key in _HYPERPARAMETERS if found[key] is not None})
-    return reference.megatron_legacy_state_dict(True, None)
+    return megatron_state.legacy_state_dict(reference, True, None)
 
 
-def load_reference_optimizer(optimizer_state: Optional[dict], trainer, args) -> None:
+def load_reference_optimizer(optimizer_state: Optional[dict], trainer, args, build_reference: ReferenceFactory) -> None:
     """Collective. Rank 0 loads ``optimizer_state`` (megatron-core's ``optimizer.state_dict()`` at tensor/pipeline
     size 1, non-distributed) into megatron-core's optimizer; every rank then takes the whole fp32 masters and Adam
     state of the parameters it holds, and the loss scale."""
     tied = not args.untie_embeddings_and_output_weights
-    reference, listing = trainer.legacy_reference(), None   # (collective, as above; used on rank 0)
+    reference, listing = build_reference(), None   # (collective, as above; used on rank 0)
     if rank() != 0:
         reference = None
     else:
         try:
-            reference.load_megatron_legacy_optimizer(optimizer_state, None)
+            megatron_state.load_legacy_optimizer(reference, optimizer_state, None)
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:   # not megatron-core's state at this layout
             listing = {"error": f"megatron-core's optimizer.load_state_dict refused its optimizer state: {exc}"}
     if rank() == 0 and listing is None:

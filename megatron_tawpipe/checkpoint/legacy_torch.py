@@ -45,12 +45,16 @@ import torch.distributed as dist
 from megatron_tawpipe.arguments import is_weight_passing, virtual_pipeline_size
 from megatron_tawpipe.common.atomic import atomic_torch_save, fsync_dir, fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
-from megatron_tawpipe.checkpoint import legacy_names, legacy_reference
+from megatron_tawpipe.common.checkpointable import ReferenceFactory
+from megatron_tawpipe.checkpoint import legacy_names, megatron_state
+from megatron_tawpipe.checkpoint.legacy_reference import (load_reference_optimizer, reference_state,
+                                                           rng_states_of_every_rank)
 from megatron_tawpipe.checkpoint.load_record import note_training_state
 from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS, barrier, check_signature,
-                                                checkpoint_dir, is_release, load_scheduler, promote_checkpoint_dir,
-                                                rank, rng_state, set_rng_state, start_checkpoint_dir, tied_alias,
-                                                world, writer_entries)
+                                                checkpoint_dir, is_release, load_file, load_scheduler,
+                                                promote_checkpoint_dir, rank, rng_state, saved_arguments,
+                                                set_rng_state, start_checkpoint_dir, tied_alias, world,
+                                                writer_entries)
 
 FILE = "model_optim_rng.pt"
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"   # Megatron-LM's, beside FILE, with --use-distributed-optimizer
@@ -89,10 +93,8 @@ def _rank_files(directory: str) -> Dict[Tuple[int, int], str]:
 
 
 def _load(path: str) -> dict:
-    try:  # Megatron-LM's files hold its argparse namespace (and enums): not loadable with weights_only
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as exc:  # truncated or corrupt file
-        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+    # Megatron-LM's files hold its argparse namespace (and enums): not loadable with weights_only
+    return load_file(path, weights_only=False)
 
 
 def _merge(name: str, slices: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
@@ -208,8 +210,11 @@ def _piece(whole: torch.Tensor, fragments) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
-def load_checkpoint(root: str, trainer, scheduler, args, report=None) -> Tuple[int, int]:
-    """Load the weights of the ``--ckpt-format torch`` checkpoint the tracker under ``root`` names."""
+def load_checkpoint(root: str, trainer, scheduler, args, report=None,
+                    legacy_reference: Optional[ReferenceFactory] = None) -> Tuple[int, int]:
+    """Load the weights of the ``--ckpt-format torch`` checkpoint the tracker under ``root`` names (under a
+    weight-passing schedule the optimizer state goes through ``legacy_reference``'s objects:
+    :mod:`.legacy_reference`)."""
     directory = checkpoint_dir(root)
     release = is_release(root)
     source = LegacyCheckpoint(directory, swiglu=bool(args.swiglu))
@@ -242,9 +247,10 @@ def load_checkpoint(root: str, trainer, scheduler, args, report=None) -> Tuple[i
     weight_passing = is_weight_passing(args.pipeline_schedule)
     own = _own_file(directory, private=not weight_passing or rank() == 0) if restore_optimizer else None
     if own is not None and weight_passing:   # megatron-core's optimizer on rank 0 reads it, hands each rank its part
-        legacy_reference.load_reference_optimizer(own["state"]["optimizer"] if rank() == 0 else None, trainer, args)
+        load_reference_optimizer(own["state"]["optimizer"] if rank() == 0 else None, trainer, args,
+                                 _reference_factory(legacy_reference))
     elif own is not None:
-        trainer.load_megatron_legacy_optimizer(own["state"]["optimizer"], own["parameter_state"])
+        megatron_state.load_legacy_optimizer(trainer, own["state"]["optimizer"], own["parameter_state"])
     trainer.after_parameters_loaded()
     if args.finetune or release:
         note_training_state(report, args, optimizer=False, scheduler=False, rng=False, rng_why=None, iteration=0,
@@ -326,10 +332,7 @@ def _own_file(directory: str, private: bool = True) -> dict:
     rank_dir = os.path.join(directory, _rank_dir_name(mpu.get_tensor_model_parallel_rank(),
                                                       mpu.get_pipeline_model_parallel_rank(), pipelined))
     path = os.path.join(rank_dir, FILE)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=not private)
-    except Exception as exc:  # missing, truncated or corrupt
-        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+    state = load_file(path, weights_only=False, mmap=not private)
     if "optimizer" not in state:
         raise CheckpointSetupError(f"{path} holds no optimizer state; pass --no-load-optim (or --finetune)")
     parameter_state = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE)
@@ -357,16 +360,30 @@ def _set_megatron_rng_state(state: dict) -> None:
                    "tracker": state["rng_tracker_states"]})
 
 
+def _reference_factory(legacy_reference: Optional[ReferenceFactory]) -> ReferenceFactory:
+    """A weight-passing run's optimizer state in legacy files goes through megatron-core's objects at
+    tensor/pipeline size 1, which the caller builds (the training loop passes its factory)."""
+    if legacy_reference is None:
+        raise CheckpointSetupError("--ckpt-format torch with the optimizer state under a weight-passing schedule "
+                                   "needs megatron-core's model and optimizer at tensor/pipeline size 1, which the "
+                                   "caller builds (legacy_reference); pass --no-save-optim / --no-load-optim or use "
+                                   "--ckpt-format torch_dist")
+    return legacy_reference
+
+
 def _rank_dir_name(tp_rank: int, pp_rank: int, pipelined: bool) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" if pipelined else f"mp_rank_{tp_rank:02d}"
 
 
-def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args, saved_args) -> str:
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, scheduler, args,
+                    legacy_reference: Optional[ReferenceFactory] = None) -> str:
     """Collectively write Megatron-LM's legacy files: with the optimizer state (megatron-core's own schedules),
-    one file per tensor- and pipeline-parallel rank as Megatron-LM writes them; with --no-save-optim, the
-    weights gathered as one rank, ``mp_rank_00/model_optim_rng.pt`` (from one tensor-parallel rank)."""
+    one file per tensor- and pipeline-parallel rank as Megatron-LM writes them (a weight-passing run through
+    ``legacy_reference``'s megatron-core objects); with --no-save-optim, the weights gathered as one rank,
+    ``mp_rank_00/model_optim_rng.pt`` (from one tensor-parallel rank)."""
+    saved_args = saved_arguments(args, consumed_samples)
     if not args.no_save_optim:
-        return _save_per_rank(root, iteration, trainer, scheduler, args, saved_args)
+        return _save_per_rank(root, iteration, trainer, scheduler, args, saved_args, legacy_reference)
     tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
     tied = not args.untie_embeddings_and_output_weights
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
@@ -399,7 +416,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     return final_dir
 
 
-def _save_per_rank(root: str, iteration: int, trainer, scheduler, args, saved_args) -> str:
+def _save_per_rank(root: str, iteration: int, trainer, scheduler, args, saved_args,
+                   legacy_reference: Optional[ReferenceFactory]) -> str:
     """Each tensor- and pipeline-parallel rank's ``mp_rank_TT[_PPP]/model_optim_rng.pt``, written by its
     data-parallel rank 0: its model chunks, megatron-core's ``optimizer.state_dict()``, the LR schedule, its RNG
     states; with the distributed optimizer also ``distrib_optim.pt`` (megatron-core's ``save_parameter_state``)."""
@@ -416,12 +434,12 @@ def _save_per_rank(root: str, iteration: int, trainer, scheduler, args, saved_ar
     barrier()
     parameter_state = None
     if weight_passing:   # megatron-core's own objects at tensor/pipeline size 1 write it, on rank 0
-        state = legacy_reference.reference_state(trainer, args)
-        rng = (legacy_reference.rng_states_of_every_rank(_megatron_rng_state()) if not args.no_save_rng else None)
+        state = reference_state(trainer, args, _reference_factory(legacy_reference))
+        rng = (rng_states_of_every_rank(_megatron_rng_state()) if not args.no_save_rng else None)
     else:
         if args.use_distributed_optimizer:
             parameter_state = os.path.join(rank_dir, DISTRIBUTED_OPTIMIZER_FILE)
-        state = trainer.megatron_legacy_state_dict(True, parameter_state)
+        state = megatron_state.legacy_state_dict(trainer, True, parameter_state)
         rng = [_megatron_rng_state()] if not args.no_save_rng else None
     if state is None and writer:   # (validate_args refuses this case)
         raise CheckpointSetupError("--ckpt-format torch with the optimizer state is written from megatron-core's own "

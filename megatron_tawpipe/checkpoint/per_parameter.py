@@ -38,7 +38,7 @@ from megatron_tawpipe.common.atomic import atomic_torch_save, atomic_write_text
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 from megatron_tawpipe.checkpoint.load_record import note_training_state
 from megatron_tawpipe.checkpoint.state import (barrier, check_signature, checkpoint_dir,
-                                                latest_iteration, load_scheduler, model_signature, rank,
+                                                latest_iteration, load_file, load_scheduler, model_signature, rank,
                                                 promote_checkpoint_dir, restore_optimizer_state, rng_state, set_rng_state,
                                                 start_checkpoint_dir, tied_alias, world, writer_entries)
 
@@ -112,15 +112,6 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     return final_dir
 
 
-def _load(path: str):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"checkpoint file {path} is missing") from exc
-    except Exception as exc:  # truncated or corrupt file
-        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
-
-
 # (name in the checkpoint, model param, fp32 master) for every parameter a rank loads
 _Target = Tuple[str, torch.Tensor, torch.Tensor]
 
@@ -138,7 +129,7 @@ def _targets_by_file(trainer, index: dict, tied: bool, directory: str) -> Dict[s
 
 
 def _load_parameters_from(path: str, targets: List[_Target], trainer, restore_optimizer: bool) -> None:
-    contents = _load(path)
+    contents = load_file(path)
     directory, filename = os.path.split(path)
     # A tensor-parallel rank (native schedules) holds a slice of each whole tensor.
     for source, param, master in targets:
@@ -167,7 +158,7 @@ def load_checkpoint(root: str, trainer, scheduler, args, report=None) -> Tuple[i
     if iteration is None:
         return 0, 0
     directory = checkpoint_dir(root)
-    common = _load(os.path.join(directory, "common.pt"))
+    common = load_file(os.path.join(directory, "common.pt"))
     _check_format(common, args, directory)
     tied = not args.untie_embeddings_and_output_weights
     by_file = _targets_by_file(trainer, common["index"], tied, directory)
@@ -192,7 +183,7 @@ def load_checkpoint(root: str, trainer, scheduler, args, report=None) -> Tuple[i
     same_layout = common["world_size"] == world() and common["pipeline_schedule"] == args.pipeline_schedule
     load_rng = same_layout and not args.no_load_rng and os.path.isfile(rng_file)
     if load_rng:
-        set_rng_state(_load(rng_file))
+        set_rng_state(load_file(rng_file))
     note_training_state(report, args, optimizer=restore_optimizer, scheduler=with_schedule, rng=load_rng, rng_why=None,
                         iteration=common["iteration"], consumed=common["consumed_samples"])
     return common["iteration"], common["consumed_samples"]
@@ -207,11 +198,11 @@ def _check_format(common: dict, args, directory: str) -> None:
 
 def read_parameters(directory: str) -> Dict[str, torch.Tensor]:
     """Every parameter's fp32 master in ``directory`` (see :func:`megatron_tawpipe.checkpoint.read_parameters`)."""
-    index = _load(os.path.join(directory, "common.pt"))["index"]
+    index = load_file(os.path.join(directory, "common.pt"))["index"]
     files: Dict[str, dict] = {}
     params = {}
     for name, (_shape, filename) in index.items():
         if filename not in files:
-            files[filename] = _load(os.path.join(directory, filename))["params"]
+            files[filename] = load_file(os.path.join(directory, filename))["params"]
         params[name] = files[filename][name]
     return params

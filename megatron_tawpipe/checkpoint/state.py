@@ -7,11 +7,14 @@ stand-in that copies its own slice), ``optimizer_state_for`` / ``set_optimizer_s
 tensors gathered for the writing rank), ``checkpoint_shape`` / ``checkpoint_slice`` (a rank holding
 a slice of each whole tensor), ``checkpoint_fragments`` / ``checkpoint_replica`` (torch_dist: a
 slice written and read as pieces of the whole tensor, and which copy of an unsplit one is written),
-the grad scaler's state and ``after_parameters_loaded()``.
+the grad scaler's state and ``after_parameters_loaded()``; where it has them, megatron-core's own model chunks
+and optimizer (``megatron_model_chunks()``, ``megatron_optimizer()``: :mod:`.megatron_state`). Every checkpoint
+file is read through :func:`load_file`.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import random
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.arguments import plain_arguments
 from megatron_tawpipe.common.atomic import atomic_write_text, fsync_dir
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
 
@@ -30,6 +34,25 @@ logger = logging.getLogger(__name__)
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def load_file(path: str, *, weights_only: bool = True, mmap: bool = True):
+    """``torch.load`` of one checkpoint file onto the host; a missing, truncated or corrupt file is a
+    CheckpointError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    except Exception as exc:  # truncated or corrupt file
+        raise CheckpointError(f"checkpoint file {path} is unreadable or truncated: {exc}") from exc
+
+
+def saved_arguments(args, consumed_samples: int) -> argparse.Namespace:
+    """The run's arguments as Megatron-LM stores them (``consumed_train_samples`` included)."""
+    saved = argparse.Namespace(**plain_arguments(args))
+    saved.consumed_train_samples = consumed_samples
+    saved.consumed_valid_samples = 0
+    return saved
 
 
 def rng_device_type() -> str:

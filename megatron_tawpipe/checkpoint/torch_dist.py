@@ -31,7 +31,6 @@ renamed, the tracker replaced last.
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -39,11 +38,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_tawpipe.arguments import plain_arguments
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.common.atomic import fsync_file
 from megatron_tawpipe.common.errors import CheckpointError, CheckpointSetupError
-from megatron_tawpipe.checkpoint import async_save
+from megatron_tawpipe.checkpoint import async_save, megatron_state
 from megatron_tawpipe.checkpoint.load_record import note_training_state
 from megatron_tawpipe.checkpoint.model_space import (CHECKPOINT_VERSION, CONTENT_METADATA, MOMENTS, RECORD_KEY,
                                                       RNG_KEY, SAVE_STRATEGY, layer_extra_states, layer_keys_map,
@@ -52,18 +50,10 @@ from megatron_tawpipe.checkpoint.state import (ARCHITECTURE_KEYS, SHAPE_KEYS,
                                                 barrier, check_signature, checkpoint_dir,
                                                 latest_iteration, load_scheduler, model_signature,
                                                 promote_checkpoint_dir, rank, restore_optimizer_state, rng_state,
-                                                set_rng_state, start_checkpoint_dir, tied_alias, world,
-                                                writer_entries)
+                                                saved_arguments, set_rng_state, start_checkpoint_dir, tied_alias,
+                                                world, writer_entries)
 
 # ---- saving ---------------------------------------------------------------------------------
-
-def saved_arguments(args, consumed_samples: int) -> argparse.Namespace:
-    """The run's arguments as Megatron-LM stores them (``consumed_train_samples`` included)."""
-    saved = argparse.Namespace(**plain_arguments(args))
-    saved.consumed_train_samples = consumed_samples
-    saved.consumed_valid_samples = 0
-    return saved
-
 
 def _param_group_descriptions(trainer) -> List[dict]:
     """The optimizer's groups without their parameters, the same on every rank (a rank of a
@@ -170,7 +160,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
     async_save.finalize(blocking=True)  # a background save still pending completes first (--async-save)
     tmp_dir, final_dir = start_checkpoint_dir(root, iteration)
     with_optimizer = not args.no_save_optim
-    state = trainer.megatron_sharded_state_dict(with_optimizer)
+    state = megatron_state.sharded_state_dict(trainer, with_optimizer)
     if state is None:
         state = whole_parameter_state(trainer, args, with_optimizer)
     state.update({

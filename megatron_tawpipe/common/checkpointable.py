@@ -2,13 +2,14 @@
 
 Every trainer (weight passing, megatron-core's own schedules, FSDP2) implements :class:`Checkpointable`;
 :class:`CheckpointDefaults` gives the optional hooks their plain meaning (whole tensors, nothing gathered, no
-tensor-parallel slices), so a trainer overrides only what differs. The checkpoint code calls these methods
-directly and never probes a trainer for what it happens to have.
+tensor-parallel slices), so a trainer overrides only what differs. A trainer exposes state only (masters, Adam
+state, loss scaler, megatron-core's own objects where it has them); how each format lays it out is the checkpoint
+code's, which calls these methods directly and never probes a trainer for what it happens to have.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -61,24 +62,22 @@ class Checkpointable(Protocol):
     def checkpoint_layer_module(self) -> Optional[torch.nn.Module]:
         """A decoder layer whose extra state goes into torch_dist checkpoints; None when there is none."""
 
-    def megatron_sharded_state_dict(self, with_optimizer: bool) -> Optional[dict]:
-        """megatron-core's own sharded state dict, where the trainer has one (its native models); else None."""
+    def megatron_model_chunks(self) -> Optional[List[torch.nn.Module]]:
+        """megatron-core's own model chunks (unwrapped, the last step's parameter gather finished), whose state
+        Megatron-LM's formats write as megatron-core gives it; None where the trainer has none."""
 
-    def megatron_legacy_state_dict(self, with_optimizer: bool, parameter_state: Optional[str]) -> Optional[dict]:
-        """This rank's ``model`` (or ``model0``, ...) and ``optimizer`` entries as Megatron-LM's legacy format
-        writes them (megatron-core's own objects), the distributed optimizer's parameter state written to
-        ``parameter_state`` (collective over data-parallel ranks); None where the trainer has no such objects."""
+    def megatron_optimizer(self) -> Optional[object]:
+        """megatron-core's own optimizer (``get_megatron_optimizer``'s), whose state Megatron-LM's formats write
+        and read as megatron-core gives and takes it; None where the trainer has none."""
 
-    def load_megatron_legacy_optimizer(self, optimizer_state: dict, parameter_state: Optional[str]) -> None:
-        """Load what :meth:`megatron_legacy_state_dict` wrote into megatron-core's optimizer."""
+
+# Builds (collectively, on every rank) megatron-core's own model and non-distributed optimizer at tensor/pipeline
+# size 1 beside a weight-passing run: Megatron-LM's legacy files hold its optimizer state through them.
+ReferenceFactory = Callable[[], Checkpointable]
 
 
 class CheckpointDefaults:
     """The optional hooks of :class:`Checkpointable` with their plain meaning."""
-
-    # A weight-passing trainer's builder of megatron-core's model and non-distributed optimizer at tensor/pipeline
-    # size 1 (the training layer sets it), through which Megatron-LM's legacy files hold the optimizer state.
-    legacy_reference = None
 
     def gathered_masters(self):
         return None
@@ -98,11 +97,8 @@ class CheckpointDefaults:
     def checkpoint_layer_module(self) -> Optional[torch.nn.Module]:
         return None
 
-    def megatron_sharded_state_dict(self, with_optimizer: bool) -> Optional[dict]:
+    def megatron_model_chunks(self) -> Optional[List[torch.nn.Module]]:
         return None
 
-    def megatron_legacy_state_dict(self, with_optimizer: bool, parameter_state: Optional[str]) -> Optional[dict]:
+    def megatron_optimizer(self) -> Optional[object]:
         return None
-
-    def load_megatron_legacy_optimizer(self, optimizer_state: dict, parameter_state: Optional[str]) -> None:
-        raise TypeError("only a trainer with megatron-core's own optimizer loads its legacy optimizer state")

@@ -8,6 +8,7 @@ returns the per-iteration records so that tests can call it in-process.
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import time
@@ -31,6 +32,7 @@ from megatron_tawpipe.training.summary import print_closing_summary
 from megatron_tawpipe.monitor.log_level import set_logging_level
 from megatron_tawpipe.monitor.progress_log import ProgressLog
 from megatron_tawpipe.data import batch_schedule
+from megatron_tawpipe.common.checkpointable import ReferenceFactory
 from megatron_tawpipe.common.errors import NonFiniteGradientError, PeerFailure, TrainingError, first_line
 
 
@@ -38,13 +40,9 @@ def build_trainer(args, forward_step_func):
     """The trainer of ``--pipeline-schedule`` (FSDP2 with ``--use-torch-fsdp2``, Megatron-FSDP with
     ``--use-megatron-fsdp``), running ``forward_step_func``."""
     if is_weight_passing(args.pipeline_schedule):
-        from megatron_tawpipe.baselines.native_reference import native_reference_trainer
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
-        trainer = WeightPassingTrainer(args, forward_step_func)
-        # --ckpt-format torch with the optimizer state goes through megatron-core's own optimizer (built on demand)
-        trainer.legacy_reference = lambda: native_reference_trainer(args, forward_step_func)
-        return trainer
+        return WeightPassingTrainer(args, forward_step_func)
     if getattr(args, "use_torch_fsdp2", False):
         from megatron_tawpipe.baselines.fsdp import FsdpTrainer
 
@@ -56,6 +54,17 @@ def build_trainer(args, forward_step_func):
     from megatron_tawpipe.baselines.native import NativeTrainer
 
     return NativeTrainer(args, forward_step_func)
+
+
+def legacy_reference_factory(args, forward_step_func) -> Optional[ReferenceFactory]:
+    """A weight-passing run's builder (collective, on demand) of megatron-core's own model and non-distributed
+    optimizer at tensor/pipeline size 1, through which ``--ckpt-format torch`` writes and reads its optimizer
+    state; None for the other trainers (their own megatron-core objects do, or nothing does)."""
+    if not is_weight_passing(args.pipeline_schedule):
+        return None
+    from megatron_tawpipe.baselines.native_reference import native_reference_trainer
+
+    return functools.partial(native_reference_trainer, args, forward_step_func)
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
@@ -130,15 +139,16 @@ def pretrain(args, forward_step_func, trainer_factory=None) -> List[IterationRec
     replaces the schedule's trainer (tests use it to substitute their own)."""
     factory = trainer_factory or build_trainer
     with cpu_compat.explain_cuda_errors():
-        return _pretrain(args, lambda run_args: factory(run_args, forward_step_func))
+        return _pretrain(args, lambda run_args: factory(run_args, forward_step_func),
+                         legacy_reference_factory(args, forward_step_func))
 
 
-def _pretrain(args, trainer_factory) -> List[IterationRecord]:
+def _pretrain(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) -> List[IterationRecord]:
     initialize_distributed(args)
     initialize_model_parallel(args)
     progress.start_board(args.distributed_timeout_minutes * 60.0)
     try:
-        return _train(args, trainer_factory)
+        return _train(args, trainer_factory, legacy_reference)
     except BaseException as exc:
         board = progress.board()
         if not _is_peer_failure(exc):
@@ -169,7 +179,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
                                       "NCCL error", "Timed out waiting"))
 
 
-def _train(args, trainer_factory) -> List[IterationRecord]:
+def _train(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) -> List[IterationRecord]:
     started = getattr(args, "program_start_time", None) or time.time()
     set_logging_level(args)  # --logging-level
     tokenizer = build_tokenizer(args)
@@ -181,7 +191,7 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
 
     iteration, consumed_samples = 0, 0
     if args.load:
-        iteration, consumed_samples = _resume(args, trainer, scheduler)
+        iteration, consumed_samples = _resume(args, trainer, scheduler, legacy_reference)
     _check_batch_layout(args, consumed_samples)
 
     writer = MetricsWriter(args, dist.get_world_size(), _is_writer())
@@ -241,14 +251,14 @@ def _train(args, trainer_factory) -> List[IterationRecord]:
             board.iteration(records[-1], batch)
             board.validation(extra.get("validation_lm_loss"), iteration, consumed_samples)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
-                save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+                save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args, legacy_reference)
                 progress_log.saved(iteration, consumed_samples)
                 last_saved = iteration
             finalize_async_saves(blocking=False)  # --async-save: make finished background saves visible
             if reason:
                 break
         if args.save and last_saved != iteration:
-            save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args)
+            save_checkpoint(args.save, iteration, consumed_samples, trainer, scheduler, args, legacy_reference)
             progress_log.saved(iteration, consumed_samples)
         close_async_saves(abort=False)  # before exiting: wait for background saves and finalize them
         if reason and _is_writer():
@@ -280,7 +290,7 @@ def _check_batch_layout(args, consumed_samples: int) -> None:
         raise TrainingError(f"{exc} (resuming at {consumed_samples} consumed samples)") from None
 
 
-def _resume(args, trainer, scheduler):
+def _resume(args, trainer, scheduler, legacy_reference: Optional[ReferenceFactory]):
     """Load the latest checkpoint under --load; an empty directory is reported (or refused)."""
     from megatron_tawpipe.checkpoint import CheckpointSetupError, latest_iteration
 
@@ -290,7 +300,8 @@ def _resume(args, trainer, scheduler):
         if _is_writer():
             print(f" no checkpoint found in --load {args.load}: training from scratch", flush=True)
         return 0, 0
-    return load_checkpoint(args.load, trainer, scheduler, args)   # (it prints the one line of what it loaded)
+    # (it prints the one line of what it loaded)
+    return load_checkpoint(args.load, trainer, scheduler, args, legacy_reference)
 
 
 def _report_validation(trainer, dataset, args, iteration: int) -> Optional[float]:
