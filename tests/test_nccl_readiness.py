@@ -144,10 +144,11 @@ def test_executor_resolves_cuda_stamps_of_transfers_after_the_plan(fake_cuda):
     PlanExecutor._record(ex, send, ex.timer.stamp(1.0), ex.timer.stamp(1.0), 1.0, 1.5)
     PlanExecutor._record(ex, A.Wait(send.tag), ex.timer.stamp(1.0), ex.timer.stamp(1.0), 2.0, 2.5)
     transfer = ex.trace["transfers"][0]
-    assert callable(transfer[4]) and callable(transfer[5])
+    assert callable(transfer.posted) and callable(transfer.end)
     resolve_times(ex.trace)
-    assert isinstance(transfer[4], float) and transfer[5] > transfer[4]
-    assert [record[2:4] for record in ex.trace["actions"]] == [[1.0, 1.5], [2.0, 2.5]]   # the host's clock
+    transfer = ex.trace["transfers"][0]
+    assert isinstance(transfer.posted, float) and transfer.end > transfer.posted
+    assert [(record.host_start, record.host_end) for record in ex.trace["actions"]] == [(1.0, 1.5), (2.0, 2.5)]
 
 
 # ---- several communicators on one GPU --------------------------------------------------------------

@@ -28,6 +28,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_tawpipe.plan import SCHEDULES
+from megatron_tawpipe.plan.timeline import COMPUTE_LABELS
 from megatron_tawpipe.cli.plan_args import add_model_args, cost_model, run_one
 
 COMPUTE_COLOURS = {"F": "#4C72B0", "B": "#55A868", "Bi": "#8FD19E", "Bw": "#2D6A3E",
@@ -60,7 +61,7 @@ def draw(plan, result, out: str, title: str = None, time_range=None, dpi: int = 
         colour = COMPUTE_COLOURS.get(s.kind, "#CCCCCC")
         ax.broken_barh([(s.start, s.end - s.start)], (y0(s.rank) + 0.05, bar_h),
                        facecolors=colour, edgecolors="white", linewidth=0.3)
-        if s.kind in ("F", "B", "Bi", "Bw") and (s.end - s.start) > (hi - lo) / 120:
+        if s.kind in COMPUTE_LABELS and (s.end - s.start) > (hi - lo) / 120:
             ax.text((s.start + s.end) / 2, y0(s.rank) + 0.05 + bar_h / 2, f"{s.mb}.{s.shard}",
                     ha="center", va="center", fontsize=5.5, color="white")
     for tr in result.transfers:
@@ -126,7 +127,7 @@ def load_timeline(path: str):
                            num_layers=doc["num_layers"], num_microbatches=doc["num_microbatches"], family="weight",
                            max_weight_buffers=doc["max_weight_buffers"], max_grad_buffers=doc["max_grad_buffers"])
     iteration = max([s.end for s in spans] + [t.end for t in transfers])
-    busy = [sum(s.end - s.start for s in spans if s.rank == r and s.kind in ("F", "B", "Bi", "Bw")) for r in range(P)]
+    busy = [sum(s.end - s.start for s in spans if s.rank == r and s.kind in COMPUTE_LABELS) for r in range(P)]
     result = SimpleNamespace(spans=spans, transfers=transfers, iteration_time=iteration,
                              bubble_ratio=1.0 - sum(busy) / (P * iteration), link_bytes={"inter": 0.0, "intra": 0.0})
     return plan, result

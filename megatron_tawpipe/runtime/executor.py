@@ -35,8 +35,9 @@ from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.plan.traffic import ring_share
 from megatron_tawpipe.runtime.shard_slices import ShardSlice, holder_slice
 from megatron_tawpipe.runtime.timing import ComputeTimer
-from megatron_tawpipe.runtime.trace import (COMPUTE, SPAN_KINDS, PlanPosition, arrives_here, collective_link,
-                                             resolve_times)
+from megatron_tawpipe.plan.timeline import (COMPUTE, ISSUE, SPAN_LABELS, ActionRecord, SpanRecord, TransferRecord,
+                                            action_label, wait_label)
+from megatron_tawpipe.runtime.trace import PlanPosition, arrives_here, resolve_times
 from megatron_tawpipe.runtime.transport import Communicators, DirectTransport, Op, describe_op
 from megatron_tawpipe.runtime.warmup import connect
 from megatron_tawpipe.common.errors import ExecutionError, PeerFailure, first_line
@@ -254,34 +255,29 @@ class PlanExecutor:
     def _record(self, action, start, end, host_start: float, host_end: float) -> None:
         """``start``/``end``: seconds, or on CUDA stamps of the stream (resolved after the plan);
         ``host_start``/``host_end``: the host's clock around the action (``trace["actions"]``: every
-        action's ``[step, label, host start, host end, detail]``, what
+        action's :class:`~megatron_tawpipe.plan.timeline.ActionRecord`, what
         ``tools/tawpipe_lab/idle_breakdown.py`` splits)."""
-        kind = SPAN_KINDS.get(type(action))
-        label, detail = kind, 0.0
-        if kind is not None:
+        label = SPAN_LABELS.get(type(action))
+        detail = 0.0
+        if label is not None:
             if type(action) in COMPUTE:   # device time
                 start, end = self.timer.last_span()
                 detail = [start, end]      # the compute span inside the action
-            self.trace["spans"].append([self.rank, start, end, kind, getattr(action, "mb", -1),
-                                        getattr(action, "shard", -1)])
+            self.trace["spans"].append(SpanRecord(self.rank, start, end, label, getattr(action, "mb", -1),
+                                                  getattr(action, "shard", -1)))
         elif isinstance(action, A.STARTS):
             self._posted[action.tag] = (start, action)
-            label = "issue"
+            label = ISSUE
         elif isinstance(action, A.Wait) and action.tag in self._posted:
             posted, started = self._posted.pop(action.tag)
-            link = getattr(started, "link", None)
-            if link is None:
-                root = getattr(started, "root", None)
-                link = self.plan.link_between(self.rank, root) if root is not None else collective_link(
-                    self.plan, getattr(started, "ranks", ()))
-            kind = "replicated" if type(started) is A.ReplicatedAllReduceStart else (
-                "allreduce" if type(started) is A.AllReduceStart else getattr(started, "kind", "allreduce"))
-            label, detail = f"wait:{kind}:{link}", self._after_s
-            self.trace["transfers"].append([self.rank, "in" if arrives_here(started, self.rank) else "out",
-                                            getattr(started, "kind", "allreduce"), link, posted, end])
+            waited = wait_label(self.plan, self.rank, started)
+            label, detail = str(waited), self._after_s
+            self.trace["transfers"].append(TransferRecord(
+                self.rank, "in" if arrives_here(started, self.rank) else "out",
+                getattr(started, "kind", "allreduce"), waited.link, posted, end))
         else:
-            label = "wait" if isinstance(action, A.Wait) else type(action).__name__
-        self.trace["actions"].append([self._step, label, host_start, host_end, detail])
+            label = action_label(action)
+        self.trace["actions"].append(ActionRecord(self._step, label, host_start, host_end, detail))
 
     def _start(self, action, work, buf: str, after: Callable[[], None] = lambda: None,
                reads_only: bool = False) -> None:

@@ -1,18 +1,10 @@
-"""What the executor records of a plan's run (``--timeline-file``) and shows on the progress board: the span
-kinds of the actions, which way a transfer goes, a collective's link class, and the plan position."""
+"""What the executor records of a plan's run (``--timeline-file``; the records and labels are
+:mod:`megatron_tawpipe.plan.timeline`'s) and shows on the progress board: which way a transfer goes, the plan
+position, and the device times resolved after the plan."""
 
 from __future__ import annotations
 
 from megatron_tawpipe.plan import actions as A
-
-COMPUTE = (A.Forward, A.Backward, A.BackwardInput, A.BackwardWeight)
-SPAN_KINDS = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw",
-              A.LoadWeights: "load", A.AccumulateToOwner: "acc", A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
-
-
-def collective_link(plan, ranks) -> str:
-    """"inter" where a collective's members span groups, else "intra"."""
-    return "inter" if len({plan.group_of(r) for r in ranks}) > 1 else "intra"
 
 
 def arrives_here(action, rank: int) -> bool:
@@ -41,12 +33,13 @@ class PlanPosition:
 
 def resolve_times(trace: dict) -> None:
     """Turn times measured with CUDA events into wall-clock seconds (after the plan)."""
-    for span in trace["spans"]:
-        if callable(span[1]):
-            span[1], span[2] = span[1](), span[2]()
-    for transfer in trace["transfers"]:
-        if callable(transfer[4]):
-            transfer[4], transfer[5] = transfer[4](), transfer[5]()
-    for record in trace["actions"]:
-        if isinstance(record[4], list) and callable(record[4][0]):
-            record[4] = [record[4][0](), record[4][1]()]
+    spans, transfers, actions = trace["spans"], trace["transfers"], trace["actions"]
+    for i, span in enumerate(spans):
+        if callable(span.start):
+            spans[i] = span._replace(start=span.start(), end=span.end())
+    for i, transfer in enumerate(transfers):
+        if callable(transfer.posted):
+            transfers[i] = transfer._replace(posted=transfer.posted(), end=transfer.end())
+    for i, record in enumerate(actions):
+        if isinstance(record.detail, list) and callable(record.detail[0]):
+            actions[i] = record._replace(detail=[record.detail[0](), record.detail[1]()])

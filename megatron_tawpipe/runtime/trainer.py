@@ -31,6 +31,7 @@ from megatron_tawpipe.models.parameters import global_shape, is_gated_fc1, tenso
 from megatron_tawpipe.optimizer.clip import clip_gradients_, squared_l2_norm
 from megatron_tawpipe.optimizer.param_groups import megatron_param_groups
 from megatron_tawpipe.optimizer.precision_aware import PrecisionAwareAdamW
+from megatron_tawpipe.plan.timeline import StepPhase
 from megatron_tawpipe.plan.traffic import link_bytes
 from megatron_tawpipe.common.errors import NonFiniteGradientError
 from megatron_tawpipe.runtime.precision import GradScaling, find_non_finite
@@ -141,7 +142,7 @@ class WeightPassingTrainer(CheckpointDefaults):
     def train_step(self, data_iterators: List[Iterator]) -> StepResult:
         # --timeline-file: (phase, host time at its end) of this step, for tools/tawpipe_lab/idle_breakdown.py
         # (the first: where the previous step's timeline was written, None on the first step)
-        self._marks = [("previous step", self._step_left), ("between steps", time.time())] \
+        self._marks = [(StepPhase.PREVIOUS_STEP, self._step_left), (StepPhase.BETWEEN_STEPS, time.time())] \
             if self.args.timeline_file else None
         if self.emulation is not None:
             self.emulation.start_step()
@@ -149,7 +150,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         self.model.zero_grads()
         if self.args.timeline_file:
             self.model.executor.start_trace()
-        self._mark("set-up")
+        self._mark(StepPhase.SET_UP)
         record_memory = getattr(self.args, "record_plan_memory", False)
         if record_memory:
             # on the model, so that an executor built for another plan (a batch-size ramp) samples too
@@ -162,7 +163,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         start = time.perf_counter()
         reports = self._forward_backward(data_iterators, forward_only=False)
         plan_s = time.perf_counter() - start
-        self._mark("plan")
+        self._mark(StepPhase.PLAN)
         slept_in_plan = self.emulation.slept_s if self.emulation is not None else None
         memory = {}
         if record_memory:
@@ -178,7 +179,7 @@ class WeightPassingTrainer(CheckpointDefaults):
             if store_peak >= 0:
                 memory["plan_wgrad_store_peak_bytes_max_rank"] = int(store_peak)
         busy = self.model.executor.compute_seconds / max(plan_s, 1e-9)
-        self._mark("busy fraction")
+        self._mark(StepPhase.BUSY_FRACTION)
         step_start = time.perf_counter()
         grad_norm, skipped = self._optimizer_step()
         step_s = time.perf_counter() - step_start
@@ -187,7 +188,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         sent = self._reduce_bytes()
         planned = self._planned_bytes.get(self.plan.num_microbatches) or self._planned_bytes.setdefault(
             self.plan.num_microbatches, self.planned_link_bytes())
-        self._mark("metrics all-reduces")
+        self._mark(StepPhase.METRICS)
         if self.args.timeline_file:   # after the step, so that gathering the timeline holds up nothing it shows
             self._write_timeline(slept_in_plan)
             self._step_left = time.time()
@@ -213,20 +214,20 @@ class WeightPassingTrainer(CheckpointDefaults):
             num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
 
-    def _mark(self, phase: str) -> None:
+    def _mark(self, phase: StepPhase) -> None:
         """--timeline-file: ``phase`` ended now."""
         if self._marks is not None:
             self._marks.append((phase, time.time()))
 
     def _optimizer_step(self) -> Tuple[Optional[float], bool]:
         self.model.reduce_partial_grads()
-        self._mark("partial gradients")
+        self._mark(StepPhase.PARTIAL_GRADIENTS)
         grads = self.model.shard_grads() + self.model.replicated_grads()
         if self.scaling.unscale_and_check(grads):
             return None, True
-        self._mark("unscale")
+        self._mark(StepPhase.UNSCALE)
         grad_norm = self._global_norm()
-        self._mark("gradient norm, all-reduce")
+        self._mark(StepPhase.NORM_ALL_REDUCE)
         if not math.isfinite(grad_norm) and self.args.check_for_nan_in_loss_and_grad and not self.args.fp16:
             # The norm's all-reduce is the check (a NaN/Inf anywhere makes it non-finite on every
             # rank); only then does every rank look for the shards to name.
@@ -234,11 +235,11 @@ class WeightPassingTrainer(CheckpointDefaults):
             raise NonFiniteGradientError(f"the global gradient norm is {grad_norm} (finite gradients whose "
                                          "squares overflow)")
         self._clip_gradients(grad_norm)
-        self._mark("clip")
+        self._mark(StepPhase.CLIP)
         self._adamw.step()
-        self._mark("optimizer step")
+        self._mark(StepPhase.OPTIMIZER)
         self.model.copy_replicated_masters_to_model()
-        self._mark("replicated masters to model")
+        self._mark(StepPhase.REPLICATED_MASTERS)
         return grad_norm, False
 
     def _write_timeline(self, slept_in_plan: Optional[float] = None) -> None:
@@ -314,7 +315,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         same on every virtual rank; summed over the tensor-parallel group when it splits them)."""
         shards, replicated = self.model.norm_grads()
         squared = squared_l2_norm(shards, self.device)
-        self._mark("gradient norm, local")
+        self._mark(StepPhase.NORM_LOCAL)
         dist.all_reduce(squared)
         others = squared_l2_norm(replicated, self.device)
         if self.model.tensor_parallel_size > 1:

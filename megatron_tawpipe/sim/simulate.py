@@ -48,6 +48,7 @@ from megatron_tawpipe.sim.network import Flow, max_min_rates
 from megatron_tawpipe.sim.plan_facts import plan_structure
 from megatron_tawpipe.sim.plan_memory import memory_fields
 from megatron_tawpipe.plan.plan import Plan
+from megatron_tawpipe.plan.timeline import COMPUTE_LABELS, SPAN_LABELS
 from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes, ring_share
 
 INF = float("inf")
@@ -229,7 +230,7 @@ class _Simulator:
                 continue
             dur, kind = self.duration(r, a)
             if dur > 0:
-                if kind in ("F", "B", "Bi", "Bw"):
+                if kind in COMPUTE_LABELS:
                     self.busy[r] += dur
                 if self.record:
                     self.spans.append(Span(r, t, t + dur, kind, getattr(a, "mb", -1),
@@ -239,24 +240,25 @@ class _Simulator:
         self.finish[r] = t
 
     def duration(self, r: int, a):
+        """Seconds ``a`` keeps rank ``r`` busy, and its span label (:data:`plan.timeline.SPAN_LABELS`)."""
         cls = type(a)
         if cls is A.Forward:
-            return self.fwd[a.shard], "F"
-        if cls is A.Backward:
-            return self.bwd[a.shard], "B"
-        if cls is A.BackwardInput:
-            return self.bwd_i[a.shard], "Bi"
-        if cls is A.BackwardWeight:
-            return self.bwd_w[a.shard], "Bw"
-        if cls is A.LoadWeights:
-            return self.copy[a.shard], "load"
-        if cls is A.AccumulateToOwner:
-            return self.copy[a.shard], "acc"
-        if cls is A.ZeroGrad:
-            return self.copy[a.shard] / 2, "zero"
-        if cls is A.OptimizerStep:
-            return self.cost.optimizer_time(self.plan, r), "opt"
-        return 0.0, "other"
+            dur = self.fwd[a.shard]
+        elif cls is A.Backward:
+            dur = self.bwd[a.shard]
+        elif cls is A.BackwardInput:
+            dur = self.bwd_i[a.shard]
+        elif cls is A.BackwardWeight:
+            dur = self.bwd_w[a.shard]
+        elif cls is A.LoadWeights or cls is A.AccumulateToOwner:
+            dur = self.copy[a.shard]
+        elif cls is A.ZeroGrad:
+            dur = self.copy[a.shard] / 2
+        elif cls is A.OptimizerStep:
+            dur = self.cost.optimizer_time(self.plan, r)
+        else:
+            return 0.0, "other"
+        return dur, SPAN_LABELS[cls]
 
     # ------------------------------------------------------------------ comm
     def _op(self, tag: int) -> _Op:

@@ -20,6 +20,10 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.timeline import (COMPUTE_LABELS, COPY_LABELS, ISSUE, OPTIMIZER_LABEL, WAIT, StepPhase,
+                                            WaitLabel, action_label, wait_label)
+
+P = StepPhase
 
 # Fine categories, then the groups a table shows them in (the order of the rows).
 GROUPS = {
@@ -33,22 +37,21 @@ GROUPS = {
     "wait grad inter": ("wait grad inter",),
     "wait shard-0 holders' all-reduce": ("wait allreduce intra", "wait allreduce inter"),
     "wait replicated all-reduce": ("wait replicated intra", "wait replicated inter"),
-    "gradient norm all-reduce (waits for the slowest rank)": ("gradient norm, all-reduce", "tail"),
-    "partial grads, unscale, norm sums, clip": ("partial gradients", "unscale", "gradient norm, local", "clip"),
-    "optimizer step": ("optimizer step", "replicated masters to model"),
-    "other (set-up, metrics, between steps)": ("set-up", "busy fraction", "metrics all-reduces", "between steps",
-                                               "wait other"),
+    "gradient norm all-reduce (waits for the slowest rank)": (P.NORM_ALL_REDUCE.value, "tail"),
+    "partial grads, unscale, norm sums, clip": (P.PARTIAL_GRADIENTS.value, P.UNSCALE.value, P.NORM_LOCAL.value,
+                                                P.CLIP.value),
+    "optimizer step": (P.OPTIMIZER.value, P.REPLICATED_MASTERS.value),
+    "other (set-up, metrics, between steps)": (P.SET_UP.value, P.BUSY_FRACTION.value, P.METRICS.value,
+                                               P.BETWEEN_STEPS.value, "wait other"),
 }
 CATEGORIES = tuple(c for members in GROUPS.values() for c in members)
-_COPIES = {"load": "load", "acc": "acc", "zero": "zero"}
-_COMPUTE = ("F", "B", "Bi", "Bw")
 
 
 def _wait_category(label: str) -> str:
-    """``wait:<kind>:<link>`` (the executor's label) -> a category."""
-    parts = label.split(":")
-    if len(parts) == 3 and f"wait {parts[1]} {parts[2]}" in CATEGORIES:
-        return f"wait {parts[1]} {parts[2]}"
+    """A Wait's label (:class:`WaitLabel`, as the executor writes it) -> a category."""
+    waited = WaitLabel.parse(label)
+    if waited is not None and f"wait {waited.kind} {waited.link}" in CATEGORIES:
+        return f"wait {waited.kind} {waited.link}"
     return "wait other"
 
 
@@ -63,24 +66,24 @@ def measured_breakdown(doc: dict) -> Dict[int, Dict[str, float]]:
         cats = dict.fromkeys(CATEGORIES, 0.0)
         if marks[0][1] is None:      # the first step: nothing before it to count
             marks = marks[1:]
-        plan_end = dict(marks).get("plan")
-        plan_start = marks[[name for name, _ in marks].index("plan") - 1][1]
+        plan_end = dict(marks).get(P.PLAN.value)
+        plan_start = marks[[name for name, _ in marks].index(P.PLAN.value) - 1][1]
         for (_, previous), (name, at) in zip(marks, marks[1:]):
-            if name != "plan":
+            if name != P.PLAN.value:
                 cats[name] += at - previous
         in_actions = 0.0
         for _step, label, start, end, detail in record["actions"]:
             length = end - start
             in_actions += length
-            if label in _COMPUTE:
+            if label in COMPUTE_LABELS:
                 span = detail[1] - detail[0]
                 cats["compute"] += span
                 cats["action overhead"] += length - span
-            elif label in _COPIES:
-                cats[_COPIES[label]] += length
-            elif label == "issue":
+            elif label in COPY_LABELS:
+                cats[label] += length
+            elif label == ISSUE:
                 cats["issue"] += length
-            elif label.startswith("wait"):
+            elif label.startswith(WAIT):
                 after = detail if isinstance(detail, (int, float)) else 0.0
                 cats["zero sent gradient"] += after
                 cats[_wait_category(label)] += length - after
@@ -97,20 +100,13 @@ def measured_breakdown(doc: dict) -> Dict[int, Dict[str, float]]:
 
 
 def _wait_labels(plan, rank: int) -> Dict[int, str]:
-    """Step of each Wait of ``rank`` -> the executor's label of it (``wait:<kind>:<link>``)."""
+    """Step of each Wait of ``rank`` -> the executor's label of it (:func:`wait_label`)."""
     started, labels = {}, {}
     for step, a in enumerate(plan.actions[rank]):
         if type(a) in A.STARTS:
             started[a.tag] = a
         elif type(a) is A.Wait and a.tag in started:
-            s = started[a.tag]
-            if type(s) is A.ReplicatedAllReduceStart:
-                kind = "replicated"
-                link = "inter" if len({plan.group_of(r) for r in s.ranks}) > 1 else "intra"
-            else:
-                kind = "allreduce" if type(s) is A.AllReduceStart else s.kind
-                link = getattr(s, "link", None) or plan.link_between(rank, s.root)
-            labels[step] = f"wait:{kind}:{link}"
+            labels[step] = str(wait_label(plan, rank, started[a.tag]))
     return labels
 
 
@@ -123,16 +119,16 @@ def simulated_breakdown(plan, result) -> Dict[int, Dict[str, float]]:
         for span in result.spans:
             if span.rank != rank:
                 continue
-            if span.kind in _COMPUTE:
+            if span.kind in COMPUTE_LABELS:
                 cats["compute"] += span.end - span.start
-            elif span.kind in _COPIES:
-                cats[_COPIES[span.kind]] += span.end - span.start
-            elif span.kind == "opt":
+            elif span.kind in COPY_LABELS:
+                cats[span.kind] += span.end - span.start
+            elif span.kind == OPTIMIZER_LABEL:
                 cats["optimizer step"] += span.end - span.start
         labels = _wait_labels(plan, rank)
         for (r, step), idle in result.idle.items():
             if r == rank:
-                cats[_wait_category(labels.get(step, "wait"))] += idle
+                cats[_wait_category(labels.get(step, WAIT))] += idle
         cats["tail"] = result.iteration_time - result.finish_time[rank]
         cats["wall"] = result.iteration_time
         out[rank] = cats
@@ -158,22 +154,11 @@ def check_plan_matches(doc: dict, plan) -> Optional[str]:
     for record in doc["ranks"]:
         rank = record["rank"]
         measured = [label.split(":")[0] for _, label, *_ in record["actions"]]
-        planned = [_plan_label(a) for a in plan.actions[rank]]
+        planned = [action_label(a) for a in plan.actions[rank]]
         if measured != planned:
             return (f"rank {rank}: the timeline has {len(measured)} actions, the simulated plan {len(planned)}"
                     + ("" if len(measured) != len(planned) else " (in another order or kind)"))
     return None
-
-
-def _plan_label(a) -> str:
-    t = type(a)
-    if t in A.STARTS:
-        return "issue"
-    if t is A.Wait:
-        return "wait"
-    names = {A.Forward: "F", A.Backward: "B", A.BackwardInput: "Bi", A.BackwardWeight: "Bw",
-             A.LoadWeights: "load", A.AccumulateToOwner: "acc", A.ZeroGrad: "zero", A.OptimizerStep: "opt"}
-    return names.get(t, t.__name__)
 
 
 def format_table(columns: Sequence[tuple]) -> str:
