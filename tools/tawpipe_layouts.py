@@ -49,15 +49,17 @@ def simulate(args) -> list:
     return json.loads(done.stdout)
 
 
-def cell(nodes: int, rate: str, samples: int, times: str, shown: str) -> dict:
-    """Tokens/s per rank of every column, and the commands that gave them (``times`` written as ``shown``)."""
+def cell(nodes: int, rate: str, samples: int, times: str, shown: str, reduce: str = "hierarchical") -> dict:
+    """Tokens/s per rank of every column, and the commands that gave them (``times`` written as ``shown``);
+    ``reduce``: TawPipe's replicated all-reduce (``--tawpipe-replicated-reduce``)."""
     row = {"nodes": nodes, "rate_mbit": int(rate), "samples_per_rank": samples, "commands": []}
     shape = ["--ranks", str(2 * nodes), "--groups", str(nodes), "--num-layers", str(4 * nodes),
              "--inter-bw", RATES[rate], "--measured-times", times] + MODEL
     for column, schedules, flags, size in CELLS:
         batch = ["--micro-batch-size", str(size), "--num-microbatches", str(samples // size)]
-        args = ["--schedule", schedules] + shape + batch + (TAWPIPE[2:] if schedules.startswith("tawpipe") else []) \
-            + flags
+        tawpipe = schedules.startswith("tawpipe")
+        args = ["--schedule", schedules] + shape + batch + (TAWPIPE[2:] if tawpipe else []) + flags \
+            + (["--tawpipe-replicated-reduce", reduce] if tawpipe and reduce != "hierarchical" else [])
         row["commands"].append("python tools/simulate.py " + " ".join(args).replace(times, shown))
         for r in simulate(args):
             name = r["schedule"] if column in ("owner", "others", "pp-nodes", "spread") else column
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="300,200,150", help=f"node links in Mbit/s, of {', '.join(RATES)}")
     p.add_argument("--samples", default="4,16", help="samples per rank, multiples of 4 (default 4,16)")
     p.add_argument("--json", default=None, help="also write the rows (with their commands) here")
+    p.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default="hierarchical",
+                   help="TawPipe's replicated gradients through the nodes (default) or in one ring over all ranks")
     args = p.parse_args(argv)
     rates = args.rates.split(",")
     if any(r not in RATES for r in rates):
@@ -94,7 +98,8 @@ def main(argv=None) -> int:
     if any(s < 4 or s % 4 for s in samples):
         p.error("--samples: multiples of 4 (the distributed optimizer runs micro-batches of 4)")
     times = os.path.abspath(args.times)
-    rows = [cell(int(n), rate, s, times, args.times) for n in args.nodes.split(",") for rate in rates for s in samples]
+    rows = [cell(int(n), rate, s, times, args.times, args.tawpipe_replicated_reduce)
+            for n in args.nodes.split(",") for rate in rates for s in samples]
     print(markdown(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
