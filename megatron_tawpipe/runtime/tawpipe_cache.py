@@ -14,6 +14,7 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from megatron_tawpipe.common import launcher
 from megatron_tawpipe.monitor.metrics import min_over_ranks
 from megatron_tawpipe.plan import Plan
 from megatron_tawpipe.sim.tawpipe_cache import CacheDecision, decide_cache, predicted_peak, run_cost_model
@@ -36,7 +37,7 @@ def device_memory(device: torch.device) -> Tuple[float, str]:
     if device.type == "cuda":
         total = float(torch.cuda.get_device_properties(device).total_memory)
         return total, f"{torch.cuda.get_device_name(device)} total memory"
-    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    ranks = max(launcher.local_world_size(), 1)
     return host_available_bytes() / ranks, f"host's available memory / {ranks} ranks on it"
 
 

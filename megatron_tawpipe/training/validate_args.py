@@ -11,6 +11,7 @@ from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, 
                                               SUPPORTED_TOKENIZERS, ArgumentError, is_weight_passing, plan_file_of)
 from megatron_tawpipe.arguments.layout import data_parallel_size
 from megatron_tawpipe.arguments.weight_passing import tawpipe_cache_problem, tawpipe_ownership_problem
+from megatron_tawpipe.common import launcher
 from megatron_tawpipe.compat.megatron_lm import NOTICES
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.optimizer.precision_aware import precision_refusal
@@ -19,7 +20,7 @@ from megatron_tawpipe.training.data_parallel_args import notice, validate_data_p
 from megatron_tawpipe.training.plan_file_args import check_plan_file
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launcher.world_size()
 
 
 def weight_passing_runtime_available() -> bool:
@@ -415,7 +416,7 @@ def _validate_replicated_first_shard(args: argparse.Namespace, world_size: int) 
 def _check_equal_nodes(schedule: str, world_size: int) -> None:
     """Refuse nodes of different sizes as far as one rank can tell (the weight pipeline checks the rest
     once the process group exists: parallel_state.default_num_groups)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    local = launcher.local_world_size(world_size)
     if local > 0 and world_size % local:
         raise ArgumentError(
             f"--pipeline-schedule {schedule}: this node runs {local} of the {world_size} ranks (LOCAL_WORLD_SIZE), "
@@ -431,7 +432,7 @@ _WEIPIPE_GROUPS = ("", "; weipipe's ring does not depend on the groups: --tawpip
 
 def _ranks_per_node(world_size: int) -> int:
     """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE; all ranks when unset)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    local = launcher.local_world_size(world_size)
     return local if local > 0 and world_size % local == 0 else world_size
 
 
