@@ -70,10 +70,10 @@ def _check_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_model(args)
     _validate_required(args)
     _validate_logging(args)
-    if getattr(args, "emulated_deferred_weight_gradients", False):
+    if args.emulated_deferred_weight_gradients:
         notice("--emulated-deferred-weight-gradients: no effect, a split backward's weight-gradient kernels always "
                "run in its weight pass (real and emulated compute alike)")
-    if getattr(args, "record_plan_memory", False) and args.emulated_compute_times:
+    if args.record_plan_memory and args.emulated_compute_times:
         raise ArgumentError("--record-plan-memory measures what real compute holds; emulated compute "
                             "(--emulated-compute-times) keeps no activations")
     if args.emulated_compute_times:
@@ -315,8 +315,8 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     groups = args.tawpipe_num_groups or world_size // _ranks_per_node(world_size)
     cache_problem = tawpipe_cache_problem(args.pipeline_schedule, args.tawpipe_cache, groups)
     problem = cache_problem or tawpipe_ownership_problem(
-        args.pipeline_schedule, getattr(args, "tawpipe_ownership", "owner"), groups,
-        bool(getattr(args, "tawpipe_replicate_first_shard", False)))
+        args.pipeline_schedule, args.tawpipe_ownership, groups,
+        args.tawpipe_replicate_first_shard)
     if problem:
         raise ArgumentError(problem)
     pp = args.pipeline_model_parallel_size   # 1 with weight passing (derive_args)
@@ -332,7 +332,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
         if args.tawpipe_replicate_first_shard:
             _validate_replicated_first_shard(args, world_size)
-        if getattr(args, "weipipe_zero_bubble", 0) and args.pipeline_schedule != "weipipe":
+        if args.weipipe_zero_bubble and args.pipeline_schedule != "weipipe":
             raise ArgumentError("--weipipe-zero-bubble applies to --pipeline-schedule weipipe only")
         backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
         if args.tawpipe_nccl_faithful and backend != "gloo":
@@ -341,8 +341,8 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
             or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful
-            or args.tawpipe_replicate_first_shard or getattr(args, "weipipe_zero_bubble", 0)
-            or getattr(args, "record_plan_memory", False)):
+            or args.tawpipe_replicate_first_shard or args.weipipe_zero_bubble
+            or args.record_plan_memory):
         raise ArgumentError(
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
             "--tawpipe-microbatches-per-visit / --tawpipe-replicate-first-shard / --tawpipe-nccl-faithful / "
