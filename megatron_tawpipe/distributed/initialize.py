@@ -120,7 +120,7 @@ def initialize_model_parallel(args) -> None:
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
             num_distributed_optimizer_instances=(
-                1 if getattr(args, "use_torch_fsdp2", False) else args.num_distributed_optimizer_instances),
+                1 if args.use_torch_fsdp2 else args.num_distributed_optimizer_instances),
             distributed_timeout_minutes=args.distributed_timeout_minutes,
         )
     set_seeds(args.seed)
