@@ -112,6 +112,7 @@ def _decide_rank(rank, memories, groups):
     import torch
     import torch.distributed as dist
 
+    from megatron_tawpipe.arguments.run_config import RunConfig
     from megatron_tawpipe.runtime import tawpipe_cache
 
     dist.init_process_group("gloo")
@@ -120,7 +121,8 @@ def _decide_rank(rank, memories, groups):
         args = _validated("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(groups), world=2)
         build = lambda cache: {1: build_plan("tawpipe", num_ranks=2, num_groups=groups, num_layers=8,  # noqa: E731
                                              num_microbatches=1, cache=cache)}
-        decision, plans = tawpipe_cache.decide(args, groups, build, torch.device("cpu"), 4, 4)
+        decision, plans = tawpipe_cache.decide(RunConfig.from_args(args, world_size=2), groups, build,
+                                               torch.device("cpu"))
         return decision.cache, decision.reason, plans[1].options["cache"]
     finally:
         dist.destroy_process_group()

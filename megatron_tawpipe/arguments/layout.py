@@ -7,13 +7,12 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megatron_tawpipe.arguments.flags import is_weight_passing
+from megatron_tawpipe.arguments.run_config import derive_data_parallel_size
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
-    if is_weight_passing(args.pipeline_schedule):
-        return world_size // args.tensor_model_parallel_size
-    return world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
+    return derive_data_parallel_size(args.pipeline_schedule, world_size, args.tensor_model_parallel_size,
+                                     args.pipeline_model_parallel_size)
 
 
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
@@ -22,6 +21,6 @@ def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
     if args.pipeline_schedule != "interleaved":
         return None
     pp = args.pipeline_model_parallel_size
-    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
+    if args.pipeline_model_parallel_layout is not None:
         return len(args.decoder_layer_split) // pp
     return args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage

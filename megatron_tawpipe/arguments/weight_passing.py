@@ -67,18 +67,6 @@ def tawpipe_ownership_problem(schedule: str, setting: str, groups: int = 2, repl
     return ""
 
 
-def tawpipe_ownership(args, groups: int) -> str:
-    """The layout a TawPipe run over ``groups`` groups uses: ``--tawpipe-ownership`` owner or spread; ``auto``
-    takes the spread layout wherever it applies (two or more groups, no replicated first shard) -- what the
-    simulator picks over one owner in every configuration docs/tawpipe-spread.md tabulates; the runtime has no
-    link speed to simulate with."""
-    setting = getattr(args, "tawpipe_ownership", "owner")
-    if setting != "auto":
-        return setting
-    applies = groups >= 2 and not getattr(args, "tawpipe_replicate_first_shard", False)
-    return "spread" if applies else "owner"
-
-
 def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This project's own flags, added the way Megatron-LM's ``extra_args_provider`` hook adds a
     script's flags (``megatron.training.arguments.parse_args(extra_args_provider=add_tawpipe_args)``

@@ -87,7 +87,7 @@ def mixed_precision_policy(args) -> dict:
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    reduce_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
+    reduce_dtype = torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)}
 
 

@@ -96,7 +96,7 @@ def optimizer_config(args) -> OptimizerConfig:
 def precision_aware_fields(args) -> dict:
     """megatron-core's precision-aware optimizer fields from Megatron-LM's flags (validate_args has refused
     them where Transformer Engine's FusedAdam or the distributed optimizer is missing)."""
-    if not getattr(args, "use_precision_aware_optimizer", False):
+    if not args.use_precision_aware_optimizer:
         return {}
     dtypes = OptimizerDtypes.from_args(args)
     return {"use_precision_aware_optimizer": True, "main_grads_dtype": dtypes.main_grads,
@@ -128,7 +128,7 @@ def ddp_config(args) -> DistributedDataParallelConfig:
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=args.ddp_bucket_size,
         # Megatron-LM's --no-align-param-gather: interleaved chunks gather together unless given.
-        align_param_gather=virtual_pipeline_size(args) is not None and getattr(args, "align_param_gather", True),
+        align_param_gather=virtual_pipeline_size(args) is not None and args.align_param_gather,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
 
 
@@ -152,7 +152,7 @@ class NativeTrainer(CheckpointDefaults):
             self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
         else:
             self.config.no_sync_func = self.model[0].no_sync
-        if args.overlap_grad_reduce and getattr(args, "align_grad_reduce", True):  # --no-align-grad-reduce
+        if args.overlap_grad_reduce and args.align_grad_reduce:  # --no-align-grad-reduce
             sync = [chunk.start_grad_sync for chunk in self.model]
             self.config.grad_sync_func = sync if len(sync) > 1 else sync[0]
         if args.overlap_param_gather and self.model[0].ddp_config.align_param_gather:  # --no-align-param-gather

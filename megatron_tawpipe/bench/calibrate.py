@@ -163,13 +163,13 @@ def measure_compute_times(args, repeats: int = 5, warmup: int = 2, base_layers: 
 
 
 def cost_model_times(args, peak_tflops: float, efficiency: float) -> Dict[str, object]:
-    from megatron_tawpipe.sim.costmodel import CostModel
+    """The FLOP model's times of the model ``args`` describes (its output layer: the padded vocabulary, as
+    measured); recompute is the forward, as measured."""
+    from megatron_tawpipe.arguments.run_config import ModelConfig, PrecisionConfig
+    from megatron_tawpipe.sim.run_cost import cost_model_for_run
 
-    cost = CostModel.from_flops(hidden_size=args.hidden_size, seq_length=args.seq_length,
-                                micro_batch_size=args.micro_batch_size, ffn_hidden_size=args.ffn_hidden_size,
-                                vocab_size=args.vocab_size or 32000, num_attention_heads=args.num_attention_heads,
-                                num_query_groups=args.num_query_groups, peak_tflops=peak_tflops,
-                                efficiency=efficiency, recompute=True)
+    cost = cost_model_for_run(ModelConfig.from_args(args), PrecisionConfig.from_args(args), args.micro_batch_size,
+                              recompute=True, peak_tflops=peak_tflops, efficiency=efficiency)
     times = {key: getattr(cost, key) for key in TIME_KEYS}
     return {**times, "device": f"cost model: {peak_tflops:g} TFLOP/s peak x {efficiency:g}",
             "source": "FLOP model (tools/simulate.py's CostModel.from_flops)", **model_shape(args)}

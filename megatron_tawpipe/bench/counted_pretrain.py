@@ -21,11 +21,10 @@ def main() -> None:
         sys.path.insert(0, ROOT)
     from megatron_tawpipe.bench.collective_bytes import (ENV_OUTPUT, ENV_RANKS_PER_NODE, CollectiveCounter,
                                                          install_in_training)
+    from megatron_tawpipe.common import launcher
 
-    rank = int(os.environ.get("RANK", "0"))
-    per_node = int(os.environ.get(ENV_RANKS_PER_NODE) or os.environ.get("LOCAL_WORLD_SIZE") or
-                   os.environ.get("WORLD_SIZE", "1"))
-    counter = CollectiveCounter(rank, per_node).install()
+    per_node = int(os.environ.get(ENV_RANKS_PER_NODE) or launcher.local_world_size())
+    counter = CollectiveCounter(launcher.rank(), per_node).install()
     snapshots = install_in_training(counter)
     directory = os.environ.get(ENV_OUTPUT)
     script = os.path.join(ROOT, "pretrain_llama.py")

@@ -31,19 +31,17 @@ SIM_FIELDS = ("weight_buffer_bytes", "grad_buffer_bytes", "activation_bytes", "s
 
 def predicted_memory(args, num_microbatches: int) -> Dict[str, float]:
     """The simulator's memory fields for one rank of ``--pipeline-schedule tawpipe`` with world size 1."""
+    from megatron_tawpipe.arguments.run_config import RunConfig
     from megatron_tawpipe.plan import build_plan
-    from megatron_tawpipe.sim.costmodel import CostModel
+    from megatron_tawpipe.sim.run_cost import cost_model_for_run
     from megatron_tawpipe.sim.simulate import simulate
-    from megatron_tawpipe.runtime.weight_pipe_model import plan_name, plan_options
+    from megatron_tawpipe.runtime.weight_pipe_model import plan_options
 
-    plan = build_plan(plan_name(args), num_ranks=1, num_groups=1, num_layers=args.num_layers,
-                      num_microbatches=num_microbatches, **plan_options(args))
-    cost = CostModel.from_flops(
-        hidden_size=args.hidden_size, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        recompute=not args.tawpipe_no_recompute, dtype_bytes=2 if (args.bf16 or args.fp16) else 4,
-        untied_embeddings=args.untie_embeddings_and_output_weights)
+    config = RunConfig.from_args(args, world_size=1, ranks_per_node=1)
+    schedule = config.schedule
+    plan = build_plan(schedule.plan_name, num_ranks=1, num_groups=1, num_layers=config.model.num_layers,
+                      num_microbatches=num_microbatches, **plan_options(schedule))
+    cost = cost_model_for_run(config.model, config.precision, schedule.micro_batch_size, schedule.recompute)
     result = simulate(plan, cost, record=False)
     out = {name: float(getattr(result, name)) for name in SIM_FIELDS}
     out["memory_bytes"] = float(result.memory_bytes)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.compat import cpu as cpu_compat
 from megatron_tawpipe.arguments import is_weight_passing, virtual_pipeline_size
+from megatron_tawpipe.common import launcher
 from megatron_tawpipe.common.errors import DistributedSetupError
 from megatron_tawpipe.distributed import groups
 
@@ -83,8 +84,7 @@ def initialize_distributed(args) -> None:
     check_backend_for_device(args.distributed_backend or default_backend(), torch.cuda.is_available())
     if dist.is_initialized():
         return
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world_size = launcher.rank(), launcher.world_size()
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if world_size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -96,7 +96,7 @@ def initialize_distributed(args) -> None:
         check_master_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                timeout.total_seconds(), must_connect=under_torchrun or rank != 0)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launcher.local_rank())
     backend = args.distributed_backend or default_backend()
     dist.init_process_group(
         backend=backend,
@@ -120,7 +120,7 @@ def initialize_model_parallel(args) -> None:
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
             num_distributed_optimizer_instances=(
-                1 if getattr(args, "use_torch_fsdp2", False) else args.num_distributed_optimizer_instances),
+                1 if args.use_torch_fsdp2 else args.num_distributed_optimizer_instances),
             distributed_timeout_minutes=args.distributed_timeout_minutes,
         )
     set_seeds(args.seed)

@@ -17,13 +17,13 @@ the topology records it so that checkpoints and tools can ask.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.common import launcher
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan.plan import shards_held_by
@@ -71,7 +71,7 @@ def default_num_groups(world_size: int, schedule: str = "tawpipe") -> int:
     """One group per node as torchrun reports it (LOCAL_WORLD_SIZE ranks per node). Collective when the
     default process group exists: every rank's LOCAL_WORLD_SIZE is compared, and nodes of different
     sizes are refused on every rank alike (the weight pipeline runs groups of equal size)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    local = launcher.local_world_size(world_size)
     smallest = largest = local
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         sizes = torch.tensor([local, -local], dtype=torch.int64, device=current_device())

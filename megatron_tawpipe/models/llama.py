@@ -138,9 +138,9 @@ def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bo
 
 def _mlp_activation(args):
     """(activation, gated) of the MLP: SwiGLU, squared ReLU or (Megatron-LM's default) GELU."""
-    if getattr(args, "swiglu", False):
+    if args.swiglu:
         return F.silu, True
-    if getattr(args, "squared_relu", False):
+    if args.squared_relu:
         return squared_relu, False
     return F.gelu, False
 
@@ -172,9 +172,9 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
     # (pipeline size 1 here) cuts its shards itself.
     stage_split = {}
     if pipeline_model_parallel_size > 1:
-        stage_split = {"num_layers_in_first_pipeline_stage": getattr(args, "decoder_first_pipeline_num_layers", None),
-                       "num_layers_in_last_pipeline_stage": getattr(args, "decoder_last_pipeline_num_layers", None),
-                       "pipeline_model_parallel_layout": getattr(args, "pipeline_model_parallel_layout", None)}
+        stage_split = {"num_layers_in_first_pipeline_stage": args.decoder_first_pipeline_num_layers,
+                       "num_layers_in_last_pipeline_stage": args.decoder_last_pipeline_num_layers,
+                       "pipeline_model_parallel_layout": args.pipeline_model_parallel_layout}
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -229,16 +229,16 @@ def native_pipeline_settings(args, pipeline_size: int, virtual_size: Optional[in
     p2p overlap (``--no-overlap-p2p-communication``, on by default) only with the interleaved schedule,
     batched p2p otherwise; ``--defer-embedding-wgrad-compute`` only with pipelines (it needs CUDA's fused
     gradient accumulation, as in megatron-core)."""
-    overlap = virtual_size is not None and getattr(args, "overlap_p2p_comm", True)
-    defer = pipeline_size > 1 and getattr(args, "defer_embedding_wgrad_compute", False)
+    overlap = virtual_size is not None and args.overlap_p2p_comm
+    defer = pipeline_size > 1 and args.defer_embedding_wgrad_compute
     if defer and not gradient_accumulation_fusion:
         raise ValueError("--defer-embedding-wgrad-compute needs fused gradient accumulation (CUDA with Transformer "
                          "Engine or Apex, without --no-gradient-accumulation-fusion)")
     return dict(overlap_p2p_comm=overlap, batch_p2p_comm=not overlap,
-                overlap_p2p_comm_warmup_flush=overlap and getattr(args, "overlap_p2p_comm_warmup_flush", False),
+                overlap_p2p_comm_warmup_flush=overlap and args.overlap_p2p_comm_warmup_flush,
                 defer_embedding_wgrad_compute=defer,
-                wgrad_deferral_limit=getattr(args, "wgrad_deferral_limit", 0) if defer else 0,
-                microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None)
+                wgrad_deferral_limit=args.wgrad_deferral_limit if defer else 0,
+                microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage
                 if virtual_size is not None else None)
 
 

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Optional
 
+from megatron_tawpipe.arguments.run_config import ModelConfig
+
 
 def model_flops_per_sample(args) -> float:
     """Model FLOPs of one sample of ``--seq-length`` tokens (forward + backward = 3 x forward), Megatron-LM's count.
@@ -26,13 +28,14 @@ def model_flops_per_sample(args) -> float:
     and context (causal: half of S each), the output projection, and the MLP's two matrices
     (three with SwiGLU); plus the output layer. Recomputation is not counted (model FLOPs, as in MFU).
     """
-    h, f, s = args.hidden_size, args.ffn_hidden_size, args.seq_length
-    d = getattr(args, "kv_channels", None) or h // args.num_attention_heads
-    q = d * args.num_attention_heads
-    kv = d * args.num_query_groups
-    mlp_matrices = 3 if getattr(args, "swiglu", True) else 2
+    model = ModelConfig.from_args(args)
+    h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
+    d = model.kv_channels or h // model.num_attention_heads
+    q = d * model.num_attention_heads
+    kv = d * model.num_query_groups
+    mlp_matrices = 3 if model.swiglu else 2
     per_token_layer = 2 * h * (q + 2 * kv) + 2 * 2 * s * q * 0.5 + 2 * q * h + mlp_matrices * 2 * h * f
-    per_token = args.num_layers * per_token_layer + 2 * h * args.padded_vocab_size
+    per_token = model.num_layers * per_token_layer + 2 * h * model.padded_vocab_size
     return 3.0 * per_token * s
 
 

@@ -25,6 +25,8 @@ import math
 import os
 from typing import Optional
 
+from megatron_tawpipe.arguments.run_config import LoggingConfig
+
 
 def memory_scalars() -> dict:
     """``--log-memory-to-tensorboard``'s scalars: Megatron-LM's four from ``torch.cuda.memory_stats()`` on a
@@ -50,17 +52,16 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def _start_wandb(args):
+def _start_wandb(args, logging: LoggingConfig):
     import wandb
 
-    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    save_dir = logging.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
     from megatron_tawpipe.arguments import plain_arguments
 
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=save_dir,
-                      entity=getattr(args, "wandb_entity", None) or None,
-                      config=plain_arguments(args))
+    return wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name or None, dir=save_dir,
+                      entity=logging.wandb_entity or None, config=plain_arguments(args))
 
 
 class TensorboardLog:
@@ -68,18 +69,18 @@ class TensorboardLog:
 
     def __init__(self, args, is_writer: bool):
         self.args = args
+        self.logging = logging = LoggingConfig.from_args(args)
         self.writer = None
         import torch.distributed as dist
 
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.wandb = None
-        if is_writer and getattr(args, "tensorboard_dir", None):
+        if is_writer and logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
-                                        max_queue=getattr(args, "tensorboard_queue_size", None) or 1000)
-        if is_writer and getattr(args, "wandb_project", None):
-            self.wandb = _start_wandb(args)
+            self.writer = SummaryWriter(log_dir=logging.tensorboard_dir, max_queue=logging.tensorboard_queue_size)
+        if is_writer and logging.wandb_project:
+            self.wandb = _start_wandb(args, logging)
 
     @property
     def active(self) -> bool:
@@ -100,31 +101,31 @@ class TensorboardLog:
         """One training iteration's scalars (``record``: a metrics IterationRecord)."""
         if not self.active:
             return
-        args, it, samples = self.args, record.iteration, record.consumed_samples
-        if it % (getattr(args, "tensorboard_log_interval", None) or 1) == 0:
-            if getattr(args, "log_learning_rate_to_tensorboard", True):
+        logging, it, samples = self.logging, record.iteration, record.consumed_samples
+        if it % logging.tensorboard_log_interval == 0:
+            if logging.log_learning_rate_to_tensorboard:
                 self._pair("learning-rate", record.learning_rate, it, samples)
             self._pair("batch-size", batch_size, it, samples)
             self._pair("lm loss", record.lm_loss, it, samples)
-            if getattr(args, "log_loss_scale_to_tensorboard", True):
+            if logging.log_loss_scale_to_tensorboard:
                 self._pair("loss-scale", 1.0 if record.loss_scale is None else record.loss_scale, it, samples)
-            if getattr(args, "log_world_size_to_tensorboard", False):
+            if logging.log_world_size_to_tensorboard:
                 self._pair("world-size", self.world_size, it, samples)
             if record.grad_norm is not None:
                 self._pair("grad-norm", record.grad_norm, it, samples)
-            if getattr(args, "log_memory_to_tensorboard", False) and self.writer is not None:
+            if logging.log_memory_to_tensorboard and self.writer is not None:
                 for name, value in memory_scalars().items():
                     self.writer.add_scalar(name, value, it)
-        if it % args.log_interval == 0 and getattr(args, "log_timers_to_tensorboard", False):
+        if it % logging.log_interval == 0 and logging.log_timers_to_tensorboard:
             self._scalar("iteration-time", record.elapsed_ms / 1000.0, it)
-            if getattr(args, "log_throughput", False):
+            if logging.log_throughput:
                 self._scalar("throughput", record.tflops_per_rank, it)
 
     def validation(self, loss: Optional[float], iteration: int, samples: int) -> None:
         if not self.active or loss is None:
             return
         self._pair("lm loss validation", loss, iteration, samples)
-        if getattr(self.args, "log_validation_ppl_to_tensorboard", False):
+        if self.logging.log_validation_ppl_to_tensorboard:
             self._pair("lm loss validation ppl", math.exp(min(20.0, loss)), iteration, samples)
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_tawpipe.arguments.run_config import PrecisionConfig
+
 # Megatron-LM's names; 'fp8' is Transformer Engine's scaled fp8 storage, which megatron passes as torch.uint8.
 DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                                   "fp8": torch.uint8}
@@ -51,9 +53,9 @@ def transformer_engine_fused_adam() -> bool:
 def precision_refusal(args, weight_passing: bool, fused_adam=transformer_engine_fused_adam) -> Optional[str]:
     """One line refusing the precision flags as given, or None (megatron-core's and Megatron-LM's rules, and
     what this runtime implements). ``fused_adam()`` says whether Transformer Engine's FusedAdam is there."""
-    chosen = [f"{flag} {getattr(args, dest, 'fp32')}" for flag, dest in DTYPE_FLAGS
-              if getattr(args, dest, "fp32") != "fp32"]
-    if not getattr(args, "use_precision_aware_optimizer", False):
+    precision = PrecisionConfig.from_args(args)
+    chosen = [f"{flag} {getattr(precision, dest)}" for flag, dest in DTYPE_FLAGS if getattr(precision, dest) != "fp32"]
+    if not precision.use_precision_aware_optimizer:
         if chosen:
             return (f"{chosen[0]} needs --use-precision-aware-optimizer (without it megatron-core keeps main "
                     "gradients, main parameters and Adam's moments in fp32)")
@@ -72,12 +74,12 @@ def precision_refusal(args, weight_passing: bool, fused_adam=transformer_engine_
                 "parameters are the main parameters)")
     if weight_passing:
         for flag, dest in DTYPE_FLAGS[2:]:
-            if getattr(args, dest) not in MOMENT_DTYPES:
-                return (f"{flag} {getattr(args, dest)} (Transformer Engine's scaled fp8 storage) is not implemented "
+            if getattr(precision, dest) not in MOMENT_DTYPES:
+                return (f"{flag} {getattr(precision, dest)} (Transformer Engine's scaled fp8 storage) is not implemented "
                         f"for --pipeline-schedule {args.pipeline_schedule}: its Adam stores moments in "
                         f"{', '.join(MOMENT_DTYPES)}")
         return None
-    if getattr(args, "use_torch_fsdp2", False):
+    if args.use_torch_fsdp2:
         return ("--use-precision-aware-optimizer is megatron-core's distributed optimizer's; --use-torch-fsdp2 "
                 "steps torch's AdamW on fp32 shards (--grad-reduce-in-bf16 gives it bf16 gradient reduction)")
     if not args.use_distributed_optimizer:
@@ -100,9 +102,10 @@ class OptimizerDtypes:
 
     @classmethod
     def from_args(cls, args) -> "OptimizerDtypes":
-        if not getattr(args, "use_precision_aware_optimizer", False):
+        precision = PrecisionConfig.from_args(args)
+        if not precision.use_precision_aware_optimizer:
             return cls()
-        return cls(*(DTYPES[getattr(args, dest, "fp32")] for _, dest in DTYPE_FLAGS))
+        return cls(*(DTYPES[getattr(precision, dest)] for _, dest in DTYPE_FLAGS))
 
     @property
     def precision_aware(self) -> bool:

@@ -68,10 +68,10 @@ class ShardTemplate:
         # (Enabling it would need a template-owned fp32 main_grad flat buffer bound once as
         # views, drained into the plan buffer after each backward, and the same for the
         # output layer among the replicated parts.) The other fusions follow llama_config.
-        self.tensor_parallel_size = getattr(args, "tensor_model_parallel_size", 1)
+        self.tensor_parallel_size = args.tensor_model_parallel_size
         template_config = llama_config(args, main_grad_buffers=False,
                                        tensor_model_parallel_size=self.tensor_parallel_size,
-                                       sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+                                       sequence_parallel=args.sequence_parallel)
         template_config.num_layers = self.max_layers
         # A split backward (plans with BackwardInput/BackwardWeight) defers the layers' weight-gradient
         # kernels to its weight pass: deferred local linear layers in the spec, or Transformer Engine's

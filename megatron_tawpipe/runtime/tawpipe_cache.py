@@ -14,9 +14,12 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from megatron_tawpipe.arguments.run_config import RunConfig
+from megatron_tawpipe.common import launcher
 from megatron_tawpipe.monitor.metrics import min_over_ranks
 from megatron_tawpipe.plan import Plan
-from megatron_tawpipe.sim.tawpipe_cache import CacheDecision, decide_cache, predicted_peak, run_cost_model
+from megatron_tawpipe.sim.run_cost import cost_model_for_run
+from megatron_tawpipe.sim.tawpipe_cache import CacheDecision, decide_cache, predicted_peak
 
 
 def host_available_bytes() -> float:
@@ -36,28 +39,21 @@ def device_memory(device: torch.device) -> Tuple[float, str]:
     if device.type == "cuda":
         total = float(torch.cuda.get_device_properties(device).total_memory)
         return total, f"{torch.cuda.get_device_name(device)} total memory"
-    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    ranks = max(launcher.local_world_size(), 1)
     return host_available_bytes() / ranks, f"host's available memory / {ranks} ranks on it"
 
 
-def decide(args, groups: int, build_plans: Callable[[bool], Dict[int, Plan]], device: torch.device,
-           compute_bytes: int, grad_bytes: int) -> Tuple[CacheDecision, Dict[int, Plan]]:
-    """The run's ``--tawpipe-cache`` decision and its plans (``build_plans(cache)``, by micro-batches per rank).
-    ``compute_bytes`` / ``grad_bytes``: bytes per element of the compute dtype and of the gradients."""
-    setting = getattr(args, "tawpipe_cache", "auto")
+def decide(config: RunConfig, groups: int, build_plans: Callable[[bool], Dict[int, Plan]],
+           device: torch.device) -> Tuple[CacheDecision, Dict[int, Plan]]:
+    """The run's ``--tawpipe-cache`` decision and its plans (``build_plans(cache)``, by micro-batches per rank)."""
+    schedule = config.schedule
+    setting = schedule.tawpipe_cache
     if setting == "off" or (setting == "auto" and groups < 2):
         return decide_cache(setting, groups), build_plans(False)
     plans = build_plans(True)
-    cost = run_cost_model(hidden_size=args.hidden_size, seq_length=args.seq_length,
-                          micro_batch_size=args.micro_batch_size, ffn_hidden_size=args.ffn_hidden_size,
-                          vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
-                          num_attention_heads=args.num_attention_heads,
-                          num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False)
-                          else None, recompute=not args.tawpipe_no_recompute, dtype_bytes=compute_bytes,
-                          grad_bytes=grad_bytes,
-                          untied_embeddings=getattr(args, "untie_embeddings_and_output_weights", True))
-    peak = predicted_peak(plans.values(), cost, getattr(args, "tawpipe_microbatches_per_visit", 1),
-                          getattr(args, "tensor_model_parallel_size", 1))
+    cost = cost_model_for_run(config.model, config.precision, schedule.micro_batch_size, schedule.recompute)
+    peak = predicted_peak(plans.values(), cost, schedule.tawpipe_microbatches_per_visit,
+                          config.layout.tensor_model_parallel_size)
     if setting == "on":
         return decide_cache(setting, groups, peak), plans
     memory, what = device_memory(device)

@@ -29,8 +29,7 @@ from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import params_dtype
 from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
-from megatron_tawpipe.arguments import plan_file_of
-from megatron_tawpipe.arguments.weight_passing import tawpipe_ownership
+from megatron_tawpipe.arguments.run_config import RunConfig, ScheduleConfig
 from megatron_tawpipe.plan import BackwardInput, BackwardWeight, Plan, build_plan, read_plan, validate_plan
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
@@ -42,28 +41,20 @@ from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, holder_slic
 from megatron_tawpipe.runtime.warmup import launch_order_problem
 
 
-def plan_name(args) -> str:
-    if args.pipeline_schedule == "weipipe":
-        zero_bubble = getattr(args, "weipipe_zero_bubble", 0)
-        return f"weipipe-zb{zero_bubble}" if zero_bubble else "weipipe"
-    return "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe"
-
-
-def plan_options(args, cache: Optional[bool] = None, groups: int = 1) -> dict:
-    """The planner's options from the flags; ``cache``: TawPipe's shard cache as decided at start-up
+def plan_options(schedule: ScheduleConfig, cache: Optional[bool] = None, groups: int = 1) -> dict:
+    """The planner's options from the schedule's flags; ``cache``: TawPipe's shard cache as decided at start-up
     (``--tawpipe-cache``, :mod:`megatron_tawpipe.runtime.tawpipe_cache`); None leaves it to the planner.
     ``groups``: the run's scheduling groups (``--tawpipe-ownership auto`` spreads over two or more)."""
-    if args.pipeline_schedule != "tawpipe":
+    if schedule.pipeline_schedule != "tawpipe":
         return {}
     options = {} if cache is None else {"cache": cache}
-    chunk = getattr(args, "tawpipe_microbatches_per_visit", 1)
-    if chunk != 1:
-        options["chunk"] = chunk
-    if getattr(args, "tawpipe_replicate_first_shard", False):
+    if schedule.tawpipe_microbatches_per_visit != 1:
+        options["chunk"] = schedule.tawpipe_microbatches_per_visit
+    if schedule.tawpipe_replicate_first_shard:
         options["replicate_first"] = True
-    if tawpipe_ownership(args, groups) == "spread":
+    if schedule.ownership(groups) == "spread":
         options["ownership"] = "spread"
-    if getattr(args, "tawpipe_replicated_reduce", "hierarchical") == "flat":
+    if schedule.tawpipe_replicated_reduce == "flat":
         options["hierarchical_replicated"] = False
     return options
 
@@ -82,15 +73,16 @@ def planned_microbatch_counts(args) -> List[int]:
     return sorted(counts)
 
 
-def plans_for_run(args, world: int, groups: int, cache: Optional[bool] = None) -> Dict[int, Plan]:
+def plans_for_run(args, schedule: ScheduleConfig, world: int, groups: int,
+                  cache: Optional[bool] = None) -> Dict[int, Plan]:
     """The run's plans by micro-batches per rank: built by the schedule's planner for every count the run's
     global batches give, or the one plan of ``--pipeline-schedule plan:FILE`` (checked against the flags in
     validate_args; here again against the world and the groups, which every rank agrees on)."""
-    path = plan_file_of(args.pipeline_schedule)
+    path = schedule.plan_file
     if path is None:
-        return {count: build_plan(plan_name(args), num_ranks=world, num_groups=groups, num_layers=args.num_layers,
+        return {count: build_plan(schedule.plan_name, num_ranks=world, num_groups=groups, num_layers=args.num_layers,
                                   num_microbatches=count, shard_layers=args.decoder_layer_split,
-                                  **plan_options(args, cache, groups))
+                                  **plan_options(schedule, cache, groups))
                 for count in planned_microbatch_counts(args)}
     plan = read_plan(path)
     if (plan.num_ranks, plan.num_groups) != (world, groups):
@@ -106,10 +98,11 @@ class WeightPipeModel:
         """``compute(model)`` makes what runs the (micro-batch, shard) forward and backward actions
         (a :class:`ShardCompute`): the real layers (:class:`LayerCompute`, the default) or emulated compute."""
         self.args = args
+        self.config = RunConfig.from_args(args, world_size=dist.get_world_size())
         # With --tensor-model-parallel-size T the plan runs over P / T virtual ranks, one per
         # tensor-parallel group (T consecutive ranks, megatron-core's layout): ``rank`` and
         # ``world`` are the plan's, ``tensor_parallel_rank`` is this rank's index in its group.
-        self.tensor_parallel_size = getattr(args, "tensor_model_parallel_size", 1)
+        self.tensor_parallel_size = self.config.layout.tensor_model_parallel_size
         self.tensor_parallel_rank = dist.get_rank() % self.tensor_parallel_size
         self.rank = dist.get_rank() // self.tensor_parallel_size
         self.world = dist.get_world_size() // self.tensor_parallel_size
@@ -126,7 +119,7 @@ class WeightPipeModel:
             raise ValueError("the plans for the schedule's micro-batch counts give shards different owners")
         self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.tensor_parallel_size,
                                                                   self.plan.replicas)
-        self.recompute = not args.tawpipe_no_recompute
+        self.recompute = self.config.schedule.recompute
         if any(plan.shard_layers != self.plan.shard_layers for plan in self.plans.values()):
             raise ValueError("the plans for the schedule's micro-batch counts split the layers differently")
         # Plans with BackwardInput/BackwardWeight: the layers leave their weight-gradient kernels to the weight pass.
@@ -186,13 +179,11 @@ class WeightPipeModel:
     def _plans(self, args, groups: int) -> Dict[int, Plan]:
         """The run's plans; tawpipe's with the shard cache decided once at start-up (``--tawpipe-cache``: every
         rank alike), the decision printed by the first rank."""
-        if args.pipeline_schedule != "tawpipe":
-            return plans_for_run(args, self.world, groups)
-        compute_bytes = torch.finfo(params_dtype(args)).bits // 8
-        grad_bytes = torch.finfo(OptimizerDtypes.from_args(args).main_grads).bits // 8
+        schedule = self.config.schedule
+        if schedule.pipeline_schedule != "tawpipe":
+            return plans_for_run(args, schedule, self.world, groups)
         self.cache_decision, plans = tawpipe_cache.decide(
-            args, groups, lambda cache: plans_for_run(args, self.world, groups, cache), self.device,
-            compute_bytes, grad_bytes)
+            self.config, groups, lambda cache: plans_for_run(args, schedule, self.world, groups, cache), self.device)
         if dist.get_rank() == 0:
             print(self.cache_decision.line(), flush=True)
         return plans
@@ -226,7 +217,7 @@ class WeightPipeModel:
         same point: start-up, or the iteration where all switch plans)."""
         executor = PlanExecutor(plan, self.rank, self, self.communicators,
                                 timeout=datetime.timedelta(minutes=self.args.distributed_timeout_minutes),
-                                nccl_faithful=getattr(self.args, "tawpipe_nccl_faithful", False), transport=transport)
+                                nccl_faithful=self.config.schedule.tawpipe_nccl_faithful, transport=transport)
         executor.connect()
         executor.memory_probe = getattr(self, "memory_probe", None)   # --record-plan-memory
         return executor

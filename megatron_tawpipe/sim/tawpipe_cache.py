@@ -15,28 +15,15 @@ group it is off (no shard is foreign). The runtime supplies the device's memory 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION, TAWPIPE_CACHE_SETTINGS
 from megatron_tawpipe.sim.costmodel import CostModel
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
 from megatron_tawpipe.sim.plan_memory import memory_fields
+from megatron_tawpipe.sim.run_cost import run_cost_model  # noqa: F401  (re-exported)
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown
-
-
-def run_cost_model(*, hidden_size: int, seq_length: int, micro_batch_size: int, ffn_hidden_size: Optional[int],
-                   vocab_size: int, num_attention_heads: int, num_query_groups: Optional[int], recompute: bool,
-                   dtype_bytes: int, grad_bytes: int, untied_embeddings: bool = True) -> CostModel:
-    """The cost model of a run's shapes and dtypes, for its memory (its times are not used here):
-    ``dtype_bytes`` per weight and activation element in the compute dtype, ``grad_bytes`` per element of
-    the travelling and accumulated gradients."""
-    cost = CostModel.from_flops(hidden_size=hidden_size, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                ffn_hidden_size=ffn_hidden_size, vocab_size=vocab_size,
-                                num_attention_heads=num_attention_heads,
-                                num_query_groups=num_query_groups or num_attention_heads, recompute=recompute,
-                                dtype_bytes=dtype_bytes, untied_embeddings=untied_embeddings)
-    return replace(cost, grad_bytes=grad_bytes)
 
 
 def predicted_memory(plan, cost: CostModel, microbatches_per_visit: int = 1,

@@ -5,15 +5,15 @@ here; every inconsistency is one :class:`ArgumentError` line naming the flag."""
 from __future__ import annotations
 
 import argparse
-import os
 
 from megatron_tawpipe.arguments.flags import ArgumentError, is_weight_passing
 from megatron_tawpipe.arguments.layout import data_parallel_size
+from megatron_tawpipe.common import launcher
 
 
 def notice(message: str) -> None:
     """A one-line notice about a flag that has no effect, printed once by the first rank."""
-    if os.environ.get("RANK", "0") == "0":
+    if launcher.rank() == 0:
         print(f"notice: {message}", flush=True)
 
 

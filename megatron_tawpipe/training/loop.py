@@ -43,11 +43,11 @@ def build_trainer(args, forward_step_func):
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
         return WeightPassingTrainer(args, forward_step_func)
-    if getattr(args, "use_torch_fsdp2", False):
+    if args.use_torch_fsdp2:
         from megatron_tawpipe.baselines.fsdp import FsdpTrainer
 
         return FsdpTrainer(args, forward_step_func)
-    if getattr(args, "use_megatron_fsdp", False):
+    if args.use_megatron_fsdp:
         from megatron_tawpipe.baselines.megatron_fsdp import MegatronFsdpTrainer
 
         return MegatronFsdpTrainer(args, forward_step_func)
@@ -99,9 +99,9 @@ def data_parallel_rank_and_size(args):
 def _data_iterators(dataset, args, count: int, consumed_samples: int, num_workers: int = 0):
     dp_rank, dp_size = data_parallel_rank_and_size(args)
     # Slurm signals every process of the job: data-loader workers must leave --exit-signal to the rank.
-    ignore = getattr(signal, args.exit_signal) if getattr(args, "exit_signal_handler", False) else None
+    ignore = getattr(signal, args.exit_signal) if args.exit_signal_handler else None
     return [build_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples,
-                                dataloader_type=getattr(args, "dataloader_type", "single") or "single",
+                                dataloader_type=args.dataloader_type,
                                 num_workers=num_workers, ignore_signal=ignore)
             for _ in range(count)]
 

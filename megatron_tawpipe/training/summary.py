@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from megatron_tawpipe.common.launcher import local_world_size
+
 LAUNCH_COMMAND_ENV = "TAWPIPE_LAUNCH_COMMAND"
 NEXT_STEPS_ENV = "TAWPIPE_NEXT_STEPS"
 _ENTRY_SCRIPT = "pretrain_llama.py"
@@ -77,7 +79,7 @@ def launch_command(environ: Optional[Dict[str, str]] = None, argv: Optional[Sequ
     if "TORCHELASTIC_RUN_ID" not in environ:   # one process, started directly
         return shlex.join([_python(), script] + rest)
     nodes = int(environ.get("GROUP_WORLD_SIZE", "1"))
-    per_node = environ.get("LOCAL_WORLD_SIZE", "1")
+    per_node = str(local_world_size(environ=environ))
     launcher = [_python(), "-m", "torch.distributed.run"]
     if nodes == 1:
         launcher += ["--standalone", "--nproc-per-node", per_node]

@@ -9,17 +9,18 @@ from typing import Optional
 
 from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,
                                               SUPPORTED_TOKENIZERS, ArgumentError, is_weight_passing, plan_file_of)
-from megatron_tawpipe.arguments.layout import data_parallel_size
 from megatron_tawpipe.arguments.weight_passing import tawpipe_cache_problem, tawpipe_ownership_problem
+from megatron_tawpipe.common import launcher
 from megatron_tawpipe.compat.megatron_lm import NOTICES
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.optimizer.precision_aware import precision_refusal
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
 from megatron_tawpipe.training.data_parallel_args import notice, validate_data_parallel
 from megatron_tawpipe.training.plan_file_args import check_plan_file
+from megatron_tawpipe.training.settle_args import apply_checkpoint_args, derive_args
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launcher.world_size()
 
 
 def weight_passing_runtime_available() -> bool:
@@ -39,8 +40,22 @@ def _validate_logging(args: argparse.Namespace) -> None:
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
-    """Check flags before any process group is created; raise ArgumentError naming the flag."""
+    """Check flags before any process group is created; raise ArgumentError naming the flag.
+
+    In three steps: the flags read off disk (``--use-checkpoint-args``: :func:`apply_checkpoint_args`), the
+    values that follow from the flags alone (:func:`derive_args`), then the checks."""
     world_size = world_size_from_env() if world_size is None else world_size
+    _check_schedule_name(args)
+    if args.use_checkpoint_args:
+        apply_checkpoint_args(args)
+    derive_args(args, world_size)
+    _check_args(args, world_size)
+    for message in vars(args).pop(NOTICES, ()):   # the Megatron-LM flags that change nothing here
+        notice(message)
+    return args
+
+
+def _check_schedule_name(args: argparse.Namespace) -> None:
     if args.pipeline_schedule not in PIPELINE_SCHEDULES and plan_file_of(args.pipeline_schedule) is None:
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)} "
@@ -49,15 +64,16 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule} is registered but its runtime is not part of this "
             "version yet; use --pipeline-schedule 1f1b or interleaved")
-    if args.use_checkpoint_args:
-        _apply_checkpoint_args(args)
+
+
+def _check_args(args: argparse.Namespace, world_size: int) -> None:
     _validate_model(args)
     _validate_required(args)
     _validate_logging(args)
-    if getattr(args, "emulated_deferred_weight_gradients", False):
+    if args.emulated_deferred_weight_gradients:
         notice("--emulated-deferred-weight-gradients: no effect, a split backward's weight-gradient kernels always "
                "run in its weight pass (real and emulated compute alike)")
-    if getattr(args, "record_plan_memory", False) and args.emulated_compute_times:
+    if args.record_plan_memory and args.emulated_compute_times:
         raise ArgumentError("--record-plan-memory measures what real compute holds; emulated compute "
                             "(--emulated-compute-times) keeps no activations")
     if args.emulated_compute_times:
@@ -87,9 +103,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
-    for message in vars(args).pop(NOTICES, ()):   # the Megatron-LM flags that change nothing here
-        notice(message)
-    return args
 
 
 def _validate_required(args: argparse.Namespace) -> None:
@@ -226,29 +239,6 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
                             "mutually exclusive")
 
 
-def _apply_checkpoint_args(args: argparse.Namespace) -> None:
-    """--use-checkpoint-args: the model flags come from the checkpoint under --load (Megatron-LM's)."""
-    from megatron_tawpipe.checkpoint import checkpoint_arguments
-    from megatron_tawpipe.common.errors import CheckpointError
-
-    if not args.load:
-        raise ArgumentError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model flags from)")
-    try:
-        found = checkpoint_arguments(args.load)
-    except CheckpointError as exc:
-        raise ArgumentError(f"--use-checkpoint-args: {exc}") from None
-    if found is None:
-        raise ArgumentError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
-    directory, saved = found
-    changed = []
-    for key, value in saved.items():
-        if getattr(args, key, None) != value:
-            changed.append(f"--{key.replace('_', '-')} {value}")
-            setattr(args, key, value)
-    if changed:
-        notice(f"--use-checkpoint-args: from {directory}: " + ", ".join(changed))
-
-
 def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
     if args.tensorboard_dir:
         from megatron_tawpipe.monitor.tensorboard_log import tensorboard_available
@@ -300,10 +290,7 @@ def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
 def _validate_tensor_parallel(args: argparse.Namespace) -> None:
     """megatron-core's tensor parallelism (native schedules, and inside weight passing: see _validate_weight_pipeline_ranks)."""
     tp = args.tensor_model_parallel_size
-    if tp == 1:
-        if args.sequence_parallel:
-            notice("--sequence-parallel: no effect with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")
-            args.sequence_parallel = False
+    if tp == 1:   # --sequence-parallel is off then (derive_args)
         return
     if args.use_torch_fsdp2:
         raise ArgumentError(f"--tensor-model-parallel-size {tp} with --use-torch-fsdp2: the FSDP2 baseline shards "
@@ -328,21 +315,12 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     groups = args.tawpipe_num_groups or world_size // _ranks_per_node(world_size)
     cache_problem = tawpipe_cache_problem(args.pipeline_schedule, args.tawpipe_cache, groups)
     problem = cache_problem or tawpipe_ownership_problem(
-        args.pipeline_schedule, getattr(args, "tawpipe_ownership", "owner"), groups,
-        bool(getattr(args, "tawpipe_replicate_first_shard", False)))
+        args.pipeline_schedule, args.tawpipe_ownership, groups,
+        args.tawpipe_replicate_first_shard)
     if problem:
         raise ArgumentError(problem)
-    pp = args.pipeline_model_parallel_size
+    pp = args.pipeline_model_parallel_size   # 1 with weight passing (derive_args)
     if is_weight_passing(args.pipeline_schedule):
-        if pp != 1:
-            tp = args.tensor_model_parallel_size
-            owners = world_size // tp
-            who = ("every rank is a data-parallel rank and owns" if tp == 1 else
-                   f"every tensor-parallel group of {tp} ranks is a data-parallel rank and owns")
-            notice(f"--pipeline-schedule {args.pipeline_schedule}: the {pp} ranks of each "
-                   "--pipeline-model-parallel-size pipeline join the weight pipeline, which runs over all "
-                   f"{world_size} ranks ({who} 1/{owners} of the layers)")
-            args.pipeline_model_parallel_size = pp = 1
         _validate_weight_pipeline_ranks(args, world_size)
         if args.recompute_granularity == "selective":
             raise ArgumentError(
@@ -354,7 +332,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
         if args.tawpipe_replicate_first_shard:
             _validate_replicated_first_shard(args, world_size)
-        if getattr(args, "weipipe_zero_bubble", 0) and args.pipeline_schedule != "weipipe":
+        if args.weipipe_zero_bubble and args.pipeline_schedule != "weipipe":
             raise ArgumentError("--weipipe-zero-bubble applies to --pipeline-schedule weipipe only")
         backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
         if args.tawpipe_nccl_faithful and backend != "gloo":
@@ -363,8 +341,8 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
             or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful
-            or args.tawpipe_replicate_first_shard or getattr(args, "weipipe_zero_bubble", 0)
-            or getattr(args, "record_plan_memory", False)):
+            or args.tawpipe_replicate_first_shard or args.weipipe_zero_bubble
+            or args.record_plan_memory):
         raise ArgumentError(
             "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
             "--tawpipe-microbatches-per-visit / --tawpipe-replicate-first-shard / --tawpipe-nccl-faithful / "
@@ -415,7 +393,7 @@ def _validate_replicated_first_shard(args: argparse.Namespace, world_size: int) 
 def _check_equal_nodes(schedule: str, world_size: int) -> None:
     """Refuse nodes of different sizes as far as one rank can tell (the weight pipeline checks the rest
     once the process group exists: parallel_state.default_num_groups)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    local = launcher.local_world_size(world_size)
     if local > 0 and world_size % local:
         raise ArgumentError(
             f"--pipeline-schedule {schedule}: this node runs {local} of the {world_size} ranks (LOCAL_WORLD_SIZE), "
@@ -431,15 +409,14 @@ _WEIPIPE_GROUPS = ("", "; weipipe's ring does not depend on the groups: --tawpip
 
 def _ranks_per_node(world_size: int) -> int:
     """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE; all ranks when unset)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    local = launcher.local_world_size(world_size)
     return local if local > 0 and world_size % local == 0 else world_size
 
 
 def _validate_batch(args: argparse.Namespace, world_size: int) -> None:
     """The global batch over the run: --global-batch-size (default: one micro-batch per data-parallel
     rank) or --step-batch-size-schedule, kept as ``args.batch_schedule``."""
-    dp = data_parallel_size(args, world_size)
-    args.data_parallel_size = dp
+    dp = args.data_parallel_size   # derive_args
     if args.step_batch_size_schedule is not None:
         if args.global_batch_size is not None:
             raise ArgumentError("--step-batch-size-schedule and --global-batch-size are mutually exclusive "

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+
+from megatron_tawpipe.common import launcher
 
 
 def _time(fn, repeats: int, warmup: int, group) -> float:
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = launcher.local_world_size(world)
     groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(world // per_node)]
     group = groups[rank // per_node]
     d = per_node

@@ -1,0 +1,302 @@
+"""The run's configuration as typed, frozen records: what the rest of the package reads instead of the
+parsed flags. :meth:`RunConfig.from_args` is the boundary: it reads every flag once, with the parser's
+default (``args.flag``), and computes the values that follow from them in one place (:func:`derive`).
+
+Read after :func:`~megatron_tawpipe.training.validate_args.validate_args` (which settles the flags) and,
+for ``ModelConfig.padded_vocab_size``, after the tokenizer is built (it sets ``args.padded_vocab_size``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_tawpipe.arguments.weight_passing import is_weight_passing, plan_file_of
+
+# Bytes per element of a dtype flag's value.
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture: sizes, attention, MLP, norms, embeddings."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int          # the heads without --group-query-attention (fill_defaults)
+    group_query_attention: bool
+    kv_channels: Optional[int]
+    seq_length: int
+    max_position_embeddings: int
+    vocab_size: Optional[int]
+    padded_vocab_size: Optional[int]   # the output layer's rows, once the tokenizer is built
+    untie_embeddings_and_output_weights: bool
+    normalization: str
+    swiglu: bool
+    squared_relu: bool
+    add_bias_linear: bool
+    position_embedding_type: str
+    qk_layernorm: bool
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def output_vocab_size(self) -> int:
+        """The output layer's size: the padded vocabulary, or ``--vocab-size`` before the tokenizer sets it."""
+        return self.padded_vocab_size or self.vocab_size
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ModelConfig":
+        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                   num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                   group_query_attention=args.group_query_attention, kv_channels=args.kv_channels,
+                   seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+                   vocab_size=args.vocab_size,
+                   # set by the tokenizer (data.tokenizers.build_tokenizer), not by the parser
+                   padded_vocab_size=getattr(args, "padded_vocab_size", None),
+                   untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+                   normalization=args.normalization, swiglu=args.swiglu, squared_relu=args.squared_relu,
+                   add_bias_linear=args.add_bias_linear, position_embedding_type=args.position_embedding_type,
+                   qk_layernorm=args.qk_layernorm)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """The compute dtype and the optimizer's (``--use-precision-aware-optimizer``) dtypes."""
+
+    bf16: bool
+    fp16: bool
+    use_precision_aware_optimizer: bool
+    main_grads_dtype: str
+    main_params_dtype: str
+    exp_avg_dtype: str
+    exp_avg_sq_dtype: str
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per weight and activation element in the compute dtype."""
+        return 2 if self.bf16 or self.fp16 else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the main gradients (and the weight pipeline's travelling gradients): fp32
+        unless the precision-aware optimizer keeps them in ``--main-grads-dtype``."""
+        return _DTYPE_BYTES[self.main_grads_dtype] if self.use_precision_aware_optimizer else 4
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "PrecisionConfig":
+        return cls(bf16=args.bf16, fp16=args.fp16, use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+                   main_grads_dtype=args.main_grads_dtype, main_params_dtype=args.main_params_dtype,
+                   exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the ranks are laid out: tensor, pipeline and data parallelism, and the weight pipeline's groups."""
+
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    sequence_parallel: bool
+    tawpipe_num_groups: Optional[int]    # the weight pipeline's groups; None: one per node
+    ranks_per_node: int                  # LOCAL_WORLD_SIZE (common.launcher)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, world_size: int, ranks_per_node: int) -> "ParallelLayout":
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        return cls(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                   data_parallel_size=derive_data_parallel_size(args.pipeline_schedule, world_size, tp, pp),
+                   sequence_parallel=args.sequence_parallel, tawpipe_num_groups=args.tawpipe_num_groups,
+                   ranks_per_node=ranks_per_node)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The pipeline schedule and the weight-passing runtime's knobs (tawpipe / weipipe)."""
+
+    pipeline_schedule: str
+    micro_batch_size: int
+    tawpipe_no_overlap: bool
+    tawpipe_no_recompute: bool
+    tawpipe_microbatches_per_visit: int
+    tawpipe_replicate_first_shard: bool
+    tawpipe_cache: str
+    tawpipe_ownership: str
+    tawpipe_replicated_reduce: str
+    tawpipe_nccl_faithful: bool
+    weipipe_zero_bubble: int
+
+    @property
+    def weight_passing(self) -> bool:
+        return is_weight_passing(self.pipeline_schedule)
+
+    @property
+    def plan_file(self) -> Optional[str]:
+        return plan_file_of(self.pipeline_schedule)
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the weight-passing runtime recomputes a shard's forward in its backward."""
+        return not self.tawpipe_no_recompute
+
+    @property
+    def plan_name(self) -> str:
+        """The planner's name for a weight-passing schedule (``plan.build_plan``)."""
+        if self.pipeline_schedule == "weipipe":
+            return f"weipipe-zb{self.weipipe_zero_bubble}" if self.weipipe_zero_bubble else "weipipe"
+        return "tawpipe-nooverlap" if self.tawpipe_no_overlap else "tawpipe"
+
+    def ownership(self, groups: int) -> str:
+        """The layout a TawPipe run over ``groups`` groups uses: ``--tawpipe-ownership`` owner or spread;
+        ``auto`` takes spread wherever it applies (two or more groups, no replicated first shard)."""
+        if self.tawpipe_ownership != "auto":
+            return self.tawpipe_ownership
+        return "spread" if groups >= 2 and not self.tawpipe_replicate_first_shard else "owner"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ScheduleConfig":
+        return cls(pipeline_schedule=args.pipeline_schedule, micro_batch_size=args.micro_batch_size,
+                   tawpipe_no_overlap=args.tawpipe_no_overlap, tawpipe_no_recompute=args.tawpipe_no_recompute,
+                   tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
+                   tawpipe_replicate_first_shard=args.tawpipe_replicate_first_shard,
+                   tawpipe_cache=args.tawpipe_cache, tawpipe_ownership=args.tawpipe_ownership,
+                   tawpipe_replicated_reduce=args.tawpipe_replicated_reduce,
+                   tawpipe_nccl_faithful=args.tawpipe_nccl_faithful, weipipe_zero_bubble=args.weipipe_zero_bubble)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The data and the tokenizer."""
+
+    tokenizer_type: Optional[str]
+    tokenizer_model: Optional[str]
+    vocab_file: Optional[str]
+    merge_file: Optional[str]
+    mock_data: bool
+    data_cache_path: Optional[str]
+    reset_position_ids: bool
+    reset_attention_mask: bool
+    eod_mask_loss: bool
+    create_attention_mask_in_dataloader: bool
+    dataloader_type: str
+    num_workers: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DataConfig":
+        return cls(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                   vocab_file=args.vocab_file, merge_file=args.merge_file, mock_data=args.mock_data,
+                   data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
+                   reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+                   create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+                   dataloader_type=args.dataloader_type, num_workers=args.num_workers)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: Optional[str]
+    load: Optional[str]
+    save_interval: Optional[int]
+    ckpt_format: str
+    finetune: bool
+    no_save_optim: bool
+    no_save_rng: bool
+    no_load_optim: bool
+    no_load_rng: bool
+    save_retain_interval: Optional[int]
+    async_save: bool
+    use_persistent_ckpt_worker: bool
+    async_ckpt_cpu_priority: int
+    async_ckpt_io_priority: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "CheckpointConfig":
+        return cls(save=args.save, load=args.load, save_interval=args.save_interval, ckpt_format=args.ckpt_format,
+                   finetune=args.finetune, no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
+                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+                   save_retain_interval=args.save_retain_interval, async_save=args.async_save,
+                   use_persistent_ckpt_worker=args.use_persistent_ckpt_worker,
+                   async_ckpt_cpu_priority=args.async_ckpt_cpu_priority,
+                   async_ckpt_io_priority=args.async_ckpt_io_priority)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """The log line, TensorBoard / W&B and the run's metric files."""
+
+    log_interval: int
+    log_throughput: bool
+    log_progress: bool
+    logging_level: Optional[int]
+    tensorboard_dir: Optional[str]
+    tensorboard_log_interval: int
+    tensorboard_queue_size: int
+    log_timers_to_tensorboard: bool
+    log_memory_to_tensorboard: bool
+    log_world_size_to_tensorboard: bool
+    log_learning_rate_to_tensorboard: bool
+    log_loss_scale_to_tensorboard: bool
+    log_validation_ppl_to_tensorboard: bool
+    wandb_project: Optional[str]
+    wandb_entity: Optional[str]
+    wandb_exp_name: Optional[str]
+    wandb_save_dir: Optional[str]
+    metrics_file: Optional[str]
+    timeline_file: Optional[str]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "LoggingConfig":
+        return cls(log_interval=args.log_interval, log_throughput=args.log_throughput, log_progress=args.log_progress,
+                   logging_level=args.logging_level, tensorboard_dir=args.tensorboard_dir,
+                   tensorboard_log_interval=args.tensorboard_log_interval,
+                   tensorboard_queue_size=args.tensorboard_queue_size,
+                   log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+                   log_memory_to_tensorboard=args.log_memory_to_tensorboard,
+                   log_world_size_to_tensorboard=args.log_world_size_to_tensorboard,
+                   log_learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
+                   log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
+                   log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+                   wandb_project=args.wandb_project, wandb_entity=args.wandb_entity,
+                   wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
+                   metrics_file=args.metrics_file, timeline_file=args.timeline_file)
+
+
+def derive_data_parallel_size(schedule: str, world_size: int, tensor_parallel: int, pipeline_parallel: int) -> int:
+    """Data-parallel ranks: every tensor-parallel group with weight passing (it has no pipeline stages), else
+    world / (tensor x pipeline), as Megatron-LM."""
+    if is_weight_passing(schedule):
+        return world_size // tensor_parallel
+    return world_size // (pipeline_parallel * tensor_parallel)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's configuration, read from the flags once (:meth:`from_args`)."""
+
+    model: ModelConfig
+    precision: PrecisionConfig
+    layout: ParallelLayout
+    schedule: ScheduleConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, world_size: Optional[int] = None,
+                  ranks_per_node: Optional[int] = None) -> "RunConfig":
+        """``world_size`` / ``ranks_per_node``: the launcher's (:mod:`megatron_tawpipe.common.launcher`) unless given."""
+        from megatron_tawpipe.common import launcher
+
+        world = launcher.world_size() if world_size is None else world_size
+        per_node = launcher.local_world_size(world) if ranks_per_node is None else ranks_per_node
+        return cls(model=ModelConfig.from_args(args), precision=PrecisionConfig.from_args(args),
+                   layout=ParallelLayout.from_args(args, world, per_node), schedule=ScheduleConfig.from_args(args),
+                   data=DataConfig.from_args(args), checkpoint=CheckpointConfig.from_args(args),
+                   logging=LoggingConfig.from_args(args))

@@ -1,0 +1,84 @@
+"""arguments.run_config: the flags read once into frozen records; sim.run_cost: one cost model of a run."""
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_tawpipe.arguments import LLAMA_FLAGS, parse_args
+from megatron_tawpipe.arguments.run_config import ModelConfig, PrecisionConfig, RunConfig
+from megatron_tawpipe.sim.costmodel import CostModel
+from megatron_tawpipe.sim.run_cost import cost_model_for_run
+
+from training_helpers import tiny_args
+
+
+def _config(*extra, world=4, per_node=4):
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    args = validate_args(parse_args(tiny_args(*extra)), world_size=world)
+    return args, RunConfig.from_args(args, world_size=world, ranks_per_node=per_node)
+
+
+def test_the_records_hold_the_flags_and_are_frozen():
+    args, config = _config("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2",
+                           "--tawpipe-microbatches-per-visit", "2", "--tensor-model-parallel-size", "2")
+    assert config.model.hidden_size == args.hidden_size and config.model.swiglu and config.model.tie_embeddings is False
+    assert (config.layout.world_size, config.layout.tensor_model_parallel_size, config.layout.data_parallel_size,
+            config.layout.tawpipe_num_groups, config.layout.ranks_per_node) == (4, 2, 2, 2, 4)
+    assert config.layout.data_parallel_size == args.data_parallel_size
+    assert config.schedule.plan_name == "tawpipe" and config.schedule.tawpipe_microbatches_per_visit == 2
+    assert config.schedule.recompute and config.precision.compute_bytes == 4 and config.precision.grad_bytes == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.model.hidden_size = 1
+
+
+def test_schedule_names_and_ownership():
+    _, weipipe = _config("--pipeline-schedule", "weipipe", "--weipipe-zero-bubble", "2")
+    assert weipipe.schedule.plan_name == "weipipe-zb2"
+    _, auto = _config("--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "auto", "--tawpipe-num-groups", "2")
+    assert auto.schedule.ownership(2) == "spread" and auto.schedule.ownership(1) == "owner"
+
+
+def _model(vocab, padded):
+    args = parse_args(list(LLAMA_FLAGS) + ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                                           "--vocab-size", str(vocab), "--tokenizer-type", "NullTokenizer"])
+    args.padded_vocab_size = padded
+    return args
+
+
+def test_the_cost_model_takes_the_padded_vocabulary_and_the_main_gradients_bytes():
+    args = _model(1000, 1024)
+    model = ModelConfig.from_args(args)
+    fp32 = cost_model_for_run(model, PrecisionConfig.from_args(args), 1, recompute=True)
+    unpadded = CostModel.from_flops(hidden_size=64, seq_length=64, ffn_hidden_size=args.ffn_hidden_size,
+                                    vocab_size=1000, num_attention_heads=4, num_query_groups=4, dtype_bytes=4)
+    assert fp32.head_forward == pytest.approx(unpadded.head_forward * 1024 / 1000)
+    assert (fp32.dtype_bytes, fp32.grad_bytes) == (4, 4)
+    bf16 = parse_args(list(LLAMA_FLAGS) + ["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+                                           "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])
+    half = cost_model_for_run(model, PrecisionConfig.from_args(bf16), 1, recompute=True)
+    assert (half.dtype_bytes, half.grad_bytes) == (2, 2)
+    # the memory check's gradient buffers at the runtime's gradient dtype: half of the fp32 default's
+    plain = dataclasses.replace(half, grad_bytes=4)
+    from megatron_tawpipe.plan import build_plan
+
+    plan = build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=4, num_microbatches=2)
+    assert half.grad_shard_bytes(plan) == plain.grad_shard_bytes(plan) / 2
+
+
+def test_calibrate_prices_the_output_layer_it_measures(tmp_path):
+    """tools/calibrate.py --from-cost-model: the head at the padded vocabulary (1000 -> 1024), as measured."""
+    from megatron_tawpipe.bench.calibrate import main
+
+    out = tmp_path / "model.json"
+    assert main(["--output", str(out), "--from-cost-model", "--peak-tflops", "0.5", "--efficiency", "0.5"]
+                + list(LLAMA_FLAGS) + ["--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads",
+                                       "4", "--seq-length", "64", "--micro-batch-size", "1", "--vocab-size", "1000",
+                                       "--num-layers", "2"]) == 0
+    written = json.loads(out.read_text())
+    padded = CostModel.from_flops(hidden_size=64, seq_length=64, ffn_hidden_size=192, vocab_size=1024,
+                                  num_attention_heads=4, num_query_groups=4, peak_tflops=0.5, efficiency=0.5)
+    assert written["head_forward"] == pytest.approx(padded.head_forward)
+    assert written["layer_forward"] == pytest.approx(padded.layer_forward)
+    assert written["vocab_size"] == 1000
