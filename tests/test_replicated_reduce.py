@@ -4,6 +4,8 @@ A plan over several nodes of several ranks says so in its actions; runs with it 
 reference under NCCL's ordering rules and on the plain transport (its stages on a thread of their own), with
 tensors that are not a multiple of the node size (padded parts); the flat all-reduce stays selectable."""
 
+import datetime
+
 import pytest
 
 from distributed_harness import run_ranks
@@ -56,3 +58,48 @@ def test_trains_like_the_single_process_reference(ranks, extra, reference, tmp_p
     argv = _args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", *extra, save=save)
     per_rank = run_ranks(train_rank, ranks, argv)
     assert_trains_like(per_rank, reference[0], save, reference[1], ITERS)
+
+
+class _LazyWork:
+    """A collective whose result lands when it is waited for, as an asynchronous one may."""
+
+    def __init__(self, land):
+        self.land = land
+
+    def wait(self, *args, **kwargs):
+        if self.land is not None:
+            self.land()
+            self.land = None
+        return True
+
+
+def test_a_reduction_on_the_thread_is_done_when_its_handle_says_so(monkeypatch):
+    """On a host-blocking backend the three stages run on the reducer's thread; its handle is done only once the
+    last stage (the all-gather back into the gradient) has landed: torch.distributed is replaced by collectives
+    that write their result only when waited for (two nodes of two ranks, every rank's gradients alike)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_tawpipe.runtime.node_reduce import NodeReducer
+
+    def reduce_scatter(output, source, op=None, group=None, async_op=True):
+        return _LazyWork(lambda: output.copy_(2 * source[:output.numel()]))
+
+    def all_reduce(tensor, op=None, group=None, async_op=True):
+        return _LazyWork(lambda: tensor.mul_(2))
+
+    def all_gather(output, source, group=None, async_op=True):
+        return _LazyWork(lambda: output.copy_(source.repeat(output.numel() // source.numel())))
+
+    for name, fake in (("reduce_scatter_single", reduce_scatter), ("reduce_scatter_tensor", reduce_scatter),
+                       ("all_reduce", all_reduce), ("all_gather_single", all_gather),
+                       ("all_gather_into_tensor", all_gather)):
+        monkeypatch.setattr(dist, name, fake, raising=False)
+    grads = [torch.ones(8), torch.full((6,), 3.0)]
+    reducer = NodeReducer()
+    try:
+        handle = reducer.submit(grads, "node", "cross", 2, "the replicated gradients")
+        handle.wait(datetime.timedelta(seconds=30))
+        assert torch.equal(grads[0], torch.full((8,), 4.0)) and torch.equal(grads[1], torch.full((6,), 12.0))
+    finally:
+        reducer.close()

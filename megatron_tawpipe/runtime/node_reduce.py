@@ -91,7 +91,9 @@ class NodeReducer:
             handle, tensors, node_group, cross_group, node_size = item
             if broken is None:
                 try:
-                    reduce_through_nodes(tensors, node_group, cross_group, node_size, lambda work: work.wait())
+                    for work in reduce_through_nodes(tensors, node_group, cross_group, node_size,
+                                                     lambda work: work.wait()):
+                        work.wait()   # the last stage's all-gathers: done before the handle says so
                 except BaseException as exc:  # noqa: BLE001 - reported through the handle
                     broken = exc
             handle.error = broken
