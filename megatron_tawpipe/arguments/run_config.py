@@ -9,13 +9,18 @@ for ``ModelConfig.padded_vocab_size``, after the tokenizer is built (it sets ``a
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from megatron_tawpipe.arguments.weight_passing import is_weight_passing, plan_file_of
 
 # Bytes per element of a dtype flag's value.
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def _read_flags(cls, args: argparse.Namespace, **given):
+    """A record of ``cls`` whose every field is the flag of its name (``given``: fields not read off the flags)."""
+    return cls(**{f.name: given[f.name] if f.name in given else getattr(args, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -52,17 +57,8 @@ class ModelConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelConfig":
-        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-                   num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                   group_query_attention=args.group_query_attention, kv_channels=args.kv_channels,
-                   seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-                   vocab_size=args.vocab_size,
-                   # set by the tokenizer (data.tokenizers.build_tokenizer), not by the parser
-                   padded_vocab_size=getattr(args, "padded_vocab_size", None),
-                   untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                   normalization=args.normalization, swiglu=args.swiglu, squared_relu=args.squared_relu,
-                   add_bias_linear=args.add_bias_linear, position_embedding_type=args.position_embedding_type,
-                   qk_layernorm=args.qk_layernorm)
+        # padded_vocab_size: set by the tokenizer (data.tokenizers.build_tokenizer), not by the parser
+        return _read_flags(cls, args, padded_vocab_size=getattr(args, "padded_vocab_size", None))
 
 
 @dataclass(frozen=True)
@@ -90,9 +86,7 @@ class PrecisionConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "PrecisionConfig":
-        return cls(bf16=args.bf16, fp16=args.fp16, use_precision_aware_optimizer=args.use_precision_aware_optimizer,
-                   main_grads_dtype=args.main_grads_dtype, main_params_dtype=args.main_params_dtype,
-                   exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype)
+        return _read_flags(cls, args)
 
 
 @dataclass(frozen=True)
@@ -161,13 +155,7 @@ class ScheduleConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ScheduleConfig":
-        return cls(pipeline_schedule=args.pipeline_schedule, micro_batch_size=args.micro_batch_size,
-                   tawpipe_no_overlap=args.tawpipe_no_overlap, tawpipe_no_recompute=args.tawpipe_no_recompute,
-                   tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
-                   tawpipe_replicate_first_shard=args.tawpipe_replicate_first_shard,
-                   tawpipe_cache=args.tawpipe_cache, tawpipe_ownership=args.tawpipe_ownership,
-                   tawpipe_replicated_reduce=args.tawpipe_replicated_reduce,
-                   tawpipe_nccl_faithful=args.tawpipe_nccl_faithful, weipipe_zero_bubble=args.weipipe_zero_bubble)
+        return _read_flags(cls, args)
 
 
 @dataclass(frozen=True)
@@ -189,12 +177,7 @@ class DataConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DataConfig":
-        return cls(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                   vocab_file=args.vocab_file, merge_file=args.merge_file, mock_data=args.mock_data,
-                   data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-                   reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-                   create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
-                   dataloader_type=args.dataloader_type, num_workers=args.num_workers)
+        return _read_flags(cls, args)
 
 
 @dataclass(frozen=True)
@@ -218,13 +201,7 @@ class CheckpointConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "CheckpointConfig":
-        return cls(save=args.save, load=args.load, save_interval=args.save_interval, ckpt_format=args.ckpt_format,
-                   finetune=args.finetune, no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
-                   no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-                   save_retain_interval=args.save_retain_interval, async_save=args.async_save,
-                   use_persistent_ckpt_worker=args.use_persistent_ckpt_worker,
-                   async_ckpt_cpu_priority=args.async_ckpt_cpu_priority,
-                   async_ckpt_io_priority=args.async_ckpt_io_priority)
+        return _read_flags(cls, args)
 
 
 @dataclass(frozen=True)
@@ -253,19 +230,7 @@ class LoggingConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LoggingConfig":
-        return cls(log_interval=args.log_interval, log_throughput=args.log_throughput, log_progress=args.log_progress,
-                   logging_level=args.logging_level, tensorboard_dir=args.tensorboard_dir,
-                   tensorboard_log_interval=args.tensorboard_log_interval,
-                   tensorboard_queue_size=args.tensorboard_queue_size,
-                   log_timers_to_tensorboard=args.log_timers_to_tensorboard,
-                   log_memory_to_tensorboard=args.log_memory_to_tensorboard,
-                   log_world_size_to_tensorboard=args.log_world_size_to_tensorboard,
-                   log_learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
-                   log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
-                   log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
-                   wandb_project=args.wandb_project, wandb_entity=args.wandb_entity,
-                   wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
-                   metrics_file=args.metrics_file, timeline_file=args.timeline_file)
+        return _read_flags(cls, args)
 
 
 def derive_data_parallel_size(schedule: str, world_size: int, tensor_parallel: int, pipeline_parallel: int) -> int:
