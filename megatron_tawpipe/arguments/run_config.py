@@ -122,6 +122,7 @@ class ScheduleConfig:
     tawpipe_replicate_first_shard: bool
     tawpipe_cache: str
     tawpipe_ownership: str
+    tawpipe_shards_per_rank: int
     tawpipe_replicated_reduce: str
     tawpipe_nccl_faithful: bool
     weipipe_zero_bubble: int

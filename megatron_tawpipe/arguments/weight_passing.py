@@ -67,6 +67,21 @@ def tawpipe_ownership_problem(schedule: str, setting: str, groups: int = 2, repl
     return ""
 
 
+def tawpipe_shards_per_rank_problem(schedule: str, per_rank: int, num_layers: int, ranks: int) -> str:
+    """Why ``--tawpipe-shards-per-rank PER_RANK`` cannot run with ``--pipeline-schedule SCHEDULE``, ``num_layers``
+    layers over ``ranks`` weight-pipeline ranks ("" when it can). A plan file has its shards already: the flag then
+    states how many per rank it has (checked against the file)."""
+    if per_rank == 1:
+        return ""
+    if schedule != "tawpipe" and plan_file_of(schedule) is None:
+        return (f"--tawpipe-shards-per-rank {per_rank} applies to --pipeline-schedule tawpipe (or a plan file with "
+                "that many shards per rank) only; leave it at 1")
+    if num_layers < ranks * per_rank:
+        return (f"--tawpipe-shards-per-rank {per_rank} over {ranks} weight-pipeline ranks needs at least "
+                f"{ranks * per_rank} layers (one per shard); --num-layers is {num_layers}")
+    return ""
+
+
 def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This project's own flags, added the way Megatron-LM's ``extra_args_provider`` hook adds a
     script's flags (``megatron.training.arguments.parse_args(extra_args_provider=add_tawpipe_args)``
@@ -109,6 +124,12 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "groups running in step, gathering each shard from the D holders and reduce-scattering its "
                         "gradient to them (docs/tawpipe-spread.md); auto: spread wherever it applies (two or more "
                         "groups, no --tawpipe-replicate-first-shard), else owner")
+    g.add_argument("--tawpipe-shards-per-rank", type=positive_int, default=1,
+                   help="tawpipe: shards per weight-pipeline rank (the layers are cut into this many times the ranks' "
+                        "shards, each rank owning or staging that many). Smaller shards cross the node links in "
+                        "smaller pieces: the last gradients of an iteration and its first weights, which no compute "
+                        "hides, take less time (docs/tawpipe-spread.md#two-shards-per-rank), at the price of more, "
+                        "smaller transfers inside the nodes. Needs --num-layers >= ranks x this")
     g.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default="hierarchical",
                    help="tawpipe: how the replicated parameters' gradients (embedding, final norm, output layer) are "
                         "all-reduced over the ranks. hierarchical (default): inside each node (a reduce-scatter), "

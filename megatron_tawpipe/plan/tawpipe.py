@@ -126,7 +126,7 @@ class Visit(NamedTuple):
 
 
 def tawpipe_owner(shard: int, num_groups: int, ranks_per_group: int) -> int:
-    return (shard % num_groups) * ranks_per_group + shard // num_groups
+    return (shard % num_groups) * ranks_per_group + (shard // num_groups) % ranks_per_group
 
 
 def _visits(P: int, N: int, chunk: int) -> List[Visit]:
@@ -159,10 +159,18 @@ class _Layout:
     first_b: Dict[int, int]             # shard -> its first backward visit
     last_b: Dict[int, int]              # shard -> its last backward visit
 
+    @property
+    def S(self) -> int:
+        return len(self.owner)
+
+    def own_buffer(self, s: int) -> str:
+        """The owner's compute-dtype copy of shard ``s`` (one per owned shard)."""
+        return "~wown" if self.S == self.P else f"~wown{s}"
+
     def root(self, g: int, s: int) -> int:
         """The rank of group ``g`` at which shard ``s`` arrives: its owner or its staging rank (spread: the
         group's holder of a slice of it, the same rank)."""
-        return self.owner[s] if self.owner[s] // self.G == g else g * self.G + s // self.D
+        return self.owner[s] if self.owner[s] // self.G == g else g * self.G + (s // self.D) % self.G
 
     def holders(self, s: int) -> List[int]:
         """Spread layout: the ranks that keep a slice of shard ``s``, one per group."""
@@ -197,7 +205,7 @@ def _weights_in(t: _Layout, members: List[int], v: int, tau: int, root: int,
             t.b.all_reduce(t.holders(s), {h: wbuf[root] for h in t.holders(s)}, "weight", s, *keys,
                            cls=A.AllGatherStart)
     elif root == t.owner[s]:
-        wbuf[root] = "~wown"
+        wbuf[root] = t.own_buffer(s)
     elif root in t.replicas.get(s, ()):
         wbuf[root] = f"~wrep{s}"
     else:
@@ -206,7 +214,7 @@ def _weights_in(t: _Layout, members: List[int], v: int, tau: int, root: int,
             fetched.add(s)
             keys = (Key(tau - t.prefetch, POST, FETCH), Key(END, OPEN), fetched_key) if t.overlap \
                 else (Key(tau, WAIT, FETCH), Key(tau, WAIT, FETCHED), Key(tau, WAIT, FETCHED))
-            t.b.p2p(t.owner[s], root, "weight", s, "~wown", wbuf[root], *keys)
+            t.b.p2p(t.owner[s], root, "weight", s, t.own_buffer(s), wbuf[root], *keys)
     if t.G > 1:
         keys = (bcast_key, Key(tau, WAIT, WAITED)) if t.overlap else \
             (Key(tau, WAIT, BROADCAST), Key(tau, WAIT, BROADCASTED))
@@ -349,7 +357,7 @@ def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optio
                      start.next(), Key(END, OPEN, REPLICA))
         for m in members:
             b.emit(m, Key(END, OPEN, REPLICA).next(), A.AccumulateToOwner, s, f"~gx{s}")
-    head = [max(x[v] for v, visit in enumerate(t.visits) if visit.phase == "B" and visit.shard == P - 1)
+    head = [max(x[v] for v, visit in enumerate(t.visits) if visit.phase == "B" and visit.shard == t.S - 1)
             for x in slots]     # each group's slot of its last backward of the last shard
     b.replicated_allreduce_parts({r: Key(head[r // G], AFTER, ALL_REDUCE) for r in range(P)},
                                  {r: Key(slots[r // G][-1], AFTER, ALL_REDUCE) for r in range(P)},
@@ -371,7 +379,7 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                  groups: int = None, overlap: bool = True, stagger: bool = None,
                  drain: bool = False, chunk: int = 1, cache: bool = None, prefetch: int = 2,
                  replicate_first: bool = False, ownership: str = "owner", early_grads: bool = None,
-                 hierarchical_replicated: bool = True):
+                 hierarchical_replicated: bool = True, shards_per_rank: int = 1):
     """TawPipe's plan (see the module's text). ``ownership``: ``"owner"`` (shard s kept whole by its owner)
     or ``"spread"`` (each group keeps a 1/D slice of every shard; the groups run in step, gather each shard
     from the D holders and reduce-scatter its gradient to them). ``early_grads``: each shard's last gradient
@@ -388,11 +396,15 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                          "and holds every shard in every group already (no replicate_first)")
     if D < 1 or P % D:
         raise ValueError(f"scheduling groups ({D}) must divide ranks ({P})")
-    if num_layers < P:
-        raise ValueError(f"num_layers ({num_layers}) must be at least the number of ranks ({P}): one shard each")
+    if shards_per_rank < 1:
+        raise ValueError("shards_per_rank must be >= 1")
+    if num_layers < P * shards_per_rank:
+        raise ValueError(f"num_layers ({num_layers}) must be at least the number of shards ({P * shards_per_rank}: "
+                         f"{shards_per_rank} per rank): one layer each")
     if chunk < 1 or prefetch < 1:
         raise ValueError("chunk and prefetch must be >= 1")
     G = P // D
+    S = P * shards_per_rank
     if replicate_first and D < 2:
         raise ValueError("replicate_first needs at least 2 scheduling groups (one holder of shard 0 per group)")
     if spread:
@@ -414,16 +426,16 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     # what make the builder's batches line up (builder._batch_p2p).
     slack = D - 1 if stagger or drain else 0
     b = PlanBuilder(P, num_groups)
-    owner = [tawpipe_owner(s, D, G) for s in range(P)]
+    owner = [tawpipe_owner(s, D, G) for s in range(S)]
     # A replicated shard's holder in group g is the rank that would otherwise stage it there.
     replicas = {0: tuple(g * G for g in range(D) if g != owner[0] // G)} if replicate_first else {}
-    visits = _visits(P, N, chunk)
+    visits = _visits(S, N, chunk)
     backward = [(v, x.shard) for v, x in enumerate(visits) if x.phase == "B"]
     t = _Layout(b, P, D, G, overlap, cache, prefetch, replicate_first, spread, early_grads, slack, owner,
                 replicas, visits, first_b={s: v for v, s in reversed(backward)}, last_b={s: v for v, s in backward})
-    for s in range(P):
+    for s in range(S):
         if not spread:
-            b.emit(owner[s], Key(START, 0), A.LoadWeights, s, "~wown")
+            b.emit(owner[s], Key(START, 0), A.LoadWeights, s, t.own_buffer(s))
         for r in replicas.get(s, ()):
             b.emit(r, Key(START, 0), A.LoadWeights, s, f"~wrep{s}")
     slots = [[(g if stagger else 0) + v + (x.round * (D - 1) if drain else 0)
@@ -431,7 +443,7 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     replica_ready = [_group(t, g, slots[g]) for g in range(D)]
     _iteration_end(t, slots, replica_ready, hierarchical_replicated)
     if spread:     # the plan's holders of shard s: its owner and the other groups' slice holders
-        replicas = {s: tuple(h for h in t.holders(s) if h != owner[s]) for s in range(P)}
+        replicas = {s: tuple(h for h in t.holders(s) if h != owner[s]) for s in range(S)}
     return b.build(schedule=_schedule_name(D, num_groups, overlap, cache, drain, replicate_first, spread),
                    family="weight", num_layers=num_layers, num_microbatches=N,
                    owners=owner, streams=range(P), replicas=replicas, ownership=ownership,
@@ -441,4 +453,5 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                             **({"ownership": ownership} if spread else {}),
                             **({"early_grads": True} if early_grads else {}),
                             **({} if hierarchical_replicated else {"flat_replicated": True}),
+                            **({"shards_per_rank": shards_per_rank} if shards_per_rank > 1 else {}),
                             "slots": max(x[-1] for x in slots) + 1})

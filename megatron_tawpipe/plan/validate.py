@@ -84,8 +84,8 @@ def _check_meta(plan: Plan) -> None:
         raise PlanError(f"shard sizes: {exc}") from None
     if any(not 0 <= o < P for o in plan.owners):
         raise PlanError(f"shard owners {plan.owners} name ranks outside 0..{P - 1}")
-    if plan.family == "weight" and sorted(plan.owners) != list(range(P)):
-        raise PlanError("weight passing needs every rank to own exactly one shard "
+    if plan.family == "weight" and sorted(plan.owners) != sorted(list(range(P)) * (len(plan.owners) // P)):
+        raise PlanError("weight passing needs every rank to own the same number of shards, one or more "
                         f"(owners {plan.owners})")
     if plan.family not in ("weight", "activation"):
         raise PlanError(f"unknown plan family {plan.family!r}")

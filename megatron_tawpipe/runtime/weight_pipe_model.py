@@ -54,6 +54,8 @@ def plan_options(schedule: ScheduleConfig, cache: Optional[bool] = None, groups:
         options["replicate_first"] = True
     if schedule.ownership(groups) == "spread":
         options["ownership"] = "spread"
+    if schedule.tawpipe_shards_per_rank != 1:
+        options["shards_per_rank"] = schedule.tawpipe_shards_per_rank
     if schedule.tawpipe_replicated_reduce == "flat":
         options["hierarchical_replicated"] = False
     return options

@@ -36,7 +36,8 @@ def settle_layer_split(args: argparse.Namespace, world_size: int) -> None:
     if layout is not None and (first is not None or last is not None):
         raise ArgumentError(f"{LAYOUT} gives every stage; it cannot be combined with {FIRST} / {LAST}")
     if is_weight_passing(args.pipeline_schedule):
-        args.decoder_layer_split = _weight_pipeline_split(args, world_size // args.tensor_model_parallel_size)
+        args.decoder_layer_split = _weight_pipeline_split(args, world_size // args.tensor_model_parallel_size,
+                                                          args.tawpipe_shards_per_rank)
     else:
         args.decoder_layer_split = _native_split(args)
         _check_virtual_stages(args)
@@ -75,14 +76,18 @@ def layout_decoder_counts(text: str, num_layers: int, stages_needed: Optional[in
     return counts
 
 
-def _weight_pipeline_split(args: argparse.Namespace, ranks: int) -> Tuple[int, ...]:
+def _weight_pipeline_split(args: argparse.Namespace, ranks: int, per_rank: int = 1) -> Tuple[int, ...]:
+    """The shards' layer counts: ``ranks x per_rank`` shards (``--tawpipe-shards-per-rank``)."""
     L = args.num_layers
     tp = args.tensor_model_parallel_size
     who = (f"{ranks} weight-pipeline ranks (tensor-parallel groups: ranks / --tensor-model-parallel-size {tp})"
            if tp > 1 else f"{ranks} weight-pipeline ranks")
     what = f"--pipeline-schedule {args.pipeline_schedule} over {who}"
+    if per_rank > 1:
+        what += f" with --tawpipe-shards-per-rank {per_rank}"
+    shards = ranks * per_rank
     if args.pipeline_model_parallel_layout is not None:
-        counts = layout_decoder_counts(args.pipeline_model_parallel_layout, L, ranks, f"{what} (one stage per shard)")
+        counts = layout_decoder_counts(args.pipeline_model_parallel_layout, L, shards, f"{what} (one stage per shard)")
         if 0 in counts:
             raise ArgumentError(f"{LAYOUT}: stage {counts.index(0)} has no decoder layer (t); with {what} "
                                 "every shard needs one or more")
@@ -90,8 +95,8 @@ def _weight_pipeline_split(args: argparse.Namespace, ranks: int) -> Tuple[int, .
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     try:
         if first is not None or last is not None:
-            return first_last_layer_split(L, ranks, first, last)
-        return default_layer_split(L, ranks)
+            return first_last_layer_split(L, shards, first, last)
+        return default_layer_split(L, shards)
     except ValueError as exc:
         flags = ", ".join(f"{f} {v}" for f, v in ((FIRST, first), (LAST, last)) if v is not None)
         raise ArgumentError(f"--num-layers {L}{' with ' + flags if flags else ''}, {what}: {exc}") from None

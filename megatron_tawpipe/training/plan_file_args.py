@@ -70,6 +70,10 @@ def _check_shape(args: argparse.Namespace, plan: Plan, flag: str, world_size: in
         raise ArgumentError(f"--num-layers {args.num_layers} does not match the plan's num_layers={plan.num_layers} "
                             f"({flag})")
     split = tuple(args.decoder_layer_split)
+    if plan.num_shards != len(split) and plan.num_shards % plan.num_ranks == 0:
+        raise ArgumentError(f"{flag}: the plan has {plan.num_shards} shards, {plan.num_shards // plan.num_ranks} per "
+                            f"rank; this run cuts the layers into {len(split)}: give --tawpipe-shards-per-rank "
+                            f"{plan.num_shards // plan.num_ranks}")
     if tuple(plan.shard_layers) != split:
         given = any(getattr(args, name) is not None for name in (
             "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"))

@@ -9,7 +9,8 @@ from typing import Optional
 
 from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,
                                               SUPPORTED_TOKENIZERS, ArgumentError, is_weight_passing, plan_file_of)
-from megatron_tawpipe.arguments.weight_passing import tawpipe_cache_problem, tawpipe_ownership_problem
+from megatron_tawpipe.arguments.weight_passing import (tawpipe_cache_problem, tawpipe_ownership_problem,
+                                                       tawpipe_shards_per_rank_problem)
 from megatron_tawpipe.common import launcher
 from megatron_tawpipe.compat.megatron_lm import NOTICES
 from megatron_tawpipe.data import batch_schedule
@@ -316,7 +317,9 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     cache_problem = tawpipe_cache_problem(args.pipeline_schedule, args.tawpipe_cache, groups)
     problem = cache_problem or tawpipe_ownership_problem(
         args.pipeline_schedule, args.tawpipe_ownership, groups,
-        args.tawpipe_replicate_first_shard)
+        args.tawpipe_replicate_first_shard) or tawpipe_shards_per_rank_problem(
+        args.pipeline_schedule, args.tawpipe_shards_per_rank, args.num_layers,
+        world_size // args.tensor_model_parallel_size)
     if problem:
         raise ArgumentError(problem)
     pp = args.pipeline_model_parallel_size   # 1 with weight passing (derive_args)
