@@ -12,9 +12,9 @@ nodes at 1), and prints one Markdown row per (nodes, link, samples per rank):
 
 Columns: TawPipe with one owner per shard (``--tawpipe-ownership owner``) with the cache, with the replicated
 first shard and without the cache; the spread layout (``--tawpipe-ownership spread``) with gradients leaving
-after the next visit (``--no-early-grads``), as built (gradients leaving during it) and without the cache;
-the distributed optimizer, HFSDP and pp-nodes; TawPipe's ratio to the distributed optimizer, before (one
-owner) and after (spread).
+after the next visit (``--no-early-grads``), as built (gradients leaving during it), without the cache and
+with two shards per rank (``--tawpipe-shards-per-rank 2``, ``spread x2``); the distributed optimizer, HFSDP
+and pp-nodes; TawPipe's ratio to the distributed optimizer: one owner, spread, spread with two shards per rank.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ CELLS = [("owner", "tawpipe,tawpipe-rep", [], 1), ("owner no cache", "tawpipe", 
          ("spread late", "tawpipe", ["--tawpipe-ownership", "spread", "--no-early-grads"], 1),
          ("spread", "tawpipe", ["--tawpipe-ownership", "spread"], 1),
          ("spread no cache", "tawpipe", ["--tawpipe-ownership", "spread", "--no-cache"], 1),
+         ("spread x2", "tawpipe", ["--tawpipe-ownership", "spread", "--tawpipe-shards-per-rank", "2"], 1),
          ("others", "distopt,hfsdp", [], 4), ("pp-nodes", "pp-nodes", [], 1)]
-COLUMNS = ("tawpipe", "tawpipe-rep", "owner no cache", "spread late", "tawpipe-spread", "spread no cache", "distopt", "hfsdp",
-           "pp-nodes")
+COLUMNS = ("tawpipe", "tawpipe-rep", "owner no cache", "spread late", "tawpipe-spread", "spread no cache", "spread x2",
+           "distopt", "hfsdp", "pp-nodes")
 
 
 def simulate(args) -> list:
@@ -69,13 +70,14 @@ def cell(nodes: int, rate: str, samples: int, times: str, shown: str, reduce: st
 
 
 def markdown(rows) -> str:
-    out = ["| nodes x ranks | link | samples/rank | " + " | ".join(COLUMNS) + " | TawPipe / distopt, owner -> spread |",
+    out = ["| nodes x ranks | link | samples/rank | " + " | ".join(COLUMNS)
+           + " | TawPipe / distopt: owner -> spread -> spread x2 |",
            "|---" * (len(COLUMNS) + 4) + "|"]
     for r in rows:
         d = r["distopt"]
         out.append(f"| {r['nodes']} x 2 | {r['rate_mbit']} Mbit/s | {r['samples_per_rank']} | "
                    + " | ".join(f"{r[c]:.0f}" for c in COLUMNS)
-                   + f" | {r['tawpipe'] / d:.3f} -> {r['tawpipe-spread'] / d:.3f} |")
+                   + f" | {r['tawpipe'] / d:.3f} -> {r['tawpipe-spread'] / d:.3f} -> {r['spread x2'] / d:.3f} |")
     return "\n".join(out)
 
 

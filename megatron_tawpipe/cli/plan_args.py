@@ -93,6 +93,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default="hierarchical",
                    help="tawpipe: the replicated gradients' all-reduce through the nodes (inside, across, back "
                         "inside; default) or flat over every rank")
+    s.add_argument("--tawpipe-shards-per-rank", type=int, default=1, metavar="V",
+                   help="tawpipe: V shards per rank (the layers cut into V x ranks shards; needs that many layers): "
+                        "smaller pieces across the node links (--tawpipe-shards-per-rank)")
     s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
     s.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
                    help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
@@ -149,6 +152,8 @@ def planner_options(name: str, args) -> dict:
             kw["early_grads"] = args.early_grads
         if getattr(args, "tawpipe_replicated_reduce", "hierarchical") == "flat":
             kw["hierarchical_replicated"] = False
+        if getattr(args, "tawpipe_shards_per_rank", 1) != 1:
+            kw["shards_per_rank"] = args.tawpipe_shards_per_rank
     elif name.startswith("weipipe") and args.no_overlap:
         kw["overlap"] = False
     elif name == "interleaved" and args.virtual_stages:

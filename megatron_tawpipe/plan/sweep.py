@@ -38,7 +38,12 @@ SPREAD_OPTIONS = {
     "drain": (False, True),
     "chunk": (1, 2, 3),
     "prefetch": (2, 1, 3),
+    "shards_per_rank": (1, 2),
 }
+# TawPipe's plans with two shards per rank beside the option product (which they would double): the default
+# options, and each of these changed from them.
+TAWPIPE_TWO_SHARDS = ({}, {"cache": False}, {"overlap": False}, {"replicate_first": True}, {"chunk": 2},
+                      {"stagger": False}, {"drain": True})
 
 
 @dataclass
@@ -79,6 +84,8 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
                               for v in values[1:]]
         combos += [dict(default, cache=False, drain=True),            # tawpipe-paper
                    dict(default, overlap=False, cache=False)]
+    default = {k: v[0] for k, v in TAWPIPE_OPTIONS.items()}
+    combos = list(combos) + [dict(default, shards_per_rank=2, **change) for change in TAWPIPE_TWO_SHARDS]
     seen = set()
     for c in combos:
         c = dict(c, chunk=min(c["chunk"], N))
@@ -93,6 +100,8 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
             del c["replicate_first"]
         if flat:
             c["groups"] = 1
+        if c.get("shards_per_rank", 1) == 1:
+            c.pop("shards_per_rank", None)
         yield c
 
 
@@ -122,7 +131,7 @@ def plan_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_m
         if "even" in splits:
             yield schedule, kwargs
         if "uneven" in splits:
-            stages = kwargs["num_ranks"] * kwargs.get("virtual_stages", 1)
+            stages = kwargs["num_ranks"] * kwargs.get("virtual_stages", 1) * kwargs.get("shards_per_rank", 1)
             yield schedule, dict(kwargs, num_layers=kwargs["num_layers"] + (stages + 1) // 2)
 
 
@@ -143,6 +152,8 @@ def _spread_options(N: int, D: int, full: bool) -> Iterator[dict]:
         key = tuple(sorted(c.items()))
         if key not in seen:
             seen.add(key)
+            if c["shards_per_rank"] == 1:
+                del c["shards_per_rank"]
             yield c
 
 
@@ -159,10 +170,12 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
                 shape = dict(num_ranks=P, num_groups=D, num_microbatches=N,
                              num_layers=P * layers_per_shard)
                 for opts in _tawpipe_options(N, D, full=P <= full_product_max_ranks):
-                    yield "tawpipe", dict(shape, **opts)
-                    yield "tawpipe-zb", dict(shape, **opts)     # the same plans with deferred weight passes
+                    here = dict(shape, num_layers=P * layers_per_shard * opts.get("shards_per_rank", 1))
+                    yield "tawpipe", dict(here, **opts)
+                    yield "tawpipe-zb", dict(here, **opts)     # the same plans with deferred weight passes
                 for opts in _spread_options(N, D, full=P <= full_product_max_ranks):
-                    yield "tawpipe-spread", dict(shape, **opts)
+                    here = dict(shape, num_layers=P * layers_per_shard * opts.get("shards_per_rank", 1))
+                    yield "tawpipe-spread", dict(here, **opts)
                 for interleave, overlap in itertools.product((True, False), (True, False)):
                     name = "weipipe" if interleave else "weipipe-naive"
                     yield name, dict(shape, overlap=overlap)
