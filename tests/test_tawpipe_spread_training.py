@@ -50,7 +50,8 @@ def _inter_layers(groups, cache, **options):
     (4, ()),
     (3, ("--tawpipe-cache", "off")),                                   # every visit gathered and reduce-scattered
     (4, ("--decoder-first-pipeline-num-layers", "6")),                 # shards of 6, 2, 2, 2 layers
-], ids=["D2", "D3", "D4", "D3-no-cache", "D4-uneven"])
+    (3, ("--tawpipe-shards-per-rank", "2")),                          # 6 shards of 2 layers over 3 ranks
+], ids=["D2", "D3", "D4", "D3-no-cache", "D4-uneven", "D3-two-shards-per-rank"])
 def test_trains_like_the_single_process_reference(groups, extra, reference, tmp_path):
     save = str(tmp_path / "ckpt")
     per_rank = run_ranks(train_rank, groups, _args(*SPREAD, "--tawpipe-num-groups", str(groups), *extra, save=save))
@@ -59,10 +60,25 @@ def test_trains_like_the_single_process_reference(groups, extra, reference, tmp_
     assert sent == [r["planned_inter_group_bytes"] for r in per_rank[0]]
     if "--decoder-first-pipeline-num-layers" not in extra:
         cache = "off" not in extra
-        spread = _inter_layers(groups, cache, ownership="spread")
+        per_rank = {"shards_per_rank": int(extra[1])} if "--tawpipe-shards-per-rank" in extra else {}
+        spread = _inter_layers(groups, cache, ownership="spread", **per_rank)
         # with the cache both layouts move the same bytes (every foreign shard in and its gradient out once)
-        assert spread == pytest.approx(_inter_layers(groups, cache)) or not cache
+        assert spread == pytest.approx(_inter_layers(groups, cache, **per_rank)) or not cache
         assert sent == [pytest.approx(spread * LAYER_BYTES, rel=1e-9)] * ITERS
+
+
+@pytest.mark.parametrize("ownership", ["spread", "owner"])
+def test_two_shards_per_rank_in_groups_of_two_train_like_the_reference(ownership, reference, tmp_path):
+    """``--tawpipe-shards-per-rank 2`` with 2 groups of 2 ranks: 8 shards of 1.5 layers on average (12 layers:
+    2, 2, 2, 2, 1, 1, 1, 1), each rank staging (and, one owner, owning) two; the bytes between groups those of
+    its plan."""
+    save = str(tmp_path / "ckpt")
+    per_rank = run_ranks(train_rank, 4, _args("--pipeline-schedule", "tawpipe", "--tawpipe-ownership", ownership,
+                                              "--tawpipe-nccl-faithful", "--distributed-timeout-minutes", "2",
+                                              "--tawpipe-num-groups", "2", "--tawpipe-shards-per-rank", "2", save=save))
+    assert_trains_like(per_rank, reference[0], save, reference[1], ITERS)
+    for records in per_rank:
+        assert [r["inter_group_bytes"] for r in records] == [r["planned_inter_group_bytes"] for r in records]
 
 
 def test_slices_padded_past_the_shard_train_like_the_reference(tmp_path):
@@ -101,6 +117,7 @@ def test_a_spread_plan_file_runs(reference, tmp_path):
 # ------------------------------------------------------------------------------ checkpoints
 RESUME_ITERS = 4
 LAYOUTS = {"spread": (3, SPREAD + ("--tawpipe-num-groups", "3")),
+           "spread-two-shards": (3, SPREAD + ("--tawpipe-num-groups", "3", "--tawpipe-shards-per-rank", "2")),
            "owner": (3, ("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3")),
            "native": (1, ())}
 
@@ -113,7 +130,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("writer,reader,fmt", [
     ("spread", "owner", "torch_dist"), ("owner", "spread", "torch_dist"), ("spread", "native", "torch_dist"),
-    ("spread", "spread", "torch"),
+    ("spread", "spread", "torch"), ("spread-two-shards", "owner", "torch_dist"),
 ])
 def test_a_checkpoint_resumes_in_the_other_layout(writer, reader, fmt, uninterrupted, tmp_path):
     """Train 2 of 4 iterations in one layout, resume the last 2 in another: the losses of an uninterrupted
