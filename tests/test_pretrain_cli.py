@@ -116,6 +116,10 @@ BAD_FLAGS = [
       "--tawpipe-replicate-first-shard"], 4, "--tawpipe-ownership spread with --tawpipe-replicate-first-shard"),
     (["--pipeline-schedule", "weipipe", "--tawpipe-ownership", "auto"], 4,
      "--tawpipe-ownership auto applies to --pipeline-schedule tawpipe only"),
+    (["--pipeline-schedule", "weipipe", "--tawpipe-shards-per-rank", "2"], 4,
+     "--tawpipe-shards-per-rank 2 applies to --pipeline-schedule tawpipe"),
+    (["--pipeline-schedule", "tawpipe", "--tawpipe-shards-per-rank", "3"], 4,
+     "--tawpipe-shards-per-rank 3 over 4 weight-pipeline ranks needs at least 12 layers"),
     # Megatron-LM's flags that are not implemented: one line each, never "unrecognized arguments".
     (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp needs --use-distributed-optimizer"),
     (["--fsdp-double-buffer"], 1, "--fsdp-double-buffer: Megatron-FSDP's fp8 / double-buffer options are not supported"),

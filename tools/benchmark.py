@@ -80,6 +80,8 @@ def main(argv=None) -> int:
                         "--grad-reduce-in-bf16)")
     p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=1,
                    help="passed to the tawpipe runs (see pretrain_llama.py --help)")
+    p.add_argument("--tawpipe-shards-per-rank", type=int, default=1,
+                   help="passed to the tawpipe runs and their simulation (see pretrain_llama.py --help)")
     p.add_argument("--equal-memory", action="store_true",
                    help="give each strategy its own --micro-batch-size: the fastest (by tools/simulate.py on the "
                         "same model, times and links) whose memory (--equal-memory-rule) fits the budget; tawpipe "
@@ -175,6 +177,7 @@ def main(argv=None) -> int:
                              deferred_weight_gradients=args.deferred_weight_gradients,
                              record_plan_memory=args.record_plan_memory, measured_times=args.measured_times,
                              tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
+                             tawpipe_shards_per_rank=args.tawpipe_shards_per_rank,
                              ddp_bucket_size=args.ddp_bucket_size, tensor_parallel_size=args.tensor_parallel_size,
                              micro_batch_sizes=own_sizes, equal_memory=args.equal_memory,
                              equal_memory_rule=args.equal_memory_rule, memory_budget=budgets.get("whole"),

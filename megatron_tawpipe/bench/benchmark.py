@@ -100,6 +100,7 @@ class BenchmarkConfig:
     record_plan_memory: bool = False  # --record-plan-memory on the weight-passing runs
     measured_times: Optional[str] = None  # the simulator's --measured-times (default: emulated_compute_times)
     tawpipe_microbatches_per_visit: int = 1
+    tawpipe_shards_per_rank: int = 1   # --tawpipe-shards-per-rank of the tawpipe runs
     tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
     bf16_gradients: bool = False  # every strategy's bf16 gradient option (bf16_gradient_flags), with --bf16
@@ -173,6 +174,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
                 extra.append("--emulated-deferred-weight-gradients")
         if not schedule.startswith("weipipe") and config.tawpipe_microbatches_per_visit != 1:
             extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
+        if schedule.startswith("tawpipe") and config.tawpipe_shards_per_rank != 1:
+            extra += ["--tawpipe-shards-per-rank", str(config.tawpipe_shards_per_rank)]
         if schedule == "tawpipe-rep":
             extra += ["--tawpipe-replicate-first-shard"]
         if schedule == "tawpipe-nocache":

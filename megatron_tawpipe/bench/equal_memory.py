@@ -133,6 +133,8 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
             cmd += [flag, flag_value(args, flag)]
     if any(s.startswith("tawpipe") for s in schedules):
         cmd += ["--chunk", str(config.tawpipe_microbatches_per_visit)]
+        if config.tawpipe_shards_per_rank != 1:
+            cmd += ["--tawpipe-shards-per-rank", str(config.tawpipe_shards_per_rank)]
     if "interleaved" in schedules:
         cmd += ["--virtual-stages", str(interleaved_virtual_stages(layers, config.ranks))]
     if "--untie-embeddings-and-output-weights" not in args:   # Megatron-LM's default: tied

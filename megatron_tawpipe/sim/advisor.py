@@ -467,6 +467,8 @@ def _wp_options(cfg: Config) -> dict:
             options["replicate_first"] = True
         if cfg.knobs.get("ownership") == "spread":
             options["ownership"] = "spread"
+        if cfg.knobs.get("shards_per_rank", 1) != 1:
+            options["shards_per_rank"] = cfg.knobs["shards_per_rank"]
     if cfg.knobs.get("zero_bubble"):
         options["zero_bubble"] = cfg.knobs["zero_bubble"]
     if cfg.knobs.get("shard_layers"):

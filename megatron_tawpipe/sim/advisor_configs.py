@@ -139,6 +139,8 @@ class Config:
             parts.append("rep0")
         if k.get("ownership") == "spread":
             parts.append("spread")
+        if k.get("shards_per_rank", 1) != 1:
+            parts.append(f"x{k['shards_per_rank']}")
         if k.get("zero_bubble"):
             parts.append(f"wzb{k['zero_bubble']}")
         if k.get("plan_schedule"):
@@ -331,6 +333,13 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
             split, flags = weight_passing_split(L, P, False)
             layers = {"shard_layers": split, "split_flags": flags} if split else {}
             add("tawpipe", chunk=c, cache=True, replicate_first=False, ownership="spread", **layers)
+            # two shards per rank: the boundary transfers (an iteration's last gradients, its first weights)
+            # in half-size pieces (--tawpipe-shards-per-rank 2), where there are layers enough
+            if L >= 2 * P:
+                split, flags = weight_passing_split(L, 2 * P, False)
+                layers = {"shard_layers": split, "split_flags": flags} if split else {}
+                add("tawpipe", chunk=c, cache=True, replicate_first=False, ownership="spread", shards_per_rank=2,
+                    **layers)
 
 
 def _pipelines(add, absent, L, P, D, mbs, b, who):

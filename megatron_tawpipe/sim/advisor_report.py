@@ -37,6 +37,7 @@ def command(cfg, model, cluster, global_batch: int):
                  "--tawpipe-microbatches-per-visit", str(k["chunk"])]
         argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
         argv += ["--tawpipe-ownership", "spread"] if k.get("ownership") == "spread" else []
+        argv += ["--tawpipe-shards-per-rank", str(k["shards_per_rank"])] if k.get("shards_per_rank", 1) != 1 else []
         argv += list(k.get("split_flags", []))      # uneven shards: the default split needs none
         argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
         # the shard cache as simulated (one group: nothing to keep, auto leaves it off)
@@ -86,6 +87,7 @@ def plan_build_command(cfg, model, cluster, global_batch: int) -> str:
         argv += ["--chunk", str(k["chunk"]), "--cache" if k["cache"] else "--no-cache"]
         argv += ["--replicate-first-shard"] if k.get("replicate_first") else []
         argv += ["--tawpipe-ownership", "spread"] if k.get("ownership") == "spread" else []
+        argv += ["--tawpipe-shards-per-rank", str(k["shards_per_rank"])] if k.get("shards_per_rank", 1) != 1 else []
     if k.get("shard_layers"):
         argv += ["--shard-layers", ",".join(map(str, k["shard_layers"]))]
     return " ".join(argv + ["--out", PLAN_FILE])
