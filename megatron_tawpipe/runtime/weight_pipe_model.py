@@ -62,7 +62,7 @@ def plan_options(schedule: ScheduleConfig, cache: Optional[bool] = None, groups:
 def planned_microbatch_counts(args) -> List[int]:
     """Micro-batches per rank of every global batch the run may take (those that fit the layout;
     the loop refuses, before training, a batch still ahead that does not)."""
-    schedule = getattr(args, "batch_schedule", None)
+    schedule = args.batch_schedule
     if not schedule:
         return [args.num_microbatches]
     counts = {batch_schedule.micro_batches(batch, args.micro_batch_size, args.data_parallel_size)
