@@ -13,9 +13,7 @@ from megatron_tawpipe.arguments.flags import build_parser
 
 @functools.lru_cache(maxsize=1)
 def _parser_defaults() -> dict:
-    parser = build_parser()
-    return {action.dest: action.default for action in parser._actions
-            if action.dest != argparse.SUPPRESS and action.default is not argparse.SUPPRESS} | dict(parser._defaults)
+    return vars(build_parser().parse_args([]))     # no flag is required: every default, the run values' too
 
 
 def parser_defaults() -> dict:
