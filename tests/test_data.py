@@ -84,7 +84,7 @@ def _null_args(prefix, **kw):
         tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=1000,
         data_path=[prefix] if prefix else None, mock_data=False, split="1,0,0",
         seq_length=16, seed=1234, global_batch_size=4, train_iters=10, eval_iters=0,
-        eval_interval=10, data_cache_path=None,
+        eval_interval=10, data_cache_path=None, create_attention_mask_in_dataloader=False,
     )
     for k, v in kw.items():
         setattr(args, k, v)
@@ -354,7 +354,8 @@ def test_gpt_dataset_samples_from_indexed_data(null_corpus, tmp_path):
 
 def test_gpt_dataset_splits_and_masks(null_corpus):
     args = _null_args(null_corpus, split="80,15,5", eval_iters=2, eval_interval=5,
-                      reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+                      reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True,
+                      create_attention_mask_in_dataloader=True)
     tok = data.build_tokenizer(args)
     train, valid, test = data.build_datasets(args, tok)
     assert data.dataset_sizes(args) == [40, (10 // 5 + 1) * 2 * 4, 2 * 4]
@@ -522,7 +523,7 @@ WORKER = textwrap.dedent(
     args = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=1000,
         data_path=["0.6", prefix, "0.4", prefix], mock_data=False, split="90,10,0",
         seq_length=16, seed=5, global_batch_size=4, train_iters=10, eval_iters=1,
-        eval_interval=10, data_cache_path=cache)
+        eval_interval=10, data_cache_path=cache, create_attention_mask_in_dataloader=False)
     data.validate_data_args(args)
     train, valid, test = data.build_datasets(args, data.build_tokenizer(args))
     it = data.build_data_iterator(train, 2, rank, world, 0)

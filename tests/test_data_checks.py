@@ -45,7 +45,7 @@ def _args(prefix, **kw):
         tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=1000,
         data_path=[prefix] if isinstance(prefix, str) else prefix, mock_data=False, split="1,0,0",
         seq_length=8, seed=1234, global_batch_size=2, train_iters=2, eval_iters=0,
-        eval_interval=10, data_cache_path=None,
+        eval_interval=10, data_cache_path=None, create_attention_mask_in_dataloader=False,
     )
     for key, value in kw.items():
         setattr(args, key, value)

@@ -54,7 +54,8 @@ def _source(tokens):
 def _args(**kw):
     args = argparse.Namespace(tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=1000, data_path=None,
                               mock_data=False, split=None, seq_length=16, seed=1234, global_batch_size=4,
-                              train_iters=10, eval_iters=2, eval_interval=5, data_cache_path=None)
+                              train_iters=10, eval_iters=2, eval_interval=5, data_cache_path=None,
+                              create_attention_mask_in_dataloader=False)
     for k, v in kw.items():
         setattr(args, k, v)
     return args

@@ -306,6 +306,7 @@ def test_emulated_split_backward_sleeps_where_the_weight_gradient_kernels_run(de
 
     import torch
 
+    from megatron_tawpipe.arguments.defaults import complete_args
     from megatron_tawpipe.emulation.compute import EmulatedCompute
     from megatron_tawpipe.plan import build_plan
     from megatron_tawpipe.sim.costmodel import CostModel
@@ -313,7 +314,8 @@ def test_emulated_split_backward_sleeps_where_the_weight_gradient_kernels_run(de
     plan = build_plan("weipipe-zb1", num_ranks=2, num_layers=4, num_microbatches=1)
     times = ComputeTimes(**{k: v for k, v in TIMES.items() if k != "comment"})
     clock = EmulatedCompute(times, recompute=False, deferred_weight_gradients=deferred)
-    args = SimpleNamespace(hidden_size=8, seq_length=4, micro_batch_size=1, ffn_hidden_size=16, num_attention_heads=2)
+    args = complete_args(SimpleNamespace(hidden_size=8, seq_length=4, micro_batch_size=1, ffn_hidden_size=16,
+                                         num_attention_heads=2))
     model = SimpleNamespace(plan=plan, tensor_parallel_size=1, recompute=False, args=args,
                             compute_dtype=torch.bfloat16,
                             replicated_grads=lambda part: [torch.zeros(3)], microbatches=None)

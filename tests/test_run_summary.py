@@ -12,6 +12,7 @@ import sys
 
 from training_helpers import tiny_args
 
+from megatron_tawpipe.arguments.defaults import complete_args
 from megatron_tawpipe.training.summary import closing_summary, launch_command, resume_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +22,7 @@ FULL_SCOPE = "full scope is deprecated"
 def _args(**over):
     base = dict(save="ckpt", train_iters=10, metrics_file="m.jsonl", pipeline_schedule="tawpipe")
     base.update(over)
-    return argparse.Namespace(**base)
+    return complete_args(argparse.Namespace(**base))
 
 
 def test_the_launch_command_comes_from_torchrun_or_from_the_launch_script():

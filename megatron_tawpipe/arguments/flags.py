@@ -37,7 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_native_pipeline_args(parser)
     add_tawpipe_args(parser)
     add_compat_args(parser)
+    parser.set_defaults(**RUN_VALUES)
     return parser
+
+
+# Values of a run that no flag gives, set on the parsed flags later; declared here so that every parsed
+# namespace has them: validate_args' global batch schedule, the tokenizer's padded vocabulary, the time the
+# job started (cli.pretrain), the checkpoint loaded (checkpoint.load_checkpoint).
+RUN_VALUES = {"batch_schedule": None, "padded_vocab_size": None, "program_start_time": None,
+              "loaded_checkpoint": None}
 
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "mrope", "relative", "none")

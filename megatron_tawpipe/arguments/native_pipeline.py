@@ -62,7 +62,7 @@ def native_pipeline_notices(args: argparse.Namespace) -> List[str]:
     """One notice per native-pipeline knob given (not at its default) under a weight-passing schedule;
     under the native schedules, the combinations megatron-core refuses, as one ValueError line."""
     changed = [flag for flag, (dest, default) in NATIVE_PIPELINE_FLAGS.items()
-               if getattr(args, dest, default) != default and flag.startswith(("--no-", "--disable-")) ==
+               if getattr(args, dest) != default and flag.startswith(("--no-", "--disable-")) ==
                (default is True)]
     if is_weight_passing(args.pipeline_schedule):
         return [f"{flag}: a knob of megatron-core's own pipeline schedules and DDP; --pipeline-schedule "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_tawpipe.arguments.weight_passing import is_weight_passing, plan_file_of
 
@@ -57,8 +57,38 @@ class ModelConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelConfig":
-        # padded_vocab_size: set by the tokenizer (data.tokenizers.build_tokenizer), not by the parser
-        return _read_flags(cls, args, padded_vocab_size=getattr(args, "padded_vocab_size", None))
+        # padded_vocab_size: set by the tokenizer (data.tokenizers.build_tokenizer), None before
+        return _read_flags(cls, args)
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What the decoder layer's spec and its fused kernels follow from (``models.llama``). The defaults are
+    Llama's, for a model built without flags (:meth:`of` None); the ``*_fusion`` fields are on unless a
+    ``--no-*-fusion`` flag turns them off."""
+
+    normalization: str = "RMSNorm"
+    qk_layernorm: bool = False
+    apply_layernorm_1p: bool = False
+    swiglu: bool = True
+    squared_relu: bool = False
+    add_bias_linear: bool = False
+    position_embedding_type: str = "rope"
+    transformer_impl: Optional[str] = None
+    apply_query_key_layer_scaling: bool = False
+    sequence_parallel: bool = False
+    bias_swiglu_fusion: bool = True
+    bias_gelu_fusion: bool = True
+    apply_rope_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    gradient_accumulation_fusion: bool = True
+
+    @classmethod
+    def of(cls, args) -> "LayerOptions":
+        """The options of the parsed flags ``args``; ``args`` itself if it is a record; Llama's for None."""
+        if args is None:
+            return cls()
+        return args if isinstance(args, cls) else _read_flags(cls, args)
 
 
 @dataclass(frozen=True)
@@ -161,24 +191,82 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The data and the tokenizer."""
+    """The data, the tokenizer and the samples each split is built with (``data``'s functions take it)."""
 
     tokenizer_type: Optional[str]
     tokenizer_model: Optional[str]
     vocab_file: Optional[str]
     merge_file: Optional[str]
+    tiktoken_pattern: Optional[str]
+    tiktoken_num_special_tokens: int
+    tokenizer_special_tokens: Optional[Tuple[str, ...]]
+    tokenizer_hf_no_include_special_tokens: bool
+    tokenizer_hf_no_use_fast: bool
+    vocab_size: Optional[int]
+    make_vocab_size_divisible_by: int
+    tensor_model_parallel_size: int      # the padded vocabulary is a multiple of this times the above
     mock_data: bool
+    data_path: Optional[Tuple[str, ...]]
+    data_args_path: Optional[str]
+    train_data_path: Optional[Tuple[str, ...]]
+    valid_data_path: Optional[Tuple[str, ...]]
+    test_data_path: Optional[Tuple[str, ...]]
+    per_split_data_args_path: Optional[str]
+    split: Optional[str]                 # None: DEFAULT_SPLIT where --data-path is cut (split_or_default)
     data_cache_path: Optional[str]
+    mmap_bin_files: bool
+    num_dataset_builder_threads: int
+    seq_length: int
+    seed: int
     reset_position_ids: bool
     reset_attention_mask: bool
     eod_mask_loss: bool
     create_attention_mask_in_dataloader: bool
-    dataloader_type: str
+    dataloader_type: Optional[str]
     num_workers: int
+    # What the splits' sample counts follow from (data.dataset_builder.dataset_sizes).
+    batch_schedule: Optional[Tuple[Tuple[int, int], ...]]   # validate_args'; None: --global-batch-size throughout
+    global_batch_size: Optional[int]
+    train_iters: Optional[int]
+    train_samples: Optional[int]
+    eval_iters: int
+    eval_interval: Optional[int]
+
+    DEFAULT_SPLIT = "969,30,1"           # Megatron-LM's --split
+
+    @property
+    def split_or_default(self) -> str:
+        return self.DEFAULT_SPLIT if self.split is None else self.split
+
+    @property
+    def schedule(self) -> Tuple[Tuple[int, int], ...]:
+        """The global batch schedule: ``(consumed samples, batch)`` steps."""
+        return self.batch_schedule or ((0, int(self.global_batch_size)),)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DataConfig":
-        return _read_flags(cls, args)
+        schedule = args.batch_schedule
+        return _read_flags(cls, args, tokenizer_special_tokens=_tuple(args.tokenizer_special_tokens),
+                           data_path=_tuple(args.data_path), train_data_path=_tuple(args.train_data_path),
+                           valid_data_path=_tuple(args.valid_data_path), test_data_path=_tuple(args.test_data_path),
+                           batch_schedule=None if schedule is None else tuple(tuple(step) for step in schedule))
+
+    @classmethod
+    def of(cls, data) -> "DataConfig":
+        """``data`` itself, or the record of a namespace of flags (a partial one completed with the parser's
+        defaults: :func:`~megatron_tawpipe.arguments.defaults.complete_args`)."""
+        if isinstance(data, cls):
+            return data
+        from megatron_tawpipe.arguments.defaults import complete_args
+
+        return cls.from_args(complete_args(data))
+
+
+def _tuple(value):
+    """A list flag as a tuple (None stays None; a single string, as a tool may give it, is one item)."""
+    if value is None or isinstance(value, tuple):
+        return value
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer: C
     """Collectively write a checkpoint of ``trainer`` in ``--ckpt-format`` (every rank must call it).
     ``legacy_reference``: a weight-passing run's builder of megatron-core's objects at tensor/pipeline size 1, through
     which ``--ckpt-format torch`` writes its optimizer state (:mod:`.legacy_reference`)."""
-    fmt = formats.named(getattr(args, "ckpt_format", "torch_dist"))
+    fmt = formats.named(args.ckpt_format)
     return fmt.save(root, iteration, consumed_samples, trainer, scheduler, args, legacy_reference)
 
 

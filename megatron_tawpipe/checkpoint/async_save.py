@@ -35,7 +35,7 @@ _reported = False           # whether a writer was told to say that its priority
 
 
 def enabled(args) -> bool:
-    return bool(getattr(args, "async_save", False))
+    return bool(args.async_save)
 
 
 def _calls_queue(args):
@@ -43,7 +43,7 @@ def _calls_queue(args):
     if _calls is None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        _calls = AsyncCallsQueue(persistent=bool(getattr(args, "use_persistent_ckpt_worker", False)))
+        _calls = AsyncCallsQueue(persistent=bool(args.use_persistent_ckpt_worker))
     return _calls
 
 
@@ -56,7 +56,7 @@ def use_results_queue(args) -> None:
     process (a plain queue does); a temporal worker is forked, so a fork-inherited queue does; only the
     persistent worker, a spawned process, needs megatron-core's manager queue."""
     kind = "sync" if not enabled(args) else (
-        "persistent" if getattr(args, "use_persistent_ckpt_worker", False) else "fork")
+        "persistent" if args.use_persistent_ckpt_worker else "fork")
     if kind not in _results_queues:
         if kind == "sync":
             _results_queues[kind] = queue.Queue()
@@ -97,8 +97,7 @@ def schedule(request, args) -> None:
     finalize(blocking=True)
     if request.async_fn is not None:
         request = request._replace(async_fn=functools.partial(
-            _write_with_priority, getattr(args, "async_ckpt_cpu_priority", None),
-            getattr(args, "async_ckpt_io_priority", None), not _reported, request.async_fn))
+            _write_with_priority, args.async_ckpt_cpu_priority, args.async_ckpt_io_priority, not _reported, request.async_fn))
         _reported = True
     _calls_queue(args).schedule_async_request(request)
 

@@ -314,8 +314,9 @@ def _reference_layout_problem(saved, args) -> Optional[str]:
         ("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
         ("virtual_pipeline_model_parallel_size", None), ("use_distributed_optimizer", False))
         if getattr(saved, key, default) != default]
-    differing += [f"{key}={getattr(saved, key, False)} (this run: {getattr(args, key)})" for key in ("fp16", "bf16")
-                  if bool(getattr(saved, key, False)) != bool(getattr(args, key))]
+    here = {"fp16": args.fp16, "bf16": args.bf16}
+    differing += [f"{key}={getattr(saved, key, False)} (this run: {value})" for key, value in here.items()
+                  if bool(getattr(saved, key, False)) != bool(value)]
     if differing:
         return ("its optimizer state is megatron-core's optimizer.state_dict() of the layout that saved it; under "
                 f"--pipeline-schedule {args.pipeline_schedule} it loads from tensor/pipeline size 1 with the "
@@ -411,7 +412,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         os.makedirs(rank_dir)
         atomic_torch_save(state, os.path.join(rank_dir, FILE))
         fsync_dir(rank_dir)
-        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, getattr(args, "save_retain_interval", None))
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, args.save_retain_interval)
     barrier()
     return final_dir
 
@@ -462,7 +463,7 @@ def _save_per_rank(root: str, iteration: int, trainer, scheduler, args, saved_ar
         fsync_dir(rank_dir)
     barrier()
     if rank() == 0:
-        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, getattr(args, "save_retain_interval", None))
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, args.save_retain_interval)
     barrier()
     return final_dir
 

@@ -33,11 +33,11 @@ class LoadRecord:
 
 def fresh_start_reason(args, release: bool = False) -> Optional[str]:
     """Why the optimizer, LR schedule and data position start afresh (None when they are restored)."""
-    if getattr(args, "finetune", False):
+    if args.finetune:
         return "--finetune"
     if release:
         return "a release checkpoint holds weights only"
-    if getattr(args, "no_load_optim", False):
+    if args.no_load_optim:
         return "--no-load-optim"
     return None
 
@@ -52,10 +52,9 @@ def note_training_state(record: Optional[LoadRecord], args, *, optimizer: bool, 
     record.note("weights", True)
     record.note("optimizer state", optimizer, optimizer_why or fresh)
     record.note("LR schedule", scheduler, fresh or ("not in the checkpoint" if not scheduler else None))
-    position = not (getattr(args, "finetune", False) or release)
+    position = not (args.finetune or release)
     record.note(f"iteration {iteration} and data position ({consumed} samples)" if position else
                 "iteration and data position", position, fresh)
     if not rng and rng_why is None:
-        rng_why = ("--no-load-rng" if getattr(args, "no_load_rng", False) else
-                   "--finetune" if getattr(args, "finetune", False) else "not saved for this layout and schedule")
+        rng_why = ("--no-load-rng" if args.no_load_rng else "--finetune" if args.finetune else "not saved for this layout and schedule")
     record.note("RNG states", rng, rng_why)

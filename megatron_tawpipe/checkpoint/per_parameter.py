@@ -107,7 +107,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         summary = {k: v for k, v in common.items() if k not in ("scheduler", "grad_scaler", "index")}
         summary["num_parameters"] = len(index)
         atomic_write_text(os.path.join(tmp_dir, "metadata.json"), json.dumps(summary, indent=1), durable=True)
-        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, getattr(args, "save_retain_interval", None))
+        promote_checkpoint_dir(tmp_dir, final_dir, root, iteration, args.save_retain_interval)
     barrier()
     return final_dir
 

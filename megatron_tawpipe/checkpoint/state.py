@@ -269,7 +269,7 @@ RUN_SETTINGS = ("rotary_base", "use_rope_scaling", "rope_scaling_factor")
 
 def starts_afresh(args) -> bool:
     """Whether the run takes only the checkpoint's weights (--finetune or --no-load-optim)."""
-    return bool(getattr(args, "finetune", False) or getattr(args, "no_load_optim", False))
+    return bool(args.finetune or args.no_load_optim)
 
 
 def check_signature(saved_model: dict, args, directory: str) -> None:

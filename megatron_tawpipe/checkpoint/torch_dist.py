@@ -183,7 +183,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, trainer, s
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         state[RNG_KEY] = rng_object(rng_state())
-    retain = getattr(args, "save_retain_interval", None)
+    retain = args.save_retain_interval
 
     def make_visible() -> None:
         """Every rank, once every rank's files are written: rank 0 fsyncs and promotes the checkpoint."""

@@ -113,9 +113,9 @@ def cost_model(args) -> CostModel:
         intra_bw=parse_rate(args.intra_bw), intra_latency=parse_time(args.intra_latency),
         inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
         dtype_bytes=args.dtype_bytes,
-        untied_embeddings=not getattr(args, "tie_embeddings_and_output_weights", False))
+        untied_embeddings=not args.tie_embeddings_and_output_weights)
     cost = replace(cost, backend=args.backend,
-                   deferred_weight_gradients=bool(getattr(args, "deferred_weight_gradients", True)))
+                   deferred_weight_gradients=bool(args.deferred_weight_gradients))
     if args.measured_times:
         cost = cost.with_measured(args.measured_times, micro_batch_size=args.micro_batch_size,
                                   seq_length=args.seq_length)
@@ -129,9 +129,9 @@ def planner_options(name: str, args) -> dict:
             kw["overlap"] = False
         if args.flat:
             kw["groups"] = 1
-        if args.no_cache and getattr(args, "cache", False):
+        if args.no_cache and args.cache:
             raise ValueError("--cache and --no-cache: give one of them")
-        if args.no_cache or getattr(args, "cache", False):
+        if args.no_cache or args.cache:
             kw["cache"] = not args.no_cache
         if args.drain:
             kw["drain"] = True
@@ -141,16 +141,16 @@ def planner_options(name: str, args) -> dict:
             kw["prefetch"] = args.prefetch
         if args.replicate_first_shard and replicable(name, args):
             kw["replicate_first"] = True
-        ownership = getattr(args, "tawpipe_ownership", "owner")
+        ownership = args.tawpipe_ownership
         if ownership == "auto" and name in SPREADABLE:
             raise ValueError("--tawpipe-ownership auto picks a layout by simulating both (tools/simulate.py); "
                              "to build a plan give owner or spread")
         if ownership == "spread" and name in SPREADABLE:
             check_spread(name, args)
             kw["ownership"] = "spread"
-        if getattr(args, "early_grads", None) is not None:
+        if args.early_grads is not None:
             kw["early_grads"] = args.early_grads
-        if getattr(args, "tawpipe_replicated_reduce", "hierarchical") == "flat":
+        if args.tawpipe_replicated_reduce == "flat":
             kw["hierarchical_replicated"] = False
         if getattr(args, "tawpipe_shards_per_rank", 1) != 1:
             kw["shards_per_rank"] = args.tawpipe_shards_per_rank
@@ -166,7 +166,7 @@ SPREADABLE = ("tawpipe", "tawpipe-nooverlap", "tawpipe-zb")   # the TawPipe plan
 
 def check_spread(name: str, args) -> None:
     """A one-line ``ValueError`` naming the flags where ``--tawpipe-ownership spread`` cannot apply to ``name``."""
-    if getattr(args, "tawpipe_ownership", "owner") != "spread" or name not in SPREADABLE:
+    if args.tawpipe_ownership != "spread" or name not in SPREADABLE:
         return
     problem = spread_problem(args.groups, args.replicate_first_shard, args.flat)
     if problem:
@@ -195,7 +195,7 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
     """(plan or None, SimResult); the result's ``options["memory_breakdown"]`` is
     the per-GPU memory by term (:mod:`plan.memory`). ``--tawpipe-ownership auto``: both layouts simulated, the
     faster kept (its speeds in ``options["ownership_speeds"]``)."""
-    if getattr(args, "tawpipe_ownership", "owner") == "auto" and name in SPREADABLE:
+    if args.tawpipe_ownership == "auto" and name in SPREADABLE:
         applies = not spread_problem(args.groups, args.replicate_first_shard, args.flat)
         layout = lambda o: run_one(name, argparse.Namespace(**{**vars(args), "tawpipe_ownership": o}),  # noqa: E731
                                    cost, validate, record)
@@ -227,7 +227,7 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
 
 def tensor_parallel_for(name: str, args) -> int:
     """T for a weight-passing schedule (1 for the others; refused for them when T > 1)."""
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    tp = args.tensor_model_parallel_size or 1
     if tp == 1:
         return 1
     if not name.startswith(("tawpipe", "weipipe")):
@@ -322,7 +322,7 @@ def native_stage_problem(args) -> str:
     ``--decoder-first/last-pipeline-num-layers`` or ``--pipeline-model-parallel-layout`` ("" when it
     would): the native baseline's own TransformerConfig (``models.llama.llama_config``) is handed to
     megatron-core's ``get_num_layers_to_build`` for every stage, as the baseline's model chunks are built."""
-    split = getattr(args, "decoder_layer_split", None)
+    split = args.decoder_layer_split
     if args.pipeline_schedule not in ("1f1b", "interleaved") or split is None:
         return ""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build

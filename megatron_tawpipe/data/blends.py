@@ -16,32 +16,35 @@ import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_tawpipe.arguments.run_config import DataConfig
+
 SPLIT_NAMES = ("train", "valid", "test")
 PER_SPLIT_FLAGS = tuple(f"--{name}-data-path" for name in SPLIT_NAMES)
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
 
-def _given(args, name: str) -> bool:
-    return getattr(args, name, None) is not None
+def _split_lists(data: DataConfig) -> Tuple:
+    """The ``--train-data-path``, ``--valid-data-path`` and ``--test-data-path`` lists (None where not given)."""
+    return data.train_data_path, data.valid_data_path, data.test_data_path
 
 
-def uses_per_split_data(args) -> bool:
+def uses_per_split_data(data: DataConfig) -> bool:
     """Whether the run has one blend per split (``--*-data-path`` or ``--per-split-data-args-path``)."""
-    return any(_given(args, f"{name}_data_path") for name in SPLIT_NAMES) or _given(args, "per_split_data_args_path")
+    return any(words is not None for words in _split_lists(data)) or data.per_split_data_args_path is not None
 
 
-def check_data_sources(args) -> None:
+def check_data_sources(data: DataConfig) -> None:
     """Refuse conflicting data flags (ValueError, one line naming them); reads no file."""
     given = []
-    if getattr(args, "mock_data", False):
+    if data.mock_data:
         given.append("--mock-data")
-    if _given(args, "data_path"):
+    if data.data_path is not None:
         given.append("--data-path")
-    if _given(args, "data_args_path"):
+    if data.data_args_path is not None:
         given.append("--data-args-path")
-    given += [flag for flag, name in zip(PER_SPLIT_FLAGS, SPLIT_NAMES) if _given(args, f"{name}_data_path")]
-    if _given(args, "per_split_data_args_path"):
+    given += [flag for flag, words in zip(PER_SPLIT_FLAGS, _split_lists(data)) if words is not None]
+    if data.per_split_data_args_path is not None:
         given.append("--per-split-data-args-path")
     if "--data-path" in given and "--data-args-path" in given:
         raise ValueError("--data-path and --data-args-path both give the data: use one of them")
@@ -50,12 +53,12 @@ def check_data_sources(args) -> None:
         raise ValueError(f"{' and '.join(per_split)} and --per-split-data-args-path both give the per-split data: "
                          "use the flags or the file")
     sources = ["--mock-data" in given, bool({"--data-path", "--data-args-path"} & set(given)),
-               uses_per_split_data(args)]
+               uses_per_split_data(data)]
     if sum(sources) > 1:
         raise ValueError(f"{', '.join(given)}: give a single data source: --mock-data, --data-path (split by --split), "
                          "or --train-data-path/--valid-data-path/--test-data-path (a dataset per split)")
-    if sources[2] and _given(args, "split"):
-        raise ValueError(f"--split {args.split} cuts --data-path; with {(per_split or ['--per-split-data-args-path'])[0]} "
+    if sources[2] and data.split is not None:
+        raise ValueError(f"--split {data.split} cuts --data-path; with {(per_split or ['--per-split-data-args-path'])[0]} "
                          "each split has its own data: leave out --split")
 
 
@@ -95,38 +98,38 @@ def read_per_split_file(path: str) -> List[Optional[List[str]]]:
     return lists
 
 
-def data_sources(args, parse) -> List[Tuple[str, Blend]]:
+def data_sources(data: DataConfig, parse) -> List[Tuple[str, Blend]]:
     """``(flag, blend)`` of every blend given, in split order for per-split data; ``parse(list, flag)`` reads a
     Megatron blend list (:func:`megatron_tawpipe.data.validation.parse_data_path`)."""
-    blend, per_split = data_blends(args, parse)
+    blend, per_split = data_blends(data, parse)
     if per_split is None:
-        return [] if blend is None else [(_data_flag(args), blend)]
-    return [(flag, b) for flag, b in zip(_per_split_flag_names(args), per_split) if b is not None]
+        return [] if blend is None else [(_data_flag(data), blend)]
+    return [(flag, b) for flag, b in zip(_per_split_flag_names(data), per_split) if b is not None]
 
 
-def _data_flag(args) -> str:
-    return f"--data-args-path {args.data_args_path}" if _given(args, "data_args_path") else "--data-path"
+def _data_flag(data: DataConfig) -> str:
+    return "--data-path" if data.data_args_path is None else f"--data-args-path {data.data_args_path}"
 
 
-def _per_split_flag_names(args) -> Sequence[str]:
-    if _given(args, "per_split_data_args_path"):
-        return [f"--per-split-data-args-path {args.per_split_data_args_path} ({name})" for name in SPLIT_NAMES]
+def _per_split_flag_names(data: DataConfig) -> Sequence[str]:
+    if data.per_split_data_args_path is not None:
+        return [f"--per-split-data-args-path {data.per_split_data_args_path} ({name})" for name in SPLIT_NAMES]
     return PER_SPLIT_FLAGS
 
 
-def data_blends(args, parse) -> Tuple[Optional[Blend], Optional[List[Optional[Blend]]]]:
+def data_blends(data: DataConfig, parse) -> Tuple[Optional[Blend], Optional[List[Optional[Blend]]]]:
     """``(blend, blend_per_split)`` for megatron-core's ``BlendedMegatronDatasetConfig``, as Megatron-LM derives
     them from its flags: at most one is not None (both None: no data flag)."""
-    if _given(args, "data_path") or _given(args, "data_args_path"):
-        words = read_data_args_file(args.data_args_path) if _given(args, "data_args_path") else args.data_path
-        return _parse(parse, words, _data_flag(args)), None
-    if not uses_per_split_data(args):
+    if data.data_path is not None or data.data_args_path is not None:
+        words = data.data_path if data.data_args_path is None else read_data_args_file(data.data_args_path)
+        return _parse(parse, words, _data_flag(data)), None
+    if not uses_per_split_data(data):
         return None, None
-    if _given(args, "per_split_data_args_path"):
-        lists = read_per_split_file(args.per_split_data_args_path)
+    if data.per_split_data_args_path is not None:
+        lists = read_per_split_file(data.per_split_data_args_path)
     else:
-        lists = [getattr(args, f"{name}_data_path", None) for name in SPLIT_NAMES]
-    return None, [_parse(parse, words, flag) for words, flag in zip(lists, _per_split_flag_names(args))]
+        lists = _split_lists(data)
+    return None, [_parse(parse, words, flag) for words, flag in zip(lists, _per_split_flag_names(data))]
 
 
 def _parse(parse, words, flag: str) -> Optional[Blend]:

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import List, Optional
 
 from megatron_tawpipe.arguments.flags import SENTENCEPIECE_TOKENIZERS, SUPPORTED_TOKENIZERS
+from megatron_tawpipe.arguments.run_config import DataConfig
 from megatron_tawpipe.common.atomic import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -20,11 +21,6 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------
 # Tokenizers
 # ---------------------------------------------------------------------------------------
-
-
-def _arg(args, name, default=None):
-    value = getattr(args, name, None)
-    return default if value is None else value
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
@@ -226,14 +222,16 @@ def tokenizer_files(tokenizer_type: Optional[str], tokenizer_model: Optional[str
     return None
 
 
-def tokenizer_options(args) -> dict:
-    """The keyword options of :func:`load_tokenizer` that ``args`` gives (Megatron-LM's flag names)."""
-    return {"vocab_file": getattr(args, "vocab_file", None), "merge_file": getattr(args, "merge_file", None),
-            "tiktoken_pattern": getattr(args, "tiktoken_pattern", None),
-            "tiktoken_num_special_tokens": _arg(args, "tiktoken_num_special_tokens", 1000),
-            "tiktoken_special_tokens": getattr(args, "tokenizer_special_tokens", None),
-            "hf_include_special_tokens": not getattr(args, "tokenizer_hf_no_include_special_tokens", False),
-            "hf_use_fast": not getattr(args, "tokenizer_hf_no_use_fast", False)}
+def tokenizer_options(data) -> dict:
+    """The keyword options of :func:`load_tokenizer` that the data flags give (a :class:`DataConfig` or the flags:
+    :meth:`DataConfig.of`)."""
+    data = DataConfig.of(data)
+    special = data.tokenizer_special_tokens
+    return {"vocab_file": data.vocab_file, "merge_file": data.merge_file, "tiktoken_pattern": data.tiktoken_pattern,
+            "tiktoken_num_special_tokens": data.tiktoken_num_special_tokens,
+            "tiktoken_special_tokens": None if special is None else list(special),
+            "hf_include_special_tokens": not data.tokenizer_hf_no_include_special_tokens,
+            "hf_use_fast": not data.tokenizer_hf_no_use_fast}
 
 
 def _null_library() -> str:
@@ -318,20 +316,12 @@ def build_tokenizer(args):
     like Megatron-LM.  The padded size is a multiple of
     ``make_vocab_size_divisible_by * tensor_model_parallel_size``.
     """
-    tok = load_tokenizer(
-        getattr(args, "tokenizer_type", None),
-        getattr(args, "tokenizer_model", None),
-        getattr(args, "vocab_size", None),
-        **tokenizer_options(args),
-    )
-    args.padded_vocab_size = pad_vocab_size(
-        tok.vocab_size,
-        _arg(args, "make_vocab_size_divisible_by", 128),
-        _arg(args, "tensor_model_parallel_size", 1),
-    )
+    data = DataConfig.of(args)
+    tok = load_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size, **tokenizer_options(data))
+    args.padded_vocab_size = pad_vocab_size(tok.vocab_size, data.make_vocab_size_divisible_by,
+                                            data.tensor_model_parallel_size)
     logger.info(
         "tokenizer %s: vocab size %d padded to %d (eod id %d)",
-        args.tokenizer_type, tok.vocab_size, args.padded_vocab_size, tok.eod,
+        data.tokenizer_type, tok.vocab_size, args.padded_vocab_size, tok.eod,
     )
     return tok
-

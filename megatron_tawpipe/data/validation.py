@@ -13,13 +13,13 @@ import os
 import re
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_tawpipe.arguments.run_config import DataConfig
 from megatron_tawpipe.data import blends
 from megatron_tawpipe.data.checks import (check_indexed_dataset, check_token_ids, check_tokenizer_record,
                                           tokenizer_fingerprint)
-from megatron_tawpipe.data.tokenizers import (SENTENCEPIECE_TOKENIZERS, SUPPORTED_TOKENIZERS, _arg, load_tokenizer,
-                                              tokenizer_files)
+from megatron_tawpipe.data.tokenizers import SENTENCEPIECE_TOKENIZERS, SUPPORTED_TOKENIZERS, load_tokenizer, tokenizer_files
 
-DEFAULT_SPLIT = "969,30,1"
+DEFAULT_SPLIT = DataConfig.DEFAULT_SPLIT
 
 
 def parse_data_path(data_path: Optional[Sequence[str]],
@@ -92,23 +92,23 @@ def _idx_counts(prefix: str) -> Tuple[int, int]:
     return info.sequence_count, info.document_count
 
 
-def _tokenizer_vocab(args, vocab_size: Optional[int] = None) -> Optional[Tuple[int, str, str]]:
-    """(number of token ids, message start naming the flag, hint) for the tokenizer of ``args``.
+def _tokenizer_vocab(data: DataConfig, vocab_size: Optional[int] = None) -> Optional[Tuple[int, str, str]]:
+    """(number of token ids, message start naming the flag, hint) for the tokenizer of ``data``.
 
     ``vocab_size`` is the built tokenizer's size when there is one; otherwise it is read
     from the flags (SentencePiece: pieces in the model; NullTokenizer: --vocab-size ids
     plus the eod id --vocab-size).  None when neither gives a size.
     """
-    if getattr(args, "tokenizer_type", None) in SENTENCEPIECE_TOKENIZERS:
-        model = getattr(args, "tokenizer_model", None)
+    if data.tokenizer_type in SENTENCEPIECE_TOKENIZERS:
+        model = data.tokenizer_model
         if vocab_size is None:
             import sentencepiece
 
             vocab_size = sentencepiece.SentencePieceProcessor(model_file=model).get_piece_size()
         return (int(vocab_size), f"--tokenizer-model {model} has {int(vocab_size)} tokens",
                 "the data was tokenized with another tokenizer")
-    null_vocab = getattr(args, "vocab_size", None)
-    if getattr(args, "tokenizer_type", None) != "NullTokenizer" or null_vocab is None:
+    null_vocab = data.vocab_size
+    if data.tokenizer_type != "NullTokenizer" or null_vocab is None:
         if vocab_size is None:
             return None
         return (int(vocab_size), f"the tokenizer has {int(vocab_size)} tokens",
@@ -125,34 +125,35 @@ def _tokenizer_vocab(args, vocab_size: Optional[int] = None) -> Optional[Tuple[i
             "the data was tokenized with another tokenizer or a larger --vocab-size")
 
 
-def data_blends(args):
-    """``(blend, blend_per_split)`` of the data flags, as megatron-core's dataset config takes them
-    (:mod:`megatron_tawpipe.data.blends`)."""
-    return blends.data_blends(args, parse_data_path)
+def data_blends(data):
+    """``(blend, blend_per_split)`` of the data flags (a :class:`DataConfig` or the flags: :meth:`DataConfig.of`),
+    as megatron-core's dataset config takes them (:mod:`megatron_tawpipe.data.blends`)."""
+    return blends.data_blends(DataConfig.of(data), parse_data_path)
 
 
-def check_data_files(args, vocab_size: Optional[int] = None) -> None:
+def check_data_files(data, vocab_size: Optional[int] = None) -> None:
     """Check each prefix of the data flags: an intact .bin/.idx pair whose ids fit the tokenizer.
 
     Raises ValueError with one line naming the flag and file (see ``data_checks``).  A
-    no-op for --mock-data.  ``vocab_size`` overrides the tokenizer size read from the flags.
+    no-op for --mock-data.  ``vocab_size`` overrides the tokenizer size read from the flags. ``data``: a
+    :class:`DataConfig` or the flags (:meth:`DataConfig.of`).
     """
-    if getattr(args, "mock_data", False):
+    data = DataConfig.of(data)
+    if data.mock_data:
         return
-    sources = blends.data_sources(args, parse_data_path)
+    sources = blends.data_sources(data, parse_data_path)
     infos = [check_indexed_dataset(prefix, flag)
              for prefix, flag in {p: f for f, blend in sources for p in blend[0]}.items()]
     if not infos:
         return
-    vocab = _tokenizer_vocab(args, vocab_size)
+    vocab = _tokenizer_vocab(data, vocab_size)
     if vocab is not None:
-        tokenizer_type = getattr(args, "tokenizer_type", None)
-        files = tokenizer_files(tokenizer_type, getattr(args, "tokenizer_model", None),
-                                getattr(args, "vocab_file", None), getattr(args, "merge_file", None))
+        tokenizer_type = data.tokenizer_type
+        files = tokenizer_files(tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file)
         fingerprint = tokenizer_fingerprint(tokenizer_type, files, vocab[0])
-        flag = (f"--vocab-file {args.vocab_file}" if tokenizer_type == "GPT2BPETokenizer" else
-                f"--tokenizer-model {args.tokenizer_model}" if files else
-                f"--vocab-size {args.vocab_size}" if tokenizer_type == "NullTokenizer" else "the tokenizer")
+        flag = (f"--vocab-file {data.vocab_file}" if tokenizer_type == "GPT2BPETokenizer" else
+                f"--tokenizer-model {data.tokenizer_model}" if files else
+                f"--vocab-size {data.vocab_size}" if tokenizer_type == "NullTokenizer" else "the tokenizer")
         for info in infos:
             check_token_ids(info, *vocab)  # the most concrete message first: an id the tokenizer lacks
             check_tokenizer_record(info.prefix, fingerprint, flag)  # also catches a larger tokenizer
@@ -179,20 +180,22 @@ def _check_splits_nonempty(prefixes: Sequence[str], split_text: str) -> None:
                 )
 
 
-def validate_data_args(args) -> None:
+def validate_data_args(data) -> None:
     """Check the data/tokenizer flags; raise ValueError with one line naming the flag/file.
 
     Runs without torch.distributed and without building anything.  Each --data-path
     prefix must be an intact .bin/.idx pair whose token ids fit the tokenizer
-    (``check_data_files``); --mock-data skips the data checks.
+    (``check_data_files``); --mock-data skips the data checks. ``data``: a :class:`DataConfig` or the flags
+    (:meth:`DataConfig.of`).
     """
-    ttype = getattr(args, "tokenizer_type", None)
+    data = DataConfig.of(data)
+    ttype = data.tokenizer_type
     if ttype not in SUPPORTED_TOKENIZERS:
         raise ValueError(
             f"--tokenizer-type {ttype!r} is not supported; use one of {', '.join(SUPPORTED_TOKENIZERS)}"
         )
     if ttype in SENTENCEPIECE_TOKENIZERS:
-        model = getattr(args, "tokenizer_model", None)
+        model = data.tokenizer_model
         if not model:
             raise ValueError(f"--tokenizer-model is required with --tokenizer-type {ttype}")
         if not os.path.isfile(model):
@@ -206,29 +209,28 @@ def validate_data_args(args) -> None:
         except Exception:
             raise ValueError(f"--tokenizer-model: not a valid SentencePiece model: {model}") from None
     elif ttype == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", getattr(args, "vocab_file", None)),
-                           ("--merge-file", getattr(args, "merge_file", None))):
+        for flag, path in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file)):
             if not path:
                 raise ValueError(f"{flag} is required with --tokenizer-type GPT2BPETokenizer")
             if not os.path.isfile(path):
                 raise ValueError(f"{flag}: file not found: {path}")
     elif ttype in ("HuggingFaceTokenizer", "TikTokenizer"):
-        model = getattr(args, "tokenizer_model", None)
+        model = data.tokenizer_model
         if not model:
             raise ValueError(f"--tokenizer-model is required with --tokenizer-type {ttype}")
         if not os.path.exists(model):
             raise ValueError(f"--tokenizer-model: not found: {model} (tokenizers are read from local files)")
     else:
-        vocab = getattr(args, "vocab_size", None)
+        vocab = data.vocab_size
         if vocab is None:
             raise ValueError("--vocab-size is required with --tokenizer-type NullTokenizer")
         if int(vocab) <= 0:
             raise ValueError(f"--vocab-size must be positive, got {vocab}")
 
-    blends.check_data_sources(args)
-    if getattr(args, "mock_data", False):
+    blends.check_data_sources(data)
+    if data.mock_data:
         return
-    blend, per_split = data_blends(args)
+    blend, per_split = data_blends(data)
     if blend is None and per_split is None:
         raise ValueError("no training data: give --data-path PREFIX (Megatron .bin/.idx), --train-data-path PREFIX "
                          "(with --valid-data-path, --test-data-path) or --mock-data")
@@ -236,13 +238,13 @@ def validate_data_args(args) -> None:
         raise ValueError(f"no training data: {blends.PER_SPLIT_FLAGS[0]} (or the train entry of "
                          "--per-split-data-args-path) is required with per-split data")
     if blend is not None:
-        parse_split(_arg(args, "split", DEFAULT_SPLIT))
-    sources = blends.data_sources(args, parse_data_path)
+        parse_split(data.split_or_default)
+    sources = blends.data_sources(data, parse_data_path)
     for flag, source in sources:
         _check_prefix_files(flag, source[0])
-    check_data_files(args)
+    check_data_files(data)
     if blend is not None:
-        _check_splits_nonempty(blend[0], _arg(args, "split", DEFAULT_SPLIT))
+        _check_splits_nonempty(blend[0], data.split_or_default)
     for flag, source in sources if per_split is not None else ():
         for prefix in source[0]:
             if _idx_counts(prefix)[0] == 0:

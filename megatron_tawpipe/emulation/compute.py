@@ -115,11 +115,10 @@ class EmulatedCompute:
     @classmethod
     def from_args(cls, args, recompute: bool) -> Optional["EmulatedCompute"]:
         """The emulation ``--emulated-compute-times`` asks for; None without the flag (real compute)."""
-        path = getattr(args, "emulated_compute_times", None)
+        path = args.emulated_compute_times
         if not path:
             return None
-        times = load_compute_times(path, micro_batch_size=getattr(args, "micro_batch_size", None),
-                                   seq_length=getattr(args, "seq_length", None))
+        times = load_compute_times(path, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
         # The runtime defers the weight-gradient kernels of a split backward; --emulated-deferred-weight-gradients
         # (kept for existing command lines) asks for what is now always done.
         return cls(times, recompute, True)
@@ -242,9 +241,9 @@ class EmulatedShardCompute:
         it (``CostModel.layer_weight_store_bytes``)."""
         args = self.model.args
         H, tokens = args.hidden_size, args.seq_length * args.micro_batch_size
-        ffn = getattr(args, "ffn_hidden_size", None) or 4 * H
+        ffn = args.ffn_hidden_size or 4 * H
         heads = args.num_attention_heads
-        groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+        groups = args.num_query_groups if args.group_query_attention else None
         kv = H * groups // heads if groups else H
         per_token = weight_store_values_per_token(H, ffn, kv)
         itemsize = torch.empty((), dtype=self.model.compute_dtype).element_size()
@@ -314,7 +313,7 @@ def _tensor_parallel_exchange(model):
     full = torch.zeros(args.seq_length * args.micro_batch_size * args.hidden_size, dtype=model.compute_dtype,
                        device=model.device)
     part = full[: full.numel() // tp].clone()
-    sequence_parallel = bool(getattr(args, "sequence_parallel", False))
+    sequence_parallel = bool(args.sequence_parallel)
 
     def exchange(count: int) -> None:
         for _ in range(count):

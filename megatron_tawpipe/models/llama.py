@@ -34,6 +34,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_tawpipe.arguments.run_config import LayerOptions
 from megatron_tawpipe.models.attention import SDPAttention
 from megatron_tawpipe.models.initialization import init_llama_weights
 from megatron_tawpipe.models.norms import TorchNorm, TorchQKNorm
@@ -102,7 +103,8 @@ def available_fusion_kernels() -> FusionKernels:
 def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bool,
                     args=None) -> Dict[str, bool]:
     """TransformerConfig fusion flags: each on only with CUDA, its kernel importable, and not
-    turned off by Megatron-LM's ``--no-*-fusion`` flag in ``args``.
+    turned off by Megatron-LM's ``--no-*-fusion`` flag in ``args`` (the flags, a :class:`LayerOptions`, or None:
+    Llama's, every fusion wanted).
 
     ``gradient_accumulation_fusion`` also needs every weight to carry an fp32 ``main_grad``
     that the wgrad GEMM accumulates into (megatron's backward reads ``weight.main_grad``
@@ -117,22 +119,19 @@ def fusion_settings(on_cuda: bool, kernels: FusionKernels, main_grad_buffers: bo
     """
     if not on_cuda:
         kernels = FusionKernels()
-
-    def wants(flag: str) -> bool:  # not turned off by a --no-*-fusion flag (no args: SwiGLU, all wanted)
-        return bool(getattr(args, flag, True))
-
-    if getattr(args, "swiglu", True):
-        activation = kernels.swiglu and wants("bias_swiglu_fusion")
+    options = LayerOptions.of(args)
+    if options.swiglu:
+        activation = kernels.swiglu and options.bias_swiglu_fusion
     else:  # bias-GELU; squared ReLU has no fused kernel
-        activation = (kernels.swiglu and wants("bias_gelu_fusion") and not getattr(args, "squared_relu", False)
-                      and getattr(args, "add_bias_linear", False))
-    position = getattr(args, "position_embedding_type", "rope")
+        activation = (kernels.swiglu and options.bias_gelu_fusion and not options.squared_relu
+                      and options.add_bias_linear)
     return {
-        "bias_activation_fusion": activation,
-        "apply_rope_fusion": kernels.rope and position == "rope" and wants("apply_rope_fusion"),
-        "masked_softmax_fusion": kernels.masked_softmax and wants("masked_softmax_fusion"),
-        "gradient_accumulation_fusion": (kernels.wgrad_accumulation and main_grad_buffers
-                                         and wants("gradient_accumulation_fusion")),
+        "bias_activation_fusion": bool(activation),
+        "apply_rope_fusion": bool(kernels.rope and options.position_embedding_type == "rope"
+                                  and options.apply_rope_fusion),
+        "masked_softmax_fusion": bool(kernels.masked_softmax and options.masked_softmax_fusion),
+        "gradient_accumulation_fusion": bool(kernels.wgrad_accumulation and main_grad_buffers
+                                             and options.gradient_accumulation_fusion),
     }
 
 
@@ -252,10 +251,12 @@ def _te_attention_backend(args) -> Dict[str, object]:
 
 
 def resolve_attention_backend(requested: str, args=None) -> str:
-    """te, sdpa or local (megatron-core's unfused attention); flash/fused/unfused are TE's kernels."""
+    """te, sdpa or local (megatron-core's unfused attention); flash/fused/unfused are TE's kernels. ``args``: the
+    flags, a :class:`LayerOptions`, or None (Llama's)."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
-    impl = getattr(args, "transformer_impl", None)
+    options = LayerOptions.of(args)
+    impl = options.transformer_impl
     if impl == "inference_optimized":
         raise ValueError("--transformer-impl inference_optimized is for inference; train with transformer_engine "
                          "or local")
@@ -275,23 +276,23 @@ def resolve_attention_backend(requested: str, args=None) -> str:
         if use_te:
             return "te"
         # megatron's query-key layer scaling lives in its own softmax: keep its attention then.
-        return "local" if getattr(args, "apply_query_key_layer_scaling", False) else "sdpa"
-    if requested == "sdpa" and getattr(args, "apply_query_key_layer_scaling", False):
+        return "local" if options.apply_query_key_layer_scaling else "sdpa"
+    if requested == "sdpa" and options.apply_query_key_layer_scaling:
         raise ValueError("--apply-query-key-layer-scaling needs --attention-backend local or auto (not sdpa)")
     return requested
 
 
-def _apex_layer_norm_usable(args) -> bool:
+def _apex_layer_norm_usable(options: LayerOptions) -> bool:
     """Whether megatron-core's Apex LayerNorm (``FusedLayerNorm``) can run here: a LayerNorm model on a GPU
     with Apex's fused LayerNorm kernel importable (it does no RMSNorm)."""
-    return (getattr(args, "normalization", "RMSNorm") == "LayerNorm" and torch.cuda.is_available()
+    return (options.normalization == "LayerNorm" and torch.cuda.is_available()
             and _importable("apex.normalization.fused_layer_norm") and _importable("fused_layer_norm_cuda"))
 
 
-def _beyond_torch_norm(args, backend: str) -> bool:
+def _beyond_torch_norm(options: LayerOptions, backend: str) -> bool:
     """Whether the layers get a norm other than torch's: Transformer Engine's, or Apex's LayerNorm on a GPU
     (both take zero-centred weights and sequence parallelism themselves)."""
-    return backend == "te" or _apex_layer_norm_usable(args)
+    return backend == "te" or _apex_layer_norm_usable(options)
 
 
 def check_model_support(args) -> None:
@@ -303,11 +304,11 @@ def check_model_support(args) -> None:
                          "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (or --attention-backend local)")
 
 
-def _uses_torch_norm(args, backend: str) -> bool:
+def _uses_torch_norm(options: LayerOptions, backend: str) -> bool:
     """Whether megatron-core's local layer gets :class:`TorchNorm` in place of its own torch norm: for
     zero-centred weights (--apply-layernorm-1p) or --sequence-parallel, without TE or Apex."""
-    wanted = bool(getattr(args, "sequence_parallel", False)) or bool(getattr(args, "apply_layernorm_1p", False))
-    return wanted and not _beyond_torch_norm(args, backend)
+    wanted = bool(options.sequence_parallel) or bool(options.apply_layernorm_1p)
+    return wanted and not _beyond_torch_norm(options, backend)
 
 
 def norm_modules(args, backend: str):
@@ -323,11 +324,12 @@ def norm_modules(args, backend: str):
     """
     if backend == "te":
         return None
-    if _apex_layer_norm_usable(args):
+    options = LayerOptions.of(args)
+    if _apex_layer_norm_usable(options):
         from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 
         return FusedLayerNorm, FusedLayerNorm
-    if _uses_torch_norm(args, backend):
+    if _uses_torch_norm(options, backend):
         return TorchNorm, TorchQKNorm
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -339,15 +341,15 @@ def llama_layer_spec(attention_backend: str = "auto", args=None, wgrad_store=Non
     SDPA or megatron's own attention and the norms of :func:`norm_modules`. ``wgrad_store`` (a split
     backward's :class:`~megatron_tawpipe.models.deferred_linear.WgradStore`, local layers only) makes the
     local layer's linear layers the deferred ones (:func:`~megatron_tawpipe.models.deferred_linear.deferred_layer_spec`)."""
-    backend = resolve_attention_backend(attention_backend, args)
-    normalization = getattr(args, "normalization", "RMSNorm")
-    qk_layernorm = bool(getattr(args, "qk_layernorm", False))
+    options = LayerOptions.of(args)
+    backend = resolve_attention_backend(attention_backend, options)
+    normalization, qk_layernorm = options.normalization, bool(options.qk_layernorm)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    norm, qk_norm = norm_modules(args, backend)
+    norm, qk_norm = norm_modules(options, backend)
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = norm
     if qk_layernorm:

@@ -16,7 +16,7 @@ ENV = "MEGATRON_LOGGING_LEVEL"
 def logging_level(args) -> Optional[int]:
     """The level to set: ``--logging-level``, else ``MEGATRON_LOGGING_LEVEL``, else None (ValueError if the
     variable is not an integer)."""
-    if getattr(args, "logging_level", None) is not None:
+    if args.logging_level is not None:
         return int(args.logging_level)
     text = os.environ.get(ENV)
     if text is None:

@@ -71,14 +71,14 @@ class ProgressLog:
     """Writes ``SAVE/progress.txt`` with ``--log-progress`` (every rank calls; the first rank writes)."""
 
     def __init__(self, args, rank: int, world_size: int, flops_per_sample: float):
-        self.enabled = bool(getattr(args, "log_progress", False)) and bool(getattr(args, "save", None))
+        self.enabled = bool(args.log_progress and args.save)
         self.path = progress_path(args.save) if self.enabled else None
         self.rank, self.world_size = rank, world_size
         self.flops_per_sample = float(flops_per_sample)
         self.seq_length = int(args.seq_length)
-        self.program_start = getattr(args, "program_start_time", None) or time.time()
+        self.program_start = args.program_start_time or time.time()
         self.job_start_ops = 0.0
-        self.async_save = bool(getattr(args, "async_save", False))
+        self.async_save = bool(args.async_save)
 
     def _append(self, text: str) -> None:
         import torch.distributed as dist

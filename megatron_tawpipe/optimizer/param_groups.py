@@ -26,8 +26,7 @@ def megatron_param_groups(named: Iterable[Tuple[str, torch.Tensor]], args,
                           shape_of: Optional[Callable[[str, torch.Tensor], Tuple[int, ...]]] = None) -> List[dict]:
     """Groups over ``(name, tensor)`` pairs; empty groups are left out. ``shape_of(name, tensor)``: the
     parameter's shape where ``tensor`` is a flat piece of it (default: the tensor's own)."""
-    decoupled_lr = getattr(args, "decoupled_lr", None)
-    decoupled_min_lr = getattr(args, "decoupled_min_lr", None)
+    decoupled_lr, decoupled_min_lr = args.decoupled_lr, args.decoupled_min_lr
     buckets = {}
     for name, tensor in named:
         decoupled = decoupled_lr is not None and name in EMBEDDING_OR_OUTPUT

@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.arguments.run_config import RunConfig
 from megatron_tawpipe.common.atomic import atomic_write_json
 from megatron_tawpipe.common.checkpointable import CheckpointDefaults
 from megatron_tawpipe.common.step import StepResult
@@ -86,9 +87,11 @@ class WeightPassingTrainer(CheckpointDefaults):
 
     def __init__(self, args, forward_step_func):
         self.args = args
+        self.config = RunConfig.from_args(args, world_size=dist.get_world_size())
         self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
-        self.emulation = EmulatedCompute.from_args(args, recompute=not args.tawpipe_no_recompute)
-        self.model = WeightPipeModel(args, compute=self.emulation.shard_compute if self.emulation else None)
+        self.emulation = EmulatedCompute.from_args(args, recompute=self.config.schedule.recompute)
+        self.model = WeightPipeModel(args, compute=self.emulation.shard_compute if self.emulation else None,
+                                     config=self.config)
         # Global rank and size (the plan's virtual ranks are the model's: model.rank, model.world).
         self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), self.model.device
         self.scaling = GradScaling.from_args(args, self.device)
@@ -115,7 +118,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         gradients, or with --use-precision-aware-optimizer :class:`PrecisionAwareAdamW` (gradients given as
         ``decoupled_grad``, moments stored in --exp-avg-dtype / --exp-avg-sq-dtype)."""
         a, dtypes = self.args, self.model.dtypes
-        precision_aware = bool(getattr(a, "use_precision_aware_optimizer", False))
+        precision_aware = self.config.precision.use_precision_aware_optimizer
         self._named_masters = []
         for name, master, grad in self.model.named_masters():
             if precision_aware:
@@ -151,7 +154,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         if self.args.timeline_file:
             self.model.executor.start_trace()
         self._mark(StepPhase.SET_UP)
-        record_memory = getattr(self.args, "record_plan_memory", False)
+        record_memory = self.args.record_plan_memory
         if record_memory:
             # on the model, so that an executor built for another plan (a batch-size ramp) samples too
             self.model.memory_probe = self.model.executor.memory_probe = held_memory_bytes

@@ -64,7 +64,7 @@ def plan_options(schedule: ScheduleConfig, cache: Optional[bool] = None, groups:
 def planned_microbatch_counts(args) -> List[int]:
     """Micro-batches per rank of every global batch the run may take (those that fit the layout;
     the loop refuses, before training, a batch still ahead that does not)."""
-    schedule = getattr(args, "batch_schedule", None)
+    schedule = args.batch_schedule
     if not schedule:
         return [args.num_microbatches]
     counts = {batch_schedule.micro_batches(batch, args.micro_batch_size, args.data_parallel_size)
@@ -96,11 +96,13 @@ def plans_for_run(args, schedule: ScheduleConfig, world: int, groups: int,
 class WeightPipeModel:
     """One rank's weight-pipeline model: the plan, its executor and the compute callbacks."""
 
-    def __init__(self, args, compute: Optional[Callable[["WeightPipeModel"], ShardCompute]] = None):
+    def __init__(self, args, compute: Optional[Callable[["WeightPipeModel"], ShardCompute]] = None,
+                 config: Optional[RunConfig] = None):
         """``compute(model)`` makes what runs the (micro-batch, shard) forward and backward actions
-        (a :class:`ShardCompute`): the real layers (:class:`LayerCompute`, the default) or emulated compute."""
+        (a :class:`ShardCompute`): the real layers (:class:`LayerCompute`, the default) or emulated compute.
+        ``config``: the run's records of ``args`` (read here when not given)."""
         self.args = args
-        self.config = RunConfig.from_args(args, world_size=dist.get_world_size())
+        self.config = config if config is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
         # With --tensor-model-parallel-size T the plan runs over P / T virtual ranks, one per
         # tensor-parallel group (T consecutive ranks, megatron-core's layout): ``rank`` and
         # ``world`` are the plan's, ``tensor_parallel_rank`` is this rank's index in its group.

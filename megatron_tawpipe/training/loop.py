@@ -22,6 +22,7 @@ from megatron_tawpipe.compat import cpu as cpu_compat
 from megatron_tawpipe.monitor import exits
 from megatron_tawpipe.monitor import progress
 from megatron_tawpipe.arguments import is_weight_passing
+from megatron_tawpipe.arguments.run_config import RunConfig
 from megatron_tawpipe.checkpoint import close_async_saves, finalize_async_saves, load_checkpoint, save_checkpoint
 from megatron_tawpipe.data import build_data_iterator, build_datasets, build_tokenizer, close_data_iterators
 from megatron_tawpipe.distributed.initialize import initialize_distributed, initialize_model_parallel
@@ -180,10 +181,11 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 
 def _train(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) -> List[IterationRecord]:
-    started = getattr(args, "program_start_time", None) or time.time()
+    started = args.program_start_time or time.time()
     set_logging_level(args)  # --logging-level
     tokenizer = build_tokenizer(args)
-    train_ds, valid_ds, _test_ds = build_datasets(args, tokenizer)
+    run = RunConfig.from_args(args, world_size=dist.get_world_size())   # after the tokenizer: its padded vocabulary
+    train_ds, valid_ds, _test_ds = build_datasets(run.data, tokenizer)
     before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
     held_before_model = held_memory_bytes()
     trainer = trainer_factory(args)
@@ -199,7 +201,7 @@ def _train(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) 
     progress_log.starting(consumed_samples)
     board = TensorboardLog(args, _is_writer())
     # One loader per model chunk: worker processes are for the single-chunk case (Megatron-LM's --num-workers).
-    workers = args.num_workers if trainer.num_data_iterators == 1 else 0
+    workers = run.data.num_workers if trainer.num_data_iterators == 1 else 0
     records = TrainingRecords()
     last_saved = iteration if args.load else None
     stop = exits.ExitConditions(args, started)

@@ -75,8 +75,9 @@ def _check_shape(args: argparse.Namespace, plan: Plan, flag: str, world_size: in
                             f"rank; this run cuts the layers into {len(split)}: give --tawpipe-shards-per-rank "
                             f"{plan.num_shards // plan.num_ranks}")
     if tuple(plan.shard_layers) != split:
-        given = any(getattr(args, name) is not None for name in (
-            "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"))
+        given = any(value is not None for value in (
+            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+            args.pipeline_model_parallel_layout))
         raise ArgumentError(f"{flag}: the plan splits its {plan.num_layers} layers over the shards as "
                             f"shard_layers={list(plan.shard_layers)}; this run's split is {list(split)} "
                             f"({'from the flags' if given else 'the default'}): give the plan's with {FIRST} / "

@@ -27,7 +27,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> None:
     directory, saved = found
     changed = []
     for key, value in saved.items():
-        if getattr(args, key, None) != value:
+        if getattr(args, key) != value:
             changed.append(f"--{key.replace('_', '-')} {value}")
             setattr(args, key, value)
     if changed:

@@ -102,8 +102,8 @@ def resume_command(args, finished: bool, environ: Optional[Dict[str, str]] = Non
         extra += ["--train-iters", str(2 * args.train_iters), "--use-checkpoint-opt_param-scheduler"]
     command = launch_command(environ, argv)
     if command is None:
-        return "this job's command with " + shlex.join(extra) + (" and without --finetune" if getattr(args, "finetune", False) else "")
-    if getattr(args, "finetune", False):   # the resume goes on from the saved state, not from the weights only
+        return "this job's command with " + shlex.join(extra) + (" and without --finetune" if args.finetune else "")
+    if args.finetune:   # the resume goes on from the saved state, not from the weights only
         command = shlex.join(word for word in shlex.split(command) if word != "--finetune")
     return command + " " + shlex.join(extra)
 
@@ -113,7 +113,7 @@ def next_steps(args, environ: Optional[Dict[str, str]] = None) -> List[str]:
     environ = os.environ if environ is None else environ
     if environ.get(NEXT_STEPS_ENV):
         return [line.strip() for line in environ[NEXT_STEPS_ENV].splitlines() if line.strip()]
-    schedule = getattr(args, "pipeline_schedule", "1f1b")
+    schedule = args.pipeline_schedule
     if schedule in ("tawpipe", "weipipe"):
         other = "weipipe" if schedule == "tawpipe" else "tawpipe"
         steps = ["native megatron-core on the same model and data: --pipeline-schedule 1f1b "
@@ -150,7 +150,7 @@ def closing_summary(args, records: Sequence, iteration: int, exit_reason: Option
         how_far = f"no iteration ran: the job started at iteration {iteration} of {args.train_iters}"
     world = _world_size()
     lines = [" " + "-" * 30 + " summary of this run " + "-" * 30,
-             f" trained      {how_far}; --pipeline-schedule {getattr(args, 'pipeline_schedule', '1f1b')}, "
+             f" trained      {how_far}; --pipeline-schedule {args.pipeline_schedule}, "
              f"{world} rank{'s' if world != 1 else ''}"]
     if ran:
         last = records[-1]
@@ -165,7 +165,7 @@ def closing_summary(args, records: Sequence, iteration: int, exit_reason: Option
     if args.save:
         lines.append(f" checkpoints  {args.save} (latest: iteration {iteration})")
         lines.append(f" resume       {resume_command(args, finished, environ, argv)}")
-    elif getattr(args, "loaded_checkpoint", None):
+    elif args.loaded_checkpoint:
         lines.append(f" checkpoints  loaded {args.loaded_checkpoint}; none saved (--save DIR --save-interval N keeps them)")
     else:
         lines.append(" checkpoints  none (--save DIR --save-interval N keeps them; --load DIR resumes)")

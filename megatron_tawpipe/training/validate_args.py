@@ -215,7 +215,7 @@ def _validate_schedule_units(args: argparse.Namespace) -> None:
     if warmup >= decay:
         unit = "iters" if args.train_samples is None else "samples"
         given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
-                 else f"--lr-warmup-{unit} {getattr(args, 'lr_warmup_' + unit)}")
+                 else f"--lr-warmup-{unit} {args.lr_warmup_iters if unit == 'iters' else args.lr_warmup_samples}")
         span = decay_iters if unit == "iters" else decay
         raise ArgumentError(f"{given} must be smaller than --lr-decay-{unit} {span} (default: --train-{unit})")
     if args.lr_decay_style == "WSD" and not wsd:
