@@ -152,7 +152,7 @@ def planner_options(name: str, args) -> dict:
             kw["early_grads"] = args.early_grads
         if args.tawpipe_replicated_reduce == "flat":
             kw["hierarchical_replicated"] = False
-        if getattr(args, "tawpipe_shards_per_rank", 1) != 1:
+        if args.tawpipe_shards_per_rank != 1:
             kw["shards_per_rank"] = args.tawpipe_shards_per_rank
     elif name.startswith("weipipe") and args.no_overlap:
         kw["overlap"] = False
