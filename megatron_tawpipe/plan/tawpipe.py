@@ -1,9 +1,12 @@
 """TawPipe planner: topology-aware weight passing.
 
 * Device-bound storage: shard ``s`` is owned by group ``s mod D``, local index
-  ``s div D``, i.e. rank ``(s mod D) * G + s div D``; its master weights, optimizer
-  state and ``main`` gradient never move.  The owner keeps one compute-dtype
-  copy (``LoadWeights`` once) from which it serves every request.
+  ``(s div D) mod G``, i.e. rank ``(s mod D) * G + (s div D) mod G``; its master weights,
+  optimizer state and ``main`` gradient never move.  The owner keeps one compute-dtype
+  copy (``LoadWeights`` once) from which it serves every request.  There are
+  ``shards_per_rank x P`` shards (default one per rank): with more, each rank owns (or
+  stages) that many, and the transfers no compute hides at an iteration's boundary (its
+  first weights, its last gradients) are that many times smaller.
 * Group-based scheduling: the G ranks of a group work on the same shard at the
   same time, each on its own micro-batches.  A *visit* is one (phase, shard,
   micro-batches) step of a group: per round of micro-batches, forwards of
@@ -143,7 +146,7 @@ def _visits(P: int, N: int, chunk: int) -> List[Visit]:
 class _Layout:
     """A plan's shape, options and shard placement, as the helpers below read them."""
     b: PlanBuilder
-    P: int                              # ranks = shards
+    P: int                              # ranks (the shards: S, shards_per_rank x P)
     D: int                              # scheduling groups
     G: int                              # ranks per scheduling group
     overlap: bool
@@ -385,7 +388,8 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     from the D holders and reduce-scatter its gradient to them). ``early_grads``: each shard's last gradient
     leaves during the next visit (after its first micro-batch) instead of after it; default: with spread.
     ``hierarchical_replicated``: the replicated gradients' all-reduce goes through the nodes (inside each, across
-    them, back inside) where there are several nodes of several ranks; otherwise one all-reduce over all."""
+    them, back inside) where there are several nodes of several ranks; otherwise one all-reduce over all.
+    ``shards_per_rank``: the layers cut into that many times ``num_ranks`` shards."""
     P, N = num_ranks, num_microbatches
     D = num_groups if groups is None else groups
     if ownership not in OWNERSHIPS:
