@@ -523,9 +523,23 @@ def test_hfsdp_is_runnable_and_its_command_passes_the_checks():
 
 
 def run_simulate(*argv):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "simulate.py"), *argv],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    return out
+    """tools/simulate.py's main on ``argv`` in this process (megatron-core, which the advisor's command check
+    imports, is loaded already; a new process spends seconds on it): ``(returncode, stdout, stderr)`` as a
+    completed process has them. test_simulate_backend_flag runs the script as a process."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("simulate_tool", os.path.join(ROOT, "tools", "simulate.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = tool.main(list(argv))
+        except SystemExit as exc:   # argparse's refusals
+            status = exc.code
+    return subprocess.CompletedProcess(["simulate.py", *argv], status, out.getvalue(), err.getvalue())
 
 
 ADVISE = ["--advise", "--ranks", "8", "--ranks-per-node", "4", "--num-layers", "8", "--hidden-size",

@@ -13,9 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
 
 
-def _env(out_dir, restarts):
+def _env(out_dir, restarts, ranks=4):
     env = dict(os.environ, NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               GPUS_PER_NODE="4", BACKEND="gloo", SCHEDULE="tawpipe", NUM_LAYERS="4", HIDDEN="128", FFN="384",
+               GPUS_PER_NODE=str(ranks), BACKEND="gloo", SCHEDULE="tawpipe", NUM_LAYERS="4", HIDDEN="128", FFN="384",
                HEADS="4", SEQ="256", GLOBAL_BATCH="8", TRAIN_ITERS="8", WARMUP_ITERS="2", VOCAB_SIZE="512",
                OUT_DIR=str(out_dir), LOG_INTERVAL="1", EVAL_INTERVAL="1000", EVAL_ITERS="0", SAVE_INTERVAL="2",
                MAX_RESTARTS=str(restarts), RESTART_DELAY_S="1", OMP_NUM_THREADS="1")
@@ -75,33 +75,34 @@ def test_the_examples_llama_flags_are_the_packages():
     assert tuple(out.split()) == tuple(LLAMA_FLAGS)
 
 
-def _run_script(out_dir, restarts, *extra):
+def _run_script(out_dir, restarts, *extra, ranks=4):
     started = time.monotonic()
-    proc = subprocess.run(["bash", SCRIPT, *extra], env=_env(out_dir, restarts), cwd=ROOT, capture_output=True,
+    proc = subprocess.run(["bash", SCRIPT, *extra], env=_env(out_dir, restarts, ranks), cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     return proc, time.monotonic() - started
 
 
 def test_a_refused_flag_runs_once_and_exits_2(tmp_path):
     """Every rank refuses the flag before training: torchrun says 1, the ranks' records say refused; the
-    script prints the line once, restarts nothing, exits 2."""
-    proc, _ = _run_script(tmp_path / "refused", 3, "--ckpt-format", "zarr")
+    script prints the line once, restarts nothing, exits 2. Two ranks: each start of a rank costs seconds of
+    imports, and two records show the line is printed once as well as four."""
+    proc, _ = _run_script(tmp_path / "refused", 3, "--ckpt-format", "zarr", ranks=2)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "restart 1 of" not in proc.stderr
     assert proc.stderr.count("--ckpt-format zarr: this project writes torch_dist") == 1, proc.stderr[-3000:]
-    assert "run_with_restarts: not restarted (refused on 4 rank(s) of this node" in proc.stderr
+    assert "run_with_restarts: not restarted (refused on 2 rank(s) of this node" in proc.stderr
 
 
 def test_a_nan_loss_ends_without_a_restart(tmp_path):
     """A learning rate that diverges on the tiny model: the run stops on the non-finite gradient, which would
     recur from the same checkpoint, so the script exits 3 without restarting; RESTART_ANY_FAILURE=1 still
-    retries it."""
+    retries it. On two ranks, as the refused flag above."""
     diverging = ("--lr", "1e30", "--min-lr", "0", "--clip-grad", "0")
-    proc, _ = _run_script(tmp_path / "nan", 3, *diverging)
+    proc, _ = _run_script(tmp_path / "nan", 3, *diverging, ranks=2)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "restart 1 of" not in proc.stderr
-    assert "not restarted (repeatable on 4 rank(s)" in proc.stderr and "NaN/Inf gradient" in proc.stderr
-    env = dict(_env(tmp_path / "forced", 1), RESTART_ANY_FAILURE="1")
+    assert "not restarted (repeatable on 2 rank(s)" in proc.stderr and "NaN/Inf gradient" in proc.stderr
+    env = dict(_env(tmp_path / "forced", 1, ranks=2), RESTART_ANY_FAILURE="1")
     forced = subprocess.run(["bash", SCRIPT, *diverging], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert forced.returncode == 3 and "restart 1 of 1" in forced.stderr, forced.stderr[-3000:]

@@ -28,14 +28,26 @@ def _metrics(path):
         return [json.loads(line) for line in handle]
 
 
-def test_metrics_file_losses_agree_between_pp1_and_pp2(tmp_path):
-    one = tmp_path / "pp1.jsonl"
+ITERS = 5
+
+
+@pytest.fixture(scope="module")
+def native_on_one(tmp_path_factory):
+    """One rank, native 1F1B without a pipeline (the reference of both tests below): ``(process, metrics file)``."""
+    tmp_path = tmp_path_factory.mktemp("native_on_one")
+    path = tmp_path / "1f1b.jsonl"
+    proc = _torchrun(1, tiny_args("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "1",
+                                  "--metrics-file", str(path), "--log-interval", "1", train_iters=ITERS), tmp_path)
+    return proc, path
+
+
+def test_metrics_file_losses_agree_between_pp1_and_pp2(tmp_path, native_on_one):
+    proc, one = native_on_one
     two = tmp_path / "pp2.jsonl"
-    proc = _torchrun(1, tiny_args("--pipeline-model-parallel-size", "1", "--metrics-file", str(one),
-                                  "--log-interval", "1", train_iters=4), tmp_path)
-    _torchrun(2, tiny_args("--pipeline-model-parallel-size", "2", "--metrics-file", str(two), train_iters=4), tmp_path)
+    _torchrun(2, tiny_args("--pipeline-model-parallel-size", "2", "--metrics-file", str(two), train_iters=ITERS),
+              tmp_path)
     first, second = _metrics(one), _metrics(two)
-    assert [r["iteration"] for r in first] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in first] == list(range(1, ITERS + 1))
     for record in first:
         assert {"iteration", "lm_loss", "grad_norm", "tokens_per_sec_per_rank", "elapsed_ms"} <= set(record)
         assert record["tokens_per_sec_per_rank"] > 0 and record["elapsed_ms"] > 0
@@ -43,21 +55,19 @@ def test_metrics_file_losses_agree_between_pp1_and_pp2(tmp_path):
         assert 0 < record["memory_since_model_bytes_max_rank"] <= record["peak_memory_bytes_max_rank"]
     assert_close_rel([r["lm_loss"] for r in second], [r["lm_loss"] for r in first], 1e-5)
     log_lines = [line for line in proc.stdout.splitlines() if "iteration" in line and "lm loss:" in line]
-    assert len(log_lines) == 4
+    assert len(log_lines) == ITERS
     for key in ("consumed samples", "elapsed time per iteration (ms)", "tokens per second per rank",
                 "throughput per rank (TFLOP/s)", "learning rate", "lm loss", "grad norm"):
         assert key in log_lines[0]
 
 
-def test_tawpipe_on_4_ranks_matches_native_on_one(tmp_path):
+def test_tawpipe_on_4_ranks_matches_native_on_one(tmp_path, native_on_one):
     """The user-facing proof (docs/pretrain-llama-and-megatron-lm.md): same seed, mock data and global batch, 5 iterations."""
     taw = tmp_path / "tawpipe.jsonl"
-    ref = tmp_path / "1f1b.jsonl"
+    _, ref = native_on_one
     _torchrun(4, tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2",
-                           "--metrics-file", str(taw), train_iters=5), tmp_path)
-    _torchrun(1, tiny_args("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "1",
-                           "--metrics-file", str(ref), train_iters=5), tmp_path)
-    assert len(_metrics(taw)) == 5
+                           "--metrics-file", str(taw), train_iters=ITERS), tmp_path)
+    assert len(_metrics(taw)) == ITERS
     assert_close_rel([r["lm_loss"] for r in _metrics(taw)], [r["lm_loss"] for r in _metrics(ref)], 1e-5)
     assert all(r["inter_group_bytes"] > 0 for r in _metrics(taw))
     compare = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compare_metrics.py"), str(taw), str(ref)],
