@@ -129,7 +129,7 @@ BAD_FLAGS = [
     (["--pipeline-schedule", "weipipe", "--tawpipe-shards-per-rank", "2"], 4,
      "--tawpipe-shards-per-rank 2 applies to --pipeline-schedule tawpipe"),
     (["--pipeline-schedule", "tawpipe", "--tawpipe-shards-per-rank", "3"], 4,
-     "--tawpipe-shards-per-rank 3 over 4 weight-pipeline ranks needs at least 12 layers"),
+     "with --tawpipe-shards-per-rank 3: 8 layers cannot be cut into 12 pieces of one layer or more"),
     # Megatron-LM's flags that are not implemented: one line each, never "unrecognized arguments".
     (["--use-megatron-fsdp"], 1, "--use-megatron-fsdp needs --use-distributed-optimizer"),
     (["--fsdp-double-buffer"], 1, "--fsdp-double-buffer: Megatron-FSDP's fp8 / double-buffer options are not supported"),

@@ -67,18 +67,13 @@ def tawpipe_ownership_problem(schedule: str, setting: str, groups: int = 2, repl
     return ""
 
 
-def tawpipe_shards_per_rank_problem(schedule: str, per_rank: int, num_layers: int, ranks: int) -> str:
-    """Why ``--tawpipe-shards-per-rank PER_RANK`` cannot run with ``--pipeline-schedule SCHEDULE``, ``num_layers``
-    layers over ``ranks`` weight-pipeline ranks ("" when it can). A plan file has its shards already: the flag then
-    states how many per rank it has (checked against the file)."""
-    if per_rank == 1:
-        return ""
-    if schedule != "tawpipe" and plan_file_of(schedule) is None:
+def tawpipe_shards_per_rank_problem(schedule: str, per_rank: int) -> str:
+    """Why ``--tawpipe-shards-per-rank PER_RANK`` cannot run with ``--pipeline-schedule SCHEDULE`` ("" when it can).
+    A plan file has its shards already: the flag then states how many per rank it has (checked against the file).
+    Too few layers for the shards is the layer split's to say (``training.layer_split_args``)."""
+    if per_rank != 1 and schedule != "tawpipe" and plan_file_of(schedule) is None:
         return (f"--tawpipe-shards-per-rank {per_rank} applies to --pipeline-schedule tawpipe (or a plan file with "
                 "that many shards per rank) only; leave it at 1")
-    if num_layers < ranks * per_rank:
-        return (f"--tawpipe-shards-per-rank {per_rank} over {ranks} weight-pipeline ranks needs at least "
-                f"{ranks * per_rank} layers (one per shard); --num-layers is {num_layers}")
     return ""
 
 

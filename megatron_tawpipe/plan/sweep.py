@@ -76,16 +76,15 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
     on its own from the default, plus the named variants (no overlap, flat, paper);
     ``replicate_first`` only where there are 2 or more groups (not flat)."""
     names = list(TAWPIPE_OPTIONS)
+    default = {k: v[0] for k, v in TAWPIPE_OPTIONS.items()}
     if full:
-        combos = (dict(zip(names, values)) for values in itertools.product(*TAWPIPE_OPTIONS.values()))
+        combos = [dict(zip(names, values)) for values in itertools.product(*TAWPIPE_OPTIONS.values())]
     else:
-        default = {k: v[0] for k, v in TAWPIPE_OPTIONS.items()}
         combos = [default] + [dict(default, **{k: v}) for k, values in TAWPIPE_OPTIONS.items()
                               for v in values[1:]]
         combos += [dict(default, cache=False, drain=True),            # tawpipe-paper
                    dict(default, overlap=False, cache=False)]
-    default = {k: v[0] for k, v in TAWPIPE_OPTIONS.items()}
-    combos = list(combos) + [dict(default, shards_per_rank=2, **change) for change in TAWPIPE_TWO_SHARDS]
+    combos += [dict(default, shards_per_rank=2, **change) for change in TAWPIPE_TWO_SHARDS]
     seen = set()
     for c in combos:
         c = dict(c, chunk=min(c["chunk"], N))
@@ -100,8 +99,6 @@ def _tawpipe_options(N: int, D: int, full: bool) -> Iterator[dict]:
             del c["replicate_first"]
         if flat:
             c["groups"] = 1
-        if c.get("shards_per_rank", 1) == 1:
-            c.pop("shards_per_rank", None)
         yield c
 
 

@@ -318,8 +318,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     problem = cache_problem or tawpipe_ownership_problem(
         args.pipeline_schedule, args.tawpipe_ownership, groups,
         args.tawpipe_replicate_first_shard) or tawpipe_shards_per_rank_problem(
-        args.pipeline_schedule, args.tawpipe_shards_per_rank, args.num_layers,
-        world_size // args.tensor_model_parallel_size)
+        args.pipeline_schedule, args.tawpipe_shards_per_rank)
     if problem:
         raise ArgumentError(problem)
     pp = args.pipeline_model_parallel_size   # 1 with weight passing (derive_args)
