@@ -105,6 +105,7 @@ def step_hyperparameters(reference_root: str, shapes: Dict[str, Sequence[int]], 
 
     from megatron_tawpipe.checkpoint import iteration_dir
     from megatron_tawpipe.optimizer.param_groups import megatron_param_groups
+    from megatron_tawpipe.arguments.run_config import RunConfig
     from megatron_tawpipe.training.loop import build_scheduler
 
     args = dist_checkpointing.load_common_state_dict(iteration_dir(reference_root, 1))["args"]
@@ -117,7 +118,7 @@ def step_hyperparameters(reference_root: str, shapes: Dict[str, Sequence[int]], 
 
     group_of = {name: next(g for g in _Groups.param_groups if any(p is t for p in g["params"]))
                 for name, t in zip(names, stand_ins)}
-    scheduler = build_scheduler(args, _Groups)
+    scheduler = build_scheduler(RunConfig.from_args(args, world_size=1, ranks_per_node=1), _Groups)
     steps = []
     for _ in range(iterations):
         steps.append({name: (group_of[name]["lr"], group_of[name]["weight_decay"]) for name in names})

@@ -102,6 +102,9 @@ def test_step_schedule_matches_one_process_under_every_schedule(tmp_path):
     reference = run_ranks(train_rank, 1, ramp_args())[0]
     assert [r["consumed_samples"] for r in reference] == CONSUMED
     assert [r["global_batch_size"] for r in reference] == [4, 4, 8, 8]
+    # Throughput counts each iteration's own batch: the model FLOPs per sample come out the same throughout.
+    per_sample = [r["tflops_per_rank"] * r["elapsed_ms"] / r["global_batch_size"] for r in reference]
+    assert max(per_sample) / min(per_sample) - 1 < 1e-9, per_sample
     runs = {schedule: run_ranks(train_rank, 4, ramp_args("--pipeline-schedule", schedule))[-1]
             for schedule in ("tawpipe", "weipipe")}
     first = run_ranks(train_rank, 4, ramp_args("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "2",

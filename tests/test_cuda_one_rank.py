@@ -123,12 +123,12 @@ class _Capture:
     def __init__(self):
         self.seen = {}
 
-    def __call__(self, args, forward_step_func):
+    def __call__(self, args, forward_step_func, run=None):
         import torch.distributed as dist
 
         from megatron_tawpipe.training import build_trainer
 
-        trainer = build_trainer(args, forward_step_func)
+        trainer = build_trainer(args, forward_step_func, run)
         device = getattr(trainer, "device", None)
         if device is None:
             device = next(trainer.model[0].parameters()).device

@@ -392,15 +392,15 @@ def _signalled_rank(rank, argv, signal_rank, at_iteration):
     from megatron_tawpipe.training import build_trainer, pretrain
     from megatron_tawpipe.training.forward_step import gpt_forward_step
 
-    def factory(args, forward_step_func):
-        trainer = build_trainer(args, forward_step_func)
+    def factory(args, forward_step_func, run):
+        trainer = build_trainer(args, forward_step_func, run)
         step, calls = trainer.train_step, []
 
-        def train_step(iterators):
+        def train_step(iterators, num_microbatches):
             calls.append(1)
             if rank == signal_rank and len(calls) == at_iteration:
                 os.kill(os.getpid(), signal.SIGTERM)
-            return step(iterators)
+            return step(iterators, num_microbatches)
 
         trainer.train_step = train_step
         return trainer

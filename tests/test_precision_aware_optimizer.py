@@ -50,13 +50,18 @@ def test_native_schedules_need_transformer_engine_fused_adam():
 
 
 def test_native_ddp_follows_megatron_lms_gradient_buffer_rule():
+    from megatron_tawpipe.arguments.run_config import OptimizerSettings, PrecisionConfig
     from megatron_tawpipe.baselines.native import grad_reduce_in_fp32, precision_aware_fields
 
-    assert grad_reduce_in_fp32(parse_args(tiny_args("--bf16")))
-    assert not grad_reduce_in_fp32(parse_args(tiny_args("--bf16", "--grad-reduce-in-bf16")))
-    args = parse_args(tiny_args(*BF16_GRADS, "--use-distributed-optimizer", "--exp-avg-dtype", "bf16"))
-    assert not grad_reduce_in_fp32(args)
-    fields = precision_aware_fields(args)
+    def fp32_buffers(*flags):
+        args = parse_args(tiny_args(*flags))
+        return grad_reduce_in_fp32(OptimizerSettings.from_args(args), PrecisionConfig.from_args(args))
+
+    assert fp32_buffers("--bf16")
+    assert not fp32_buffers("--bf16", "--grad-reduce-in-bf16")
+    flags = (*BF16_GRADS, "--use-distributed-optimizer", "--exp-avg-dtype", "bf16")
+    assert not fp32_buffers(*flags)
+    fields = precision_aware_fields(PrecisionConfig.from_args(parse_args(tiny_args(*flags))))
     assert fields["main_grads_dtype"] == torch.bfloat16 and fields["exp_avg_dtype"] == torch.bfloat16
     assert fields["exp_avg_sq_dtype"] == torch.float32 and fields["use_precision_aware_optimizer"]
 

@@ -82,3 +82,76 @@ def test_calibrate_prices_the_output_layer_it_measures(tmp_path):
     assert written["head_forward"] == pytest.approx(padded.head_forward)
     assert written["layer_forward"] == pytest.approx(padded.layer_forward)
     assert written["vocab_size"] == 1000
+
+
+def test_the_optimizer_and_training_records_hold_the_flags_and_the_derived_spans():
+    args, config = _config("--use-distributed-optimizer", "--overlap-grad-reduce", "--clip-grad", "0.5",
+                           "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--eval-iters", "3",
+                           "--exit-signal-handler")
+    adam, training = config.optimizer, config.training
+    assert (adam.lr, adam.min_lr, adam.clip_grad) == (1e-3, 1e-4, 0.5)
+    assert adam.use_distributed_optimizer and adam.overlap_grad_reduce and not adam.overlap_param_gather
+    assert (training.train_iters, training.eval_iters, training.exit_signal) == (args.train_iters, 3, "SIGTERM")
+    # Megatron-LM's iteration flags turned into samples by validate_args, read as it left them.
+    lrs = training.lr_schedule
+    assert lrs.lr_warmup_steps == 1 * args.global_batch_size and lrs.wsd_decay_steps == 2 * args.global_batch_size
+    assert lrs.lr_decay_steps == args.lr_decay_steps and lrs.lr_decay_style == "WSD"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        adam.lr = 1.0
+
+
+def test_megatron_cores_configs_are_built_from_the_records():
+    import torch
+
+    from megatron_tawpipe.baselines.native import ddp_config, optimizer_config
+    from megatron_tawpipe.training.loop import build_scheduler
+
+    _, config = _config("--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                        "--ddp-bucket-size", "1000",
+                        "--weight-decay", "0.05", "--adam-beta2", "0.95")
+    optimizer = optimizer_config(config.optimizer, config.precision)
+    assert (optimizer.lr, optimizer.min_lr, optimizer.weight_decay, optimizer.adam_beta2) == (1e-3, 1e-4, 0.05, 0.95)
+    assert optimizer.bf16 and optimizer.params_dtype == torch.bfloat16 and optimizer.use_distributed_optimizer
+    ddp = ddp_config(config.optimizer, config.precision, interleaved=False)
+    assert ddp.grad_reduce_in_fp32 and ddp.overlap_param_gather and ddp.bucket_size == 1000
+    assert not ddp.align_param_gather        # only interleaved chunks gather together
+    assert ddp_config(config.optimizer, config.precision, interleaved=True).align_param_gather
+
+    class _Groups:
+        param_groups = [{"params": [], "lr": 0.0, "weight_decay": 0.0}]
+
+    scheduler = build_scheduler(config, _Groups)
+    assert scheduler.max_lr == 1e-3 and scheduler.min_lr == 1e-4
+    assert scheduler.lr_warmup_steps == config.training.lr_schedule.lr_warmup_steps
+    assert _Groups.param_groups[0]["lr"] == 0.0 and _Groups.param_groups[0]["weight_decay"] == 0.05
+
+
+def _trainer_sees_the_loops_records(rank, argv):
+    from megatron_tawpipe.arguments import parse_args
+    from megatron_tawpipe.distributed.initialize import destroy
+    from megatron_tawpipe.training import build_trainer, pretrain
+    from megatron_tawpipe.training.forward_step import gpt_forward_step
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    seen = []
+
+    def factory(args, forward_step_func, run):
+        trainer = build_trainer(args, forward_step_func, run)
+        seen.append(getattr(trainer, "run", None) or trainer.config)
+        assert isinstance(run, RunConfig) and run.model.padded_vocab_size == args.padded_vocab_size
+        seen.append(run)
+        return trainer
+
+    try:
+        pretrain(validate_args(parse_args(argv)), gpt_forward_step, trainer_factory=factory)
+    finally:
+        destroy()
+    return seen[0] is seen[1]
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "1f1b"])
+def test_the_loop_builds_the_records_once_and_the_trainer_reads_those(schedule):
+    from distributed_harness import run_ranks
+
+    flags = ["--pipeline-schedule", schedule] + (["--pipeline-model-parallel-size", "2"] if schedule == "1f1b" else [])
+    assert run_ranks(_trainer_sees_the_loops_records, 2, tiny_args(*flags, train_iters=2)) == [True, True]

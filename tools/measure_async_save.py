@@ -45,13 +45,13 @@ def _run(mode: str, argv, port: int, results) -> None:
 
     starts = []
 
-    def timed_trainer(args, forward_step):
-        trainer = build_trainer(args, forward_step)
+    def timed_trainer(args, forward_step, run):
+        trainer = build_trainer(args, forward_step, run)
         step = trainer.train_step
 
-        def train_step(iterators):
+        def train_step(iterators, num_microbatches):
             starts.append(time.perf_counter())
-            return step(iterators)
+            return step(iterators, num_microbatches)
 
         trainer.train_step = train_step
         return trainer

@@ -130,6 +130,10 @@ class ParallelLayout:
     sequence_parallel: bool
     tawpipe_num_groups: Optional[int]    # the weight pipeline's groups; None: one per node
     ranks_per_node: int                  # LOCAL_WORLD_SIZE (common.launcher)
+    use_torch_fsdp2: bool                # data parallelism by FSDP2 ...
+    use_megatron_fsdp: bool              # ... or by Megatron-FSDP, sharding as these two say
+    data_parallel_sharding_strategy: str
+    outer_dp_sharding_strategy: str
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int, ranks_per_node: int) -> "ParallelLayout":
@@ -137,7 +141,10 @@ class ParallelLayout:
         return cls(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                    data_parallel_size=derive_data_parallel_size(args.pipeline_schedule, world_size, tp, pp),
                    sequence_parallel=args.sequence_parallel, tawpipe_num_groups=args.tawpipe_num_groups,
-                   ranks_per_node=ranks_per_node)
+                   ranks_per_node=ranks_per_node, use_torch_fsdp2=args.use_torch_fsdp2,
+                   use_megatron_fsdp=args.use_megatron_fsdp,
+                   data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+                   outer_dp_sharding_strategy=args.outer_dp_sharding_strategy)
 
 
 @dataclass(frozen=True)
@@ -316,10 +323,89 @@ class LoggingConfig:
     wandb_save_dir: Optional[str]
     metrics_file: Optional[str]
     timeline_file: Optional[str]
+    record_plan_memory: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LoggingConfig":
         return _read_flags(cls, args)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam, gradient clipping, loss scaling and how gradients are reduced (megatron's DDP and distributed
+    optimizer); the learning rates the schedule starts from."""
+
+    lr: Optional[float]
+    min_lr: float
+    decoupled_lr: Optional[float]
+    decoupled_min_lr: Optional[float]
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    loss_scale: Optional[float]
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: float
+    hysteresis: int
+    check_for_nan_in_loss_and_grad: bool
+    use_distributed_optimizer: bool
+    num_distributed_optimizer_instances: int
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    align_grad_reduce: bool
+    align_param_gather: bool
+    ddp_bucket_size: Optional[int]
+    accumulate_allreduce_grads_in_fp32: bool
+    grad_reduce_in_bf16: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "OptimizerSettings":
+        return _read_flags(cls, args)
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """Megatron's learning-rate and weight-decay schedule, in samples (the steps are validate_args')."""
+
+    lr_warmup_init: float
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    lr_decay_style: str
+    lr_wsd_decay_style: str
+    wsd_decay_steps: Optional[int]
+    start_weight_decay: float
+    end_weight_decay: float
+    wd_incr_steps: int
+    weight_decay_incr_style: str
+    use_checkpoint_opt_param_scheduler: bool
+    override_opt_param_scheduler: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "LrSchedule":
+        return _read_flags(cls, args)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The iterations: how many, recomputation, evaluation, and what ends a run early."""
+
+    train_iters: int
+    recompute_granularity: Optional[str]
+    eval_iters: int
+    eval_interval: Optional[int]
+    exit_signal_handler: bool
+    exit_signal: str
+    exit_interval: Optional[int]
+    exit_duration_in_mins: Optional[float]
+    exit_on_missing_checkpoint: bool
+    distributed_timeout_minutes: float
+    lr_schedule: LrSchedule
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainingConfig":
+        return _read_flags(cls, args, lr_schedule=LrSchedule.from_args(args))
 
 
 def derive_data_parallel_size(schedule: str, world_size: int, tensor_parallel: int, pipeline_parallel: int) -> int:
@@ -341,6 +427,8 @@ class RunConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    optimizer: OptimizerSettings
+    training: TrainingConfig
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: Optional[int] = None,
@@ -353,4 +441,5 @@ class RunConfig:
         return cls(model=ModelConfig.from_args(args), precision=PrecisionConfig.from_args(args),
                    layout=ParallelLayout.from_args(args, world, per_node), schedule=ScheduleConfig.from_args(args),
                    data=DataConfig.from_args(args), checkpoint=CheckpointConfig.from_args(args),
-                   logging=LoggingConfig.from_args(args))
+                   logging=LoggingConfig.from_args(args), optimizer=OptimizerSettings.from_args(args),
+                   training=TrainingConfig.from_args(args))

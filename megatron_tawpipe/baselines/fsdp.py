@@ -48,11 +48,12 @@ import copy
 import math
 import time
 import warnings
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.arguments.run_config import RunConfig
 from megatron_tawpipe.common.checkpointable import CheckpointDefaults
 from megatron_tawpipe.common.step import StepResult
 from megatron_tawpipe.emulation.compute import EmulatedCompute
@@ -80,14 +81,14 @@ def build_mesh(replicas: int):
     return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
 
 
-def mixed_precision_policy(args) -> dict:
+def mixed_precision_policy(run: RunConfig) -> dict:
     """``fully_shard`` keyword for ``--bf16``: bf16 compute, fp32 reductions and accumulation (bf16
     reductions with --grad-reduce-in-bf16, Megatron-LM's flag for megatron's DDP)."""
-    if not args.bf16:
+    if not run.precision.bf16:
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    reduce_dtype = torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32
+    reduce_dtype = torch.bfloat16 if run.optimizer.grad_reduce_in_bf16 else torch.float32
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)}
 
 
@@ -98,24 +99,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FsdpTrainer(CheckpointDefaults):
     """One FSDP2-sharded model with ``train_step`` / ``eval_step`` like the other trainers."""
 
-    def __init__(self, args, forward_step_func, reshard_after_forward: bool = True):
+    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None, *,
+                 reshard_after_forward: bool = True):
         from torch.distributed.fsdp import fully_shard
 
         self.args = args
+        self.run = run = run if run is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
         self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
-        self.replicas = args.num_distributed_optimizer_instances
+        self.replicas = run.optimizer.num_distributed_optimizer_instances
         # fp32 parameters (FSDP's sharded masters); --bf16 is FSDP's mixed-precision policy below.
         fp32_args = copy.copy(args)
         fp32_args.bf16 = False
         self.config = llama_config(fp32_args, 1, None)
-        self.emulation = EmulatedCompute.from_args(args, recompute=args.recompute_granularity == "full")
+        self.emulation = EmulatedCompute.from_args(args, recompute=run.training.recompute_granularity == "full")
         model = build_llama_model(fp32_args, self.config, compute=self.emulation)
-        if args.bf16:
+        if run.precision.bf16:
             with torch.no_grad():
                 for param in model.parameters():
                     param.copy_(param.to(torch.bfloat16))
         self.mesh = build_mesh(self.replicas)
-        policy = mixed_precision_policy(args)
+        policy = mixed_precision_policy(run)
         layers = list(model.decoder.layers)
         for layer in layers:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward, **policy)
@@ -134,8 +137,8 @@ class FsdpTrainer(CheckpointDefaults):
         kernel = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
             megatron_param_groups(((n, p) for n, p in model.named_parameters() if p.requires_grad), args),
-            lr=args.lr, weight_decay=args.weight_decay,
-            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **kernel)
+            lr=run.optimizer.lr, weight_decay=run.optimizer.weight_decay,
+            betas=(run.optimizer.adam_beta1, run.optimizer.adam_beta2), eps=run.optimizer.adam_eps, **kernel)
         # Time in forward/backward calls (FSDP's all-gathers and reduce-scatters run inside them).
         self.last_forward_backward_s = 0.0
 
@@ -152,13 +155,13 @@ class FsdpTrainer(CheckpointDefaults):
         loss_sum, num_tokens, _ = loss_func(output)
         return loss_sum, num_tokens.to(loss_sum.dtype)
 
-    def train_step(self, data_iterators: List[Iterator]) -> StepResult:
+    def train_step(self, data_iterators: List[Iterator], num_microbatches: int) -> StepResult:
         if self.emulation is not None:
             self.emulation.start_step()
         self.set_train(True)
         self.optimizer.zero_grad(set_to_none=True)
         totals = torch.zeros(2, dtype=torch.float64, device=current_device())
-        n = self.args.num_microbatches
+        n = num_microbatches
         start = time.perf_counter()
         for i in range(n):
             if self.replicas > 1:  # HSDP: across replicas once per iteration, with the last backward
@@ -168,7 +171,7 @@ class FsdpTrainer(CheckpointDefaults):
             totals += torch.stack([loss_sum.detach(), tokens]).to(totals)
         self.last_forward_backward_s = time.perf_counter() - start
         grad_norm = self._clip_gradients()
-        if self.args.check_for_nan_in_loss_and_grad and not math.isfinite(grad_norm):
+        if self.run.optimizer.check_for_nan_in_loss_and_grad and not math.isfinite(grad_norm):
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
         self.optimizer.step()
         dist.all_reduce(totals)
@@ -193,14 +196,14 @@ class FsdpTrainer(CheckpointDefaults):
         sq = squared_l2_norm([_local(g) for g in grads], current_device())
         dist.all_reduce(sq, group=self.shard_group)
         norm = float(sq.sqrt())
-        clip_gradients_([_local(g) for g in grads], self.args.clip_grad, norm)
+        clip_gradients_([_local(g) for g in grads], self.run.optimizer.clip_grad, norm)
         return norm
 
     @torch.no_grad()
-    def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
+    def eval_step(self, data_iterators: List[Iterator], num_microbatches: int) -> Tuple[float, float]:
         self.set_train(False)
         totals = torch.zeros(2, dtype=torch.float64, device=current_device())
-        for _ in range(self.args.num_microbatches):
+        for _ in range(num_microbatches):
             loss_sum, tokens = self._micro_batch_loss(data_iterators[0])
             totals += torch.stack([loss_sum, tokens]).to(totals)
         dist.all_reduce(totals)

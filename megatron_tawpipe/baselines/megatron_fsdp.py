@@ -50,33 +50,34 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import FullyShardedDataParallel
 
+from megatron_tawpipe.arguments.run_config import ParallelLayout, RunConfig
 from megatron_tawpipe.baselines.native import NativeTrainer, ddp_config
 from megatron_tawpipe.models.llama import build_llama_model
 
 
-def megatron_fsdp_config(args):
+def megatron_fsdp_config(run: RunConfig):
     """megatron's DDP config for Megatron-FSDP, from the same flags as Megatron-LM's."""
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     return dataclasses.replace(
-        ddp_config(args),
+        ddp_config(run.optimizer, run.precision, interleaved=False),
         use_megatron_fsdp=True,
-        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
-        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+        data_parallel_sharding_strategy=run.layout.data_parallel_sharding_strategy,
+        outer_dp_sharding_strategy=run.layout.outer_dp_sharding_strategy,
         # Fusing the 1/dp scale into the reduction is NCCL's PREMUL_SUM; gloo scales separately.
         gradient_reduce_div_fusion=nccl,
     )
 
 
-def fix_grad_stats_group(optimizer, args) -> None:
+def fix_grad_stats_group(optimizer, layout: ParallelLayout) -> None:
     """Reduce gradient statistics (norm, zeros) over every rank holding a distinct gradient shard.
 
     Only needed with an outer ``optim`` sharding (see the module docstring): the shards then span the
     full data-parallel group; without pipeline parallelism (refused with Megatron-FSDP here) that group
     times tensor parallelism is every rank.
     """
-    if args.outer_dp_sharding_strategy == "no_shard":
+    if layout.outer_dp_sharding_strategy == "no_shard":
         return
-    assert args.pipeline_model_parallel_size == 1
+    assert layout.pipeline_model_parallel_size == 1
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         chained.grad_stats_parallel_group = dist.group.WORLD
 
@@ -100,20 +101,20 @@ def restore_hfsdp_grad_scaling(model) -> int:
 class MegatronFsdpTrainer(NativeTrainer):
     """NativeTrainer with Megatron-FSDP in place of megatron's DDP (no pipelining, one model chunk)."""
 
-    def __init__(self, args, forward_step_func):
-        super().__init__(args, forward_step_func)
-        fix_grad_stats_group(self.optimizer, args)
+    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None):
+        super().__init__(args, forward_step_func, run)
+        fix_grad_stats_group(self.optimizer, self.run.layout)
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[FullyShardedDataParallel]:
         assert vpp is None, "Megatron-FSDP runs without pipelining"
         model = build_llama_model(self.args, self.config, pre_process=True, post_process=True,
                                   compute=self.emulation)
-        if self.args.bf16:
+        if self.run.precision.bf16:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(self.config, model)
         device = None if torch.cuda.is_available() else torch.device("cpu")
-        wrapped = FullyShardedDataParallel(self.config, megatron_fsdp_config(self.args), model, device=device)
+        wrapped = FullyShardedDataParallel(self.config, megatron_fsdp_config(self.run), model, device=device)
         restore_hfsdp_grad_scaling(wrapped)
         return [wrapped]
 

@@ -26,6 +26,7 @@ from megatron_tawpipe.common.checkpointable import CheckpointDefaults
 from megatron_tawpipe.common.step import StepResult
 from megatron_tawpipe.emulation.compute import EmulatedCompute
 from megatron_tawpipe.arguments import virtual_pipeline_size
+from megatron_tawpipe.arguments.run_config import OptimizerSettings, PrecisionConfig, RunConfig
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import build_llama_model, llama_config
 from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
@@ -68,52 +69,53 @@ def _reporting_waits(original):
     return communicate
 
 
-def optimizer_config(args) -> OptimizerConfig:
+def optimizer_config(adam: OptimizerSettings, precision: PrecisionConfig) -> OptimizerConfig:
+    """megatron-core's optimizer config of the run's optimizer and precision records."""
     return OptimizerConfig(
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32),
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
-        hysteresis=args.hysteresis,
-        loss_scale_window=args.loss_scale_window,
-        min_loss_scale=args.min_loss_scale,
-        **precision_aware_fields(args),
+        lr=adam.lr,
+        min_lr=adam.min_lr,
+        weight_decay=adam.weight_decay,
+        adam_beta1=adam.adam_beta1,
+        adam_beta2=adam.adam_beta2,
+        adam_eps=adam.adam_eps,
+        clip_grad=adam.clip_grad,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
+        params_dtype=torch.bfloat16 if precision.bf16 else (torch.float16 if precision.fp16 else torch.float32),
+        loss_scale=adam.loss_scale,
+        initial_loss_scale=adam.initial_loss_scale,
+        use_distributed_optimizer=adam.use_distributed_optimizer,
+        decoupled_lr=adam.decoupled_lr,
+        decoupled_min_lr=adam.decoupled_min_lr,
+        hysteresis=adam.hysteresis,
+        loss_scale_window=adam.loss_scale_window,
+        min_loss_scale=adam.min_loss_scale,
+        **precision_aware_fields(precision),
     )
 
 
-def precision_aware_fields(args) -> dict:
+def precision_aware_fields(precision: PrecisionConfig) -> dict:
     """megatron-core's precision-aware optimizer fields from Megatron-LM's flags (validate_args has refused
     them where Transformer Engine's FusedAdam or the distributed optimizer is missing)."""
-    if not args.use_precision_aware_optimizer:
+    if not precision.use_precision_aware_optimizer:
         return {}
-    dtypes = OptimizerDtypes.from_args(args)
+    dtypes = OptimizerDtypes.of(precision)
     return {"use_precision_aware_optimizer": True, "main_grads_dtype": dtypes.main_grads,
             "main_params_dtype": dtypes.main_params, "exp_avg_dtype": dtypes.exp_avg,
             "exp_avg_sq_dtype": dtypes.exp_avg_sq}
 
 
-def grad_reduce_in_fp32(args) -> bool:
+def grad_reduce_in_fp32(adam: OptimizerSettings, precision: PrecisionConfig) -> bool:
     """Megatron-LM's rule: fp32 gradient buffers with --accumulate-allreduce-grads-in-fp32, which
     --bf16 turns on unless --grad-reduce-in-bf16 or --main-grads-dtype bf16 (fp32 training has fp32
     gradients anyway)."""
-    if args.bf16 and not args.grad_reduce_in_bf16 and OptimizerDtypes.from_args(args).main_grads == torch.float32:
+    if precision.bf16 and not adam.grad_reduce_in_bf16 and OptimizerDtypes.of(precision).main_grads == torch.float32:
         return True
-    return bool(args.accumulate_allreduce_grads_in_fp32) or not (args.bf16 or args.fp16)
+    return bool(adam.accumulate_allreduce_grads_in_fp32) or not (precision.bf16 or precision.fp16)
 
 
-def ddp_config(args) -> DistributedDataParallelConfig:
+def ddp_config(adam: OptimizerSettings, precision: PrecisionConfig, interleaved: bool) -> DistributedDataParallelConfig:
     """megatron's DDP as Megatron-LM configures it from the same flags.
 
     Gradients accumulate and are reduced in fp32 (Megatron-LM's default for bf16 and the only
@@ -121,48 +123,51 @@ def ddp_config(args) -> DistributedDataParallelConfig:
     megatron's 40M parameters, at least 1M per data-parallel rank) is reduced while backward goes on.
     """
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32(args),
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        bucket_size=args.ddp_bucket_size,
-        # Megatron-LM's --no-align-param-gather: interleaved chunks gather together unless given.
-        align_param_gather=virtual_pipeline_size(args) is not None and args.align_param_gather,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad and not args.fp16)
+        grad_reduce_in_fp32=grad_reduce_in_fp32(adam, precision),
+        overlap_grad_reduce=adam.overlap_grad_reduce,
+        overlap_param_gather=adam.overlap_param_gather,
+        use_distributed_optimizer=adam.use_distributed_optimizer,
+        num_distributed_optimizer_instances=adam.num_distributed_optimizer_instances,
+        bucket_size=adam.ddp_bucket_size,
+        # Megatron-LM's --no-align-param-gather: interleaved chunks (``interleaved``) gather together unless given.
+        align_param_gather=interleaved and adam.align_param_gather,
+        check_for_nan_in_grad=adam.check_for_nan_in_loss_and_grad and not precision.fp16)
 
 
 class NativeTrainer(CheckpointDefaults):
     """Model chunks, optimizer and one-iteration step for megatron's own schedules."""
 
-    def __init__(self, args, forward_step_func):
+    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None):
         self.args = args
+        self.run = run = run if run is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
         self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
-        self.emulation = EmulatedCompute.from_args(args, recompute=args.recompute_granularity == "full")
+        self.emulation = EmulatedCompute.from_args(args, recompute=run.training.recompute_granularity == "full")
         vpp = virtual_pipeline_size(args)
+        layout = run.layout
         # megatron's DDP gives every parameter an fp32 ``main_grad``: fused wgrad accumulation fits.
-        self.config = llama_config(args, args.pipeline_model_parallel_size, vpp, main_grad_buffers=True,
-                                   tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                   sequence_parallel=args.sequence_parallel)
+        self.config = llama_config(args, layout.pipeline_model_parallel_size, vpp, main_grad_buffers=True,
+                                   tensor_model_parallel_size=layout.tensor_model_parallel_size,
+                                   sequence_parallel=layout.sequence_parallel)
         self.model = self._build_model_chunks(vpp)
-        self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
+        self.optimizer = get_megatron_optimizer(optimizer_config(run.optimizer, run.precision), self.model)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
         if len(self.model) > 1:
             self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
         else:
             self.config.no_sync_func = self.model[0].no_sync
-        if args.overlap_grad_reduce and args.align_grad_reduce:  # --no-align-grad-reduce
+        if run.optimizer.overlap_grad_reduce and run.optimizer.align_grad_reduce:  # --no-align-grad-reduce
             sync = [chunk.start_grad_sync for chunk in self.model]
             self.config.grad_sync_func = sync if len(sync) > 1 else sync[0]
-        if args.overlap_param_gather and self.model[0].ddp_config.align_param_gather:  # --no-align-param-gather
+        # --no-align-param-gather
+        if run.optimizer.overlap_param_gather and self.model[0].ddp_config.align_param_gather:
             gather = [chunk.start_param_sync for chunk in self.model]
             self.config.param_sync_func = gather if len(gather) > 1 else gather[0]
-        self.forward_backward = megatron_forward_backward_func(args.pipeline_model_parallel_size, vpp)
+        self.forward_backward = megatron_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
         self._pipeline_waits = report_pipeline_waits()   # undone by close()
 
     def _build_model_chunks(self, vpp: Optional[int]) -> List[DistributedDataParallel]:
-        config = ddp_config(self.args)
+        config = ddp_config(self.run.optimizer, self.run.precision, interleaved=vpp is not None)
         chunks = []
         for vp_stage in range(vpp or 1):
             stage = vp_stage if vpp else None
@@ -174,7 +179,7 @@ class NativeTrainer(CheckpointDefaults):
                 vp_stage=stage,
                 compute=self.emulation,
             )
-            if self.args.bf16 or self.args.fp16:
+            if self.run.precision.compute_bytes == 2:   # --bf16, --fp16
                 from megatron.core.transformer.module import Float16Module
 
                 model = Float16Module(self.config, model)
@@ -189,7 +194,7 @@ class NativeTrainer(CheckpointDefaults):
         for chunk in self.model:
             chunk.train(training)
 
-    def train_step(self, data_iterators: List[Iterator]) -> StepResult:
+    def train_step(self, data_iterators: List[Iterator], num_microbatches: int) -> StepResult:
         """One iteration: forward/backward over all micro-batches, then the optimizer step."""
         if self.emulation is not None:
             self.emulation.start_step()
@@ -197,7 +202,7 @@ class NativeTrainer(CheckpointDefaults):
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._forward_backward(data_iterators, forward_only=False)
+        reports = self._forward_backward(data_iterators, num_microbatches, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         loss_sum, tokens = self._reduce_reports(reports)
         return StepResult(
@@ -205,17 +210,17 @@ class NativeTrainer(CheckpointDefaults):
             num_tokens=tokens,
             grad_norm=None if grad_norm is None else float(grad_norm),
             skipped=not update_successful,
-            loss_scale=float(self.optimizer.get_loss_scale()) if (self.args.fp16 or self.args.bf16) else None,
+            loss_scale=float(self.optimizer.get_loss_scale()) if self.run.precision.compute_bytes == 2 else None,
             slept_s=self.emulation.take_slept_s() if self.emulation is not None else None,
         )
 
     @torch.no_grad()
-    def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
+    def eval_step(self, data_iterators: List[Iterator], num_microbatches: int) -> Tuple[float, float]:
         self.set_train(False)
-        reports = self._forward_backward(data_iterators, forward_only=True)
+        reports = self._forward_backward(data_iterators, num_microbatches, forward_only=True)
         return self._reduce_reports(reports)
 
-    def _forward_backward(self, data_iterators: List[Iterator], forward_only: bool):
+    def _forward_backward(self, data_iterators: List[Iterator], num_microbatches: int, forward_only: bool):
         iterators = data_iterators if len(self.model) > 1 else data_iterators[0]
         board = progress.board()
         forwards = itertools.count()
@@ -228,9 +233,9 @@ class NativeTrainer(CheckpointDefaults):
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=self.args.num_microbatches,
-            seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size,
+            num_microbatches=num_microbatches,
+            seq_length=self.run.model.seq_length,
+            micro_batch_size=self.run.schedule.micro_batch_size,
             forward_only=forward_only,
         )
 
@@ -256,7 +261,7 @@ class NativeTrainer(CheckpointDefaults):
 
         With the distributed optimizer the master is a :class:`SliceTarget` for this rank's range.
         """
-        sharded = self.args.use_distributed_optimizer
+        sharded = self.run.optimizer.use_distributed_optimizer
         for chunk in self.model:
             for name, param in global_parameter_names(chunk):
                 if sharded:
@@ -273,7 +278,7 @@ class NativeTrainer(CheckpointDefaults):
         return self.optimizer
 
     def _finish_param_gather(self) -> None:
-        if self.args.use_distributed_optimizer and self.args.overlap_param_gather:
+        if self.run.optimizer.use_distributed_optimizer and self.run.optimizer.overlap_param_gather:
             # The last step's parameter all-gather waits for the next forward: finish it now, so that the
             # saved weights are the updated ones (as Megatron-LM does before saving).
             for chunk in self.model:
@@ -291,10 +296,10 @@ class NativeTrainer(CheckpointDefaults):
     def gathered_masters(self):
         """Distributed optimizer: whole masters and Adam state, gathered over the optimizer's data-parallel
         group (every rank calls this); None when masters are whole on every rank already."""
-        if not self.args.use_distributed_optimizer:
+        if not self.run.optimizer.use_distributed_optimizer:
             return None
-        group = parallel_state.get_data_parallel_group(
-            with_context_parallel=True, partial_data_parallel=self.args.num_distributed_optimizer_instances > 1)
+        instances = self.run.optimizer.num_distributed_optimizer_instances
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=instances > 1)
         named = [pair for chunk in self.model for pair in global_parameter_names(chunk)]
         return gather_distributed_optimizer(self._chained_single(), named, group, keep=self.writes_checkpoint())
 

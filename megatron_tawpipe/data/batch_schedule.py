@@ -15,9 +15,16 @@ the LR span of ``--train-iters`` runs) asks this module.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 Schedule = List[Tuple[int, int]]
+
+
+class IterationBatch(NamedTuple):
+    """One iteration's global batch and the micro-batches per data-parallel rank it takes."""
+
+    global_batch_size: int
+    num_microbatches: int
 
 _SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
 FLAG = "--step-batch-size-schedule"
@@ -117,17 +124,17 @@ def micro_batches(batch: int, micro_batch_size: int, data_parallel_size: int) ->
     return batch // per_step
 
 
-def apply(args, consumed_samples: int) -> int:
-    """Set ``args.global_batch_size`` and ``args.num_microbatches`` for the next iteration; returns
-    the global batch. The schedule was checked for this layout up front (validate_args and resume)."""
-    batch = batch_at(args.batch_schedule, consumed_samples)
-    count = micro_batches(batch, args.micro_batch_size, args.data_parallel_size)
+def iteration_batch(schedule: Sequence[Tuple[int, int]], micro_batch_size: int, data_parallel_size: int,
+                    consumed_samples: int) -> IterationBatch:
+    """The batch of the iteration that starts after ``consumed_samples``. The schedule was checked for this
+    layout up front (validate_args and resume)."""
+    batch = batch_at(schedule, consumed_samples)
+    count = micro_batches(batch, micro_batch_size, data_parallel_size)
     if count is None:  # not reachable past check_layout; kept as a guard
         raise ValueError(f"{FLAG}: a global batch of {batch} at {consumed_samples} consumed samples is not "
                          f"a multiple of --micro-batch-size x data-parallel size "
-                         f"({args.micro_batch_size * args.data_parallel_size})")
-    args.global_batch_size, args.num_microbatches = batch, count
-    return batch
+                         f"({micro_batch_size * data_parallel_size})")
+    return IterationBatch(batch, count)
 
 
 def check_layout(args, from_samples: int = 0) -> List[int]:

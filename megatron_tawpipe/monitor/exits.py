@@ -17,16 +17,18 @@ import signal
 import time
 from typing import Optional
 
+from megatron_tawpipe.arguments.run_config import TrainingConfig
+
 
 class ExitConditions:
-    def __init__(self, args, started: float):
-        self.args = args
+    def __init__(self, training: TrainingConfig, started: float):
+        self.training = training
         self.started = started
         self.received: Optional[str] = None
         self._previous = None
         self._signal = None
-        if args.exit_signal_handler:
-            self._signal = getattr(signal, args.exit_signal)
+        if training.exit_signal_handler:
+            self._signal = getattr(signal, training.exit_signal)
             self._previous = signal.signal(self._signal, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
@@ -34,7 +36,7 @@ class ExitConditions:
 
     def reason(self, iteration: int) -> Optional[str]:
         """Why the run stops after ``iteration``, or None to go on (a collective when it may stop)."""
-        args = self.args
+        args = self.training
         if args.exit_signal_handler or args.exit_duration_in_mins:
             from megatron_tawpipe.monitor.metrics import max_over_ranks
 

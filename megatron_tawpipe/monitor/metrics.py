@@ -39,11 +39,6 @@ def model_flops_per_sample(args) -> float:
     return 3.0 * per_token * s
 
 
-def model_flops_per_iteration(args, recompute: bool = False) -> float:
-    """Model FLOPs of one training iteration of ``--global-batch-size`` samples (:func:`model_flops_per_sample`)."""
-    return model_flops_per_sample(args) * args.global_batch_size
-
-
 @dataclass
 class IterationRecord:
     iteration: int
@@ -85,7 +80,6 @@ class MetricsWriter:
         self.world_size = world_size
         self.is_writer = is_writer
         self.flops_per_sample = model_flops_per_sample(args)
-        self.flops_per_iteration = model_flops_per_iteration(args)
         self._file: Optional[IO[str]] = None
         if is_writer and args.metrics_file:
             directory = os.path.dirname(os.path.abspath(args.metrics_file))
@@ -94,10 +88,11 @@ class MetricsWriter:
             self._file = open(args.metrics_file, "a", encoding="utf-8")
 
     def record(self, iteration: int, consumed_samples: int, elapsed: float, lm_loss: float,
-               grad_norm: Optional[float], learning_rate: float, skipped: bool = False,
+               grad_norm: Optional[float], learning_rate: float, global_batch_size: int, skipped: bool = False,
                loss_scale: Optional[float] = None, extra: Optional[dict] = None) -> IterationRecord:
-        """``elapsed``: seconds of the training step alone (evaluation and saving excluded)."""
-        tokens = self.args.global_batch_size * self.args.seq_length
+        """``elapsed``: seconds of the training step alone (evaluation and saving excluded); ``global_batch_size``:
+        the iteration's samples."""
+        tokens = global_batch_size * self.args.seq_length
         record = IterationRecord(
             iteration=iteration,
             consumed_samples=consumed_samples,
@@ -106,7 +101,7 @@ class MetricsWriter:
             learning_rate=learning_rate,
             elapsed_ms=elapsed * 1000.0,
             tokens_per_sec_per_rank=tokens / elapsed / self.world_size,
-            tflops_per_rank=self.flops_per_iteration / elapsed / self.world_size / 1e12,
+            tflops_per_rank=self.flops_per_sample * global_batch_size / elapsed / self.world_size / 1e12,
             skipped=skipped,
             loss_scale=loss_scale,
             extra=dict(extra or {}),
@@ -116,7 +111,7 @@ class MetricsWriter:
                 self._file.write(json.dumps(record.to_json()) + "\n")
                 self._file.flush()
             if iteration % self.args.log_interval == 0:
-                print(format_log_line(record, self.args), flush=True)
+                print(format_log_line(record, self.args.train_iters, global_batch_size), flush=True)
         return record
 
     def close(self) -> None:
@@ -211,16 +206,16 @@ def _fmt_float(value: Optional[float], spec: str) -> str:
     return format(value, spec)
 
 
-def format_log_line(record: IterationRecord, args) -> str:
+def format_log_line(record: IterationRecord, train_iters: int, global_batch_size: int) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     parts = [
-        f" [{stamp}] iteration {record.iteration:8d}/{args.train_iters:8d}",
+        f" [{stamp}] iteration {record.iteration:8d}/{train_iters:8d}",
         f"consumed samples: {record.consumed_samples:12d}",
         f"elapsed time per iteration (ms): {record.elapsed_ms:.1f}",
         f"tokens per second per rank: {record.tokens_per_sec_per_rank:.1f}",
         f"throughput per rank (TFLOP/s): {record.tflops_per_rank:.3f}",
         f"learning rate: {record.learning_rate:.6E}",
-        f"global batch size: {args.global_batch_size:5d}",
+        f"global batch size: {global_batch_size:5d}",
         f"lm loss: {_fmt_float(record.lm_loss, '.6E')}",
         f"grad norm: {_fmt_float(record.grad_norm, '.3f')}",
     ]

@@ -102,7 +102,10 @@ class OptimizerDtypes:
 
     @classmethod
     def from_args(cls, args) -> "OptimizerDtypes":
-        precision = PrecisionConfig.from_args(args)
+        return cls.of(PrecisionConfig.from_args(args))
+
+    @classmethod
+    def of(cls, precision: PrecisionConfig) -> "OptimizerDtypes":
         if not precision.use_precision_aware_optimizer:
             return cls()
         return cls(*(DTYPES[getattr(precision, dest)] for _, dest in DTYPE_FLAGS))

@@ -85,9 +85,9 @@ class _ParamGroupsView:
 class WeightPassingTrainer(CheckpointDefaults):
     """One rank of a ``weipipe`` / ``tawpipe`` run."""
 
-    def __init__(self, args, forward_step_func):
+    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None):
         self.args = args
-        self.config = RunConfig.from_args(args, world_size=dist.get_world_size())
+        self.config = run if run is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
         self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
         self.emulation = EmulatedCompute.from_args(args, recompute=self.config.schedule.recompute)
         self.model = WeightPipeModel(args, compute=self.emulation.shard_compute if self.emulation else None,
@@ -96,7 +96,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), self.model.device
         self.scaling = GradScaling.from_args(args, self.device)
         self.model.loss_scale_func = self.scaling.scale
-        self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
+        self.forward_backward = get_forward_backward_func(self.config.schedule.pipeline_schedule)
         self._build_optimizer()
         self._planned_bytes: Dict[int, Dict[str, float]] = {}
         self._marks: Optional[List[Tuple[str, Optional[float]]]] = None   # --timeline-file: the step's phases
@@ -109,7 +109,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         return self.model.plan
 
     def _warn_about_single_connection(self) -> None:
-        message = single_connection_warning(os.environ, self.device.type, self.args.pipeline_schedule)
+        message = single_connection_warning(os.environ, self.device.type, self.config.schedule.pipeline_schedule)
         if message and self.rank == 0:
             print(message, file=sys.stderr, flush=True)
 
@@ -142,19 +142,19 @@ class WeightPassingTrainer(CheckpointDefaults):
     def num_data_iterators(self) -> int:
         return 1
 
-    def train_step(self, data_iterators: List[Iterator]) -> StepResult:
+    def train_step(self, data_iterators: List[Iterator], num_microbatches: int) -> StepResult:
         # --timeline-file: (phase, host time at its end) of this step, for tools/tawpipe_lab/idle_breakdown.py
         # (the first: where the previous step's timeline was written, None on the first step)
         self._marks = [(StepPhase.PREVIOUS_STEP, self._step_left), (StepPhase.BETWEEN_STEPS, time.time())] \
-            if self.args.timeline_file else None
+            if self.config.logging.timeline_file else None
         if self.emulation is not None:
             self.emulation.start_step()
         self.model.train()
         self.model.zero_grads()
-        if self.args.timeline_file:
+        if self.config.logging.timeline_file:
             self.model.executor.start_trace()
         self._mark(StepPhase.SET_UP)
-        record_memory = self.args.record_plan_memory
+        record_memory = self.config.logging.record_plan_memory
         if record_memory:
             # on the model, so that an executor built for another plan (a batch-size ramp) samples too
             self.model.memory_probe = self.model.executor.memory_probe = held_memory_bytes
@@ -164,7 +164,7 @@ class WeightPassingTrainer(CheckpointDefaults):
             if store is not None:
                 store.peak_bytes = 0
         start = time.perf_counter()
-        reports = self._forward_backward(data_iterators, forward_only=False)
+        reports = self._forward_backward(data_iterators, num_microbatches, forward_only=False)
         plan_s = time.perf_counter() - start
         self._mark(StepPhase.PLAN)
         slept_in_plan = self.emulation.slept_s if self.emulation is not None else None
@@ -192,7 +192,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         planned = self._planned_bytes.get(self.plan.num_microbatches) or self._planned_bytes.setdefault(
             self.plan.num_microbatches, self.planned_link_bytes())
         self._mark(StepPhase.METRICS)
-        if self.args.timeline_file:   # after the step, so that gathering the timeline holds up nothing it shows
+        if self.config.logging.timeline_file:   # after the step: gathering the timeline holds up nothing it shows
             self._write_timeline(slept_in_plan)
             self._step_left = time.time()
         return StepResult(loss_sum=loss_sum, num_tokens=tokens, grad_norm=grad_norm, skipped=skipped,
@@ -207,15 +207,15 @@ class WeightPassingTrainer(CheckpointDefaults):
                                  "plan_seconds": plan_s, "optimizer_seconds": step_s, **memory})
 
     @torch.no_grad()
-    def eval_step(self, data_iterators: List[Iterator]) -> Tuple[float, float]:
+    def eval_step(self, data_iterators: List[Iterator], num_microbatches: int) -> Tuple[float, float]:
         self.model.eval()
-        return self._reduce_reports(self._forward_backward(data_iterators, forward_only=True))
+        return self._reduce_reports(self._forward_backward(data_iterators, num_microbatches, forward_only=True))
 
-    def _forward_backward(self, data_iterators: List[Iterator], forward_only: bool) -> list:
+    def _forward_backward(self, data_iterators: List[Iterator], num_microbatches: int, forward_only: bool) -> list:
         return self.forward_backward(
             forward_step_func=self.forward_step_func, data_iterator=data_iterators[0], model=self.model,
-            num_microbatches=self.args.num_microbatches, seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
+            num_microbatches=num_microbatches, seq_length=self.config.model.seq_length,
+            micro_batch_size=self.config.schedule.micro_batch_size, forward_only=forward_only)
 
     def _mark(self, phase: StepPhase) -> None:
         """--timeline-file: ``phase`` ended now."""
@@ -231,7 +231,8 @@ class WeightPassingTrainer(CheckpointDefaults):
         self._mark(StepPhase.UNSCALE)
         grad_norm = self._global_norm()
         self._mark(StepPhase.NORM_ALL_REDUCE)
-        if not math.isfinite(grad_norm) and self.args.check_for_nan_in_loss_and_grad and not self.args.fp16:
+        checked = self.config.optimizer.check_for_nan_in_loss_and_grad and not self.config.precision.fp16
+        if not math.isfinite(grad_norm) and checked:
             # The norm's all-reduce is the check (a NaN/Inf anywhere makes it non-finite on every
             # rank); only then does every rank look for the shards to name.
             self._check_finite()
@@ -264,7 +265,7 @@ class WeightPassingTrainer(CheckpointDefaults):
                "transfers": [x for t in traces for x in t["transfers"]],
                # per rank: every action's host times, the step's phases, emulated compute slept in the plan
                "ranks": [{key: t[key] for key in ("rank", "actions", "marks", "slept_in_plan")} for t in traces]}
-        atomic_write_json(self.args.timeline_file, doc)
+        atomic_write_json(self.config.logging.timeline_file, doc)
 
     def _check_finite(self) -> None:
         """Every rank checks what it holds; one all-reduced flag per shard makes all ranks agree."""
@@ -329,7 +330,7 @@ class WeightPassingTrainer(CheckpointDefaults):
 
     def _clip_gradients(self, norm: float) -> None:
         """Megatron's global-norm clipping: scale every gradient by clip / (norm + 1e-6) when below 1."""
-        clip_gradients_(self.model.shard_grads() + self.model.replicated_grads(), self.args.clip_grad, norm)
+        clip_gradients_(self.model.shard_grads() + self.model.replicated_grads(), self.config.optimizer.clip_grad, norm)
 
     # ---- checkpoint support ---------------------------------------------------------
 

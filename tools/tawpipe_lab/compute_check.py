@@ -151,6 +151,7 @@ class NativeLayers:
     def __init__(self, args, device: torch.device):
         from megatron.core.distributed import DistributedDataParallel
 
+        from megatron_tawpipe.arguments.run_config import OptimizerSettings, PrecisionConfig
         from megatron_tawpipe.baselines.native import ddp_config
         from megatron_tawpipe.models.llama import construct_llama_model, llama_config, params_dtype
 
@@ -158,7 +159,8 @@ class NativeLayers:
         self.gpt = construct_llama_model(args, config, pre_process=False, post_process=False).to(device)
         self.gpt.to(params_dtype(args))   # as Float16Module does
         self.gpt.train(True)
-        self.ddp = DistributedDataParallel(config, ddp_config(args), self.gpt)
+        ddp = ddp_config(OptimizerSettings.from_args(args), PrecisionConfig.from_args(args), interleaved=False)
+        self.ddp = DistributedDataParallel(config, ddp, self.gpt)
 
     def step(self, hidden: torch.Tensor, grad_out: torch.Tensor):
         x = hidden.detach().requires_grad_(True)

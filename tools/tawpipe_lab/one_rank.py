@@ -150,10 +150,10 @@ class TrainerCapture:
     def __init__(self):
         self.trainer = None
 
-    def __call__(self, args, forward_step_func):
+    def __call__(self, args, forward_step_func, run=None):
         from megatron_tawpipe.training import build_trainer
 
-        self.trainer = build_trainer(args, forward_step_func)
+        self.trainer = build_trainer(args, forward_step_func, run)
         return self.trainer
 
 
