@@ -155,3 +155,22 @@ def test_the_loop_builds_the_records_once_and_the_trainer_reads_those(schedule):
 
     flags = ["--pipeline-schedule", schedule] + (["--pipeline-model-parallel-size", "2"] if schedule == "1f1b" else [])
     assert run_ranks(_trainer_sees_the_loops_records, 2, tiny_args(*flags, train_iters=2)) == [True, True]
+
+
+def test_the_checks_set_nothing():
+    """validate_args' checks assign no flag: what follows from the flags is settled in settle_args /
+    layer_split_args (the functions validate_args calls by name)."""
+    import ast
+    import inspect
+
+    from megatron_tawpipe.training import validate_args as checks
+
+    tree = ast.parse(inspect.getsource(checks))
+    written = [(node.lineno, ast.unparse(target)) for node in ast.walk(tree)
+               if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               for part in ast.walk(target)
+               if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) and part.value.id == "args"]
+    calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert written == [] and "setattr" not in calls, written   # (vars(args).pop: the parser's notices, read out)
+    assert {"settle_batch_schedule", "settle_iterations", "settle_micro_batches", "settle_layer_split"} <= calls

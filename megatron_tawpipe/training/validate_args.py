@@ -13,12 +13,12 @@ from megatron_tawpipe.arguments.weight_passing import (tawpipe_cache_problem, ta
                                                        tawpipe_shards_per_rank_problem)
 from megatron_tawpipe.common import launcher
 from megatron_tawpipe.compat.megatron_lm import NOTICES
-from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.optimizer.precision_aware import precision_refusal
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
 from megatron_tawpipe.training.data_parallel_args import notice, validate_data_parallel
 from megatron_tawpipe.training.plan_file_args import check_plan_file
-from megatron_tawpipe.training.settle_args import apply_checkpoint_args, derive_args
+from megatron_tawpipe.training.settle_args import (apply_checkpoint_args, derive_args, settle_batch_schedule,
+                                                  settle_iterations, settle_micro_batches)
 
 def world_size_from_env() -> int:
     return launcher.world_size()
@@ -43,8 +43,11 @@ def _validate_logging(args: argparse.Namespace) -> None:
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check flags before any process group is created; raise ArgumentError naming the flag.
 
-    In three steps: the flags read off disk (``--use-checkpoint-args``: :func:`apply_checkpoint_args`), the
-    values that follow from the flags alone (:func:`derive_args`), then the checks."""
+    The flags read off disk first (``--use-checkpoint-args``: :func:`apply_checkpoint_args`), then the values
+    that follow from the flags alone (:func:`derive_args`), then the checks; the checks set nothing: the
+    values that follow from checked flags (the layer split, the batch schedule, the iterations and LR spans
+    in samples, the micro-batches) are settled by ``settle_*`` functions (``settle_args``, ``layer_split_args``)
+    where the checks they need have passed."""
     world_size = world_size_from_env() if world_size is None else world_size
     _check_schedule_name(args)
     if args.use_checkpoint_args:
@@ -95,10 +98,11 @@ def _check_args(args: argparse.Namespace, world_size: int) -> None:
     if precision:
         raise ArgumentError(precision)
     _validate_parallel_layout(args, world_size)
+    settle_layer_split(args, world_size)   # the stages (interleaved's virtual stages), or the weight pipeline's shards
     validate_data_parallel(args, world_size)
-    _validate_batch(args, world_size)
-    _validate_schedule_units(args)
-    _validate_batch_layout(args)
+    settle_batch_schedule(args)
+    settle_iterations(args)
+    settle_micro_batches(args)
     check_plan_file(args, world_size, _ranks_per_node(world_size))
     _validate_logging_and_checkpoints(args)
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
@@ -167,77 +171,6 @@ def _validate_model(args: argparse.Namespace) -> None:
         check_model_support(args)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
-
-
-def _validate_schedule_units(args: argparse.Namespace) -> None:
-    """--train-iters or --train-samples, and the LR schedule in the same unit (Megatron-LM's rules).
-
-    Sets ``args.train_iters`` in both modes and ``args.lr_warmup_steps``, ``lr_decay_steps``,
-    ``wsd_decay_steps`` and ``wd_incr_steps`` in samples, the unit of megatron-core's scheduler.
-    """
-    schedule = args.batch_schedule
-
-    def samples(iterations: int) -> int:
-        return batch_schedule.samples_after(schedule, iterations)
-
-    if (args.train_iters is None) == (args.train_samples is None):
-        raise ArgumentError("give exactly one of --train-iters and --train-samples")
-    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
-        raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
-    if args.train_iters is not None:
-        if args.lr_decay_samples is not None or args.lr_warmup_samples or args.lr_wsd_decay_samples:
-            raise ArgumentError("--lr-decay-samples / --lr-warmup-samples / --lr-wsd-decay-samples go with "
-                                "--train-samples; with --train-iters use --lr-decay-iters / --lr-warmup-iters")
-        if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-        decay_iters = args.lr_decay_iters or args.train_iters
-        decay = samples(decay_iters)
-        warmup = samples(args.lr_warmup_iters)
-        # The anneal is the decay's last iterations.
-        wsd = decay - samples(max(decay_iters - (args.lr_wsd_decay_iters or 0), 0))
-        total = samples(args.train_iters)
-    else:
-        if args.lr_decay_iters is not None or args.lr_warmup_iters or args.lr_wsd_decay_iters:
-            raise ArgumentError("--lr-decay-iters / --lr-warmup-iters / --lr-wsd-decay-iters go with --train-iters; "
-                                "with --train-samples use --lr-decay-samples / --lr-warmup-samples")
-        if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
-            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive")
-        args.train_iters = batch_schedule.iterations_for_samples(schedule, args.train_samples)
-        if args.train_iters == 0:
-            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
-                                f"({schedule[0][1]})")
-        decay = args.lr_decay_samples or args.train_samples
-        warmup = args.lr_warmup_samples
-        wsd = args.lr_wsd_decay_samples or 0
-        total = args.train_samples
-    if args.lr_warmup_fraction is not None:
-        warmup = args.lr_warmup_fraction * decay
-    if warmup >= decay:
-        unit = "iters" if args.train_samples is None else "samples"
-        given = (f"--lr-warmup-fraction {args.lr_warmup_fraction}" if args.lr_warmup_fraction is not None
-                 else f"--lr-warmup-{unit} {args.lr_warmup_iters if unit == 'iters' else args.lr_warmup_samples}")
-        span = decay_iters if unit == "iters" else decay
-        raise ArgumentError(f"{given} must be smaller than --lr-decay-{unit} {span} (default: --train-{unit})")
-    if args.lr_decay_style == "WSD" and not wsd:
-        notice("--lr-decay-style WSD without --lr-wsd-decay-iters / --lr-wsd-decay-samples: the anneal "
-               f"({args.lr_wsd_decay_style}) spans the whole decay (Megatron-LM requires the flag)")
-        wsd = decay
-    args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps = int(warmup), int(decay), int(wsd)
-    args.wd_incr_steps = total
-    if args.weight_decay_incr_style == "constant":
-        if args.start_weight_decay is not None or args.end_weight_decay is not None:
-            raise ArgumentError("--start-weight-decay / --end-weight-decay need --weight-decay-incr-style "
-                                "linear or cosine")
-        args.start_weight_decay = args.end_weight_decay = args.weight_decay
-    elif args.start_weight_decay is None or args.end_weight_decay is None:
-        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
-                            "and --end-weight-decay")
-    elif not 0.0 <= args.start_weight_decay <= args.end_weight_decay:
-        raise ArgumentError(f"--start-weight-decay {args.start_weight_decay} must be >= 0 and at most "
-                            f"--end-weight-decay {args.end_weight_decay}")
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
-                            "mutually exclusive")
 
 
 def _validate_logging_and_checkpoints(args: argparse.Namespace) -> None:
@@ -354,7 +287,6 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     if world_size % (tp * pp):
         raise ArgumentError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
                             f"the number of ranks {world_size}")
-    settle_layer_split(args, world_size)   # the stages, and interleaved's virtual stages
 
 
 def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -> None:
@@ -378,7 +310,6 @@ def _validate_weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -
             raise ArgumentError(f"--tensor-model-parallel-size {tp} with --pipeline-schedule {schedule}: {where}, "
                                 f"which {tp} does not divide, so a tensor-parallel group would span nodes; "
                                 "tensor-parallel groups must stay inside a node")
-    settle_layer_split(args, world_size)
 
 
 def _validate_replicated_first_shard(args: argparse.Namespace, world_size: int) -> None:
@@ -413,47 +344,6 @@ def _ranks_per_node(world_size: int) -> int:
     """Ranks per node as torchrun reports them (LOCAL_WORLD_SIZE; all ranks when unset)."""
     local = launcher.local_world_size(world_size)
     return local if local > 0 and world_size % local == 0 else world_size
-
-
-def _validate_batch(args: argparse.Namespace, world_size: int) -> None:
-    """The global batch over the run: --global-batch-size (default: one micro-batch per data-parallel
-    rank) or --step-batch-size-schedule, kept as ``args.batch_schedule``."""
-    dp = args.data_parallel_size   # derive_args
-    if args.step_batch_size_schedule is not None:
-        if args.global_batch_size is not None:
-            raise ArgumentError("--step-batch-size-schedule and --global-batch-size are mutually exclusive "
-                                "(as in Megatron-LM): the schedule gives the global batch")
-        try:
-            args.batch_schedule = batch_schedule.parse_step_schedule(args.step_batch_size_schedule,
-                                                                     args.seq_length)
-        except ValueError as exc:
-            raise ArgumentError(str(exc)) from None
-    else:
-        if args.global_batch_size is None:
-            args.global_batch_size = args.micro_batch_size * dp
-        args.batch_schedule = batch_schedule.constant(args.global_batch_size)
-    args.global_batch_size = batch_schedule.batch_at(args.batch_schedule, 0)
-
-
-def _validate_batch_layout(args: argparse.Namespace) -> None:
-    """Every global batch the run reaches is a whole number of micro-batches per data-parallel rank
-    (a multiple of the pipeline size for the interleaved schedule). A run that resumes (--load) may
-    start past entries that do not fit this layout: the check then waits for the checkpoint."""
-    try:
-        counts = batch_schedule.check_layout(args, 0)
-    except ValueError as exc:
-        if args.load and len(args.batch_schedule) > 1:
-            args.num_microbatches = None
-            return
-        raise ArgumentError(str(exc)) from None
-    if args.pipeline_schedule == "interleaved":
-        for count in counts:
-            if count % args.pipeline_model_parallel_size:
-                raise ArgumentError(
-                    f"--pipeline-schedule interleaved needs the number of micro-batches ({count}) "
-                    f"to be a multiple of --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
-    args.num_microbatches = batch_schedule.micro_batches(args.global_batch_size, args.micro_batch_size,
-                                                         args.data_parallel_size)
 
 
 def _cuda_available() -> bool:
