@@ -81,7 +81,9 @@ def test_progress_file_is_written_as_megatron_lm_writes_it(tmp_path, monkeypatch
 
     build_tokenizer(args)   # sets the padded vocabulary the output layer's FLOPs count
 
-    per_sample = model_flops_per_sample(args)
+    from megatron_tawpipe.arguments.run_config import ModelConfig
+
+    per_sample = model_flops_per_sample(ModelConfig.from_args(args))
     saved = [m.group(4).split("\t") for m in parsed if m.group(4).startswith("Saved")]
     fields = [dict(f.split(": ", 1) for f in row[1:]) for row in saved]
     assert [f["Iteration"] for f in fields] == ["2", "3", "4"]

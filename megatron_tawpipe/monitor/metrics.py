@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Optional
 
-from megatron_tawpipe.arguments.run_config import ModelConfig
+from megatron_tawpipe.arguments.run_config import ModelConfig, RunConfig
 
 
-def model_flops_per_sample(args) -> float:
+def model_flops_per_sample(model: ModelConfig) -> float:
     """Model FLOPs of one sample of ``--seq-length`` tokens (forward + backward = 3 x forward), Megatron-LM's count.
 
     Dense matmuls per token per layer: the query, key and value projections (q = kv_channels x
@@ -28,7 +28,6 @@ def model_flops_per_sample(args) -> float:
     and context (causal: half of S each), the output projection, and the MLP's two matrices
     (three with SwiGLU); plus the output layer. Recomputation is not counted (model FLOPs, as in MFU).
     """
-    model = ModelConfig.from_args(args)
     h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
     d = model.kv_channels or h // model.num_attention_heads
     q = d * model.num_attention_heads
@@ -75,24 +74,24 @@ class IterationRecord:
 class MetricsWriter:
     """Writes records to the metrics file and prints a log line every ``log_interval``."""
 
-    def __init__(self, args, world_size: int, is_writer: bool):
-        self.args = args
+    def __init__(self, run: RunConfig, world_size: int, is_writer: bool):
+        self.logging, self.seq_length, self.train_iters = run.logging, run.model.seq_length, run.training.train_iters
         self.world_size = world_size
         self.is_writer = is_writer
-        self.flops_per_sample = model_flops_per_sample(args)
+        self.flops_per_sample = model_flops_per_sample(run.model)
         self._file: Optional[IO[str]] = None
-        if is_writer and args.metrics_file:
-            directory = os.path.dirname(os.path.abspath(args.metrics_file))
+        if is_writer and self.logging.metrics_file:
+            directory = os.path.dirname(os.path.abspath(self.logging.metrics_file))
             os.makedirs(directory, exist_ok=True)
             # Appending keeps the history of a resumed run in one file.
-            self._file = open(args.metrics_file, "a", encoding="utf-8")
+            self._file = open(self.logging.metrics_file, "a", encoding="utf-8")
 
     def record(self, iteration: int, consumed_samples: int, elapsed: float, lm_loss: float,
                grad_norm: Optional[float], learning_rate: float, global_batch_size: int, skipped: bool = False,
                loss_scale: Optional[float] = None, extra: Optional[dict] = None) -> IterationRecord:
         """``elapsed``: seconds of the training step alone (evaluation and saving excluded); ``global_batch_size``:
         the iteration's samples."""
-        tokens = global_batch_size * self.args.seq_length
+        tokens = global_batch_size * self.seq_length
         record = IterationRecord(
             iteration=iteration,
             consumed_samples=consumed_samples,
@@ -110,8 +109,8 @@ class MetricsWriter:
             if self._file is not None:
                 self._file.write(json.dumps(record.to_json()) + "\n")
                 self._file.flush()
-            if iteration % self.args.log_interval == 0:
-                print(format_log_line(record, self.args.train_iters, global_batch_size), flush=True)
+            if iteration % self.logging.log_interval == 0:
+                print(format_log_line(record, self.train_iters, global_batch_size), flush=True)
         return record
 
     def close(self) -> None:

@@ -24,6 +24,8 @@ import os
 import time
 from typing import Optional, Tuple
 
+from megatron_tawpipe.arguments.run_config import RunConfig
+
 PROGRESS_FILE = "progress.txt"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -70,15 +72,17 @@ def cumulative_start(path: str, world_size: int) -> Tuple[datetime.datetime, flo
 class ProgressLog:
     """Writes ``SAVE/progress.txt`` with ``--log-progress`` (every rank calls; the first rank writes)."""
 
-    def __init__(self, args, rank: int, world_size: int, flops_per_sample: float):
-        self.enabled = bool(args.log_progress and args.save)
-        self.path = progress_path(args.save) if self.enabled else None
+    def __init__(self, run: RunConfig, program_start: float, rank: int, world_size: int, flops_per_sample: float):
+        """``program_start``: when the job started (its throughput counts from there)."""
+        save = run.checkpoint.save
+        self.enabled = bool(run.logging.log_progress and save)
+        self.path = progress_path(save) if self.enabled else None
         self.rank, self.world_size = rank, world_size
         self.flops_per_sample = float(flops_per_sample)
-        self.seq_length = int(args.seq_length)
-        self.program_start = args.program_start_time or time.time()
+        self.seq_length = int(run.model.seq_length)
+        self.program_start = program_start
         self.job_start_ops = 0.0
-        self.async_save = bool(args.async_save)
+        self.async_save = bool(run.checkpoint.async_save)
 
     def _append(self, text: str) -> None:
         import torch.distributed as dist

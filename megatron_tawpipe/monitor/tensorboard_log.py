@@ -25,7 +25,7 @@ import math
 import os
 from typing import Optional
 
-from megatron_tawpipe.arguments.run_config import LoggingConfig
+from megatron_tawpipe.arguments.run_config import LoggingConfig, RunConfig
 
 
 def memory_scalars() -> dict:
@@ -52,10 +52,10 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def _start_wandb(args, logging: LoggingConfig):
+def _start_wandb(args, logging: LoggingConfig, save: Optional[str]):
     import wandb
 
-    save_dir = logging.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    save_dir = logging.wandb_save_dir or (os.path.join(save, "wandb") if save else None)
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
     from megatron_tawpipe.arguments import plain_arguments
@@ -67,9 +67,9 @@ def _start_wandb(args, logging: LoggingConfig):
 class TensorboardLog:
     """Megatron-LM's scalars to TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``)."""
 
-    def __init__(self, args, is_writer: bool):
-        self.args = args
-        self.logging = logging = LoggingConfig.from_args(args)
+    def __init__(self, run: RunConfig, args, is_writer: bool):
+        """``args``: the flags as parsed, every one of which W&B records with the run."""
+        self.logging = logging = run.logging
         self.writer = None
         import torch.distributed as dist
 
@@ -80,7 +80,7 @@ class TensorboardLog:
 
             self.writer = SummaryWriter(log_dir=logging.tensorboard_dir, max_queue=logging.tensorboard_queue_size)
         if is_writer and logging.wandb_project:
-            self.wandb = _start_wandb(args, logging)
+            self.wandb = _start_wandb(args, logging, run.checkpoint.save)
 
     @property
     def active(self) -> bool:

@@ -203,10 +203,11 @@ def _train(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) 
         iteration, consumed_samples = _resume(args, run, trainer, scheduler, legacy_reference)
     _check_batch_layout(args, consumed_samples)
 
-    writer = MetricsWriter(args, dist.get_world_size(), _is_writer())
-    progress_log = ProgressLog(args, dist.get_rank(), dist.get_world_size(), writer.flops_per_sample)  # --log-progress
+    writer = MetricsWriter(run, dist.get_world_size(), _is_writer())
+    progress_log = ProgressLog(run, started, dist.get_rank(), dist.get_world_size(),   # --log-progress
+                               writer.flops_per_sample)
     progress_log.starting(consumed_samples)
-    board = TensorboardLog(args, _is_writer())
+    board = TensorboardLog(run, args, _is_writer())
     # One loader per model chunk: worker processes are for the single-chunk case (Megatron-LM's --num-workers).
     workers = run.data.num_workers if trainer.num_data_iterators == 1 else 0
     records = TrainingRecords()
