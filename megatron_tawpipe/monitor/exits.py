@@ -36,19 +36,19 @@ class ExitConditions:
 
     def reason(self, iteration: int) -> Optional[str]:
         """Why the run stops after ``iteration``, or None to go on (a collective when it may stop)."""
-        args = self.training
-        if args.exit_signal_handler or args.exit_duration_in_mins:
+        training = self.training
+        if training.exit_signal_handler or training.exit_duration_in_mins:
             from megatron_tawpipe.monitor.metrics import max_over_ranks
 
             minutes = (time.time() - self.started) / 60.0
-            overdue = bool(args.exit_duration_in_mins) and minutes >= args.exit_duration_in_mins
+            overdue = bool(training.exit_duration_in_mins) and minutes >= training.exit_duration_in_mins
             signalled, timed_out = max_over_ranks([float(self.received is not None), float(overdue)])
             if signalled:
-                return f"received {args.exit_signal} (--exit-signal-handler)"
+                return f"received {training.exit_signal} (--exit-signal-handler)"
             if timed_out:
-                return f"ran for more than --exit-duration-in-mins {args.exit_duration_in_mins:g}"
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            return f"--exit-interval {args.exit_interval}"
+                return f"ran for more than --exit-duration-in-mins {training.exit_duration_in_mins:g}"
+        if training.exit_interval and iteration % training.exit_interval == 0:
+            return f"--exit-interval {training.exit_interval}"
         return None
 
     def close(self) -> None:

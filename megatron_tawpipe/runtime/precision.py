@@ -18,6 +18,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.arguments.run_config import OptimizerSettings, PrecisionConfig
+
 
 def find_non_finite(groups: List[List[torch.Tensor]], device: torch.device) -> List[int]:
     """Indices of the gradient groups holding a NaN/Inf on *any* rank (one all-reduced flag vector).
@@ -40,16 +42,17 @@ class GradScaling:
         self.device = device
 
     @classmethod
-    def from_args(cls, args, device: torch.device) -> "GradScaling":
-        if not args.fp16:
+    def of(cls, adam: OptimizerSettings, precision: PrecisionConfig, device: torch.device) -> "GradScaling":
+        """megatron-core's scaler for ``--fp16`` (a constant ``--loss-scale``, else dynamic), none otherwise."""
+        if not precision.fp16:
             return cls(None, device)
         from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
-        if args.loss_scale:
-            return cls(ConstantGradScaler(args.loss_scale), device)
-        return cls(DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
+        if adam.loss_scale:
+            return cls(ConstantGradScaler(adam.loss_scale), device)
+        return cls(DynamicGradScaler(initial_scale=adam.initial_loss_scale, min_scale=adam.min_loss_scale,
                                      growth_factor=2.0, backoff_factor=0.5,
-                                     growth_interval=int(args.loss_scale_window), hysteresis=args.hysteresis), device)
+                                     growth_interval=int(adam.loss_scale_window), hysteresis=adam.hysteresis), device)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)

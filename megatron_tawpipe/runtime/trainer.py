@@ -94,7 +94,7 @@ class WeightPassingTrainer(CheckpointDefaults):
                                      config=self.config)
         # Global rank and size (the plan's virtual ranks are the model's: model.rank, model.world).
         self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), self.model.device
-        self.scaling = GradScaling.from_args(args, self.device)
+        self.scaling = GradScaling.of(self.config.optimizer, self.config.precision, self.device)
         self.model.loss_scale_func = self.scaling.scale
         self.forward_backward = get_forward_backward_func(self.config.schedule.pipeline_schedule)
         self._build_optimizer()

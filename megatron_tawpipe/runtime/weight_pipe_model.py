@@ -111,8 +111,8 @@ class WeightPipeModel:
         self.rank = dist.get_rank() // self.tensor_parallel_size
         self.world = dist.get_world_size() // self.tensor_parallel_size
         self.device = current_device()
-        groups = (args.tawpipe_num_groups
-                  or parallel_state.default_num_groups(dist.get_world_size(), args.pipeline_schedule))
+        groups = (self.config.layout.tawpipe_num_groups
+                  or parallel_state.default_num_groups(dist.get_world_size(), self.config.schedule.pipeline_schedule))
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
         self.plans = self._plans(args, groups)
@@ -220,7 +220,7 @@ class WeightPipeModel:
         """An executor for ``plan`` with every connection of the plan made (every rank builds it at the
         same point: start-up, or the iteration where all switch plans)."""
         executor = PlanExecutor(plan, self.rank, self, self.communicators,
-                                timeout=datetime.timedelta(minutes=self.args.distributed_timeout_minutes),
+                                timeout=datetime.timedelta(minutes=self.config.training.distributed_timeout_minutes),
                                 nccl_faithful=self.config.schedule.tawpipe_nccl_faithful, transport=transport)
         executor.connect()
         executor.memory_probe = getattr(self, "memory_probe", None)   # --record-plan-memory
