@@ -73,7 +73,8 @@ def _clip_on_two_ranks(rank):
         replicated = [torch.full((2, 2), 0.5), torch.ones(3)]  # the same on every rank: counted once
         model = SimpleNamespace(shard_grads=lambda: shard, replicated_grads=lambda: replicated,
                                 norm_grads=lambda: (shard, replicated), tensor_parallel_size=1)
-        trainer = SimpleNamespace(model=model, device=torch.device("cpu"), args=SimpleNamespace(clip_grad=1.0),
+        config = SimpleNamespace(optimizer=SimpleNamespace(clip_grad=1.0))   # the run's records: --clip-grad 1
+        trainer = SimpleNamespace(model=model, device=torch.device("cpu"), config=config,
                                   _mark=lambda phase: None)   # no --timeline-file
         norm = WeightPassingTrainer._global_norm(trainer)
         WeightPassingTrainer._clip_gradients(trainer, norm)
@@ -200,7 +201,7 @@ def test_single_connection_warning_is_printed_by_the_first_rank(rank, lines, mon
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     trainer = SimpleNamespace(device=torch.device("cuda", 0), rank=rank,
-                              args=SimpleNamespace(pipeline_schedule="weipipe"))
+                              config=SimpleNamespace(schedule=SimpleNamespace(pipeline_schedule="weipipe")))
     WeightPassingTrainer._warn_about_single_connection(trainer)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == lines and all("CUDA_DEVICE_MAX_CONNECTIONS=1" in line for line in err)
