@@ -134,6 +134,7 @@ class ParallelLayout:
     use_megatron_fsdp: bool              # ... or by Megatron-FSDP, sharding as these two say
     data_parallel_sharding_strategy: str
     outer_dp_sharding_strategy: str
+    decoder_layer_split: Optional[Tuple[int, ...]]   # validate_args': layers per stage or shard, None: even
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int, ranks_per_node: int) -> "ParallelLayout":
@@ -144,7 +145,8 @@ class ParallelLayout:
                    ranks_per_node=ranks_per_node, use_torch_fsdp2=args.use_torch_fsdp2,
                    use_megatron_fsdp=args.use_megatron_fsdp,
                    data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
-                   outer_dp_sharding_strategy=args.outer_dp_sharding_strategy)
+                   outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+                   decoder_layer_split=_tuple(args.decoder_layer_split))
 
 
 @dataclass(frozen=True)

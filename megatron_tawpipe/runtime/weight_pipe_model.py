@@ -61,31 +61,28 @@ def plan_options(schedule: ScheduleConfig, cache: Optional[bool] = None, groups:
     return options
 
 
-def planned_microbatch_counts(args) -> List[int]:
+def planned_microbatch_counts(run: RunConfig) -> List[int]:
     """Micro-batches per rank of every global batch the run may take (those that fit the layout;
     the loop refuses, before training, a batch still ahead that does not)."""
-    schedule = args.batch_schedule
-    if not schedule:
-        return [args.num_microbatches]
-    counts = {batch_schedule.micro_batches(batch, args.micro_batch_size, args.data_parallel_size)
-              for _, batch in schedule}
+    per_rank = run.schedule.micro_batch_size, run.layout.data_parallel_size
+    counts = {batch_schedule.micro_batches(batch, *per_rank) for _, batch in run.data.schedule}
     counts.discard(None)
     if not counts:
         raise ValueError("no global batch of --step-batch-size-schedule fits --micro-batch-size x data-parallel size")
     return sorted(counts)
 
 
-def plans_for_run(args, schedule: ScheduleConfig, world: int, groups: int,
-                  cache: Optional[bool] = None) -> Dict[int, Plan]:
+def plans_for_run(run: RunConfig, world: int, groups: int, cache: Optional[bool] = None) -> Dict[int, Plan]:
     """The run's plans by micro-batches per rank: built by the schedule's planner for every count the run's
     global batches give, or the one plan of ``--pipeline-schedule plan:FILE`` (checked against the flags in
     validate_args; here again against the world and the groups, which every rank agrees on)."""
+    schedule = run.schedule
     path = schedule.plan_file
     if path is None:
-        return {count: build_plan(schedule.plan_name, num_ranks=world, num_groups=groups, num_layers=args.num_layers,
-                                  num_microbatches=count, shard_layers=args.decoder_layer_split,
-                                  **plan_options(schedule, cache, groups))
-                for count in planned_microbatch_counts(args)}
+        return {count: build_plan(schedule.plan_name, num_ranks=world, num_groups=groups,
+                                  num_layers=run.model.num_layers, num_microbatches=count,
+                                  shard_layers=run.layout.decoder_layer_split, **plan_options(schedule, cache, groups))
+                for count in planned_microbatch_counts(run)}
     plan = read_plan(path)
     if (plan.num_ranks, plan.num_groups) != (world, groups):
         raise ValueError(f"plan file {path}: planned for {plan.num_ranks} ranks in {plan.num_groups} groups; this run "
@@ -115,10 +112,12 @@ class WeightPipeModel:
                   or parallel_state.default_num_groups(dist.get_world_size(), self.config.schedule.pipeline_schedule))
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
-        self.plans = self._plans(args, groups)
+        self.plans = self._plans(groups)
         for plan in self.plans.values():
             validate_plan(plan)
-        self.plan = self.plans.get(args.num_microbatches) or self.plans[min(self.plans)]
+        first = batch_schedule.micro_batches(self.config.data.schedule[0][1], self.config.schedule.micro_batch_size,
+                                             self.config.layout.data_parallel_size)   # the first batch's
+        self.plan = self.plans.get(first) or self.plans[min(self.plans)]
         if any(plan.owners != self.plan.owners or plan.replicas != self.plan.replicas for plan in self.plans.values()):
             raise ValueError("the plans for the schedule's micro-batch counts give shards different owners")
         self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.tensor_parallel_size,
@@ -134,7 +133,7 @@ class WeightPipeModel:
         self._check_same_layout()
         self.compute_dtype = params_dtype(args)
         # masters' and gradients' dtypes: fp32, or --main-params-dtype / --main-grads-dtype
-        self.dtypes = OptimizerDtypes.from_args(args)
+        self.dtypes = OptimizerDtypes.of(self.config.precision)
         self.grad_dtype = self.dtypes.main_grads   # the executor's gradient buffers too: they travel in it
         # Every shard whose master this rank keeps and steps (owned or replicated, --tawpipe-replicate-first-shard);
         # ``counted`` are the ones it counts in the global norm and writes to checkpoints (owned).
@@ -180,14 +179,14 @@ class WeightPipeModel:
         self.compute: ShardCompute = (compute or LayerCompute)(self)
         self._reset(None, None, 1, forward_only=True)
 
-    def _plans(self, args, groups: int) -> Dict[int, Plan]:
+    def _plans(self, groups: int) -> Dict[int, Plan]:
         """The run's plans; tawpipe's with the shard cache decided once at start-up (``--tawpipe-cache``: every
         rank alike), the decision printed by the first rank."""
-        schedule = self.config.schedule
-        if schedule.pipeline_schedule != "tawpipe":
-            return plans_for_run(args, schedule, self.world, groups)
+        run = self.config
+        if run.schedule.pipeline_schedule != "tawpipe":
+            return plans_for_run(run, self.world, groups)
         self.cache_decision, plans = tawpipe_cache.decide(
-            self.config, groups, lambda cache: plans_for_run(args, schedule, self.world, groups, cache), self.device)
+            run, groups, lambda cache: plans_for_run(run, self.world, groups, cache), self.device)
         if dist.get_rank() == 0:
             print(self.cache_decision.line(), flush=True)
         return plans
