@@ -88,7 +88,7 @@ def test_uneven_pipeline_matches_single_process(uneven_reference, tmp_path, worl
 def _stage_layers(rank, argv):
     """The global decoder layers of each model chunk this rank builds, and the virtual pipeline size."""
     from megatron_tawpipe.arguments import parse_args, virtual_pipeline_size
-    from megatron_tawpipe.baselines.native import NativeTrainer
+    from megatron_tawpipe.training import build_trainer
     from megatron_tawpipe.data import build_tokenizer
     from megatron_tawpipe.distributed.initialize import destroy, initialize_distributed, initialize_model_parallel
     from megatron_tawpipe.models.parameters import unwrap_model
@@ -100,7 +100,7 @@ def _stage_layers(rank, argv):
     initialize_model_parallel(args)
     try:
         build_tokenizer(args)
-        trainer = NativeTrainer(args, gpt_forward_step)
+        trainer = build_trainer(args, gpt_forward_step)
         return ([[layer.layer_number - 1 for layer in unwrap_model(chunk).decoder.layers] for chunk in trainer.model],
                 virtual_pipeline_size(args))
     finally:

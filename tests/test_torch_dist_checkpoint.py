@@ -75,7 +75,7 @@ def _load_with_megatron_core(rank, argv, directory):
 
     from megatron_tawpipe.arguments import parse_args
     from megatron_tawpipe.training.validate_args import validate_args
-    from megatron_tawpipe.baselines.native import NativeTrainer
+    from megatron_tawpipe.training import build_trainer
     from megatron_tawpipe.checkpoint import load_checkpoint
     from megatron_tawpipe.data import build_tokenizer
     from megatron_tawpipe.training.forward_step import gpt_forward_step
@@ -87,7 +87,7 @@ def _load_with_megatron_core(rank, argv, directory):
     initialize_model_parallel(args)
     try:
         build_tokenizer(args)
-        by_megatron, by_us = NativeTrainer(args, gpt_forward_step), NativeTrainer(args, gpt_forward_step)
+        by_megatron, by_us = build_trainer(args, gpt_forward_step), build_trainer(args, gpt_forward_step)
         model = unwrap_model(by_megatron.model[0])
         state = {"model": model.sharded_state_dict()}
         state["optimizer"] = by_megatron.optimizer.sharded_state_dict(state, is_loading=True)

@@ -48,7 +48,7 @@ import copy
 import math
 import time
 import warnings
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -99,12 +99,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FsdpTrainer(CheckpointDefaults):
     """One FSDP2-sharded model with ``train_step`` / ``eval_step`` like the other trainers."""
 
-    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None, *,
-                 reshard_after_forward: bool = True):
+    def __init__(self, args, forward_step_func, run: RunConfig, *, reshard_after_forward: bool = True):
+        """``run``: the records of ``args`` (``training.build_trainer`` reads them when not given)."""
         from torch.distributed.fsdp import fully_shard
 
         self.args = args
-        self.run = run = run if run is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
+        self.run = run
         self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
         self.replicas = run.optimizer.num_distributed_optimizer_instances
         # fp32 parameters (FSDP's sharded masters); --bf16 is FSDP's mixed-precision policy below.

@@ -101,7 +101,7 @@ def restore_hfsdp_grad_scaling(model) -> int:
 class MegatronFsdpTrainer(NativeTrainer):
     """NativeTrainer with Megatron-FSDP in place of megatron's DDP (no pipelining, one model chunk)."""
 
-    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None):
+    def __init__(self, args, forward_step_func, run: RunConfig):
         super().__init__(args, forward_step_func, run)
         fix_grad_stats_group(self.optimizer, self.run.layout)
 

@@ -137,9 +137,10 @@ def ddp_config(adam: OptimizerSettings, precision: PrecisionConfig, interleaved:
 class NativeTrainer(CheckpointDefaults):
     """Model chunks, optimizer and one-iteration step for megatron's own schedules."""
 
-    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None):
+    def __init__(self, args, forward_step_func, run: RunConfig):
+        """``run``: the records of ``args`` (``training.build_trainer`` reads them when not given)."""
         self.args = args
-        self.run = run = run if run is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
+        self.run = run
         self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
         self.emulation = EmulatedCompute.from_args(args, recompute=run.training.recompute_granularity == "full")
         vpp = virtual_pipeline_size(args)
@@ -179,7 +180,7 @@ class NativeTrainer(CheckpointDefaults):
                 vp_stage=stage,
                 compute=self.emulation,
             )
-            if self.run.precision.compute_bytes == 2:   # --bf16, --fp16
+            if self.run.precision.bf16 or self.run.precision.fp16:
                 from megatron.core.transformer.module import Float16Module
 
                 model = Float16Module(self.config, model)
@@ -210,7 +211,8 @@ class NativeTrainer(CheckpointDefaults):
             num_tokens=tokens,
             grad_norm=None if grad_norm is None else float(grad_norm),
             skipped=not update_successful,
-            loss_scale=float(self.optimizer.get_loss_scale()) if self.run.precision.compute_bytes == 2 else None,
+            loss_scale=float(self.optimizer.get_loss_scale()) if self.run.precision.bf16 or self.run.precision.fp16
+            else None,
             slept_s=self.emulation.take_slept_s() if self.emulation is not None else None,
         )
 

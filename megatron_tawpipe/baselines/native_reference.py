@@ -10,7 +10,9 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from megatron_tawpipe.arguments.run_config import RunConfig
 from megatron_tawpipe.baselines.native import NativeTrainer
 
 
@@ -30,7 +32,8 @@ def native_reference_trainer(args, forward_step_func) -> NativeTrainer:
     states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
               torch.cuda.get_rng_state() if torch.cuda.is_available() else None, get_cuda_rng_tracker().get_states())
     try:
-        return NativeTrainer(reference, forward_step_func)
+        return NativeTrainer(reference, forward_step_func,
+                             RunConfig.from_args(reference, world_size=dist.get_world_size()))
     finally:
         random.setstate(states[0])
         np.random.set_state(states[1])

@@ -85,13 +85,14 @@ class _ParamGroupsView:
 class WeightPassingTrainer(CheckpointDefaults):
     """One rank of a ``weipipe`` / ``tawpipe`` run."""
 
-    def __init__(self, args, forward_step_func, run: Optional[RunConfig] = None):
+    def __init__(self, args, forward_step_func, run: RunConfig):
+        """``run``: the records of ``args`` (``training.build_trainer`` reads them when not given)."""
         self.args = args
-        self.config = run if run is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
+        self.config = run
         self.forward_step_func = forward_step_func   # megatron's (data_iterator, model) -> (output, loss_func)
         self.emulation = EmulatedCompute.from_args(args, recompute=self.config.schedule.recompute)
-        self.model = WeightPipeModel(args, compute=self.emulation.shard_compute if self.emulation else None,
-                                     config=self.config)
+        self.model = WeightPipeModel(args, self.config,
+                                     compute=self.emulation.shard_compute if self.emulation else None)
         # Global rank and size (the plan's virtual ranks are the model's: model.rank, model.world).
         self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), self.model.device
         self.scaling = GradScaling.of(self.config.optimizer, self.config.precision, self.device)

@@ -93,13 +93,12 @@ def plans_for_run(run: RunConfig, world: int, groups: int, cache: Optional[bool]
 class WeightPipeModel:
     """One rank's weight-pipeline model: the plan, its executor and the compute callbacks."""
 
-    def __init__(self, args, compute: Optional[Callable[["WeightPipeModel"], ShardCompute]] = None,
-                 config: Optional[RunConfig] = None):
+    def __init__(self, args, config: RunConfig, compute: Optional[Callable[["WeightPipeModel"], ShardCompute]] = None):
         """``compute(model)`` makes what runs the (micro-batch, shard) forward and backward actions
         (a :class:`ShardCompute`): the real layers (:class:`LayerCompute`, the default) or emulated compute.
-        ``config``: the run's records of ``args`` (read here when not given)."""
+        ``config``: the run's records of ``args``."""
         self.args = args
-        self.config = config if config is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
+        self.config = config
         # With --tensor-model-parallel-size T the plan runs over P / T virtual ranks, one per
         # tensor-parallel group (T consecutive ranks, megatron-core's layout): ``rank`` and
         # ``world`` are the plan's, ``tensor_parallel_rank`` is this rank's index in its group.
