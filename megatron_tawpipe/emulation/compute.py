@@ -164,7 +164,7 @@ class EmulatedCompute:
     # ---- a weight-pipeline rank --------------------------------------------------------------------------
 
     def shard_compute(self, model) -> "EmulatedShardCompute":
-        """The shard compute of a weight-pipeline ``model`` (what ``WeightPipeModel(args, config, compute=...)`` takes)."""
+        """The shard compute of a weight-pipeline ``model`` (``WeightPipeModel(args, config, compute=...)``)."""
         return EmulatedShardCompute(model, self)
 
 
