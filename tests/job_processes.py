@@ -75,10 +75,22 @@ def wait_for(predicate, timeout, proc=None):
     return None
 
 
+def describe(pid):
+    """``pid``, its state, parent and command line, for a message."""
+    found = state(pid)
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        argv = "?"
+    where = f"state {found[0]}, parent {found[1]}" if found else "gone"
+    return f"{pid} ({where}): {argv[:300]}"
+
+
 def ended(proc, timeout=120):
-    """When the job's last process ended (None after ``timeout``; then the rest is killed, and listed)."""
+    """When the job's last process ended (None after ``timeout``; then the rest is killed, and listed: pid,
+    state, parent and command line)."""
     ended = wait_for(lambda: proc.poll() is not None and not job_pids(proc.job), timeout)
-    left = job_pids(proc.job)
+    left = [describe(pid) for pid in job_pids(proc.job)]
     if left:   # do not leave them behind the test either
         signal_job(proc.job, signal.SIGKILL)
         proc.wait()

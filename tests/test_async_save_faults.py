@@ -4,15 +4,19 @@ restarts from the latest checkpoint). Nothing is lost: the tracker never names a
 ``.deleting`` folder, retention never deletes the newest complete checkpoint, and the losses equal an
 uninterrupted run's."""
 
+import argparse
 import glob
+import multiprocessing
 import os
 import random
 import signal
 import subprocess
+import threading
 import time
 
 from distributed_harness import free_port
-from job_processes import ended, environ, job_pids, start, state
+from job_processes import alive, ended, environ, job_pids, start, state
+from megatron_tawpipe.checkpoint import async_save
 from training_helpers import metrics_by_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,17 +37,36 @@ def _env(out_dir, restarts):
     return env
 
 
+def _is_torchrun(pid):
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    return any(arg.endswith(b"torchrun") or arg == b"torch.distributed.run" for arg in argv[:3])
+
+
 def _rank_pids(job):
-    """pid -> LOCAL_RANK of the ranks (torchrun's workers) of ``job``, not their writers or loader workers."""
+    """pid -> LOCAL_RANK of the ranks of ``job``: torchrun's children, not their writers or loader workers
+    (forked, they carry the rank's environment; a killed rank's would be re-parented)."""
     ranks = {}
     for pid in job_pids(job):
         local = [v for v in environ(pid) if v.startswith(b"LOCAL_RANK=")]
         found = state(pid)
-        if found is None:
-            continue
-        if local and not any(v.startswith(b"LOCAL_RANK=") for v in environ(found[1])):
+        if local and found is not None and _is_torchrun(found[1]):
             ranks[pid] = int(local[0].split(b"=")[1])
     return ranks
+
+
+def _saving_since(checkpoints, since):
+    """Whether a background save is in flight: an ``iter_*.tmp`` folder written to after ``since`` (a killed
+    attempt's unfinished one stays until the next save of that iteration clears it)."""
+    for folder in glob.glob(os.path.join(checkpoints, "iter_*.tmp")):
+        try:
+            if os.stat(folder).st_mtime > since:
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _check_tracker(checkpoints, problems):
@@ -77,23 +100,32 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
     run = tmp_path / "faulted"
     checkpoints = str(run / "checkpoints")
     proc = start(["bash", SCRIPT, *FLAGS], tmp_path / "faulted.log", _env(run, 4), ROOT)
-    # Two kills: one while no background save is in flight, one while one is (its iter_*.tmp folder exists);
-    # each at a random iteration, of a random rank.
+    # Two kills: one while no background save is in flight, one while one is (its iter_*.tmp folder is being
+    # written); each at a random iteration, of a random rank, each in an attempt of its own: the second waits
+    # for the restart the first caused (its line in the log, ranks none of which was seen before) and for a
+    # save of the new attempt. Without that wait, the surviving rank of the first attempt can log one more
+    # iteration and start its save before it notices its peer is gone, and both kills land in one attempt.
     plan = [("training", draw.randint(2, 4)), ("saving", draw.randint(5, 7))]
-    kills, problems = [], []
+    kills, problems, seen, attempt_start = [], [], set(), 0.0
     deadline = time.monotonic() + 900
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             latest = _check_tracker(checkpoints, problems)
-            if plan and latest is not None:
+            restarted = open(tmp_path / "faulted.log").read().count("from the latest checkpoint")
+            if plan and latest is not None and restarted == len(kills):
+                if not attempt_start:   # the killed attempt's processes (writers too) have ended by now
+                    attempt_start = time.time()
                 moment, after = plan[0]
-                saving = bool(glob.glob(os.path.join(checkpoints, "iter_*.tmp")))
+                saving = (_saving_since(checkpoints, attempt_start) if moment == "saving"
+                          else bool(glob.glob(os.path.join(checkpoints, "iter_*.tmp"))))
                 done = max(metrics_by_iteration(run / "metrics.jsonl"), default=0)
                 if done >= after and saving == (moment == "saving"):
                     ranks = _rank_pids(proc.job)
-                    if len(ranks) == 2:
+                    if len(ranks) == 2 and not seen & set(ranks):
                         pid = draw.choice(sorted(ranks))
                         os.kill(pid, signal.SIGKILL)
+                        attempt_start = 0.0
+                        seen |= set(ranks)
                         kills.append((moment, done, ranks[pid], latest))
                         plan.pop(0)
             time.sleep(0.01)
@@ -104,7 +136,7 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
     assert proc.wait() == 0, f"seed {seed}, kills {kills}\n" + text[-3000:]
     assert not problems, f"seed {seed}: {problems[:3]}"
     assert [k[0] for k in kills] == ["training", "saving"], f"seed {seed}: kills {kills}"
-    assert text.count("from the latest checkpoint") >= 2, text[-3000:]
+    assert text.count("from the latest checkpoint") == 2, f"seed {seed}, kills {kills}\n" + text[-3000:]
 
     ours = metrics_by_iteration(run / "metrics.jsonl")
     assert sorted(ours) == list(range(1, ITERS + 1))
@@ -115,3 +147,60 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
     complete = [name for name in kept if name[5:].isdigit()]
     assert complete == [f"iter_{i:07d}" for i in range(1, ITERS + 1) if i % RETAIN == 0 or i == ITERS], kept
     assert open(os.path.join(checkpoints, "latest_checkpointed_iteration.txt")).read().strip() == str(ITERS)
+
+
+def _write_pid_and_wait(pid_file):
+    with open(pid_file + ".part", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".part", pid_file)
+    time.sleep(120)
+
+
+def _write_until_killed(pid_file):
+    """A writer that forks a write process of its own, as megatron-core's writer does per bucket."""
+    worker = multiprocessing.get_context("fork").Process(target=_write_pid_and_wait, args=(pid_file + ".worker",))
+    worker.start()
+    _write_pid_and_wait(pid_file)
+
+
+def _rank_with_a_writer(pid_file):
+    """A rank's main thread forks its background writer as megatron-core's temporal worker does."""
+    args = argparse.Namespace(async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
+                              use_persistent_ckpt_worker=False)
+    writer = multiprocessing.get_context("fork").Process(
+        target=async_save.writer_body(_write_until_killed, args, report=False), args=(pid_file,))
+    writer.start()
+    writer.join()
+
+
+def test_a_writer_and_its_write_processes_end_with_their_killed_rank(tmp_path):
+    pid_file = str(tmp_path / "writer.pid")
+    rank = multiprocessing.get_context("fork").Process(target=_rank_with_a_writer, args=(pid_file,))
+    rank.start()
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(pid_file) and os.path.exists(pid_file + ".worker")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pids = [int(open(pid_file).read()), int(open(pid_file + ".worker").read())]
+    assert all(alive(pid) for pid in pids)
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.join()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"outlived their rank by 10 s: {left} of writer, write process {pids}"
+
+
+def test_only_a_writer_forked_by_the_main_thread_is_tied_to_the_rank():
+    """The kernel ends a child with the thread that forked it: a writer forked by another thread is not tied
+    (it would end with that thread), nor megatron-core's persistent worker (it lives for the run)."""
+    forked = argparse.Namespace(async_ckpt_cpu_priority=None, async_ckpt_io_priority=None,
+                                use_persistent_ckpt_worker=False)
+    persistent = argparse.Namespace(**dict(vars(forked), use_persistent_ckpt_worker=True))
+    bodies = [async_save.writer_body(print, forked, report=False), async_save.writer_body(print, persistent, False)]
+    thread = threading.Thread(target=lambda: bodies.append(async_save.writer_body(print, forked, report=False)))
+    thread.start()
+    thread.join()
+    assert [body.args[0] for body in bodies] == [os.getpid(), None, None]

@@ -9,7 +9,6 @@ the time is up. :class:`TeardownSignals` turns SIGINT/SIGTERM/SIGHUP into except
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,16 +17,14 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from megatron_tawpipe.common.process_death import die_with_parent
+
 TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def set_pdeathsig() -> None:
     """In the child before exec: get SIGTERM if the launching thread dies (e.g. SIGKILL)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    die_with_parent(signal.SIGTERM)
 
 
 def exit_code(returncode: int) -> int:

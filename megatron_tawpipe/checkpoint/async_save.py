@@ -15,7 +15,8 @@ write results and writes ``.metadata``, then rank 0 fsyncs the files, renames ``
 and replaces ``latest_checkpointed_iteration.txt`` (then ``--save-retain-interval`` applies). Finalizing is
 collective: the training loop checks every iteration without waiting (:func:`finalize`), waits before the
 next save and before exiting; a run that fails or is killed before that leaves the previous checkpoint as the
-latest one, intact (the unfinished one stays a ``.tmp`` directory, removed by the next save of that iteration).
+latest one, intact (the unfinished one stays a ``.tmp`` directory, removed by the next save of that iteration);
+a killed rank's forked writer and its write processes end with it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import threading
 from typing import List, Optional
 
+from megatron_tawpipe.common.process_death import end_tree_with_parent
 from megatron_tawpipe.compat import patches
 
 _calls = None            # megatron-core's AsyncCallsQueue, made at the first async save
@@ -67,12 +70,21 @@ def use_results_queue(args) -> None:
     patches.apply("checkpoint-write-results-queue", replace={patches.WRITE_RESULTS_QUEUE: _results_queues[kind]})
 
 
-def _write_with_priority(cpu_priority: Optional[int], io_priority: Optional[int], report: bool, write, *args,
-                         **kwargs):
-    """The writer process's body: lower its CPU priority (``--async-ckpt-cpu-priority``: a nice value, raised
-    to the target, at most 19, never lowered) and I/O class (``--async-ckpt-io-priority``, 3 = idle), then write.
-    A priority that cannot be set (no psutil, class 1 without privileges) leaves the writer at its parent's;
-    ``report``: say so (the first background save of the run does)."""
+def _write_with_priority(rank_pid: Optional[int], cpu_priority: Optional[int], io_priority: Optional[int],
+                         report: bool, write, *args, **kwargs):
+    """The writer process's body: end with its rank, lower its CPU priority (``--async-ckpt-cpu-priority``: a
+    nice value, raised to the target, at most 19, never lowered) and I/O class (``--async-ckpt-io-priority``,
+    3 = idle), then write. A priority that cannot be set (no psutil, class 1 without privileges) leaves the
+    writer at its parent's; ``report``: say so (the first background save of the run does).
+
+    ``rank_pid``: the rank that forked this writer from its main thread. A writer whose rank is killed is
+    killed too, with the write processes it forked: its checkpoint can no longer be finalized, and a writer
+    left running would go on writing into the ``iter_NNNNNNN.tmp`` folder that the restarted run's save of
+    that iteration clears and fills again, holding a host copy of the rank's state meanwhile. Other signals
+    reach it as before: a forked copy keeps the rank's handlers, so under ``--exit-signal-handler`` a stop on
+    request lets it finish and the rank finalize its checkpoint."""
+    if rank_pid is not None:
+        end_tree_with_parent(rank_pid)
     if cpu_priority is not None:
         current = os.nice(0)
         target = min(int(cpu_priority), 19)
@@ -91,13 +103,23 @@ def _write_with_priority(cpu_priority: Optional[int], io_priority: Optional[int]
     return write(*args, **kwargs)
 
 
+def writer_body(write, args, report: bool):
+    """What the writer runs in place of megatron-core's ``write``: :func:`_write_with_priority` with the
+    priority flags and, for a temporal writer forked from this rank's main thread (the kernel ties a child's
+    end to the thread that forked it), this rank's pid. megatron-core's persistent worker lives for the run
+    and is its own business: not tied."""
+    forked_here = not args.use_persistent_ckpt_worker and threading.current_thread() is threading.main_thread()
+    rank_pid = os.getpid() if forked_here else None
+    return functools.partial(_write_with_priority, rank_pid, args.async_ckpt_cpu_priority,
+                             args.async_ckpt_io_priority, report, write)
+
+
 def schedule(request, args) -> None:
     """Start the background write of ``request`` (every rank calls it); a save still pending is finalized first."""
     global _reported
     finalize(blocking=True)
     if request.async_fn is not None:
-        request = request._replace(async_fn=functools.partial(
-            _write_with_priority, args.async_ckpt_cpu_priority, args.async_ckpt_io_priority, not _reported, request.async_fn))
+        request = request._replace(async_fn=writer_body(request.async_fn, args, report=not _reported))
         _reported = True
     _calls_queue(args).schedule_async_request(request)
 
