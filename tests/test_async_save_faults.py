@@ -1,8 +1,8 @@
 """Background saves under faults: ``--async-save`` with ``--save-retain-interval``, a save every iteration, ranks
-SIGKILLed at random during training and during background saves under the multi-node launch script (which
-restarts from the latest checkpoint). Nothing is lost: the tracker never names a half-written, ``.tmp`` or
-``.deleting`` folder, retention never deletes the newest complete checkpoint, and the losses equal an
-uninterrupted run's."""
+SIGKILLed at random during training and during a background save under the multi-node launch script (which
+restarts from the latest checkpoint); a killed rank's writer ends with it. Nothing is lost: the tracker never
+names a half-written, ``.tmp`` or ``.deleting`` folder, retention never deletes the newest complete
+checkpoint, and the losses equal an uninterrupted run's."""
 
 import argparse
 import glob
@@ -100,11 +100,13 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
     run = tmp_path / "faulted"
     checkpoints = str(run / "checkpoints")
     proc = start(["bash", SCRIPT, *FLAGS], tmp_path / "faulted.log", _env(run, 4), ROOT)
-    # Two kills: one while no background save is in flight, one while one is (its iter_*.tmp folder is being
-    # written); each at a random iteration, of a random rank, each in an attempt of its own: the second waits
-    # for the restart the first caused (its line in the log, ranks none of which was seen before) and for a
-    # save of the new attempt. Without that wait, the surviving rank of the first attempt can log one more
-    # iteration and start its save before it notices its peer is gone, and both kills land in one attempt.
+    # Two kills, each of a random rank, in an attempt of its own: one as soon as a random early iteration is
+    # logged (a background save may be in flight: with a save every iteration one nearly always is), one
+    # while a save of the restarted attempt is being written (its iter_*.tmp folder made after the restart)
+    # at a random later iteration. The second waits for the restart the first caused (its line in the log,
+    # ranks none of which was seen before): without that wait, the surviving rank of the first attempt can
+    # log one more iteration and start its save before it notices its peer is gone, and both kills land in
+    # one attempt. (A kill with no background save at all: tests/test_launch_restarts.py.)
     plan = [("training", draw.randint(2, 4)), ("saving", draw.randint(5, 7))]
     kills, problems, seen, attempt_start = [], [], set(), 0.0
     deadline = time.monotonic() + 900
@@ -116,10 +118,8 @@ def test_kills_during_training_and_background_saves_lose_nothing(tmp_path):
                 if not attempt_start:   # the killed attempt's processes (writers too) have ended by now
                     attempt_start = time.time()
                 moment, after = plan[0]
-                saving = (_saving_since(checkpoints, attempt_start) if moment == "saving"
-                          else bool(glob.glob(os.path.join(checkpoints, "iter_*.tmp"))))
                 done = max(metrics_by_iteration(run / "metrics.jsonl"), default=0)
-                if done >= after and saving == (moment == "saving"):
+                if done >= after and (moment == "training" or _saving_since(checkpoints, attempt_start)):
                     ranks = _rank_pids(proc.job)
                     if len(ranks) == 2 and not seen & set(ranks):
                         pid = draw.choice(sorted(ranks))
