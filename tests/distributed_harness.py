@@ -22,13 +22,25 @@ from typing import Any, Callable, List
 _PORTS = range(20000, 32000)
 
 
+def _ports() -> range:
+    """The ports this process draws from: all of ``_PORTS``, or with ``TAWPIPE_TEST_PORT_SLOT=I/N`` (CI runs
+    N pytest processes at once, each in slot I) the I-th of N disjoint shares."""
+    slot = os.environ.get("TAWPIPE_TEST_PORT_SLOT")
+    if not slot:
+        return _PORTS
+    index, count = (int(part) for part in slot.split("/"))
+    width = len(_PORTS) // count
+    return range(_PORTS.start + index * width, _PORTS.start + (index + 1) * width)
+
+
 def free_port() -> int:
     """A port nothing listens on now, at random below the ephemeral range (the kernel's pick otherwise)."""
     import random
 
+    ports = _ports()
     draw = random.SystemRandom()   # not the random module's state, which runs seed the same way
     for _ in range(50):
-        port = draw.choice(_PORTS)
+        port = draw.choice(ports)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
