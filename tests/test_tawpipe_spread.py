@@ -5,12 +5,14 @@ with the cache, and what the simulator predicts for it."""
 import dataclasses
 
 import pytest
+from dataclasses import replace
 
 from megatron_tawpipe.plan import Plan, PlanError, actions as A, build_plan, validate_plan
 from megatron_tawpipe.plan.sweep import run_sweep
 from megatron_tawpipe.plan.traffic import link_bytes
 from megatron_tawpipe.sim.costmodel import CostModel, Link
-from megatron_tawpipe.sim.ownership import choose_ownership, spread_problem
+from megatron_tawpipe.sim.layout_choice import LayoutRequest, choose_layout
+from megatron_tawpipe.sim.ownership import spread_problem
 from megatron_tawpipe.sim.simulate import simulate
 
 
@@ -177,10 +179,15 @@ def test_the_simulator_prices_the_layout_and_auto_keeps_the_faster():
     assert spread_.link_bytes["inter"] == pytest.approx(owner.link_bytes["inter"])
     assert spread_.tokens_per_sec_per_rank > 1.05 * owner.tokens_per_sec_per_rank
     assert spread_.bubble_ratio < owner.bubble_ratio
-    best, result, speeds = choose_ownership(run, lambda r: r.tokens_per_sec_per_rank)
-    assert best == "spread" and result.schedule == "tawpipe-spread" and set(speeds) == {"owner", "spread"}
-    best, _, speeds = choose_ownership(run, lambda r: r.tokens_per_sec_per_rank, applies=False)
-    assert best == "owner" and set(speeds) == {"owner"}
+    # auto, with the rest of this layout fixed, keeps the faster; with one group only one owner applies
+    request = LayoutRequest(shards_per_rank=1, replicate_first=False, cache=True, microbatches_per_visit=4,
+                            replicated_reduce="hierarchical")
+    choice = choose_layout(request, _cost(37.5e6), 6, 3, 12, [4])
+    assert choice.chosen.ownership == "spread" and {p.layout.ownership for p in choice.priced} == {"owner", "spread"}
+    assert choice.chosen_priced.iteration_time == pytest.approx(spread_.iteration_time)
+    assert choice.runner_up.iteration_time == pytest.approx(owner.iteration_time)
+    one = choose_layout(replace(request, cache=None), _cost(37.5e6), 6, 1, 12, [4])
+    assert one.chosen.ownership == "owner" and {p.layout.ownership for p in one.priced} == {"owner"}
     assert spread_problem(1) and spread_problem(3, replicate_first=True) and not spread_problem(3)
 
 
@@ -202,6 +209,7 @@ def test_the_simulator_flags_refuse_what_the_layout_cannot_do_in_one_line():
         planner_options("tawpipe", args)       # a plan to build needs owner or spread
     plan, result = run_one("tawpipe", args, cost_model(args))
     assert set(result.options["ownership_speeds"]) == {"owner", "spread"}
-    best = max(result.options["ownership_speeds"], key=result.options["ownership_speeds"].get)
-    assert plan.spread == (best == "spread") and result.tokens_per_sec_per_rank == max(
-        result.options["ownership_speeds"].values())
+    choice = result.options["layout_choice"]     # pretrain_llama.py's decision, on the simulator's cost model
+    assert plan.spread == (choice["layout"]["ownership"] == "spread")
+    assert result.iteration_time == pytest.approx(choice["predicted_iteration_time"])
+    assert choice["runner_up_iteration_time"] >= choice["predicted_iteration_time"] * (1 - 0.01)

@@ -78,10 +78,11 @@ def main(argv=None) -> int:
                    help="with --bf16 in the model flags: every strategy's bf16 gradients (weight passing: "
                         "--use-precision-aware-optimizer --main-grads-dtype bf16; megatron's DDP and FSDP2: "
                         "--grad-reduce-in-bf16)")
-    p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=1,
-                   help="passed to the tawpipe runs (see pretrain_llama.py --help)")
-    p.add_argument("--tawpipe-shards-per-rank", type=int, default=1,
-                   help="passed to the tawpipe runs and their simulation (see pretrain_llama.py --help)")
+    p.add_argument("--tawpipe-microbatches-per-visit", type=int, default=None,
+                   help="passed to the named TawPipe variants (tawpipe-spread, -rep, -nocache, -tp; default 1); "
+                        "tawpipe itself runs the layout the run decides, as pretrain_llama.py does by default")
+    p.add_argument("--tawpipe-shards-per-rank", type=int, default=None,
+                   help="passed to the named TawPipe variants and their simulation (default 1); not to tawpipe")
     p.add_argument("--equal-memory", action="store_true",
                    help="give each strategy its own --micro-batch-size: the fastest (by tools/simulate.py on the "
                         "same model, times and links) whose memory (--equal-memory-rule) fits the budget; tawpipe "
@@ -93,10 +94,10 @@ def main(argv=None) -> int:
                         "activations and logits only (equal activation memory)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="with --equal-memory (rule whole): the whole memory per rank (e.g. 4GB; default: TawPipe's "
-                        "at the model's micro-batch size and --tawpipe-microbatches-per-visit)")
+                        "at the model's micro-batch size, in the layout it decides)")
     p.add_argument("--activation-budget", default=None, metavar="SIZE",
                    help="with --equal-memory --equal-memory-rule activations: the activation memory per rank (e.g. "
-                        "2GB; default: TawPipe's at the model's micro-batch size and --tawpipe-microbatches-per-visit)")
+                        "2GB; default: TawPipe's at the model's micro-batch size, in the layout it decides)")
     p.add_argument("--micro-batch-size-of", action="append", default=[], metavar="STRATEGY=N",
                    help="a strategy's own --micro-batch-size (repeatable; wins over --equal-memory's choice)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,

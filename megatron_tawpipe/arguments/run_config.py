@@ -187,11 +187,14 @@ class ScheduleConfig:
         return "tawpipe-nooverlap" if self.tawpipe_no_overlap else "tawpipe"
 
     def ownership(self, groups: int) -> str:
-        """The layout a TawPipe run over ``groups`` groups uses: ``--tawpipe-ownership`` owner or spread;
-        ``auto`` takes spread wherever it applies (two or more groups, no replicated first shard)."""
-        if self.tawpipe_ownership != "auto":
-            return self.tawpipe_ownership
-        return "spread" if groups >= 2 and not self.tawpipe_replicate_first_shard else "owner"
+        """The layout a TawPipe run over ``groups`` groups uses: ``--tawpipe-ownership`` owner or spread, as the
+        run settled it at start-up (``training.tawpipe_layout``: auto is decided before this record is made)."""
+        if self.pipeline_schedule == "tawpipe" and "auto" in (self.tawpipe_ownership, self.tawpipe_shards_per_rank,
+                                                              self.tawpipe_microbatches_per_visit,
+                                                              self.tawpipe_replicated_reduce):
+            raise ValueError("the TawPipe layout flags are still auto: the run settles them at start-up "
+                             "(training.tawpipe_layout.settle_tawpipe_layout) before its records are made")
+        return self.tawpipe_ownership
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ScheduleConfig":

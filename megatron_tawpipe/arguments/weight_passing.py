@@ -20,8 +20,30 @@ TAWPIPE_CACHE_SETTINGS = ("auto", "on", "off")
 # allocator fragmentation, kernels' temporaries).
 AUTO_CACHE_MEMORY_FRACTION = 0.9
 # --tawpipe-ownership: each shard's state on one rank of one group (owner), or a 1/D slice of it in every group
-# (spread), or the spread layout where it applies (auto; tools/simulate.py --tawpipe-ownership auto simulates both).
+# (spread), or decided with the other layout knobs (auto: sim.layout_choice, the one decision of every auto).
 TAWPIPE_OWNERSHIP_SETTINGS = ("owner", "spread", "auto")
+TAWPIPE_REPLICATED_REDUCE_SETTINGS = ("auto", "hierarchical", "flat")
+AUTO = "auto"
+# The TawPipe layout flags (dest names) whose default, auto, the run decides at start-up.
+TAWPIPE_LAYOUT_FLAGS = ("tawpipe_ownership", "tawpipe_shards_per_rank", "tawpipe_replicate_first_shard",
+                        "tawpipe_cache", "tawpipe_microbatches_per_visit", "tawpipe_replicated_reduce")
+
+
+def auto_or_positive_int(text: str):
+    """``auto``, or a positive integer."""
+    if text == AUTO:
+        return AUTO
+    return positive_int(text)
+
+
+def is_auto(value) -> bool:
+    """Whether a layout flag's value is left to the run (``auto``; ``None`` for the replicated first shard)."""
+    return value is None or value == AUTO
+
+
+def layout_flags_given(args) -> list:
+    """The TawPipe layout flags ``args`` sets to something other than auto, as the command line names them."""
+    return ["--" + name.replace("_", "-") for name in TAWPIPE_LAYOUT_FLAGS if not is_auto(getattr(args, name))]
 
 
 def plan_file_of(schedule: str) -> Optional[str]:
@@ -54,7 +76,7 @@ def tawpipe_cache_problem(schedule: str, setting: str, groups: int) -> str:
 def tawpipe_ownership_problem(schedule: str, setting: str, groups: int = 2, replicate_first: bool = False) -> str:
     """Why ``--tawpipe-ownership SETTING`` cannot run with ``--pipeline-schedule SCHEDULE`` over ``groups`` groups
     ("" when it can)."""
-    if setting == "owner":
+    if setting in ("owner", AUTO):
         return ""
     if schedule != "tawpipe":
         return f"--tawpipe-ownership {setting} applies to --pipeline-schedule tawpipe only; leave it at owner"
@@ -67,11 +89,11 @@ def tawpipe_ownership_problem(schedule: str, setting: str, groups: int = 2, repl
     return ""
 
 
-def tawpipe_shards_per_rank_problem(schedule: str, per_rank: int) -> str:
+def tawpipe_shards_per_rank_problem(schedule: str, per_rank) -> str:
     """Why ``--tawpipe-shards-per-rank PER_RANK`` cannot run with ``--pipeline-schedule SCHEDULE`` ("" when it can).
     A plan file has its shards already: the flag then states how many per rank it has (checked against the file).
     Too few layers for the shards is the layer split's to say (``training.layer_split_args``)."""
-    if per_rank != 1 and schedule != "tawpipe" and plan_file_of(schedule) is None:
+    if per_rank not in (1, AUTO) and schedule != "tawpipe" and plan_file_of(schedule) is None:
         return (f"--tawpipe-shards-per-rank {per_rank} applies to --pipeline-schedule tawpipe (or a plan file with "
                 "that many shards per rank) only; leave it at 1")
     return ""
@@ -93,45 +115,63 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "(one FIFO per communicator, rendezvous sends), so that a plan that would hang "
                         "on a GPU cluster fails here after --distributed-timeout-minutes, naming rank "
                         "and step (tests; slower)")
-    g.add_argument("--tawpipe-microbatches-per-visit", type=positive_int, default=1,
+    g.add_argument("--tawpipe-microbatches-per-visit", type=auto_or_positive_int, default=AUTO,
                    help="tawpipe: micro-batches each rank runs per visit of a shard; the shard is broadcast "
                         "in the group (and its gradient reduced) once per visit, so intra-node traffic falls "
-                        "by this factor while boundary activations of that many micro-batches are kept")
-    g.add_argument("--tawpipe-replicate-first-shard", action="store_true",
+                        "by this factor while boundary activations of that many micro-batches are kept. "
+                        "auto (default): decided with the other layout flags (see --tawpipe-ownership)")
+    g.add_argument("--tawpipe-replicate-first-shard", action=argparse.BooleanOptionalAction, default=None,
                    help="tawpipe: every group (node) holds shard 0 (the first layers) -- master weights, optimizer "
                         "state and gradient on one rank per group, gradients all-reduced among them -- so no group "
                         "waits for it at the start of an iteration; costs that shard's state on one more rank per "
-                        "extra group. Needs two or more groups")
+                        "extra group. Needs two or more groups. Neither flag (default): decided with the other "
+                        "layout flags (see --tawpipe-ownership)")
     g.add_argument("--tawpipe-cache", choices=TAWPIPE_CACHE_SETTINGS, default="auto",
                    help="tawpipe: the shard cache. A rank that fetches a foreign shard (owned by another group) keeps "
                         "it for the whole iteration and adds its group's gradients of it into one buffer sent to "
                         "the owner once at the end, so each foreign shard crosses the node link twice per iteration "
                         "whatever the micro-batches, at the price of more weight and gradient buffers per rank. "
-                        "on / off: always / never; auto (default): on when the memory model's predicted peak per "
-                        "device with the cache is at most "
-                        f"{AUTO_CACHE_MEMORY_FRACTION:g} of the device's memory (GPU: its total memory; CPU: the "
-                        "host's available memory over the ranks on it), the smallest over ranks; off with one group "
-                        "(nothing foreign to keep). The decision is printed at start-up")
-    g.add_argument("--tawpipe-ownership", choices=TAWPIPE_OWNERSHIP_SETTINGS, default="owner",
+                        "on / off: always / never; auto (default): decided with the other layout flags (see "
+                        "--tawpipe-ownership); off with one group (nothing foreign to keep)")
+    g.add_argument("--tawpipe-ownership", choices=TAWPIPE_OWNERSHIP_SETTINGS, default=AUTO,
                    help="tawpipe: where each shard's fp32 master weights, gradient accumulator and optimizer state "
-                        "live. owner (default): on one rank of one group, which serves the shard to the other "
-                        "groups and receives their gradients; spread: a 1/D slice on one rank of every group, the "
-                        "groups running in step, gathering each shard from the D holders and reduce-scattering its "
-                        "gradient to them (docs/tawpipe-spread.md); auto: spread wherever it applies (two or more "
-                        "groups, no --tawpipe-replicate-first-shard), else owner")
-    g.add_argument("--tawpipe-shards-per-rank", type=positive_int, default=1,
+                        "live. owner: on one rank of one group, which serves the shard to the other groups and "
+                        "receives their gradients; spread: a 1/D slice on one rank of every group, the groups "
+                        "running in step, gathering each shard from the D holders and reduce-scattering its "
+                        "gradient to them (docs/tawpipe-spread.md). auto (default): the run decides this and every "
+                        "other TawPipe layout flag left at auto (shards per rank, the replicated first shard, the "
+                        "cache, micro-batches per visit, the replicated reduction) at start-up: every layout the "
+                        "flags given allow is priced by the simulator on the run's model, batch, ranks and groups, "
+                        "the node link (measured, or --tawpipe-link-bandwidth) and the compute times "
+                        "(--tawpipe-compute-times, --emulated-compute-times, or the device's peak), the fastest that "
+                        "fits the device's memory runs; rank 0 prints the choice, the runner-up and the flags that "
+                        "pin it (docs/tawpipe-layout.md)")
+    g.add_argument("--tawpipe-shards-per-rank", type=auto_or_positive_int, default=AUTO,
                    help="tawpipe: shards per weight-pipeline rank (the layers are cut into this many times the ranks' "
                         "shards, each rank owning or staging that many). Smaller shards cross the node links in "
                         "smaller pieces: the last gradients of an iteration and its first weights, which no compute "
                         "hides, take less time (docs/tawpipe-spread.md#two-shards-per-rank), at the price of more, "
-                        "smaller transfers inside the nodes. Needs --num-layers >= ranks x this")
-    g.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default="hierarchical",
+                        "smaller transfers inside the nodes. Needs --num-layers >= ranks x this. auto (default): 1 "
+                        "or 2, decided with the other layout flags (see --tawpipe-ownership); the count the layer "
+                        "split flags give where they are given")
+    g.add_argument("--tawpipe-replicated-reduce", choices=TAWPIPE_REPLICATED_REDUCE_SETTINGS, default=AUTO,
                    help="tawpipe: how the replicated parameters' gradients (embedding, final norm, output layer) are "
-                        "all-reduced over the ranks. hierarchical (default): inside each node (a reduce-scatter), "
+                        "all-reduced over the ranks. hierarchical: inside each node (a reduce-scatter), "
                         "across the nodes (an all-reduce of each rank's part among the ranks of the same local index), "
                         "back inside (an all-gather), so each node's link carries 2(D-1)/D of them over D nodes; "
                         "flat: one all-reduce over every rank, 2(P-1)/P over P ranks. The same where there is one "
-                        "node or one rank per node")
+                        "node or one rank per node. auto (default): decided with the other layout flags")
+    g.add_argument("--tawpipe-link-bandwidth", default=None, metavar="RATE",
+                   help="tawpipe, auto layout: the node link's rate per direction (e.g. 25Gbit/s, 3GB/s) instead of "
+                        "measuring it at start-up (a few transfers between the groups' first ranks, a few seconds at "
+                        "most)")
+    g.add_argument("--tawpipe-link-latency", default=None, metavar="TIME",
+                   help="tawpipe, auto layout: the node link's latency (e.g. 20us) with --tawpipe-link-bandwidth "
+                        "(default 20us)")
+    g.add_argument("--tawpipe-compute-times", default=None, metavar="FILE",
+                   help="tawpipe, auto layout: the compute times the layouts are priced with (tools/calibrate.py "
+                        "writes it); default: --emulated-compute-times where given, else the device's peak at a "
+                        "stated efficiency")
     g.add_argument("--weipipe-zero-bubble", type=int, choices=(0, 1, 2), default=0,
                    help="weipipe: split every backward into its input-gradient pass and its weight-gradient pass, "
                         "the only one the travelling gradient waits for: 1 (WZB1) runs the weight-gradient pass in "

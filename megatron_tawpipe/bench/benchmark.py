@@ -46,7 +46,8 @@ PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
 
 # What each strategy is, with the flags its best users would pass (nodes = the cluster's nodes).
 STRATEGIES = {
-    "tawpipe": "TawPipe: weight passing, one group per node",
+    "tawpipe": "TawPipe as pretrain_llama.py runs it by default: weight passing, one group per node, the layout "
+               "decided by the run (every --tawpipe-* layout flag at auto)",
     "tawpipe-rep": "TawPipe with shard 0 held by one rank of every node (--tawpipe-replicate-first-shard)",
     "tawpipe-nocache": "TawPipe without its shard cache (--tawpipe-cache off: foreign shards fetched every visit; "
                        "tawpipe and tawpipe-rep run --tawpipe-cache auto, which keeps them where memory allows)",
@@ -99,8 +100,8 @@ class BenchmarkConfig:
     deferred_weight_gradients: bool = False  # split backwards emulated (and simulated) with deferred wgrad kernels
     record_plan_memory: bool = False  # --record-plan-memory on the weight-passing runs
     measured_times: Optional[str] = None  # the simulator's --measured-times (default: emulated_compute_times)
-    tawpipe_microbatches_per_visit: int = 1
-    tawpipe_shards_per_rank: int = 1   # --tawpipe-shards-per-rank of the tawpipe runs
+    tawpipe_microbatches_per_visit: Optional[int] = None   # of the named TawPipe variants (default 1)
+    tawpipe_shards_per_rank: Optional[int] = None   # of the named TawPipe variants (default 1)
     tensor_parallel_size: Optional[int] = None  # tawpipe-tp's T (default: ranks per node)
     ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size for megatron's DDP strategies (overlap on small models)
     bf16_gradients: bool = False  # every strategy's bf16 gradient option (bf16_gradient_flags), with --bf16
@@ -145,6 +146,20 @@ def bf16_gradient_flags(schedule: str) -> List[str]:
     return ["--grad-reduce-in-bf16"]
 
 
+def variant_layout_flags(schedule: str, config: BenchmarkConfig) -> List[str]:
+    """A named TawPipe variant's whole layout, pinned (``tawpipe`` itself runs the layout the run decides): its own
+    flag, ``--tawpipe-microbatches-per-visit`` and ``--tawpipe-shards-per-rank`` as the benchmark gives them (1 by
+    default), the cache on over several groups (off for tawpipe-nocache), the hierarchical replicated reduction."""
+    several = config.num_groups() >= 2
+    flags = ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit or 1),
+             "--tawpipe-shards-per-rank", str(config.tawpipe_shards_per_rank or 1),
+             "--tawpipe-replicated-reduce", "hierarchical",
+             "--tawpipe-ownership", "spread" if schedule == "tawpipe-spread" else "owner",
+             "--tawpipe-cache", "on" if several and schedule != "tawpipe-nocache" else "off"]
+    return flags + (["--tawpipe-replicate-first-shard"] if schedule == "tawpipe-rep"
+                    else ["--no-tawpipe-replicate-first-shard"])
+
+
 def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) -> List[str]:
     """Script and arguments of one run (what follows ``torchrun ... ``).
 
@@ -172,16 +187,8 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
             extra += ["--weipipe-zero-bubble", schedule[-1]]
             if config.deferred_weight_gradients:
                 extra.append("--emulated-deferred-weight-gradients")
-        if not schedule.startswith("weipipe") and config.tawpipe_microbatches_per_visit != 1:
-            extra += ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit)]
-        if schedule.startswith("tawpipe") and config.tawpipe_shards_per_rank != 1:
-            extra += ["--tawpipe-shards-per-rank", str(config.tawpipe_shards_per_rank)]
-        if schedule == "tawpipe-rep":
-            extra += ["--tawpipe-replicate-first-shard"]
-        if schedule == "tawpipe-nocache":
-            extra += ["--tawpipe-cache", "off"]
-        if schedule == "tawpipe-spread":
-            extra += ["--tawpipe-ownership", "spread"]
+        if schedule.startswith("tawpipe") and schedule != "tawpipe":
+            extra += variant_layout_flags(schedule, config)   # the plain tawpipe runs its decided layout
         if schedule == "tawpipe-tp":
             extra += ["--tensor-model-parallel-size", str(config.tawpipe_tensor_parallel_size()), "--sequence-parallel"]
         return ([PRETRAIN, "--pipeline-schedule", schedule.split("-")[0], "--tawpipe-num-groups",

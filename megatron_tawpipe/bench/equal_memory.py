@@ -131,9 +131,14 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
     for flag in ("--num-attention-heads", "--ffn-hidden-size", "--num-query-groups"):
         if flag_value(args, flag) is not None:
             cmd += [flag, flag_value(args, flag)]
-    if any(s.startswith("tawpipe") for s in schedules):
-        cmd += ["--chunk", str(config.tawpipe_microbatches_per_visit)]
-        if config.tawpipe_shards_per_rank != 1:
+    if list(schedules) == ["tawpipe"]:
+        # the plain tawpipe run: its layout decided as the run decides it (no layout flag)
+        cmd += ["--tawpipe-ownership", "auto"]
+    elif any(s.startswith("tawpipe") for s in schedules):
+        if "tawpipe" in schedules:
+            raise BenchmarkError("tawpipe (its layout decided) is simulated on its own: simulate_rows splits it off")
+        cmd += ["--chunk", str(config.tawpipe_microbatches_per_visit or 1)]
+        if (config.tawpipe_shards_per_rank or 1) != 1:
             cmd += ["--tawpipe-shards-per-rank", str(config.tawpipe_shards_per_rank)]
     if "interleaved" in schedules:
         cmd += ["--virtual-stages", str(interleaved_virtual_stages(layers, config.ranks))]
@@ -149,6 +154,16 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
     rate = config.cluster[2] if config.cluster is not None else None
     cmd += ["--inter-bw", simulator_rate(rate) if rate else INTRA_BW]
     return cmd
+
+
+def simulate_rows(config, micro_batch_size: int, schedules: Sequence[str],
+                  simulate: Callable[[List[str]], List[dict]]) -> List[dict]:
+    """The simulator's rows of ``schedules`` at one micro-batch size: the plain ``tawpipe`` (its layout decided, as
+    the run decides it) in a call of its own, the others together."""
+    rest = [s for s in schedules if s != "tawpipe"]
+    rows = ([{**row, "schedule": "tawpipe"} for row in simulate(simulate_command(config, micro_batch_size, ["tawpipe"]))]
+            if "tawpipe" in schedules else [])
+    return rows + (simulate(simulate_command(config, micro_batch_size, rest)) if rest else [])
 
 
 def run_simulator(cmd: List[str]) -> List[dict]:
@@ -195,17 +210,16 @@ def choose_micro_batch_sizes(config, budget_bytes: Optional[float] = None,
     for m in sizes:
         wanted = names if m == fixed else chosen
         if wanted:
-            predicted[m] = {row["schedule"]: row for row in simulate(simulate_command(config, m, wanted))}
+            predicted[m] = {row["schedule"]: row for row in simulate_rows(config, m, wanted, simulate)}
     for variant, flags in VARIANTS.items():
         if variant in config.schedules:
-            (row,) = simulate(simulate_command(config, fixed, ["tawpipe"]) + flags)
+            (row,) = simulate(_variant_command(config, fixed, flags))
             predicted[fixed][variant] = {**row, "schedule": variant}
     what = "whole memory" if rule == "whole" else "activation memory"
     budget_from = "--memory-budget" if rule == "whole" else "--activation-budget"
     if budget_bytes is None:
         budget_bytes = counted_memory(predicted[fixed]["tawpipe"], rule)
-        budget_from = (f"tawpipe's {what} at --micro-batch-size {fixed}, {config.tawpipe_microbatches_per_visit} "
-                       "micro-batches per visit")
+        budget_from = f"tawpipe's {what} at --micro-batch-size {fixed}, in the layout it decides"
     choices = {}
     for s in config.schedules:
         if s in FIXED:
@@ -270,6 +284,14 @@ def predicted_memory_by_schedule(result: dict) -> Dict[str, Optional[float]]:
     return out
 
 
+def _variant_command(config, micro_batch_size: int, flags: Sequence[str]) -> List[str]:
+    """``tools/simulate.py`` of a named TawPipe variant: tawpipe with its layout given (``flags`` and the benchmark's
+    micro-batches per visit and shards per rank)."""
+    cmd = simulate_command(config, micro_batch_size, ["tawpipe-rep"])   # every explicit TawPipe flag ...
+    cmd[cmd.index("--schedule") + 1] = "tawpipe"                         # ... on plain tawpipe's plan
+    return cmd + list(flags)
+
+
 def simulate_as_run(config, simulate: Callable[[List[str]], List[dict]] = run_simulator) -> List[dict]:
     """``tools/simulate.py --json`` rows for every strategy of ``config`` at the micro-batch size it ran
     (``config.micro_batch_size_of``), ``tawpipe-nocache`` and ``tawpipe-spread`` as tawpipe with ``--no-cache`` and
@@ -283,9 +305,9 @@ def simulate_as_run(config, simulate: Callable[[List[str]], List[dict]] = run_si
     for size, schedules in sorted(by_size.items()):
         plain = [s for s in schedules if s not in VARIANTS]
         if plain:
-            rows += simulate(simulate_command(config, size, plain))
+            rows += simulate_rows(config, size, plain, simulate)
         for variant, flags in VARIANTS.items():
             if variant in schedules:
-                (row,) = simulate(simulate_command(config, size, ["tawpipe"]) + flags)
+                (row,) = simulate(_variant_command(config, size, flags))
                 rows.append({**row, "schedule": variant})
     return rows

@@ -11,7 +11,8 @@ from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_default
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
-from megatron_tawpipe.sim.ownership import choose_ownership, spread_problem
+from megatron_tawpipe.sim.layout_choice import LayoutRequest, choose_layout
+from megatron_tawpipe.sim.ownership import spread_problem
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.sim.pipelines import with_embedding_allreduce
 from megatron_tawpipe.sim.simulate import simulate
@@ -85,17 +86,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tawpipe-ownership", choices=("owner", "spread", "auto"), default="owner",
                    help="tawpipe: owner: each shard's state (master weights, gradient, optimizer state) on one rank "
                         "of one group; spread: each group keeps a 1/D slice of every shard, the groups run in step, "
-                        "gather each shard from the D holders and reduce-scatter its gradient to them; auto: both "
-                        "simulated, the faster kept (megatron_tawpipe/sim/ownership.py)")
+                        "gather each shard from the D holders and reduce-scatter its gradient to them; auto: the "
+                        "layout pretrain_llama.py --pipeline-schedule tawpipe decides by default "
+                        "(megatron_tawpipe/sim/layout_choice.py): every knob not given here (--chunk, --cache / "
+                        "--no-cache, --replicate-first-shard, --tawpipe-shards-per-rank, --tawpipe-replicated-reduce) "
+                        "decided on this cost model")
     s.add_argument("--early-grads", action=argparse.BooleanOptionalAction, default=None,
                    help="tawpipe: each shard's last gradient leaves during the next visit, after its first "
                         "micro-batch, instead of after it (default: with --tawpipe-ownership spread)")
-    s.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default="hierarchical",
+    s.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default=None,
                    help="tawpipe: the replicated gradients' all-reduce through the nodes (inside, across, back "
-                        "inside; default) or flat over every rank")
-    s.add_argument("--tawpipe-shards-per-rank", type=int, default=1, metavar="V",
+                        "inside; default, or decided under --tawpipe-ownership auto) or flat over every rank")
+    s.add_argument("--tawpipe-shards-per-rank", type=int, default=None, metavar="V",
                    help="tawpipe: V shards per rank (the layers cut into V x ranks shards; needs that many layers): "
-                        "smaller pieces across the node links (--tawpipe-shards-per-rank)")
+                        "smaller pieces across the node links (--tawpipe-shards-per-rank; default 1, or decided "
+                        "under --tawpipe-ownership auto)")
     s.add_argument("--virtual-stages", type=int, default=None, help="interleaved: chunks per rank")
     s.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T",
                    help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
@@ -152,7 +157,7 @@ def planner_options(name: str, args) -> dict:
             kw["early_grads"] = args.early_grads
         if args.tawpipe_replicated_reduce == "flat":
             kw["hierarchical_replicated"] = False
-        if args.tawpipe_shards_per_rank != 1:
+        if args.tawpipe_shards_per_rank not in (None, 1):
             kw["shards_per_rank"] = args.tawpipe_shards_per_rank
     elif name.startswith("weipipe") and args.no_overlap:
         kw["overlap"] = False
@@ -162,6 +167,47 @@ def planner_options(name: str, args) -> dict:
 
 
 SPREADABLE = ("tawpipe", "tawpipe-nooverlap", "tawpipe-zb")   # the TawPipe plans --tawpipe-ownership applies to
+AUTO_LAYOUT = ("tawpipe", "tawpipe-nooverlap")   # the plans pretrain_llama.py's --pipeline-schedule tawpipe runs
+
+
+def layout_request_of(args) -> LayoutRequest:
+    """What ``tools/simulate.py``'s flags fix of TawPipe's layout under ``--tawpipe-ownership auto`` (the rest is
+    decided as ``pretrain_llama.py`` decides it): ``--chunk``, ``--cache`` / ``--no-cache``,
+    ``--replicate-first-shard``, ``--tawpipe-shards-per-rank``, ``--tawpipe-replicated-reduce`` where given."""
+    return LayoutRequest(
+        shards_per_rank=None if args.tawpipe_shards_per_rank in (None, "auto") else int(args.tawpipe_shards_per_rank),
+        replicate_first=True if args.replicate_first_shard else (False if args.no_overlap else None),
+        cache=False if args.no_cache else (True if args.cache else None),
+        microbatches_per_visit=args.chunk or None,
+        replicated_reduce=args.tawpipe_replicated_reduce)
+
+
+def decide_layout(name: str, args, cost: CostModel, memory_limit: float = float("inf")):
+    """``pretrain_llama.py``'s decision (:func:`megatron_tawpipe.sim.layout_choice.choose_layout`) on the simulator's
+    cost model, ranks, groups and batch."""
+    tp = tensor_parallel_for(name, args)
+    groups = 1 if args.flat else args.groups
+    return choose_layout(layout_request_of(args), cost, args.ranks // tp, groups, args.num_layers,
+                         [args.num_microbatches], memory_limit, tensor_parallel=tp,
+                         plan_schedule="tawpipe-nooverlap" if name == "tawpipe-nooverlap" or args.no_overlap
+                         else "tawpipe")
+
+
+def layout_args(layout) -> dict:
+    """The simulator's flags of a decided layout."""
+    return {"tawpipe_ownership": layout.ownership, "tawpipe_shards_per_rank": layout.shards_per_rank,
+            "replicate_first_shard": layout.replicate_first, "cache": layout.cache, "no_cache": not layout.cache,
+            "chunk": layout.microbatches_per_visit, "tawpipe_replicated_reduce": layout.replicated_reduce}
+
+
+def _ownership_speeds(choice) -> dict:
+    """The best predicted tokens/s ratio per ownership among the layouts priced (relative: 1 / iteration time)."""
+    out = {}
+    for priced in choice.priced:
+        if priced.fits:
+            speed = 1.0 / priced.iteration_time
+            out[priced.layout.ownership] = max(out.get(priced.layout.ownership, 0.0), speed)
+    return out
 
 
 def check_spread(name: str, args) -> None:
@@ -195,12 +241,12 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
     """(plan or None, SimResult); the result's ``options["memory_breakdown"]`` is
     the per-GPU memory by term (:mod:`plan.memory`). ``--tawpipe-ownership auto``: both layouts simulated, the
     faster kept (its speeds in ``options["ownership_speeds"]``)."""
-    if args.tawpipe_ownership == "auto" and name in SPREADABLE:
-        applies = not spread_problem(args.groups, args.replicate_first_shard, args.flat)
-        layout = lambda o: run_one(name, argparse.Namespace(**{**vars(args), "tawpipe_ownership": o}),  # noqa: E731
-                                   cost, validate, record)
-        _, (plan, result), speeds = choose_ownership(layout, lambda x: x[1].tokens_per_sec_per_rank, applies)
-        result.options["ownership_speeds"] = speeds
+    if args.tawpipe_ownership == "auto" and name in AUTO_LAYOUT:
+        choice = decide_layout(name, args, cost)
+        fixed = argparse.Namespace(**{**vars(args), **layout_args(choice.chosen)})
+        plan, result = run_one(name, fixed, cost, validate, record)
+        result.options["layout_choice"] = choice.record()
+        result.options["ownership_speeds"] = _ownership_speeds(choice)
         return plan, result
     tp = tensor_parallel_for(name, args)
     if name in STRATEGIES:

@@ -17,33 +17,45 @@ DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
 def command(cfg, model, cluster, global_batch: int):
     """(argv of pretrain_llama.py, full command line with torchrun and a comment)."""
     D, d = cluster.nodes, cluster.per_node
-    s, k = cfg.strategy, cfg.knobs
     argv = model.flags() + ["--micro-batch-size", str(cfg.micro_batch_size),
                             "--global-batch-size", str(global_batch), "--bf16"]
-    if k.get("tp", 1) > 1:   # tensor parallelism inside the nodes, as Megatron users run it: with sequence parallelism
-        argv += ["--tensor-model-parallel-size", str(k["tp"]), "--sequence-parallel"]
-    native_rc = RECOMPUTE if cfg.recompute else []
+    argv += strategy_flags(cfg, model, cluster)
     comment = ("add data and training flags (--train-iters, --data-path or --mock-data, --tokenizer-type, "
                "--lr, ...)")
-    script = "pretrain_llama.py"
-    build = ""
+    build = plan_build_command(cfg, model, cluster, global_batch) + " && " if cfg.knobs.get("plan_schedule") else ""
+    line = build + f"torchrun --nnodes {D} --nproc-per-node {d} pretrain_llama.py " + " ".join(
+        shlex.quote(a) for a in argv)
+    return argv, line + f"   # {comment}"
+
+
+def strategy_flags(cfg, model, cluster, recompute_flags: bool = True):
+    """The ``pretrain_llama.py`` flags that select ``cfg``'s strategy and knobs (the schedule, its parallel layout,
+    its options; with ``recompute_flags``, the recomputation it was priced with)."""
+    D = cluster.nodes
+    s, k = cfg.strategy, cfg.knobs
+    argv = []
+    if k.get("tp", 1) > 1:   # tensor parallelism inside the nodes, as Megatron users run it: with sequence parallelism
+        argv += ["--tensor-model-parallel-size", str(k["tp"]), "--sequence-parallel"]
+    native_rc = RECOMPUTE if cfg.recompute and recompute_flags else []
+    no_recompute = [] if cfg.recompute or not recompute_flags else ["--tawpipe-no-recompute"]
     if k.get("plan_schedule"):    # a split-backward schedule: its plan file first, then the run of it
         argv += ["--pipeline-schedule", "plan:" + PLAN_FILE, "--tawpipe-num-groups", str(D)]
         argv += list(k.get("split_flags", []))
-        argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
-        build = plan_build_command(cfg, model, cluster, global_batch) + " && "
+        argv += no_recompute
     elif s == "tawpipe":
-        argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D),
-                 "--tawpipe-microbatches-per-visit", str(k["chunk"])]
-        argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
-        argv += ["--tawpipe-ownership", "spread"] if k.get("ownership") == "spread" else []
-        argv += ["--tawpipe-shards-per-rank", str(k["shards_per_rank"])] if k.get("shards_per_rank", 1) != 1 else []
+        argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D)]
+        if not k.get("auto_layout"):   # the layout as simulated; auto: the layout the run decides (the same)
+            argv += ["--tawpipe-microbatches-per-visit", str(k["chunk"])]
+            argv += ["--tawpipe-replicate-first-shard"] if k.get("replicate_first") else []
+            argv += ["--tawpipe-ownership", "spread"] if k.get("ownership") == "spread" else []
+            argv += (["--tawpipe-shards-per-rank", str(k["shards_per_rank"])]
+                     if k.get("shards_per_rank", 1) != 1 else [])
+            # the shard cache as simulated (one group: nothing to keep, auto leaves it off)
+            argv += ["--tawpipe-cache", "on" if k["cache"] else "off"] if D > 1 else []
         argv += list(k.get("split_flags", []))      # uneven shards: the default split needs none
-        argv += [] if cfg.recompute else ["--tawpipe-no-recompute"]
-        # the shard cache as simulated (one group: nothing to keep, auto leaves it off)
-        argv += ["--tawpipe-cache", "on" if k["cache"] else "off"] if D > 1 else []
+        argv += no_recompute
     elif s == "weipipe":
-        argv += ["--pipeline-schedule", "weipipe"] + ([] if cfg.recompute else ["--tawpipe-no-recompute"])
+        argv += ["--pipeline-schedule", "weipipe"] + no_recompute
         argv += ["--weipipe-zero-bubble", str(k["zero_bubble"])] if k.get("zero_bubble") else []
         argv += list(k.get("split_flags", []))
     elif s in ("pp-nodes", "1f1b", "interleaved"):
@@ -68,8 +80,7 @@ def command(cfg, model, cluster, global_batch: int):
         argv += DISTOPT + ["--overlap-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                            "optim_grads_params", "--outer-dp-sharding-strategy", "optim",
                            "--num-distributed-optimizer-instances", str(D)] + native_rc
-    line = build + f"torchrun --nnodes {D} --nproc-per-node {d} {script} " + " ".join(shlex.quote(a) for a in argv)
-    return argv, line + f"   # {comment}"
+    return argv
 
 
 PLAN_FILE = "plan.json"    # where an advised split-backward schedule's plan is written

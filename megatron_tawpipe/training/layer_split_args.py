@@ -22,6 +22,7 @@ import argparse
 from typing import List, Optional, Tuple
 
 from megatron_tawpipe.arguments import is_weight_passing
+from megatron_tawpipe.arguments.weight_passing import AUTO
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.common.layer_split import default_layer_split, first_last_layer_split
 
@@ -36,11 +37,34 @@ def settle_layer_split(args: argparse.Namespace, world_size: int) -> None:
     if layout is not None and (first is not None or last is not None):
         raise ArgumentError(f"{LAYOUT} gives every stage; it cannot be combined with {FIRST} / {LAST}")
     if is_weight_passing(args.pipeline_schedule):
-        args.decoder_layer_split = _weight_pipeline_split(args, world_size // args.tensor_model_parallel_size,
-                                                          args.tawpipe_shards_per_rank)
+        ranks = world_size // args.tensor_model_parallel_size
+        # --tawpipe-shards-per-rank auto: the first count the split flags allow until the layout is decided at
+        # start-up (training.tawpipe_layout_args), which settles the split again
+        per_rank = args.tawpipe_shards_per_rank
+        args.decoder_layer_split = _weight_pipeline_split(
+            args, ranks, shards_per_rank_candidates(args, ranks)[0] if per_rank == AUTO else per_rank)
     else:
         args.decoder_layer_split = _native_split(args)
         _check_virtual_stages(args)
+
+
+def shards_per_rank_candidates(args: argparse.Namespace, ranks: int) -> Tuple[int, ...]:
+    """The shard counts per rank a TawPipe run may take: the one ``--tawpipe-shards-per-rank`` gives; for auto, the
+    count a ``--pipeline-model-parallel-layout`` gives (its stages over the ranks), one with
+    ``--decoder-first/last-pipeline-num-layers`` (they size one shard per rank), else 1 and 2 where the layers allow
+    (at least one layer per shard; 1 always, the layer split saying why where even that does not fit)."""
+    per_rank = args.tawpipe_shards_per_rank
+    if per_rank != AUTO:
+        return (int(per_rank),)
+    layout = args.pipeline_model_parallel_layout
+    if layout is not None:
+        stages = len(parse_layout(layout))
+        return (stages // ranks,) if stages % ranks == 0 and stages >= ranks else (1,)
+    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+        return (1,)
+    if args.pipeline_schedule != "tawpipe":
+        return (1,)
+    return tuple(v for v in (1, 2) if v == 1 or args.num_layers >= v * ranks)
 
 
 def parse_layout(text: str) -> List[List[str]]:

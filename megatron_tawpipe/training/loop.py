@@ -34,6 +34,9 @@ from megatron_tawpipe.monitor.log_level import set_logging_level
 from megatron_tawpipe.monitor.progress_log import ProgressLog
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.common.checkpointable import ReferenceFactory
+from megatron_tawpipe.common.device import current_device
+from megatron_tawpipe.training.tawpipe_layout import settle_tawpipe_layout
+from megatron_tawpipe.training.tawpipe_layout_args import layout_record
 from megatron_tawpipe.common.errors import NonFiniteGradientError, PeerFailure, TrainingError, first_line
 
 
@@ -41,7 +44,9 @@ def build_trainer(args, forward_step_func, run: Optional[RunConfig] = None):
     """The trainer of ``--pipeline-schedule`` (FSDP2 with ``--use-torch-fsdp2``, Megatron-FSDP with
     ``--use-megatron-fsdp``), running ``forward_step_func``; ``run``: the run's records (read off ``args``
     when not given)."""
-    run = run if run is not None else RunConfig.from_args(args, world_size=dist.get_world_size())
+    if run is None:
+        settle_tawpipe_layout(args, dist.get_world_size(), current_device())   # once: settled flags stay
+        run = RunConfig.from_args(args, world_size=dist.get_world_size())
     if run.schedule.weight_passing:
         from megatron_tawpipe.runtime.trainer import WeightPassingTrainer
 
@@ -190,6 +195,8 @@ def _train(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) 
     started = args.program_start_time or time.time()
     set_logging_level(args)  # --logging-level
     tokenizer = build_tokenizer(args)
+    # TawPipe's layout flags left at auto, decided (collective; after the tokenizer: the padded vocabulary)
+    settle_tawpipe_layout(args, dist.get_world_size(), current_device())
     run = RunConfig.from_args(args, world_size=dist.get_world_size())   # after the tokenizer: its padded vocabulary
     train_ds, valid_ds, _test_ds = build_datasets(run.data, tokenizer)
     before_model = peak_memory_bytes()  # interpreter, libraries, process groups, data: not the model's
@@ -238,6 +245,8 @@ def _train(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) 
                                     "(--no-check-for-nan-in-loss-and-grad to continue anyway)")
             extra = dict(step.extra)
             extra["global_batch_size"] = batch.global_batch_size
+            if not records and layout_record(args) is not None:   # the first record of this run: its layout
+                extra["tawpipe_layout"] = layout_record(args)
             peak, held = peak_memory_bytes(), held_memory_bytes()
             held = -1 if held is None or held_before_model is None else held - held_before_model
             peak_max, growth_max, held_max = max_over_ranks([peak, peak - before_model, held])

@@ -9,7 +9,7 @@ from typing import Optional
 
 from megatron_tawpipe.arguments.flags import (CKPT_FORMATS, PIPELINE_SCHEDULES, PLAN_FILE_PREFIX,
                                               SUPPORTED_TOKENIZERS, ArgumentError, is_weight_passing, plan_file_of)
-from megatron_tawpipe.arguments.weight_passing import (tawpipe_cache_problem, tawpipe_ownership_problem,
+from megatron_tawpipe.arguments.weight_passing import (AUTO, tawpipe_cache_problem, tawpipe_ownership_problem,
                                                        tawpipe_shards_per_rank_problem)
 from megatron_tawpipe.common import launcher
 from megatron_tawpipe.compat.megatron_lm import NOTICES
@@ -17,6 +17,7 @@ from megatron_tawpipe.optimizer.precision_aware import precision_refusal
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
 from megatron_tawpipe.training.data_parallel_args import notice, validate_data_parallel
 from megatron_tawpipe.training.plan_file_args import check_plan_file
+from megatron_tawpipe.training.tawpipe_layout_args import check_tawpipe_layout, settle_fixed_layouts
 from megatron_tawpipe.training.settle_args import (apply_checkpoint_args, derive_args, settle_batch_schedule,
                                                   settle_iterations, settle_micro_batches)
 
@@ -103,6 +104,8 @@ def _check_args(args: argparse.Namespace, world_size: int) -> None:
     settle_batch_schedule(args)
     settle_iterations(args)
     settle_micro_batches(args)
+    settle_fixed_layouts(args)   # the layout flags of another schedule than tawpipe: their fixed values
+    check_tawpipe_layout(args, world_size, args.tawpipe_num_groups or world_size // _ranks_per_node(world_size))
     check_plan_file(args, world_size, _ranks_per_node(world_size))
     _validate_logging_and_checkpoints(args)
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
@@ -263,7 +266,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                 f"{args.pipeline_schedule} (it recomputes whole shards; --tawpipe-no-recompute turns that off)")
         if args.timeline_file and os.path.isdir(args.timeline_file):
             raise ArgumentError(f"--timeline-file {args.timeline_file} is a directory; give a file name")
-        if args.tawpipe_microbatches_per_visit != 1 and args.pipeline_schedule != "tawpipe":
+        if args.tawpipe_microbatches_per_visit not in (1, AUTO) and args.pipeline_schedule != "tawpipe":
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
         if args.tawpipe_replicate_first_shard:
             _validate_replicated_first_shard(args, world_size)
@@ -275,7 +278,7 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
                                 "--distributed-backend gloo (on NCCL the rules are NCCL's own)")
         return
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
-            or args.tawpipe_microbatches_per_visit != 1 or args.timeline_file or args.tawpipe_nccl_faithful
+            or args.tawpipe_microbatches_per_visit not in (1, AUTO) or args.timeline_file or args.tawpipe_nccl_faithful
             or args.tawpipe_replicate_first_shard or args.weipipe_zero_bubble
             or args.record_plan_memory):
         raise ArgumentError(

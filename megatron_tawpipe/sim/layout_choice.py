@@ -1,0 +1,285 @@
+"""TawPipe's layout, decided: the one function behind every ``auto`` of a TawPipe run.
+
+A TawPipe layout is six knobs (:class:`TawPipeLayout`): where each shard's state lives (``owner``: one rank of
+one group; ``spread``: a slice in every group), shards per rank, shard 0 replicated in every group, the shard
+cache, micro-batches per visit, and how the replicated parameters' gradients are all-reduced. Every layout
+computes the same step (the equivalence tests prove each exact); they differ in bytes on the node links, in
+when those bytes move, and in memory.
+
+:func:`choose_layout` takes what the user fixed (:class:`LayoutRequest`: ``None`` = auto), enumerates every
+layout that agrees with it and that the ranks, groups and layers allow (:func:`candidate_layouts`), prices each
+with the simulator on the run's cost model (compute times and links), drops those whose predicted peak per
+device exceeds the memory limit, and keeps the fastest. Near-ties (within :data:`TIE`) go to the earlier
+candidate in a fixed order -- one owner per shard, one shard per rank, no replication, the cache, one
+micro-batch per visit, the hierarchical reduction first -- so that a run does not flip layouts on noise.
+
+``pretrain_llama.py`` (``training.tawpipe_layout_args``), ``tools/simulate.py`` and the advisor call it, so
+``auto`` means one thing everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from megatron_tawpipe.plan.planners import build_plan
+from megatron_tawpipe.sim.costmodel import CostModel
+from megatron_tawpipe.sim.memory import weight_passing_breakdown
+from megatron_tawpipe.sim.pipelines import simulate_extended
+from megatron_tawpipe.sim.plan_memory import memory_fields
+from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
+
+#: two layouts whose predicted iteration times differ by less than this share are a tie (the earlier wins)
+TIE = 0.01
+#: the shard counts per rank tried where the layers allow them
+SHARDS_PER_RANK = (1, 2)
+
+
+@dataclass(frozen=True)
+class TawPipeLayout:
+    ownership: str = "owner"               # --tawpipe-ownership
+    shards_per_rank: int = 1               # --tawpipe-shards-per-rank
+    replicate_first: bool = False          # --tawpipe-replicate-first-shard
+    cache: bool = False                    # --tawpipe-cache on / off
+    microbatches_per_visit: int = 1        # --tawpipe-microbatches-per-visit
+    replicated_reduce: str = "hierarchical"   # --tawpipe-replicated-reduce
+
+    def plan_options(self) -> dict:
+        """The TawPipe planner's options for this layout."""
+        options = {"cache": self.cache}
+        if self.microbatches_per_visit != 1:
+            options["chunk"] = self.microbatches_per_visit
+        if self.replicate_first:
+            options["replicate_first"] = True
+        if self.ownership == "spread":
+            options["ownership"] = "spread"
+        if self.shards_per_rank != 1:
+            options["shards_per_rank"] = self.shards_per_rank
+        if self.replicated_reduce == "flat":
+            options["hierarchical_replicated"] = False
+        return options
+
+    def flags(self) -> List[str]:
+        """The ``pretrain_llama.py`` flags that pin this layout."""
+        out = ["--tawpipe-ownership", self.ownership, "--tawpipe-shards-per-rank", str(self.shards_per_rank),
+               "--tawpipe-cache", "on" if self.cache else "off",
+               "--tawpipe-microbatches-per-visit", str(self.microbatches_per_visit),
+               "--tawpipe-replicated-reduce", self.replicated_reduce]
+        return out + (["--tawpipe-replicate-first-shard"] if self.replicate_first else [])
+
+    def label(self) -> str:
+        parts = [self.ownership, f"{self.shards_per_rank} shard{'s' if self.shards_per_rank > 1 else ''}/rank",
+                 f"cache {'on' if self.cache else 'off'}", f"{self.microbatches_per_visit}/visit"]
+        if self.replicate_first:
+            parts.append("first shard replicated")
+        if self.replicated_reduce == "flat":
+            parts.append("flat replicated reduce")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """What the user fixed; ``None``: auto."""
+
+    ownership: Optional[str] = None
+    shards_per_rank: Optional[int] = None
+    replicate_first: Optional[bool] = None
+    cache: Optional[bool] = None
+    microbatches_per_visit: Optional[int] = None
+    replicated_reduce: Optional[str] = None
+
+    def is_fixed(self) -> bool:
+        return all(v is not None for v in asdict(self).values())
+
+
+def visit_sizes(n: int) -> List[int]:
+    """Micro-batches per visit for ``n`` per rank: the powers of two dividing ``n``, and ``n`` (one visit)."""
+    out, c = [], 1
+    while c <= n and n % c == 0:
+        out.append(c)
+        c *= 2
+    return out + ([n] if n not in out else [])
+
+
+def candidate_layouts(request: LayoutRequest, ranks: int, groups: int, num_layers: int,
+                      microbatch_counts: Sequence[int], shards_allowed: Sequence[int] = SHARDS_PER_RANK
+                      ) -> List[TawPipeLayout]:
+    """Every layout that agrees with ``request`` and that ``ranks`` weight-pipeline ranks in ``groups`` groups
+    with ``num_layers`` layers run, for every micro-batch count per rank in ``microbatch_counts`` (a batch ramp
+    has several), in the preference order of near-ties. ``shards_allowed``: the shard counts per rank the
+    layer-split flags allow."""
+    r = request
+    several = groups >= 2
+    shards = [v for v in shards_allowed if num_layers >= v * ranks]
+    visits = sorted(set.intersection(*(set(visit_sizes(n)) for n in microbatch_counts))) if microbatch_counts else [1]
+    # the flat reduction differs from the hierarchical one only over several nodes of several ranks
+    reduces = ("hierarchical", "flat") if several and ranks // groups >= 2 else ("hierarchical",)
+    out = []
+    for ownership in ("owner", "spread") if several else ("owner",):
+        for v in shards:
+            for rep in (False, True) if several and ownership == "owner" else (False,):
+                for cache in (True, False) if several else (False,):
+                    if ownership == "spread" and not cache:
+                        continue   # without the cache the spread layout gathers every visit: never better
+                    for c in visits:
+                        for reduce in reduces:
+                            out.append(TawPipeLayout(ownership, v, rep, cache, c, reduce))
+
+    def agrees(layout: TawPipeLayout) -> bool:
+        return all(want is None or getattr(layout, name) == want for name, want in asdict(r).items())
+
+    return [c for c in out if agrees(c)]
+
+
+@dataclass
+class Priced:
+    layout: TawPipeLayout
+    iteration_time: float
+    memory_bytes: float
+    fits: bool
+
+
+@dataclass
+class LayoutChoice:
+    """The decision: the chosen layout, every layout priced (fastest first), and what it was decided on."""
+
+    chosen: TawPipeLayout
+    priced: List[Priced]
+    inputs: Dict[str, str] = field(default_factory=dict)   # what the decision took: link, compute, memory
+    decide_seconds: float = 0.0
+    request: LayoutRequest = field(default_factory=LayoutRequest)
+
+    @property
+    def runner_up(self) -> Optional[Priced]:
+        rest = [p for p in self.priced if p.fits and p.layout != self.chosen]
+        return rest[0] if rest else None
+
+    @property
+    def chosen_priced(self) -> Optional[Priced]:
+        return next((p for p in self.priced if p.layout == self.chosen), None)
+
+    def margin(self) -> Optional[float]:
+        """The runner-up's predicted iteration time over the chosen one's, less 1 (0.05: 5% slower)."""
+        best, second = self.chosen_priced, self.runner_up
+        if best is None or second is None or best.iteration_time <= 0:
+            return None
+        return second.iteration_time / best.iteration_time - 1.0
+
+    def line(self) -> str:
+        """The one line rank 0 prints."""
+        best = self.chosen_priced
+        text = f"tawpipe layout: {self.chosen.label()}"
+        if self.request.is_fixed():
+            return text + " (every layout flag given)"
+        if best is not None:
+            text += f" (auto: predicted {best.iteration_time:.3g} s/iteration"
+            second, margin = self.runner_up, self.margin()
+            if second is not None:
+                text += f"; runner-up {second.layout.label()}, {100 * margin:+.1f}%"
+            text += f"; {len(self.priced)} layouts priced in {self.decide_seconds:.2f} s)"
+        if self.inputs:
+            text += "; " + "; ".join(f"{k}: {v}" for k, v in self.inputs.items())
+        return text
+
+    def record(self) -> dict:
+        """What the metrics file and the checkpoint keep of the decision."""
+        best, second = self.chosen_priced, self.runner_up
+        return {"layout": asdict(self.chosen), "flags": self.chosen.flags(),
+                "predicted_iteration_time": best.iteration_time if best else None,
+                "runner_up": asdict(second.layout) if second else None,
+                "runner_up_iteration_time": second.iteration_time if second else None,
+                "layouts_priced": len(self.priced), "inputs": dict(self.inputs),
+                "auto": [name for name, v in asdict(self.request).items() if v is None]}
+
+
+def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int, num_layers: int,
+                 microbatch_counts: Sequence[int], shard_layers: Optional[Tuple[int, ...]] = None,
+                 tensor_parallel: int = 1, plan_schedule: str = "tawpipe") -> Tuple[float, float]:
+    """(predicted iteration time of the first count's batch, predicted peak bytes per device over every count)
+    of ``layout``: the simulator on ``cost`` (over ``ranks`` weight-pipeline ranks, each ``tensor_parallel``
+    GPUs)."""
+    virtual = virtual_rank_cost(cost, tensor_parallel)
+    options = layout.plan_options()
+    if shard_layers is not None:
+        options["shard_layers"] = tuple(shard_layers)
+    c = layout.microbatches_per_visit
+
+    def build(n):
+        return build_plan(plan_schedule, num_ranks=ranks, num_groups=groups, num_layers=num_layers,
+                          num_microbatches=n, **options)
+
+    first = microbatch_counts[0]
+    result = simulate_extended(build, virtual, first, 2 * c, 4 * c)
+    peak = 0.0
+    for n in microbatch_counts:
+        plan = build(min(n, 4 * c))   # its buffers and stored boundaries are the full plan's
+        from types import SimpleNamespace
+
+        fields = SimpleNamespace(**memory_fields(plan, virtual))
+        memory = per_gpu_breakdown(weight_passing_breakdown(fields, virtual, plan, c), tensor_parallel)
+        peak = max(peak, memory.total)
+    return result.iteration_time, peak
+
+
+def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: int, num_layers: int,
+                  microbatch_counts: Sequence[int], memory_limit: float = float("inf"),
+                  split_of: Callable[[int], Optional[Tuple[int, ...]]] = lambda v: None,
+                  shards_allowed: Sequence[int] = SHARDS_PER_RANK, tensor_parallel: int = 1,
+                  inputs: Optional[Dict[str, str]] = None, plan_schedule: str = "tawpipe") -> LayoutChoice:
+    """The fastest layout that agrees with ``request`` and fits ``memory_limit`` bytes per device (see the module
+    docstring); ``split_of(shards_per_rank)``: the layers of each shard (None: the default split). With nothing
+    that fits, the one of least memory (its peak in the choice: the runtime says it does not fit). Raises
+    ``ValueError`` when no layout agrees with the request."""
+    started = time.perf_counter()
+    counts = list(microbatch_counts)
+    layouts = candidate_layouts(request, ranks, groups, num_layers, counts, shards_allowed)
+    if not layouts:
+        raise ValueError(f"no TawPipe layout agrees with the flags given ({_given(request)}) on {ranks} ranks in "
+                         f"{groups} groups, {num_layers} layers, {counts[0]} micro-batches per rank")
+    priced: Dict[TawPipeLayout, Priced] = {}
+
+    def price(layout: TawPipeLayout) -> Priced:
+        if layout not in priced:
+            t, peak = price_layout(layout, cost, ranks, groups, num_layers, counts, split_of(layout.shards_per_rank),
+                                   tensor_parallel, plan_schedule)
+            priced[layout] = Priced(layout, t, peak, peak <= memory_limit)
+        return priced[layout]
+
+    # The replicated reduction is independent of the rest of the layout: every layout is priced with the first
+    # reduction its request allows, and the best of them with the other too.
+    first_reduce = layouts[0].replicated_reduce
+    for layout in layouts:
+        if layout.replicated_reduce == first_reduce:
+            price(layout)
+    best = _best(list(priced.values()))
+    for layout in layouts:
+        if layout.replicated_reduce != first_reduce and replace(layout, replicated_reduce=first_reduce) == best.layout:
+            price(layout)
+    chosen = _best([priced[layout] for layout in layouts if layout in priced])
+    priced_list = [priced[layout] for layout in layouts if layout in priced]
+    order = sorted(priced_list, key=lambda p: (not p.fits, p.iteration_time))
+    order.remove(chosen)
+    return LayoutChoice(chosen.layout, [chosen] + order, dict(inputs or {}), time.perf_counter() - started,
+                        request)
+
+
+def _best(priced: List[Priced]) -> Priced:
+    """The earliest near-tie of the fastest that fits (in candidate order); with nothing that fits, the one of
+    least memory."""
+    fitting = [p for p in priced if p.fits]
+    if not fitting:
+        return min(priced, key=lambda p: p.memory_bytes)
+    fastest = min(p.iteration_time for p in fitting)
+    return next(p for p in fitting if p.iteration_time <= fastest * (1 + TIE))
+
+
+def fixed_choice(request: LayoutRequest, inputs: Optional[Dict[str, str]] = None) -> LayoutChoice:
+    """The choice when every knob is given (nothing priced)."""
+    layout = replace(TawPipeLayout(), **{k: v for k, v in asdict(request).items() if v is not None})
+    return LayoutChoice(layout, [], dict(inputs or {}), 0.0, request)
+
+
+def _given(request: LayoutRequest) -> str:
+    given = [f"{k}={v}" for k, v in asdict(request).items() if v is not None]
+    return ", ".join(given) or "none"

@@ -1,0 +1,102 @@
+"""A TawPipe run's layout, settled at start-up: every layout flag left at ``auto`` decided, once, alike on every rank.
+
+Validation (before any process group) checks the flags given and leaves ``auto`` as it is; after the process
+groups exist, :func:`settle_tawpipe_layout` reads what the decision needs -- the node link (measured by
+:mod:`megatron_tawpipe.distributed.link_probe`, or ``--tawpipe-link-bandwidth``), the compute times
+(``--tawpipe-compute-times``, ``--emulated-compute-times``, or the device's peak at a stated efficiency), the
+device's memory (the smallest over ranks) -- and asks :func:`megatron_tawpipe.sim.layout_choice.choose_layout`,
+on rank 0, for the fastest layout that the flags given allow and that fits; rank 0's answer is broadcast, every
+rank writes it into its flags (and the layer split that follows from the shard count), and rank 0 prints one
+line. The decision is kept in ``args.tawpipe_layout`` (the metrics file's first record and every checkpoint's
+saved arguments carry it); a resumed run decides again on its own flags and cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+from megatron_tawpipe.arguments.weight_passing import AUTO, is_auto, layout_flags_given
+from megatron_tawpipe.common.errors import ArgumentError
+from megatron_tawpipe.data import batch_schedule
+from megatron_tawpipe.sim.layout_choice import LayoutChoice, LayoutRequest, candidate_layouts
+from megatron_tawpipe.training.layer_split_args import settle_layer_split, shards_per_rank_candidates
+
+def settle_fixed_layouts(args: argparse.Namespace) -> None:
+    """The layout flags of a schedule that is not TawPipe: their fixed values (they do not apply)."""
+    if args.pipeline_schedule == "tawpipe":
+        return
+    for name, value in (("tawpipe_ownership", "owner"), ("tawpipe_microbatches_per_visit", 1),
+                        ("tawpipe_replicated_reduce", "hierarchical")):
+        if is_auto(getattr(args, name)):
+            setattr(args, name, value)
+    if args.tawpipe_shards_per_rank == AUTO:
+        args.tawpipe_shards_per_rank = 1   # a plan file's own count is checked against it where given
+    if args.tawpipe_replicate_first_shard is None:
+        args.tawpipe_replicate_first_shard = False
+
+
+def layout_request(args: argparse.Namespace) -> LayoutRequest:
+    """What the flags fix of the layout (``None``: auto)."""
+    cache = args.tawpipe_cache
+    return LayoutRequest(
+        ownership=None if is_auto(args.tawpipe_ownership) else args.tawpipe_ownership,
+        shards_per_rank=None if is_auto(args.tawpipe_shards_per_rank) else int(args.tawpipe_shards_per_rank),
+        replicate_first=args.tawpipe_replicate_first_shard,
+        cache=None if is_auto(cache) else cache == "on",
+        microbatches_per_visit=(None if is_auto(args.tawpipe_microbatches_per_visit)
+                                else int(args.tawpipe_microbatches_per_visit)),
+        replicated_reduce=None if is_auto(args.tawpipe_replicated_reduce) else args.tawpipe_replicated_reduce)
+
+
+def tawpipe_request(args: argparse.Namespace) -> LayoutRequest:
+    """:func:`layout_request`, with what the run's other flags rule out: no replicated first shard without
+    overlap (``--tawpipe-no-overlap``)."""
+    request = layout_request(args)
+    if args.tawpipe_no_overlap and request.replicate_first is None:
+        from dataclasses import replace
+
+        request = replace(request, replicate_first=False)
+    return request
+
+
+def check_tawpipe_layout(args: argparse.Namespace, world_size: int, groups: int) -> None:
+    """Validation: some layout agrees with the TawPipe layout flags given (one line naming them otherwise)."""
+    if args.pipeline_schedule != "tawpipe":
+        return
+    ranks = world_size // args.tensor_model_parallel_size
+    counts = microbatch_counts(args, ranks)
+    shards = shards_per_rank_candidates(args, ranks)
+    if not candidate_layouts(tawpipe_request(args), ranks, groups, args.num_layers, counts, shards):
+        given = " ".join(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}" for flag in layout_flags_given(args))
+        raise ArgumentError(f"no TawPipe layout has {given} on {ranks} ranks in {groups} groups with "
+                            f"{counts[0]} micro-batches per rank (the spread layout needs the cache and two or more "
+                            "groups and holds every shard in every group; micro-batches per visit divide a rank's "
+                            "micro-batches); leave one of them at auto")
+
+
+def microbatch_counts(args: argparse.Namespace, data_parallel_size: int) -> List[int]:
+    """Micro-batches per rank of every global batch the run takes, the first batch's first."""
+    schedule = args.batch_schedule or ((0, args.global_batch_size),)
+    counts = [batch_schedule.micro_batches(batch, args.micro_batch_size, data_parallel_size) for _, batch in schedule]
+    counts = [c for c in counts if c is not None]
+    return list(dict.fromkeys(counts)) or [1]
+
+
+def apply_layout(args: argparse.Namespace, choice: LayoutChoice, world_size: int) -> None:
+    """Write the chosen layout into the flags, settle the layer split it gives, keep the decision's record."""
+    layout = choice.chosen
+    args.tawpipe_ownership = layout.ownership
+    args.tawpipe_shards_per_rank = layout.shards_per_rank
+    args.tawpipe_replicate_first_shard = layout.replicate_first
+    args.tawpipe_cache = "on" if layout.cache else "off"
+    args.tawpipe_microbatches_per_visit = layout.microbatches_per_visit
+    args.tawpipe_replicated_reduce = layout.replicated_reduce
+    settle_layer_split(args, world_size)
+    args.tawpipe_layout = choice.record()
+
+
+def layout_record(args: argparse.Namespace) -> Optional[dict]:
+    """The decision kept in ``args`` (None before it, or for another schedule)."""
+    return getattr(args, "tawpipe_layout", None)
+
