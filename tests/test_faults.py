@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed_harness import run_ranks, run_ranks_outcomes
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan import build_plan
-from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+from training_helpers import assert_close_rel, losses, tiny_args, train_rank, pinned_layout
 
 TIMEOUT_MINUTES = 0.25  # 15 s: the bound within which survivors must report
 
@@ -38,7 +38,8 @@ def _faulty_rank(rank, argv, victim, fault, after_calls):
 
 @pytest.mark.parametrize("schedule,fault", [("tawpipe", "kill"), ("weipipe", "kill"), ("tawpipe", "stall")])
 def test_survivors_report_a_dead_or_stalled_rank(schedule, fault):
-    argv = tiny_args("--pipeline-schedule", schedule, "--tawpipe-num-groups", "2",
+    layout = pinned_layout(2) if schedule == "tawpipe" else []   # the plan steps of one layout
+    argv = tiny_args("--pipeline-schedule", schedule, "--tawpipe-num-groups", "2", *layout,
                      "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=3)
     # 8 layers on 4 ranks, 2 micro-batches per rank: 8 shard forwards per iteration; fail in iteration 2.
     outcomes = run_ranks_outcomes(_faulty_rank, 4, argv, 2, fault, 11, timeout=120, expected_reports=3)
@@ -128,14 +129,15 @@ def _kill_while_saving(rank, argv, kill_at_iteration):
 def test_kill_during_checkpoint_save_leaves_previous_checkpoint_loadable(tmp_path, ckpt_format):
     save = str(tmp_path / "ckpt")
     iters = 6
-    uninterrupted = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", train_iters=iters))[0]
-    argv = tiny_args("--pipeline-schedule", "tawpipe", "--save", save, "--save-interval", "2", "--ckpt-format",
+    tawpipe = ("--pipeline-schedule", "tawpipe", *pinned_layout(1))   # separate runs compared bit for bit
+    uninterrupted = run_ranks(train_rank, 2, tiny_args(*tawpipe, train_iters=iters))[0]
+    argv = tiny_args(*tawpipe, "--save", save, "--save-interval", "2", "--ckpt-format",
                      ckpt_format, "--distributed-timeout-minutes", str(TIMEOUT_MINUTES), train_iters=iters)
     outcomes = run_ranks_outcomes(_kill_while_saving, 2, argv, 4, timeout=120)
     assert outcomes[0][0] == "gone"
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
     assert os.path.isdir(os.path.join(save, "iter_0000004.tmp"))  # the partial save, never promoted
-    resumed = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", "--load", save, train_iters=iters))[0]
+    resumed = run_ranks(train_rank, 2, tiny_args(*tawpipe, "--load", save, train_iters=iters))[0]
     assert [r["iteration"] for r in resumed] == [3, 4, 5, 6]
     assert losses(resumed) == losses(uninterrupted[2:])
 

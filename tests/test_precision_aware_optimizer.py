@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from training_helpers import losses, tiny_args, train_rank
+from training_helpers import losses, tiny_args, train_rank, pinned_layout
 from megatron_tawpipe.arguments import parse_args
 from megatron_tawpipe.optimizer.precision_aware import PrecisionAwareAdamW, precision_refusal
 from megatron_tawpipe.training.validate_args import validate_args
 
-TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]
+TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", *pinned_layout(2)]   # bytes of one layout
 PAO = ["--use-precision-aware-optimizer"]
 BF16_GRADS = ["--bf16", *PAO, "--main-grads-dtype", "bf16"]
 

@@ -36,8 +36,16 @@ def test_the_records_hold_the_flags_and_are_frozen():
 def test_schedule_names_and_ownership():
     _, weipipe = _config("--pipeline-schedule", "weipipe", "--weipipe-zero-bubble", "2")
     assert weipipe.schedule.plan_name == "weipipe-zb2"
+    # the layout flags left at auto are the run's to decide at start-up: a record made before that refuses to answer
     _, auto = _config("--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "auto", "--tawpipe-num-groups", "2")
-    assert auto.schedule.ownership(2) == "spread" and auto.schedule.ownership(1) == "owner"
+    with pytest.raises(ValueError, match="still auto"):
+        auto.schedule.ownership(2)
+    _, spread = _config("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-ownership", "spread",
+                        "--tawpipe-shards-per-rank", "1", "--tawpipe-microbatches-per-visit", "1",
+                        "--tawpipe-replicated-reduce", "flat")
+    assert spread.schedule.ownership(2) == "spread"
+    # another schedule's layout flags take their fixed values in validation (they do not apply)
+    assert weipipe.schedule.tawpipe_ownership == "owner" and weipipe.schedule.tawpipe_shards_per_rank == 1
 
 
 def _model(vocab, padded):

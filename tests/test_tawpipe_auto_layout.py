@@ -35,8 +35,8 @@ def test_auto_decides_only_what_is_left_to_it():
     cost = _cost(150e6 / 8)
     free = choose_layout(LayoutRequest(), cost, 6, 3, 12, [4])
     assert free.chosen.ownership == "spread" and free.chosen.shards_per_rank == 2 and free.chosen.cache
-    assert free.runner_up is not None and free.margin() >= -0.01
-    assert all(p.iteration_time >= free.chosen_priced.iteration_time * 0.99 for p in free.priced if p.fits)
+    assert free.runner_up is not None and free.margin() >= -0.002
+    assert all(p.iteration_time >= free.chosen_priced.iteration_time * 0.998 for p in free.priced if p.fits)
     pinned = choose_layout(LayoutRequest(ownership="owner", microbatches_per_visit=2), cost, 6, 3, 12, [4])
     assert all(p.layout.ownership == "owner" and p.layout.microbatches_per_visit == 2 for p in pinned.priced)
     one_group = choose_layout(LayoutRequest(), cost, 4, 1, 12, [4])
@@ -73,13 +73,24 @@ def test_an_impossible_combination_is_refused_before_any_rank_starts():
     from megatron_tawpipe.common.errors import ArgumentError
     from megatron_tawpipe.training.validate_args import validate_args
 
-    argv = tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tawpipe-ownership", "spread",
-                     "--tawpipe-cache", "off", "--tawpipe-microbatches-per-visit", "1", train_iters=3,
-                     global_batch=8)
-    with pytest.raises(ArgumentError) as refused:
-        validate_args(parse_args(argv), world_size=4)
-    message = str(refused.value)
-    assert "--tawpipe-ownership spread" in message and "--tawpipe-cache off" in message and "\n" not in message
+    def refusal(*flags, world=4):
+        argv = tiny_args("--pipeline-schedule", "tawpipe", *flags, train_iters=3, global_batch=8)
+        with pytest.raises(ArgumentError) as refused:
+            validate_args(parse_args(argv), world_size=world)
+        assert "\n" not in str(refused.value)
+        return str(refused.value)
+
+    message = refusal("--tawpipe-num-groups", "2", "--tawpipe-ownership", "spread", "--tawpipe-replicate-first-shard")
+    assert "--tawpipe-ownership spread" in message and "--tawpipe-replicate-first-shard" in message
+    assert "--tawpipe-ownership spread needs two or more groups" in refusal("--tawpipe-num-groups", "1",
+                                                                            "--tawpipe-ownership", "spread")
+    assert "--tawpipe-shards-per-rank 2" in refusal("--tawpipe-num-groups", "2", "--tawpipe-shards-per-rank", "2",
+                                                    world=8)   # 8 layers: 16 shards of one layer or more needed
+    # what the flags leave open is decided, not refused: spread without the cache, 3 per visit of 2 micro-batches
+    validate_args(parse_args(tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2",
+                                       "--tawpipe-ownership", "spread", "--tawpipe-cache", "off",
+                                       "--tawpipe-microbatches-per-visit", "3", train_iters=3, global_batch=8)),
+                  world_size=4)
 
 
 def _probe_rank(rank, budget):
@@ -146,6 +157,11 @@ def test_no_layout_flag_trains_like_the_reference_and_records_its_layout(referen
     assert first["tawpipe_layout"]["layout"] == layout["layout"]
     out = capfd.readouterr().out
     assert out.count("tawpipe layout: ") == 1
+    from megatron_tawpipe.checkpoint.formats import named
+
+    saved = named("torch_dist").saved_arguments(os.path.join(save, f"iter_{ITERS:07d}"))
+    assert saved["tawpipe_layout"]["layout"] == layout["layout"]
+    assert saved["tawpipe_ownership"] == layout["layout"]["ownership"]
     chosen = TawPipeLayout(**layout["layout"])
     # resumed in a layout pinned to differ from the chosen one: the same losses as the uninterrupted run
     other = ["--tawpipe-ownership", "spread" if chosen.ownership == "owner" else "owner",
@@ -177,3 +193,76 @@ def test_layouts_auto_picks_train_like_the_reference(layout, reference, tmp_path
     assert_trains_like(per_rank, reference[0], save, reference[1], ITERS)
     sent = [r["inter_group_bytes"] for r in per_rank[0]]
     assert sent == [r["planned_inter_group_bytes"] for r in per_rank[0]]
+
+
+# ----------------------------------------------------------------- --pipeline-schedule auto
+
+
+def test_auto_schedule_replaces_the_schedule_and_the_groups():
+    from megatron_tawpipe.cli.auto_schedule import with_schedule
+
+    argv = ["--num-layers", "4", "--pipeline-schedule", "auto", "--tawpipe-num-groups=2", "--lr", "1e-3"]
+    assert with_schedule(argv, ["--pipeline-schedule", "1f1b", "--use-distributed-optimizer"]) == [
+        "--num-layers", "4", "--lr", "1e-3", "--pipeline-schedule", "1f1b", "--use-distributed-optimizer"]
+
+
+def test_auto_schedule_ranks_what_pretrain_runs_and_drops_what_it_refuses():
+    """3 x 2 at 150 Mbit/s, emulated compute: TawPipe in its decided layout, WeiPipe, megatron's pipelines and
+    distributed optimizer ranked by predicted tokens/s; a candidate the run refuses is left out with its reason."""
+    from megatron_tawpipe.sim.advisor_configs import Cluster, ModelSpec
+    from megatron_tawpipe.sim.schedule_choice import rank_schedules
+
+    model = ModelSpec(num_layers=12, hidden_size=256, ffn_hidden_size=704, num_attention_heads=4,
+                      num_query_groups=4, vocab_size=2048, seq_length=3072)
+    cluster = Cluster(ranks=6, nodes=3, intra_bw=0.6e9, inter_bw=150e6 / 8, gpu_memory=5e9, memory_reserve=0.5e9,
+                      intra_latency=5e-6, inter_latency=50e-6)
+
+    def cost_of(b, recompute):
+        from dataclasses import replace
+
+        base = _cost(150e6 / 8)
+        return replace(base, layer_recompute=base.layer_forward if recompute else 0.0, recompute=recompute)
+
+    refused = []
+
+    def check(flags):
+        if "interleaved" in flags:
+            refused.append(flags)
+            return "interleaved refused here (test)"
+        return ""
+
+    ranking = rank_schedules(model, cluster, 24, 1, cost_of, weight_passing_recompute=False,
+                             native_recompute=False, check=check)
+    labels = [r.label for r in ranking.ranked]
+    assert any(label.startswith("tawpipe (spread, 2 shards/rank") for label in labels)
+    assert any("distributed optimizer over all ranks" in label for label in labels)
+    assert any(label.startswith("weipipe") for label in labels) and any(label.startswith("1f1b") for label in labels)
+    speeds = [r.tokens_per_sec_per_gpu for r in ranking.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert not any("interleaved" in label for label in labels)
+    assert refused and all(r.refusal for r in ranking.left_out if "interleaved" in r.label)
+    lines = ranking.lines()
+    assert len(lines) == 3 and "%" in lines[1] and "%" not in lines[0]
+
+
+def test_pipeline_schedule_auto_runs_the_winner_exactly(reference, tmp_path, capfd):
+    """4 ranks in 2 groups, --pipeline-schedule auto: the top three printed with the flags that pin the winner; the
+    winner trains exactly like the single-process reference (every candidate computes the same step)."""
+    from megatron_tawpipe.cli.pretrain import run_training
+
+    def rank_body(rank, argv):
+        return run_training(argv, prog="test")
+
+    argv = _args("--pipeline-schedule", "auto", "--tawpipe-num-groups", "2", "--tawpipe-link-bandwidth", "150Mbit/s",
+                 "--metrics-file", str(tmp_path / "m.jsonl"), "--distributed-timeout-minutes", "2")
+    statuses = run_ranks(rank_body, 4, argv)
+    assert statuses == [0, 0, 0, 0]
+    out = capfd.readouterr().out
+    assert out.count("--pipeline-schedule auto: ") == 1 and "to pin it, replace --pipeline-schedule auto with:" in out
+    assert "  1. " in out and "  2. " in out
+    with open(tmp_path / "m.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+    for got, want in zip(records, reference[0]):
+        assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)

@@ -6,7 +6,7 @@ without it at 4) exactly like the single-process reference."""
 import pytest
 
 from distributed_harness import run_ranks
-from training_helpers import assert_trains_like, tiny_args, train_rank
+from training_helpers import assert_trains_like, tiny_args, train_rank, pinned_layout
 
 from megatron_tawpipe.arguments import parse_args
 from megatron_tawpipe.cli.plan_args import check_command
@@ -204,7 +204,8 @@ LAYER_BYTES = 4 * params_per_layer(64, 128, 4, 4)
 def test_trains_like_the_single_process_reference(groups, setting, reference, tmp_path):
     save = str(tmp_path / "ckpt")
     per_rank = run_ranks(train_rank, groups, _train_args(
-        "--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(groups), "--tawpipe-cache", setting,
+        "--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(groups), *pinned_layout(groups),
+        "--tawpipe-cache", setting,
         "--tawpipe-nccl-faithful", "--distributed-timeout-minutes", "2", save=save))
     assert_trains_like(per_rank, reference[0], save, reference[1], ITERS)
     sent = [r["inter_group_bytes"] for r in per_rank[0]]

@@ -212,4 +212,4 @@ def test_the_simulator_flags_refuse_what_the_layout_cannot_do_in_one_line():
     choice = result.options["layout_choice"]     # pretrain_llama.py's decision, on the simulator's cost model
     assert plan.spread == (choice["layout"]["ownership"] == "spread")
     assert result.iteration_time == pytest.approx(choice["predicted_iteration_time"])
-    assert choice["runner_up_iteration_time"] >= choice["predicted_iteration_time"] * (1 - 0.01)
+    assert choice["runner_up_iteration_time"] >= choice["predicted_iteration_time"] * (1 - 0.002)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from distributed_harness import run_ranks
-from training_helpers import assert_close_rel, assert_trains_like, losses, tiny_args, train_rank
+from training_helpers import assert_close_rel, assert_trains_like, losses, tiny_args, train_rank, pinned_layout
 
 from megatron_tawpipe.plan import build_plan
 from megatron_tawpipe.plan.traffic import link_bytes
@@ -17,7 +17,8 @@ from megatron_tawpipe.sim.costmodel import params_per_layer
 
 ITERS = 3
 LAYERS, BATCH = 12, 12      # 12 layers and sequences: 2, 3 or 4 groups of one rank (or of one TP group of 2)
-SPREAD = ("--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "spread", "--tawpipe-nccl-faithful",
+# the spread layout, its other knobs given (a case's own flags come after and win): the bytes of one plan
+SPREAD = ("--pipeline-schedule", "tawpipe", *pinned_layout(2), "--tawpipe-ownership", "spread", "--tawpipe-nccl-faithful",
           "--distributed-timeout-minutes", "2")
 # a decoder layer of the tiny model (H 64, FFN 128, 4 heads, gated FFN, RMSNorm, no biases), fp32 on the wire
 LAYER_BYTES = 4 * params_per_layer(64, 128, 4, 4)
@@ -118,7 +119,7 @@ def test_a_spread_plan_file_runs(reference, tmp_path):
 RESUME_ITERS = 4
 LAYOUTS = {"spread": (3, SPREAD + ("--tawpipe-num-groups", "3")),
            "spread-two-shards": (3, SPREAD + ("--tawpipe-num-groups", "3", "--tawpipe-shards-per-rank", "2")),
-           "owner": (3, ("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3")),
+           "owner": (3, ("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", *pinned_layout(3))),
            "native": (1, ())}
 
 

@@ -3,10 +3,10 @@
 import pytest
 
 from distributed_harness import run_ranks
-from training_helpers import assert_close_rel, losses, tiny_args, train_rank
+from training_helpers import assert_close_rel, losses, tiny_args, train_rank, pinned_layout
 
 ITERS = 6
-TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]
+TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", *pinned_layout(2)]   # the files of one layout
 
 
 @pytest.fixture(scope="module")

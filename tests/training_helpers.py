@@ -21,6 +21,17 @@ TINY_MODEL = list(LLAMA_FLAGS) + TINY_SHAPE
 GPT_FLAGS = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--no-create-attention-mask-in-dataloader"]
 
 
+def pinned_layout(groups: int) -> List[str]:
+    """TawPipe's layout flags, every knob given: one owner per shard, one shard per rank, the shard cache where
+    there are two or more groups, one micro-batch per visit, the hierarchical reduction, no replicated first shard
+    (the layout TawPipe ran by default before the run decided it). For tests whose figures belong to one layout
+    (bytes, plan steps, files) or that compare separately launched runs bit for bit: with a layout flag at auto
+    the run decides on what it measures (docs/tawpipe-layout.md)."""
+    return ["--tawpipe-ownership", "owner", "--tawpipe-shards-per-rank", "1", "--no-tawpipe-replicate-first-shard",
+            "--tawpipe-cache", "on" if groups >= 2 else "off", "--tawpipe-microbatches-per-visit", "1",
+            "--tawpipe-replicated-reduce", "hierarchical"]
+
+
 def tiny_args(*extra: str, train_iters: int = 3, global_batch: int = 8, micro_batch: int = 1,
               architecture=LLAMA_FLAGS) -> List[str]:
     return list(architecture) + TINY_SHAPE + ["--train-iters", str(train_iters), "--global-batch-size", str(global_batch),

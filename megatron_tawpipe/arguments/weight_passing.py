@@ -106,7 +106,11 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g = parser.add_argument_group("weight-passing pipeline (megatron_tawpipe)")
     g.add_argument("--pipeline-schedule", default="1f1b",
                    help=f"one of {', '.join(PIPELINE_SCHEDULES)}, or {PLAN_FILE_PREFIX}FILE: a weight-passing plan "
-                        "(JSON or CSV, as tools/plan.py build writes it) that passes the validator")
+                        "(JSON or CSV, as tools/plan.py build writes it) that passes the validator; or auto: the run "
+                        "measures its links and memory, ranks TawPipe (in the layout it decides), WeiPipe and its "
+                        "zero-bubble forms, megatron's 1F1B and interleaved pipelines over every stage count and "
+                        "megatron's distributed optimizer at this command's micro-batch size and global batch, "
+                        "prints the top three and the flags that pin the winner, and runs it")
     g.add_argument("--tawpipe-num-groups", type=positive_int, default=None,
                    help="groups (nodes) of the weight pipeline; default: one per node")
     g.add_argument("--tawpipe-no-overlap", action="store_true", help="ablation: no weight prefetch")
@@ -164,7 +168,8 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tawpipe-link-bandwidth", default=None, metavar="RATE",
                    help="tawpipe, auto layout: the node link's rate per direction (e.g. 25Gbit/s, 3GB/s) instead of "
                         "measuring it at start-up (a few transfers between the groups' first ranks, a few seconds at "
-                        "most)")
+                        "most); given, nothing is probed and the link inside a node is taken as 200 GB/s on GPUs, "
+                        "0.6 GB/s between CPU processes")
     g.add_argument("--tawpipe-link-latency", default=None, metavar="TIME",
                    help="tawpipe, auto layout: the node link's latency (e.g. 20us) with --tawpipe-link-bandwidth "
                         "(default 20us)")

@@ -39,7 +39,7 @@ from megatron_tawpipe.bench.bench_runs import (COUNTED_PRETRAIN, PortSequence, f
 from megatron_tawpipe.bench.collective_bytes import ENV_OUTPUT, ENV_RANKS_PER_NODE, read_rank_files, summarize_counts
 from megatron_tawpipe.bench.stages import (SPLIT_FLAGS, flag_value, interleaved_layers_per_virtual_stage,
                                            interleaved_virtual_stages, model_args_for, native_stage_flags,
-                                           without_flags)
+                                           variant_layout_flags, without_flags)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
@@ -48,9 +48,11 @@ PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
 STRATEGIES = {
     "tawpipe": "TawPipe as pretrain_llama.py runs it by default: weight passing, one group per node, the layout "
                "decided by the run (every --tawpipe-* layout flag at auto)",
+    "tawpipe-owner": "TawPipe with one owner per shard, its layout pinned (--tawpipe-ownership owner, the cache on, "
+                     "no replicated shard: what --pipeline-schedule tawpipe ran before the run decided its layout)",
     "tawpipe-rep": "TawPipe with shard 0 held by one rank of every node (--tawpipe-replicate-first-shard)",
     "tawpipe-nocache": "TawPipe without its shard cache (--tawpipe-cache off: foreign shards fetched every visit; "
-                       "tawpipe and tawpipe-rep run --tawpipe-cache auto, which keeps them where memory allows)",
+                       "the other named variants keep them)",
     "tawpipe-spread": "TawPipe with every node keeping a slice of every shard (--tawpipe-ownership spread: shards "
                       "gathered from and gradients reduce-scattered to all nodes at once)",
     "tawpipe-tp": "TawPipe over tensor-parallel groups inside each node (--tensor-model-parallel-size: the "
@@ -144,20 +146,6 @@ def bf16_gradient_flags(schedule: str) -> List[str]:
     if schedule == "hfsdp":
         raise BenchmarkError("--bf16-gradients: Megatron-FSDP's gradient dtype is not wired to a flag here")
     return ["--grad-reduce-in-bf16"]
-
-
-def variant_layout_flags(schedule: str, config: BenchmarkConfig) -> List[str]:
-    """A named TawPipe variant's whole layout, pinned (``tawpipe`` itself runs the layout the run decides): its own
-    flag, ``--tawpipe-microbatches-per-visit`` and ``--tawpipe-shards-per-rank`` as the benchmark gives them (1 by
-    default), the cache on over several groups (off for tawpipe-nocache), the hierarchical replicated reduction."""
-    several = config.num_groups() >= 2
-    flags = ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit or 1),
-             "--tawpipe-shards-per-rank", str(config.tawpipe_shards_per_rank or 1),
-             "--tawpipe-replicated-reduce", "hierarchical",
-             "--tawpipe-ownership", "spread" if schedule == "tawpipe-spread" else "owner",
-             "--tawpipe-cache", "on" if several and schedule != "tawpipe-nocache" else "off"]
-    return flags + (["--tawpipe-replicate-first-shard"] if schedule == "tawpipe-rep"
-                    else ["--no-tawpipe-replicate-first-shard"])
 
 
 def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) -> List[str]:

@@ -40,10 +40,11 @@ from megatron_tawpipe.common.units import parse_rate
 from megatron_tawpipe.sim.memory import TERMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXED = ("tawpipe", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "tawpipe-tp")   # their window is the visit
+FIXED = ("tawpipe", "tawpipe-owner", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "tawpipe-tp")   # their window is the visit
 NO_CACHE = "tawpipe-nocache"     # simulated as tawpipe with --no-cache
 # The TawPipe variants the simulator prices as tawpipe with these flags.
-VARIANTS = {NO_CACHE: ["--no-cache"], "tawpipe-spread": ["--tawpipe-ownership", "spread"]}
+VARIANTS = {NO_CACHE: ["--no-cache"], "tawpipe-spread": ["--tawpipe-ownership", "spread", "--cache"],
+            "tawpipe-owner": ["--cache"]}
 TIE = 0.005            # predicted speeds this close are a tie, won by the larger micro-batch
 INTRA_BW = "0.6GB/s"   # gloo over a namespace's loopback on the 2-core VM (docs/simulator-validation.md)
 #: what equal memory counts: the rule's name -> how the choices and reports label it

@@ -49,7 +49,7 @@ def interleaved_virtual_stages(layers: int, ranks: int) -> int:
 SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                "--pipeline-model-parallel-layout")
 # Strategies that take a split of one piece per rank as it is given (a shard or a pipeline stage per rank).
-_ONE_PIECE_PER_RANK = ("tawpipe", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "weipipe", "1f1b")
+_ONE_PIECE_PER_RANK = ("tawpipe", "tawpipe-owner", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "weipipe", "1f1b")
 # Strategies without stages: the split flags mean nothing to them and are left out.
 _NO_STAGES = ("distopt-node", "distopt", "fsdp", "hsdp", "hfsdp")
 
@@ -92,3 +92,17 @@ def model_args_for(schedule: str, model_args: Sequence[str]) -> List[str]:
     raise BenchmarkError(f"{schedule}: the model flags' {' / '.join(given)} give one piece per rank, which "
                          f"{schedule} does not have (its stages or shards are not one per rank); leave the flags out (every "
                          f"strategy then gets the default split) or leave {schedule} out")
+
+
+def variant_layout_flags(schedule: str, config) -> List[str]:
+    """A named TawPipe variant's whole layout, pinned (``tawpipe`` itself runs the layout the run decides): its own
+    flag, ``--tawpipe-microbatches-per-visit`` and ``--tawpipe-shards-per-rank`` as the benchmark gives them (1 by
+    default), the cache on over several groups (off for tawpipe-nocache), the hierarchical replicated reduction."""
+    several = config.num_groups() >= 2
+    flags = ["--tawpipe-microbatches-per-visit", str(config.tawpipe_microbatches_per_visit or 1),
+             "--tawpipe-shards-per-rank", str(config.tawpipe_shards_per_rank or 1),
+             "--tawpipe-replicated-reduce", "hierarchical",
+             "--tawpipe-ownership", "spread" if schedule == "tawpipe-spread" else "owner",
+             "--tawpipe-cache", "on" if several and schedule != "tawpipe-nocache" else "off"]
+    return flags + (["--tawpipe-replicate-first-shard"] if schedule == "tawpipe-rep"
+                    else ["--no-tawpipe-replicate-first-shard"])

@@ -32,12 +32,20 @@ def run_training(argv: Optional[List[str]] = None, prog: str = "pretrain_llama.p
 
     try:
         args = parse_args(argv)
+        if args.pipeline_schedule == "auto":   # the run picks the strategy (collective: the process group is made)
+            from megatron_tawpipe.cli.auto_schedule import choose_schedule
+
+            argv = choose_schedule(list(sys.argv[1:] if argv is None else argv))
+            args = parse_args(argv)
         args.program_start_time = started
         validate_args(args)
         validate_data_args(args)
         if check is not None:
             check(args)
     except (ArgumentError, ValueError, FileNotFoundError) as exc:
+        from megatron_tawpipe.distributed.initialize import destroy
+
+        destroy()   # --pipeline-schedule auto may have made the process group
         return _fail(prog, exc, REFUSED)
 
     from megatron_tawpipe.common.errors import (CheckpointError, CheckpointSetupError, DistributedSetupError,

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.distributed import groups as process_groups
+
 #: the first message of the rate measurement, the largest, and the time one should take to stop growing
 FIRST_BYTES, MAX_BYTES, ENOUGH_S = 256 * 1024, 64 * 1024 * 1024, 0.05
 ROUND_TRIPS = 5
@@ -117,7 +119,7 @@ def probe_links(groups: int, ranks_per_group: int, device: torch.device, budget_
         pairs.append(("intra", 0, 1, default_intra))
     for _, a, b, default in pairs:
         # every rank creates the pair's group (new_group is collective); only the two use it
-        group = dist.new_group([a, b])
+        group = process_groups.new_group([a, b])
         budget = budget_s / len(pairs)
         begun = time.perf_counter()
         ok, why = 1.0, ""

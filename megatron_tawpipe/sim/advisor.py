@@ -39,7 +39,7 @@ from megatron_tawpipe.common.layer_split import default_layer_split
 from megatron_tawpipe.sim.advisor_configs import (PLAIN_TWINS, STRATEGY_ORDER, Cluster, Config, ModelSpec,
                                                   enumerate_configs, family_of, plain_family_of, size_of)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
-from megatron_tawpipe.sim.advisor_report import PLAN_FILE, command, left_out, searched, summarize
+from megatron_tawpipe.sim.advisor_report import PLAN_FILE, command, left_out, mark_auto_layouts, searched, summarize
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
 from megatron_tawpipe.plan.files import write_plan
 from megatron_tawpipe.plan.planners import build_plan
@@ -409,6 +409,7 @@ class Advisor:
             if prune == "top2" and cfg.tokens_per_sec_per_gpu > best_runnable and self.check(cfg):
                 best_runnable = cfg.tokens_per_sec_per_gpu
         self._check_listed(configs, listed)
+        mark_auto_layouts(self, configs, listed)
         return configs, na + left_out(configs, prune)
 
     def _check_listed(self, configs: List[Config], listed: int) -> None:

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_tawpipe.arguments import LLAMA_FLAGS
 from megatron_tawpipe.sim.costmodel import params_per_layer
+from megatron_tawpipe.sim.layout_choice import LayoutRequest, candidate_layouts, visit_sizes  # noqa: F401
 from megatron_tawpipe.sim.memory import MemoryBreakdown
 from megatron_tawpipe.sim.stages import split_label, weight_passing_split
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
@@ -41,16 +42,6 @@ def micro_batch_sizes(global_batch: int) -> List[int]:
         out.append(b)
         b *= 2
     return out
-
-
-def visit_sizes(n: int) -> List[int]:
-    """TawPipe's micro-batches per visit for ``n`` micro-batches per rank: the powers of two dividing ``n``
-    and ``n`` itself (one visit per shard)."""
-    out, c = [], 1
-    while c <= n and n % c == 0:
-        out.append(c)
-        c *= 2
-    return out + ([n] if n not in out else [])
 
 
 @dataclass(frozen=True)
@@ -319,27 +310,20 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
         if N % c:
             absent(("tawpipe",), f"c={c}", f"{N} micro-batches per rank are not a multiple of {c} per visit",
                    f"--global-batch-size a multiple of {c * P} (b={b})")
-    for c in visit_sizes(N):
-        # --tawpipe-cache on / off; with one group there is no foreign shard to keep (the same plan)
-        for cache in ((True, False) if D > 1 else (False,)):
-            for rep in (False, True) if D > 1 else (False,):
-                split, flags = weight_passing_split(L, P, rep)
-                layers = {"shard_layers": split, "split_flags": flags} if split else {}
-                add("tawpipe", chunk=c, cache=cache, replicate_first=rep, **layers)
-                add("tawpipe", chunk=c, cache=cache, replicate_first=rep, plan_schedule="tawpipe-zb", **layers)
-        # --tawpipe-ownership spread: every node keeps a slice of every shard (with the cache: without it the
-        # spread layout gathers every visit, as one owner does, and no better where the link binds)
-        if D > 1:
-            split, flags = weight_passing_split(L, P, False)
-            layers = {"shard_layers": split, "split_flags": flags} if split else {}
-            add("tawpipe", chunk=c, cache=True, replicate_first=False, ownership="spread", **layers)
-            # two shards per rank: the boundary transfers (an iteration's last gradients, its first weights)
-            # in half-size pieces (--tawpipe-shards-per-rank 2), where there are layers enough
-            if L >= 2 * P:
-                split, flags = weight_passing_split(L, 2 * P, False)
-                layers = {"shard_layers": split, "split_flags": flags} if split else {}
-                add("tawpipe", chunk=c, cache=True, replicate_first=False, ownership="spread", shards_per_rank=2,
-                    **layers)
+    # the layouts pretrain_llama.py decides among (sim.layout_choice.candidate_layouts; the replicated reduction
+    # through the nodes), so that the advisor's TawPipe is the run's: each with the plan-file split-backward twin
+    # (tawpipe-zb) of one owner per shard
+    for layout in candidate_layouts(LayoutRequest(replicated_reduce="hierarchical"), P, D, L, [N]):
+        knobs = dict(chunk=layout.microbatches_per_visit, cache=layout.cache, replicate_first=layout.replicate_first)
+        if layout.ownership == "spread":
+            knobs["ownership"] = "spread"
+        if layout.shards_per_rank != 1:
+            knobs["shards_per_rank"] = layout.shards_per_rank
+        split, flags = weight_passing_split(L, layout.shards_per_rank * P, layout.replicate_first)
+        layers = {"shard_layers": split, "split_flags": flags} if split else {}
+        add("tawpipe", **knobs, **layers)
+        if layout.ownership == "owner" and layout.shards_per_rank == 1:
+            add("tawpipe", **knobs, plan_schedule="tawpipe-zb", **layers)
 
 
 def _pipelines(add, absent, L, P, D, mbs, b, who):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 
 from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER, Absence
+from megatron_tawpipe.sim.layout_choice import LayoutRequest, TawPipeLayout, choose_layout
 from megatron_tawpipe.sim.memory import MemoryBreakdown, gb
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
 
@@ -55,7 +56,7 @@ def strategy_flags(cfg, model, cluster, recompute_flags: bool = True):
         argv += list(k.get("split_flags", []))      # uneven shards: the default split needs none
         argv += no_recompute
     elif s == "weipipe":
-        argv += ["--pipeline-schedule", "weipipe"] + no_recompute
+        argv += ["--pipeline-schedule", "weipipe", "--tawpipe-num-groups", str(D)] + no_recompute
         argv += ["--weipipe-zero-bubble", str(k["zero_bubble"])] if k.get("zero_bubble") else []
         argv += list(k.get("split_flags", []))
     elif s in ("pp-nodes", "1f1b", "interleaved"):
@@ -81,6 +82,36 @@ def strategy_flags(cfg, model, cluster, recompute_flags: bool = True):
                            "optim_grads_params", "--outer-dp-sharding-strategy", "optim",
                            "--num-distributed-optimizer-instances", str(D)] + native_rc
     return argv
+
+
+def mark_auto_layouts(advisor, configs, listed: int) -> None:
+    """TawPipe's listed configurations whose layout is the one ``pretrain_llama.py`` decides by default on this
+    cost model and memory (:func:`megatron_tawpipe.sim.layout_choice.choose_layout`): their commands give no
+    layout flag (``knobs["auto_layout"]``)."""
+    ok = sorted((c for c in configs if c.status == "ok"),
+                key=lambda c: (-round(c.tokens_per_sec_per_gpu, 1), c.memory.total))
+    decided: dict = {}
+    for cfg in ok[:max(listed, 1)]:
+        k = cfg.knobs
+        if cfg.strategy != "tawpipe" or k.get("plan_schedule"):
+            continue
+        tp = k.get("tp", 1)
+        key = (cfg.micro_batch_size, cfg.recompute, tp)
+        if key not in decided:
+            P = advisor.cluster.ranks // tp
+            N = advisor.G // cfg.micro_batch_size // P
+            sub = advisor.virtual(tp)   # its plans (built already for what it evaluated) over the P / T ranks
+            choice = choose_layout(LayoutRequest(), advisor.cost(cfg.micro_batch_size, cfg.recompute), P,
+                                   advisor.cluster.nodes, advisor.model.num_layers, [N], advisor.cluster.usable_memory,
+                                   tensor_parallel=tp,
+                                   plan_builder=lambda n, opts, sub=sub: sub._plan("tawpipe", n, **opts))
+            decided[key] = choice.chosen
+        mine = TawPipeLayout(k.get("ownership", "owner"), k.get("shards_per_rank", 1),
+                             bool(k.get("replicate_first")), bool(k["cache"]) and advisor.cluster.nodes > 1,
+                             k["chunk"], "hierarchical")
+        if mine == decided[key]:
+            k["auto_layout"] = True
+            cfg.argv, cfg.command = command(cfg, advisor.model, advisor.cluster, advisor.G)
 
 
 PLAN_FILE = "plan.json"    # where an advised split-backward schedule's plan is written

@@ -9,7 +9,7 @@ when those bytes move, and in memory.
 :func:`choose_layout` takes what the user fixed (:class:`LayoutRequest`: ``None`` = auto), enumerates every
 layout that agrees with it and that the ranks, groups and layers allow (:func:`candidate_layouts`), prices each
 with the simulator on the run's cost model (compute times and links), drops those whose predicted peak per
-device exceeds the memory limit, and keeps the fastest. Near-ties (within :data:`TIE`) go to the earlier
+device exceeds the memory limit, and keeps the fastest. Near-ties (within :data:`TIE`, 0.2%) go to the earlier
 candidate in a fixed order -- one owner per shard, one shard per rank, no replication, the cache, one
 micro-batch per visit, the hierarchical reduction first -- so that a run does not flip layouts on noise.
 
@@ -31,7 +31,7 @@ from megatron_tawpipe.sim.plan_memory import memory_fields
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
 
 #: two layouts whose predicted iteration times differ by less than this share are a tie (the earlier wins)
-TIE = 0.01
+TIE = 0.002
 #: the shard counts per rank tried where the layers allow them
 SHARDS_PER_RANK = (1, 2)
 
@@ -47,9 +47,7 @@ class TawPipeLayout:
 
     def plan_options(self) -> dict:
         """The TawPipe planner's options for this layout."""
-        options = {"cache": self.cache}
-        if self.microbatches_per_visit != 1:
-            options["chunk"] = self.microbatches_per_visit
+        options = {"chunk": self.microbatches_per_visit, "cache": self.cache}
         if self.replicate_first:
             options["replicate_first"] = True
         if self.ownership == "spread":
@@ -66,7 +64,8 @@ class TawPipeLayout:
                "--tawpipe-cache", "on" if self.cache else "off",
                "--tawpipe-microbatches-per-visit", str(self.microbatches_per_visit),
                "--tawpipe-replicated-reduce", self.replicated_reduce]
-        return out + (["--tawpipe-replicate-first-shard"] if self.replicate_first else [])
+        return out + (["--tawpipe-replicate-first-shard"] if self.replicate_first else
+                      ["--no-tawpipe-replicate-first-shard"])
 
     def label(self) -> str:
         parts = [self.ownership, f"{self.shards_per_rank} shard{'s' if self.shards_per_rank > 1 else ''}/rank",
@@ -112,7 +111,10 @@ def candidate_layouts(request: LayoutRequest, ranks: int, groups: int, num_layer
     r = request
     several = groups >= 2
     shards = [v for v in shards_allowed if num_layers >= v * ranks]
-    visits = sorted(set.intersection(*(set(visit_sizes(n)) for n in microbatch_counts))) if microbatch_counts else [1]
+    # auto: the visit sizes that divide every batch's micro-batches per rank; a size given runs as given (the last
+    # visit of a shard then takes what is left)
+    visits = ([r.microbatches_per_visit] if r.microbatches_per_visit is not None else
+              sorted(set.intersection(*(set(visit_sizes(n)) for n in microbatch_counts))) if microbatch_counts else [1])
     # the flat reduction differs from the hierarchical one only over several nodes of several ranks
     reduces = ("hierarchical", "flat") if several and ranks // groups >= 2 else ("hierarchical",)
     out = []
@@ -120,8 +122,8 @@ def candidate_layouts(request: LayoutRequest, ranks: int, groups: int, num_layer
         for v in shards:
             for rep in (False, True) if several and ownership == "owner" else (False,):
                 for cache in (True, False) if several else (False,):
-                    if ownership == "spread" and not cache:
-                        continue   # without the cache the spread layout gathers every visit: never better
+                    if ownership == "spread" and not cache and r.cache is None:
+                        continue   # without the cache the spread layout gathers every visit: not tried unless asked
                     for c in visits:
                         for reduce in reduces:
                             out.append(TawPipeLayout(ownership, v, rep, cache, c, reduce))
@@ -149,6 +151,8 @@ class LayoutChoice:
     inputs: Dict[str, str] = field(default_factory=dict)   # what the decision took: link, compute, memory
     decide_seconds: float = 0.0
     request: LayoutRequest = field(default_factory=LayoutRequest)
+    key: Optional[Dict[str, object]] = None   # what the decision depended on (the run's flags and cluster)
+    saved_from: Optional[str] = None          # the checkpoint whose decision a resumed run took
 
     @property
     def runner_up(self) -> Optional[Priced]:
@@ -170,6 +174,9 @@ class LayoutChoice:
         """The one line rank 0 prints."""
         best = self.chosen_priced
         text = f"tawpipe layout: {self.chosen.label()}"
+        if self.saved_from:
+            return text + (f" (as decided by the run saved in {self.saved_from}: the same flags, cluster, model and "
+                           "batch)")
         if self.request.is_fixed():
             return text + " (every layout flag given)"
         if best is not None:
@@ -190,24 +197,33 @@ class LayoutChoice:
                 "runner_up": asdict(second.layout) if second else None,
                 "runner_up_iteration_time": second.iteration_time if second else None,
                 "layouts_priced": len(self.priced), "inputs": dict(self.inputs),
-                "auto": [name for name, v in asdict(self.request).items() if v is None]}
+                "auto": [name for name, v in asdict(self.request).items() if v is None],
+                "key": self.key, "saved_from": self.saved_from}
+
+
+PlanBuilder = Callable[[int, dict], object]   # (micro-batches per rank, planner options) -> Plan
 
 
 def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int, num_layers: int,
                  microbatch_counts: Sequence[int], shard_layers: Optional[Tuple[int, ...]] = None,
-                 tensor_parallel: int = 1, plan_schedule: str = "tawpipe") -> Tuple[float, float]:
+                 tensor_parallel: int = 1, plan_schedule: str = "tawpipe",
+                 plan_builder: Optional[PlanBuilder] = None) -> Tuple[float, float]:
     """(predicted iteration time of the first count's batch, predicted peak bytes per device over every count)
     of ``layout``: the simulator on ``cost`` (over ``ranks`` weight-pipeline ranks, each ``tensor_parallel``
-    GPUs)."""
+    GPUs). ``plan_builder``: where plans come from (a caller's cache; default: built here, each once)."""
     virtual = virtual_rank_cost(cost, tensor_parallel)
     options = layout.plan_options()
     if shard_layers is not None:
         options["shard_layers"] = tuple(shard_layers)
     c = layout.microbatches_per_visit
+    built: Dict[int, object] = {}
 
     def build(n):
-        return build_plan(plan_schedule, num_ranks=ranks, num_groups=groups, num_layers=num_layers,
-                          num_microbatches=n, **options)
+        if n not in built:
+            built[n] = (plan_builder(n, options) if plan_builder is not None else
+                        build_plan(plan_schedule, num_ranks=ranks, num_groups=groups, num_layers=num_layers,
+                                   num_microbatches=n, **options))
+        return built[n]
 
     first = microbatch_counts[0]
     result = simulate_extended(build, virtual, first, 2 * c, 4 * c)
@@ -226,11 +242,12 @@ def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: i
                   microbatch_counts: Sequence[int], memory_limit: float = float("inf"),
                   split_of: Callable[[int], Optional[Tuple[int, ...]]] = lambda v: None,
                   shards_allowed: Sequence[int] = SHARDS_PER_RANK, tensor_parallel: int = 1,
-                  inputs: Optional[Dict[str, str]] = None, plan_schedule: str = "tawpipe") -> LayoutChoice:
+                  inputs: Optional[Dict[str, str]] = None, plan_schedule: str = "tawpipe",
+                  plan_builder: Optional[PlanBuilder] = None) -> LayoutChoice:
     """The fastest layout that agrees with ``request`` and fits ``memory_limit`` bytes per device (see the module
     docstring); ``split_of(shards_per_rank)``: the layers of each shard (None: the default split). With nothing
     that fits, the one of least memory (its peak in the choice: the runtime says it does not fit). Raises
-    ``ValueError`` when no layout agrees with the request."""
+    ``ValueError`` when no layout agrees with the request. ``plan_builder``: see :func:`price_layout`."""
     started = time.perf_counter()
     counts = list(microbatch_counts)
     layouts = candidate_layouts(request, ranks, groups, num_layers, counts, shards_allowed)
@@ -242,7 +259,7 @@ def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: i
     def price(layout: TawPipeLayout) -> Priced:
         if layout not in priced:
             t, peak = price_layout(layout, cost, ranks, groups, num_layers, counts, split_of(layout.shards_per_rank),
-                                   tensor_parallel, plan_schedule)
+                                   tensor_parallel, plan_schedule, plan_builder)
             priced[layout] = Priced(layout, t, peak, peak <= memory_limit)
         return priced[layout]
 

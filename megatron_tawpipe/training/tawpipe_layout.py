@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
-from typing import Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,10 +70,10 @@ def _link(args: argparse.Namespace, groups: int, per_group: int, device: torch.d
     """(node link, link inside a node, what was said of them) as given by the flags or probed."""
     intra_default = DEFAULT_INTRA["cuda" if device.type == "cuda" else "cpu"]
     if args.tawpipe_link_bandwidth is not None:
+        # the node link given: nothing is probed (the link inside a node: the stated default)
         inter = LinkMeasure(parse_rate(args.tawpipe_link_bandwidth),
                             parse_time(args.tawpipe_link_latency or "20us"), 0.0, "--tawpipe-link-bandwidth")
-        _, intra, _ = probe_links(1, per_group, device, PROBE_BUDGET_S / 2, DEFAULT_INTER, intra_default)
-        return inter, intra
+        return inter, intra_default
     inter, intra, _ = probe_links(groups, per_group, device, PROBE_BUDGET_S, DEFAULT_INTER, intra_default)
     return inter, intra
 
@@ -89,18 +89,39 @@ def settle_tawpipe_layout(args: argparse.Namespace, world_size: int, device: tor
     groups = args.tawpipe_num_groups or parallel_state.default_num_groups(world_size, "tawpipe")
     request = tawpipe_request(args)
     shards = shards_per_rank_candidates(args, ranks)
+    key = decision_key(args, request, world_size, groups)
     if request.is_fixed():
         choice = fixed_choice(request)
     else:
-        choice = _decide(args, request, world_size, ranks, groups, shards, device)
+        choice = _saved_decision(args, key) or _decide(args, request, world_size, ranks, groups, shards, device)
+    choice.key, choice.request = key, request
     apply_layout(args, choice, world_size)
     if dist.get_rank() == 0:
         print(choice.line(), flush=True)
     return choice
 
 
-def _decide(args, request: LayoutRequest, world_size: int, ranks: int, groups: int, shards: Sequence[int],
-            device: torch.device) -> LayoutChoice:
+@dataclass
+class RunInputs:
+    """What a decision is priced on: the links, the device's memory (the smallest over ranks) and the time
+    measuring them took."""
+
+    inter: LinkMeasure
+    intra: LinkMeasure
+    memory: float
+    memory_what: str
+    seconds: float
+
+    def describe(self, groups: int) -> Dict[str, str]:
+        out = {"node link": self.inter.describe(), "link in a node": self.intra.describe(),
+               "memory limit": f"{AUTO_CACHE_MEMORY_FRACTION:g} x {self.memory / 1e9:.2f} GB ({self.memory_what})"}
+        if groups < 2:
+            out.pop("node link")
+        return out
+
+
+def measure_inputs(args: argparse.Namespace, world_size: int, groups: int, device: torch.device) -> RunInputs:
+    """The links (probed, or given) and the device's memory, alike on every rank (collective)."""
     started = time.perf_counter()
     per_group = world_size // groups
     if groups >= 2 or per_group >= 2:
@@ -109,18 +130,13 @@ def _decide(args, request: LayoutRequest, world_size: int, ranks: int, groups: i
         inter, intra = DEFAULT_INTER, DEFAULT_INTRA["cuda" if device.type == "cuda" else "cpu"]
     memory, what = device_memory(device)
     least = min_over_ranks(memory)
-    choice = None
-    if dist.get_rank() == 0:
-        choice = _choose(args, request, ranks, groups, shards, device, inter, intra, least, what,
-                         time.perf_counter() - started)
-    box = [choice]
-    dist.broadcast_object_list(box, 0)
-    return box[0]
+    if least < memory:
+        what += ", the smallest over ranks"
+    return RunInputs(inter, intra, least, what, time.perf_counter() - started)
 
 
-def _choose(args, request, ranks, groups, shards, device, inter: LinkMeasure, intra: LinkMeasure, memory: float,
-            memory_what: str, probe_seconds: float) -> LayoutChoice:
-    """Rank 0's decision (see :func:`settle_tawpipe_layout`)."""
+def run_cost_of(args: argparse.Namespace, device: torch.device, inputs: RunInputs) -> Tuple[Callable, str]:
+    """(``cost_of(micro_batch_size, recompute)``: the run's cost model, what its compute times are)."""
     times = args.tawpipe_compute_times or args.emulated_compute_times
     kwargs = {}
     if times is None:
@@ -128,32 +144,90 @@ def _choose(args, request, ranks, groups, shards, device, inter: LinkMeasure, in
         kwargs = dict(peak_tflops=rate / 1e12, efficiency=1.0)
     else:
         compute = f"the times in {times}"
-    recompute = not args.tawpipe_no_recompute
-    cost = cost_model_for_run(ModelConfig.from_args(args), PrecisionConfig.from_args(args), args.micro_batch_size,
-                              recompute, **kwargs)
-    if times is not None:
-        cost = cost.with_measured(times, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
+    model, precision = ModelConfig.from_args(args), PrecisionConfig.from_args(args)
     backend = "nccl" if dist.get_backend() == "nccl" else "gloo"
-    cost = replace(cost, backend=backend, inter=Link(inter.bandwidth, inter.latency),
-                   intra=Link(intra.bandwidth, intra.latency))
-    limit = AUTO_CACHE_MEMORY_FRACTION * memory
-    inputs = {"node link": inter.describe(), "link in a node": intra.describe(), "compute": compute,
-              "memory limit": f"{AUTO_CACHE_MEMORY_FRACTION:g} x {memory / 1e9:.2f} GB ({memory_what})"}
-    if groups < 2:
-        inputs.pop("node link")
-    counts = microbatch_counts(args, ranks)
 
+    def cost_of(micro_batch_size: int, recompute: bool):
+        cost = cost_model_for_run(model, precision, micro_batch_size, recompute, **kwargs)
+        if times is not None:
+            cost = cost.with_measured(times, micro_batch_size=micro_batch_size, seq_length=args.seq_length)
+        return replace(cost, backend=backend, inter=Link(inputs.inter.bandwidth, inputs.inter.latency),
+                       intra=Link(inputs.intra.bandwidth, inputs.intra.latency))
+
+    return cost_of, compute
+
+
+def decision_key(args: argparse.Namespace, request: LayoutRequest, world_size: int, groups: int) -> Dict[str, object]:
+    """What a decision depends on besides measurements: the layout flags given, the cluster's shape, the model and
+    the batch. A resumed run whose key equals its checkpoint's takes the checkpoint's layout."""
+    schedule = args.batch_schedule or ((0, args.global_batch_size),)
+    return {"request": [getattr(request, name) for name in ("ownership", "shards_per_rank", "replicate_first", "cache",
+                                                            "microbatches_per_visit", "replicated_reduce")],
+            "world_size": world_size, "groups": groups, "tensor_parallel": args.tensor_model_parallel_size,
+            "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
+            "micro_batch_size": args.micro_batch_size, "batch_schedule": [list(step) for step in schedule],
+            "recompute": not args.tawpipe_no_recompute, "link": args.tawpipe_link_bandwidth,
+            "compute_times": args.tawpipe_compute_times or args.emulated_compute_times}
+
+
+def _saved_decision(args: argparse.Namespace, key: Dict[str, object]) -> Optional[LayoutChoice]:
+    """The layout the checkpoint ``--load`` resumes from was decided with, when it was decided on the same
+    flags, cluster, model and batch (``key``); None otherwise (the run decides again). Every rank reads the same
+    file."""
+    if not args.load or getattr(args, "finetune", False):
+        return None
+    from megatron_tawpipe.checkpoint import checkpoint_dir, latest_iteration, saved_run_arguments
+
+    try:
+        if latest_iteration(args.load) is None:
+            return None
+        saved = saved_run_arguments(checkpoint_dir(args.load)).get("tawpipe_layout")
+    except Exception:   # an unreadable checkpoint is the load's to report, with its own message
+        return None
+    if not isinstance(saved, dict) or saved.get("key") != key:
+        return None
+    choice = fixed_choice(LayoutRequest(**saved["layout"]), dict(saved.get("inputs") or {}))
+    choice.saved_from = checkpoint_dir(args.load)
+    return choice
+
+
+def _decide(args, request: LayoutRequest, world_size: int, ranks: int, groups: int, shards: Sequence[int],
+            device: torch.device) -> LayoutChoice:
+    inputs = measure_inputs(args, world_size, groups, device)
+    choice = None
+    if dist.get_rank() == 0:
+        choice = _choose(args, request, ranks, groups, shards, device, inputs)
+    box = [choice]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def layer_split_of(args: argparse.Namespace, ranks: int) -> Callable[[int], Optional[tuple]]:
+    """``split_of(shards_per_rank)``: the layer split the run's flags give with that many shards per rank."""
     def split_of(per_rank: int):
         trial = argparse.Namespace(**vars(args))
         trial.tawpipe_shards_per_rank = per_rank
         settle_layer_split(trial, ranks * args.tensor_model_parallel_size)
         return trial.decoder_layer_split
 
+    return split_of
+
+
+def _choose(args, request, ranks, groups, shards, device, inputs: RunInputs) -> LayoutChoice:
+    """Rank 0's decision (see :func:`settle_tawpipe_layout`)."""
+    cost_of, compute = run_cost_of(args, device, inputs)
+    cost = cost_of(args.micro_batch_size, not args.tawpipe_no_recompute)
+    limit = AUTO_CACHE_MEMORY_FRACTION * inputs.memory
+    described = inputs.describe(groups)
+    described["compute"] = compute
+    counts = microbatch_counts(args, ranks)
+    split_of = layer_split_of(args, ranks)
+
     try:
         choice = choose_layout(request, cost, ranks, groups, args.num_layers, counts, limit, split_of, shards,
-                               args.tensor_model_parallel_size, inputs,
+                               args.tensor_model_parallel_size, described,
                                "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe")
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
-    choice.inputs["probe"] = f"{probe_seconds:.2f} s"
+    choice.inputs["probe"] = f"{inputs.seconds:.2f} s"
     return choice

@@ -70,9 +70,8 @@ def check_tawpipe_layout(args: argparse.Namespace, world_size: int, groups: int)
     if not candidate_layouts(tawpipe_request(args), ranks, groups, args.num_layers, counts, shards):
         given = " ".join(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}" for flag in layout_flags_given(args))
         raise ArgumentError(f"no TawPipe layout has {given} on {ranks} ranks in {groups} groups with "
-                            f"{counts[0]} micro-batches per rank (the spread layout needs the cache and two or more "
-                            "groups and holds every shard in every group; micro-batches per visit divide a rank's "
-                            "micro-batches); leave one of them at auto")
+                            f"{counts[0]} micro-batches per rank (what each knob needs: docs/tawpipe-layout.md); "
+                            "leave one of them at auto")
 
 
 def microbatch_counts(args: argparse.Namespace, data_parallel_size: int) -> List[int]:

@@ -61,6 +61,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
 
 
 def _check_schedule_name(args: argparse.Namespace) -> None:
+    if args.pipeline_schedule == "auto":
+        raise ArgumentError("--pipeline-schedule auto is decided by pretrain_llama.py at start-up (it measures the "
+                            "cluster first); give a schedule here")
     if args.pipeline_schedule not in PIPELINE_SCHEDULES and plan_file_of(args.pipeline_schedule) is None:
         raise ArgumentError(
             f"--pipeline-schedule {args.pipeline_schedule!r} is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)} "

@@ -63,7 +63,11 @@ class LlamaRun:
         return flags + list(schedule_flags)
 
 
-TAWPIPE_FLAGS = ("--pipeline-schedule", "tawpipe")
+# one rank's TawPipe, its layout pinned (one shard, one micro-batch per visit): the checks compare this runtime
+# with the simulator's plan of the same layout, not the layout a run would decide
+TAWPIPE_FLAGS = ("--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "owner", "--tawpipe-shards-per-rank", "1",
+                 "--tawpipe-cache", "off", "--tawpipe-microbatches-per-visit", "1", "--no-tawpipe-replicate-first-shard",
+                 "--tawpipe-replicated-reduce", "hierarchical")
 NATIVE_1F1B_FLAGS = ("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "1")
 
 

@@ -1,0 +1,135 @@
+"""``--pipeline-schedule auto``: which of what ``pretrain_llama.py`` runs is fastest for a run's model, batch,
+cluster and memory.
+
+The candidates are the strategies a Megatron user would compare, at the run's own micro-batch size, global batch
+and recomputation: TawPipe in the layout it decides (:func:`megatron_tawpipe.sim.layout_choice.choose_layout`),
+WeiPipe and its zero-bubble forms, megatron's 1F1B and interleaved pipelines over every stage count whose stages
+sit inside nodes (with the distributed optimizer over the data-parallel ranks), and megatron's distributed
+optimizer over all ranks (one instance, or one per node). Each is priced by the advisor's simulation on the run's
+cost model (:class:`megatron_tawpipe.sim.advisor.Advisor`, with the run's compute times, links, dtypes and
+collectives), those over the memory limit or refused by ``pretrain_llama.py``'s validation dropped, and the rest
+ranked by predicted tokens/s per GPU. Every candidate computes the same step (the equivalence tests hold each to
+one process): the choice changes speed, never the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from megatron_tawpipe.sim.advisor import Advisor
+from megatron_tawpipe.sim.advisor_configs import Cluster, Config, ModelSpec
+from megatron_tawpipe.sim.advisor_report import strategy_flags
+from megatron_tawpipe.sim.costmodel import CostModel
+from megatron_tawpipe.sim.layout_choice import LayoutChoice, LayoutRequest, choose_layout
+
+#: the advisor's strategies ``--pipeline-schedule auto`` chooses among (TawPipe: its decided layout)
+AUTO_STRATEGIES = ("tawpipe", "weipipe", "1f1b", "interleaved", "pp-nodes", "distopt", "distopt-node")
+
+
+@dataclass
+class Ranked:
+    label: str                      # what runs, in words
+    flags: List[str]                # the pretrain_llama.py flags that select it (replacing --pipeline-schedule auto)
+    tokens_per_sec_per_gpu: float
+    memory_bytes: float
+    refusal: str = ""               # why pretrain_llama.py refuses it ("" when it runs)
+    layout: Optional[LayoutChoice] = None   # TawPipe's decided layout
+
+
+@dataclass
+class ScheduleRanking:
+    ranked: List[Ranked]            # runnable and fitting, fastest first
+    left_out: List[Ranked] = field(default_factory=list)   # refused, or over the memory limit
+
+    @property
+    def winner(self) -> Optional[Ranked]:
+        return self.ranked[0] if self.ranked else None
+
+    def lines(self, top: int = 3) -> List[str]:
+        """The top ``top`` with their margins to the winner."""
+        if not self.ranked:
+            return ["--pipeline-schedule auto: no candidate runs: " + "; ".join(
+                f"{r.label}: {r.refusal or 'over the memory limit'}" for r in self.left_out[:4])]
+        best = self.ranked[0].tokens_per_sec_per_gpu
+        out = []
+        for i, r in enumerate(self.ranked[:top]):
+            margin = "" if i == 0 else f", {100 * (r.tokens_per_sec_per_gpu / best - 1):+.1f}%"
+            out.append(f"  {i + 1}. {r.label}: predicted {r.tokens_per_sec_per_gpu:.0f} tokens/s per GPU{margin}, "
+                       f"{r.memory_bytes / 1e9:.2f} GB per GPU")
+        return out
+
+
+class _RunAdvisor(Advisor):
+    """The advisor on a run's own cost model (``cost_of(micro_batch_size, recompute)``)."""
+
+    def __init__(self, model, cluster, global_batch, cost_of: Callable[[int, bool], CostModel], grad_bytes: int):
+        super().__init__(model, cluster, global_batch, grad_bytes=grad_bytes)
+        self._cost_of = cost_of
+
+    def cost(self, b: int, recompute: bool) -> CostModel:
+        key = (b, recompute)
+        if key not in self.costs:
+            self.costs[key] = self._cost_of(b, recompute)
+        return self.costs[key]
+
+
+def _label(cfg: Config) -> str:
+    k = cfg.knobs
+    if cfg.strategy in ("1f1b", "interleaved", "pp-nodes"):
+        name = "interleaved" if cfg.strategy == "interleaved" else "1f1b"
+        text = f"{name} over {k['pipeline_size']} stages"
+        if cfg.strategy == "interleaved":
+            text += f" x {k['virtual_stages']} virtual"
+        return text + " (distributed optimizer across the pipelines)"
+    if cfg.strategy == "weipipe":
+        return "weipipe" + (f" zero-bubble {k['zero_bubble']}" if k.get("zero_bubble") else "")
+    if cfg.strategy == "distopt":
+        return "megatron's distributed optimizer over all ranks (overlapped)"
+    if cfg.strategy == "distopt-node":
+        return "megatron's distributed optimizer, one instance per node (overlapped)"
+    return cfg.strategy
+
+
+def rank_schedules(model: ModelSpec, cluster: Cluster, global_batch: int, micro_batch_size: int,
+                   cost_of: Callable[[int, bool], CostModel], weight_passing_recompute: bool,
+                   native_recompute: bool, check: Callable[[List[str]], str], grad_bytes: int = 4,
+                   shard_split_of: Callable[[int], Optional[tuple]] = lambda v: None) -> ScheduleRanking:
+    """Rank the candidates (see the module docstring). ``cost_of(b, recompute)``: the run's cost model;
+    ``check(flags)``: why ``pretrain_llama.py`` refuses the run with ``flags`` in place of ``--pipeline-schedule
+    auto`` ("" when it accepts it); ``shard_split_of(shards_per_rank)``: TawPipe's layer split."""
+    advisor = _RunAdvisor(model, cluster, global_batch, cost_of, grad_bytes)
+    b = micro_batch_size
+
+    def keep(cfg: Config) -> bool:
+        recompute = weight_passing_recompute if cfg.strategy == "weipipe" else native_recompute
+        return (cfg.strategy in AUTO_STRATEGIES[1:] and cfg.micro_batch_size == b and cfg.recompute == recompute
+                and not cfg.knobs.get("plan_schedule") and cfg.knobs.get("tp", 1) == 1)
+
+    configs, _ = advisor.run(prune="strategy", keep=keep, listed=0)
+    candidates: List[Ranked] = []
+    for cfg in configs:
+        if cfg.status not in ("ok", "no-fit"):
+            continue
+        flags = strategy_flags(cfg, model, cluster, recompute_flags=False)
+        if "--pipeline-schedule" not in flags:
+            flags = ["--pipeline-schedule", "1f1b"] + flags
+        candidates.append(Ranked(_label(cfg), flags, cfg.tokens_per_sec_per_gpu, cfg.memory.total,
+                                 "" if cfg.status == "ok" else "over the memory limit"))
+    # TawPipe in the layout it decides on this cost model and memory
+    P, D = cluster.ranks, cluster.nodes
+    if global_batch % (b * P) == 0 and model.num_layers >= P:
+        n = global_batch // (b * P)
+        cost = advisor.cost(b, weight_passing_recompute)
+        choice = choose_layout(LayoutRequest(), cost, P, D, model.num_layers, [n], cluster.usable_memory,
+                               shard_split_of)
+        best = choice.chosen_priced
+        tokens = global_batch * model.seq_length / (best.iteration_time * P)
+        candidates.append(Ranked(f"tawpipe ({choice.chosen.label()})",
+                                 ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D)], tokens,
+                                 best.memory_bytes, "" if best.fits else "over the memory limit", choice))
+    for r in candidates:
+        if not r.refusal:
+            r.refusal = check(r.flags)
+    ranked = sorted((r for r in candidates if not r.refusal), key=lambda r: -r.tokens_per_sec_per_gpu)
+    return ScheduleRanking(ranked, [r for r in candidates if r.refusal])
