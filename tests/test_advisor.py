@@ -671,6 +671,9 @@ def test_uneven_layers_offer_weight_passing_and_pipelines_with_their_flags(tmp_p
             argv = [f"plan:{tmp_path / 'plan.json'}" if a == "plan:plan.json" else a for a in argv]
         for flag in k.get("split_flags", []):
             assert flag in argv
+        if k.get("auto_layout"):   # no layout flag: the run decides this layout, and with it cuts the layers so
+            assert "--tawpipe-shards-per-rank" not in argv
+            argv = argv + ["--tawpipe-shards-per-rank", str(k.get("shards_per_rank", 1))]
         args = validate_args(parse_args(argv + ["--train-iters", "1", "--lr", "1e-4", "--tokenizer-type",
                                                 "NullTokenizer"]), world_size=8)
         assert tuple(args.decoder_layer_split) == tuple(split), r["label"]
