@@ -207,9 +207,15 @@ def test_layouts_auto_picks_train_like_the_reference(layout, reference, tmp_path
 def test_auto_schedule_replaces_the_schedule_and_the_groups():
     from megatron_tawpipe.cli.auto_schedule import with_schedule
 
-    argv = ["--num-layers", "4", "--pipeline-schedule", "auto", "--tawpipe-num-groups=2", "--lr", "1e-3"]
+    argv = ["--num-layers", "4", "--pipeline-schedule", "auto", "--tawpipe-num-groups=2", "--lr", "1e-3",
+            "--tawpipe-no-recompute", "--tawpipe-cache", "on"]
     assert with_schedule(argv, ["--pipeline-schedule", "1f1b", "--use-distributed-optimizer"]) == [
         "--num-layers", "4", "--lr", "1e-3", "--pipeline-schedule", "1f1b", "--use-distributed-optimizer"]
+    assert with_schedule(argv, ["--pipeline-schedule", "weipipe", "--tawpipe-num-groups", "2"]) == [
+        "--num-layers", "4", "--lr", "1e-3", "--tawpipe-no-recompute", "--pipeline-schedule", "weipipe",
+        "--tawpipe-num-groups", "2"]
+    assert with_schedule(argv, ["--pipeline-schedule", "tawpipe"])[-5:] == [
+        "--tawpipe-no-recompute", "--tawpipe-cache", "on", "--pipeline-schedule", "tawpipe"]
 
 
 def test_auto_schedule_ranks_what_pretrain_runs_and_drops_what_it_refuses():

@@ -40,7 +40,8 @@ from megatron_tawpipe.common.units import parse_rate
 from megatron_tawpipe.sim.memory import TERMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXED = ("tawpipe", "tawpipe-owner", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "tawpipe-tp")   # their window is the visit
+# their window is the visit
+FIXED = ("tawpipe", "tawpipe-owner", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "tawpipe-tp")
 NO_CACHE = "tawpipe-nocache"     # simulated as tawpipe with --no-cache
 # The TawPipe variants the simulator prices as tawpipe with these flags.
 VARIANTS = {NO_CACHE: ["--no-cache"], "tawpipe-spread": ["--tawpipe-ownership", "spread", "--cache"],

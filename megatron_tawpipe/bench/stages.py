@@ -49,7 +49,8 @@ def interleaved_virtual_stages(layers: int, ranks: int) -> int:
 SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                "--pipeline-model-parallel-layout")
 # Strategies that take a split of one piece per rank as it is given (a shard or a pipeline stage per rank).
-_ONE_PIECE_PER_RANK = ("tawpipe", "tawpipe-owner", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "weipipe", "1f1b")
+_ONE_PIECE_PER_RANK = ("tawpipe", "tawpipe-owner", "tawpipe-rep", "tawpipe-nocache", "tawpipe-spread", "weipipe",
+                       "1f1b")
 # Strategies without stages: the split flags mean nothing to them and are left out.
 _NO_STAGES = ("distopt-node", "distopt", "fsdp", "hsdp", "hfsdp")
 

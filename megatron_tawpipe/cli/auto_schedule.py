@@ -24,20 +24,33 @@ SCHEDULE_FLAG = "--pipeline-schedule"
 
 
 GROUPS_FLAG = "--tawpipe-num-groups"   # the groups (nodes): the weight-passing candidates' flags carry it
+# TawPipe's layout flags (a TawPipe candidate decides its layout; the others do not take them), and the weight
+# pipeline's own options (the native candidates do not take them: recomputation and overlap change no math)
+LAYOUT_FLAGS = {"--tawpipe-ownership": 1, "--tawpipe-shards-per-rank": 1, "--tawpipe-cache": 1,
+                "--tawpipe-microbatches-per-visit": 1, "--tawpipe-replicated-reduce": 1,
+                "--tawpipe-replicate-first-shard": 0, "--no-tawpipe-replicate-first-shard": 0}
+WEIGHT_PASSING_FLAGS = {"--tawpipe-no-recompute": 0, "--tawpipe-no-overlap": 0, "--tawpipe-nccl-faithful": 0,
+                        "--weipipe-zero-bubble": 1, "--timeline-file": 1, "--record-plan-memory": 0}
 
 
 def with_schedule(argv: List[str], flags: List[str]) -> List[str]:
-    """``argv`` with ``--pipeline-schedule auto`` (and ``--tawpipe-num-groups``, which the weight-passing
-    candidates' flags carry) replaced by ``flags``."""
-    out, skip = [], False
+    """``argv`` with ``--pipeline-schedule auto`` replaced by ``flags``, without what the candidate does not take:
+    ``--tawpipe-num-groups`` (the weight-passing candidates' flags carry it), TawPipe's layout flags but for a
+    TawPipe candidate, the weight pipeline's options for a native one."""
+    schedule = flags[flags.index(SCHEDULE_FLAG) + 1] if SCHEDULE_FLAG in flags else None
+    drop = {SCHEDULE_FLAG: 1, GROUPS_FLAG: 1}
+    if schedule != "tawpipe":
+        drop.update(LAYOUT_FLAGS)
+    if schedule not in ("tawpipe", "weipipe"):
+        drop.update(WEIGHT_PASSING_FLAGS)
+    out, skip = [], 0
     for a in argv:
         if skip:
-            skip = False
+            skip -= 1
             continue
-        if a in (SCHEDULE_FLAG, GROUPS_FLAG):
-            skip = True
-            continue
-        if a.startswith((SCHEDULE_FLAG + "=", GROUPS_FLAG + "=")):
+        name = a.split("=", 1)[0]
+        if name in drop:
+            skip = drop[name] if "=" not in a else 0
             continue
         out.append(a)
     return out + list(flags)
