@@ -39,25 +39,21 @@ from megatron_tawpipe.runtime import tawpipe_cache
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
 from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, holder_slice, piece_view
 from megatron_tawpipe.runtime.warmup import launch_order_problem
+from megatron_tawpipe.sim.layout_choice import TawPipeLayout
 
 
 def plan_options(schedule: ScheduleConfig, cache: Optional[bool] = None, groups: int = 1) -> dict:
-    """The planner's options from the schedule's flags; ``cache``: TawPipe's shard cache as decided at start-up
-    (``--tawpipe-cache``, :mod:`megatron_tawpipe.runtime.tawpipe_cache`); None leaves it to the planner.
-    ``groups``: the run's scheduling groups (``--tawpipe-ownership auto`` spreads over two or more)."""
+    """The planner's options from the schedule's (settled) layout flags; ``cache``: TawPipe's shard cache as decided
+    at start-up (``--tawpipe-cache``, :mod:`megatron_tawpipe.runtime.tawpipe_cache`); None leaves it to the planner.
+    ``groups``: the run's scheduling groups."""
     if schedule.pipeline_schedule != "tawpipe":
         return {}
-    options = {} if cache is None else {"cache": cache}
-    if schedule.tawpipe_microbatches_per_visit != 1:
-        options["chunk"] = schedule.tawpipe_microbatches_per_visit
-    if schedule.tawpipe_replicate_first_shard:
-        options["replicate_first"] = True
-    if schedule.ownership(groups) == "spread":
-        options["ownership"] = "spread"
-    if schedule.tawpipe_shards_per_rank != 1:
-        options["shards_per_rank"] = schedule.tawpipe_shards_per_rank
-    if schedule.tawpipe_replicated_reduce == "flat":
-        options["hierarchical_replicated"] = False
+    layout = TawPipeLayout(schedule.ownership(groups), int(schedule.tawpipe_shards_per_rank),
+                           bool(schedule.tawpipe_replicate_first_shard), bool(cache),
+                           int(schedule.tawpipe_microbatches_per_visit), schedule.tawpipe_replicated_reduce)
+    options = layout.plan_options()
+    if cache is None:
+        options.pop("cache")
     return options
 
 
