@@ -17,12 +17,13 @@ import time
 from distributed_harness import free_port
 from job_processes import alive, ended, environ, job_pids, start, state
 from megatron_tawpipe.checkpoint import async_save
-from training_helpers import metrics_by_iteration
+from training_helpers import metrics_by_iteration, pinned_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
 ITERS, RETAIN = 10, 4
-FLAGS = ["--tawpipe-num-groups", "2", "--async-save", "--save-retain-interval", str(RETAIN),
+# the layout pinned: the faulted run and the reference are launched separately and compared bit for bit
+FLAGS = ["--tawpipe-num-groups", "2", *pinned_layout(2), "--async-save", "--save-retain-interval", str(RETAIN),
          "--ckpt-format", "torch_dist"]
 
 
