@@ -115,9 +115,11 @@ def candidate_sizes(config) -> List[int]:
     return [m for m in range(1, share + 1) if share % m == 0]
 
 
-def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) -> List[str]:
+def simulate_command(config, micro_batch_size: int, schedules: Sequence[str], decided: bool = True) -> List[str]:
     """``tools/simulate.py`` for the benchmark's configuration at one micro-batch size (every rank's share of
-    the global batch in micro-batches of that size), on the times file and links the runs use."""
+    the global batch in micro-batches of that size), on the times file and links the runs use. ``decided``: the
+    plain tawpipe alone in ``schedules`` is priced in the layout the run decides; False: in the benchmark's given
+    one (micro-batches per visit, shards per rank), as the named variants run."""
     args = config.model_args
     layers = model_int(config, "--num-layers", config.num_layers)
     hidden = model_int(config, "--hidden-size")
@@ -133,11 +135,11 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str]) ->
     for flag in ("--num-attention-heads", "--ffn-hidden-size", "--num-query-groups"):
         if flag_value(args, flag) is not None:
             cmd += [flag, flag_value(args, flag)]
-    if list(schedules) == ["tawpipe"]:
+    if decided and list(schedules) == ["tawpipe"]:
         # the plain tawpipe run: its layout decided as the run decides it (no layout flag)
         cmd += ["--tawpipe-ownership", "auto"]
     elif any(s.startswith("tawpipe") for s in schedules):
-        if "tawpipe" in schedules:
+        if decided and "tawpipe" in schedules:
             raise BenchmarkError("tawpipe (its layout decided) is simulated on its own: simulate_rows splits it off")
         cmd += ["--chunk", str(config.tawpipe_microbatches_per_visit or 1)]
         if (config.tawpipe_shards_per_rank or 1) != 1:
@@ -289,9 +291,7 @@ def predicted_memory_by_schedule(result: dict) -> Dict[str, Optional[float]]:
 def _variant_command(config, micro_batch_size: int, flags: Sequence[str]) -> List[str]:
     """``tools/simulate.py`` of a named TawPipe variant: tawpipe with its layout given (``flags`` and the benchmark's
     micro-batches per visit and shards per rank)."""
-    cmd = simulate_command(config, micro_batch_size, ["tawpipe-rep"])   # every explicit TawPipe flag ...
-    cmd[cmd.index("--schedule") + 1] = "tawpipe"                         # ... on plain tawpipe's plan
-    return cmd + list(flags)
+    return simulate_command(config, micro_batch_size, ["tawpipe"], decided=False) + list(flags)
 
 
 def simulate_as_run(config, simulate: Callable[[List[str]], List[dict]] = run_simulator) -> List[dict]:

@@ -25,10 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.sim.costmodel import CostModel
-from megatron_tawpipe.sim.memory import weight_passing_breakdown
 from megatron_tawpipe.sim.pipelines import simulate_extended
-from megatron_tawpipe.sim.plan_memory import memory_fields
-from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
+from megatron_tawpipe.sim.tawpipe_cache import predicted_memory
+from megatron_tawpipe.sim.tensor_parallel import virtual_rank_cost
 
 #: two layouts whose predicted iteration times differ by less than this share are a tie (the earlier wins)
 TIE = 0.002
@@ -227,14 +226,8 @@ def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int
 
     first = microbatch_counts[0]
     result = simulate_extended(build, virtual, first, 2 * c, 4 * c)
-    peak = 0.0
-    for n in microbatch_counts:
-        plan = build(min(n, 4 * c))   # its buffers and stored boundaries are the full plan's
-        from types import SimpleNamespace
-
-        fields = SimpleNamespace(**memory_fields(plan, virtual))
-        memory = per_gpu_breakdown(weight_passing_breakdown(fields, virtual, plan, c), tensor_parallel)
-        peak = max(peak, memory.total)
+    # the plan of min(n, 4c) micro-batches has the full plan's buffers and stored boundaries
+    peak = max(predicted_memory(build(min(n, 4 * c)), virtual, c, tensor_parallel).total for n in microbatch_counts)
     return result.iteration_time, peak
 
 

@@ -36,28 +36,18 @@ def settle_fixed_layouts(args: argparse.Namespace) -> None:
         args.tawpipe_replicate_first_shard = False
 
 
-def layout_request(args: argparse.Namespace) -> LayoutRequest:
-    """What the flags fix of the layout (``None``: auto)."""
-    cache = args.tawpipe_cache
+def tawpipe_request(args: argparse.Namespace) -> LayoutRequest:
+    """What the flags fix of the layout (``None``: auto), with what the run's other flags rule out: no replicated
+    first shard without overlap (``--tawpipe-no-overlap``)."""
+    cache, replicate_first = args.tawpipe_cache, args.tawpipe_replicate_first_shard
     return LayoutRequest(
         ownership=None if is_auto(args.tawpipe_ownership) else args.tawpipe_ownership,
         shards_per_rank=None if is_auto(args.tawpipe_shards_per_rank) else int(args.tawpipe_shards_per_rank),
-        replicate_first=args.tawpipe_replicate_first_shard,
+        replicate_first=False if replicate_first is None and args.tawpipe_no_overlap else replicate_first,
         cache=None if is_auto(cache) else cache == "on",
         microbatches_per_visit=(None if is_auto(args.tawpipe_microbatches_per_visit)
                                 else int(args.tawpipe_microbatches_per_visit)),
         replicated_reduce=None if is_auto(args.tawpipe_replicated_reduce) else args.tawpipe_replicated_reduce)
-
-
-def tawpipe_request(args: argparse.Namespace) -> LayoutRequest:
-    """:func:`layout_request`, with what the run's other flags rule out: no replicated first shard without
-    overlap (``--tawpipe-no-overlap``)."""
-    request = layout_request(args)
-    if args.tawpipe_no_overlap and request.replicate_first is None:
-        from dataclasses import replace
-
-        request = replace(request, replicate_first=False)
-    return request
 
 
 def check_tawpipe_layout(args: argparse.Namespace, world_size: int, groups: int) -> None:
