@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from training_helpers import tiny_args, train_rank
+from training_helpers import pinned_layout, tiny_args, train_rank
 
 from tawpipe_lab.idle_breakdown import (CATEGORIES, check_plan_matches, grouped, measured_breakdown,
                                         simulated_breakdown)
@@ -47,7 +47,7 @@ def delayed_run(tmp_path_factory):
         monkeypatch.setattr(torch.optim.AdamW, "step", _slow_step(torch.optim.AdamW.step))
         # 8 layers on 2 ranks in 2 groups (one rank per node), 4 micro-batches per rank
         argv = tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--timeline-file",
-                         str(timeline), "--emulated-compute-times", str(times), "--tawpipe-no-recompute", train_iters=2)
+                         str(timeline), "--emulated-compute-times", str(times), "--tawpipe-no-recompute", *pinned_layout(2), train_iters=2)
         run_ranks(train_rank, 2, argv)
     return json.loads(timeline.read_text())
 

@@ -12,7 +12,7 @@ import pytest
 
 from distributed_harness import free_port
 import job_processes as jobs
-from training_helpers import metrics_by_iteration, tiny_args
+from training_helpers import metrics_by_iteration, pinned_layout, tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_llama_multinode.sh")
@@ -112,12 +112,14 @@ def _signal_job_at(tmp_path, name, iteration, *flags):
 
 def test_sigterm_with_the_handler_saves_stops_and_resumes_exactly(tmp_path):
     reference = tmp_path / "reference"
-    subprocess.run(["bash", SCRIPT, "--num-workers", "2"], env=_script_env(reference), cwd=ROOT, check=True,
+    # one layout for the three launches (left to the run, each would decide on its own measurements)
+    layout = pinned_layout(1)
+    subprocess.run(["bash", SCRIPT, "--num-workers", "2", *layout], env=_script_env(reference), cwd=ROOT, check=True,
                    timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     expected = metrics_by_iteration(reference / "metrics.jsonl")
     assert sorted(expected) == list(range(1, 9))
 
-    proc, seconds, text = _signal_job_at(tmp_path, "stopped", 2, "--exit-signal-handler")
+    proc, seconds, text = _signal_job_at(tmp_path, "stopped", 2, "--exit-signal-handler", *layout)
     assert proc.returncode == 0, text[-3000:]          # stopped on request: the documented status
     assert "run_with_restarts: stopped on request, not restarted" in text, text[-3000:]
     assert "restart 1 of" not in text
@@ -129,7 +131,7 @@ def test_sigterm_with_the_handler_saves_stops_and_resumes_exactly(tmp_path):
     assert f"exiting after iteration {saved}: received SIGTERM" in text
 
     # The same command again resumes from that checkpoint and ends where the uninterrupted run ended.
-    subprocess.run(["bash", SCRIPT, "--num-workers", "2", "--exit-signal-handler"],
+    subprocess.run(["bash", SCRIPT, "--num-workers", "2", "--exit-signal-handler", *layout],
                    env=_script_env(tmp_path / "stopped"), cwd=ROOT, check=True, timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     resumed = metrics_by_iteration(tmp_path / "stopped" / "metrics.jsonl")

@@ -5,7 +5,7 @@ import json
 import os
 
 from distributed_harness import run_ranks
-from training_helpers import tiny_args, train_rank
+from training_helpers import pinned_layout, tiny_args, train_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ def test_timeline_of_a_tawpipe_iteration(tmp_path):
     timeline = tmp_path / "timeline.json"
     # 8 layers on 4 ranks (4 shards), global batch 8: 2 micro-batches per rank.
     argv = tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--timeline-file", str(timeline),
-                     "--emulated-compute-times", str(times), train_iters=2)
+                     "--emulated-compute-times", str(times), *pinned_layout(2), train_iters=2)
     run_ranks(train_rank, 4, argv)
     doc = json.loads(timeline.read_text())
     assert (doc["schedule"], doc["num_ranks"], doc["num_groups"], doc["num_microbatches"]) == ("tawpipe", 4, 2, 2)
