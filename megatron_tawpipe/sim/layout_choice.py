@@ -201,6 +201,13 @@ class LayoutChoice:
 
 
 PlanBuilder = Callable[[int, dict], object]   # (micro-batches per rank, planner options) -> Plan
+#: (layouts, price one) -> each layout priced, in order; a run spreads the pricing over its ranks
+PriceMany = Callable[[List["TawPipeLayout"], Callable[["TawPipeLayout"], "Priced"]], List["Priced"]]
+
+
+def price_here(layouts: List[TawPipeLayout], price: Callable[[TawPipeLayout], Priced]) -> List[Priced]:
+    """Every layout priced in this process."""
+    return [price(layout) for layout in layouts]
 
 
 def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int, num_layers: int,
@@ -236,11 +243,12 @@ def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: i
                   split_of: Callable[[int], Optional[Tuple[int, ...]]] = lambda v: None,
                   shards_allowed: Sequence[int] = SHARDS_PER_RANK, tensor_parallel: int = 1,
                   inputs: Optional[Dict[str, str]] = None, plan_schedule: str = "tawpipe",
-                  plan_builder: Optional[PlanBuilder] = None) -> LayoutChoice:
+                  plan_builder: Optional[PlanBuilder] = None, price_many: PriceMany = price_here) -> LayoutChoice:
     """The fastest layout that agrees with ``request`` and fits ``memory_limit`` bytes per device (see the module
     docstring); ``split_of(shards_per_rank)``: the layers of each shard (None: the default split). With nothing
     that fits, the one of least memory (its peak in the choice: the runtime says it does not fit). Raises
-    ``ValueError`` when no layout agrees with the request. ``plan_builder``: see :func:`price_layout`."""
+    ``ValueError`` when no layout agrees with the request. ``plan_builder``: see :func:`price_layout`;
+    ``price_many``: how a list of layouts gets priced (:func:`price_here`, or shared out by a run's ranks)."""
     started = time.perf_counter()
     counts = list(microbatch_counts)
     layouts = candidate_layouts(request, ranks, groups, num_layers, counts, shards_allowed)
@@ -250,22 +258,21 @@ def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: i
     priced: Dict[TawPipeLayout, Priced] = {}
 
     def price(layout: TawPipeLayout) -> Priced:
-        if layout not in priced:
-            t, peak = price_layout(layout, cost, ranks, groups, num_layers, counts, split_of(layout.shards_per_rank),
-                                   tensor_parallel, plan_schedule, plan_builder)
-            priced[layout] = Priced(layout, t, peak, peak <= memory_limit)
-        return priced[layout]
+        t, peak = price_layout(layout, cost, ranks, groups, num_layers, counts, split_of(layout.shards_per_rank),
+                               tensor_parallel, plan_schedule, plan_builder)
+        return Priced(layout, t, peak, peak <= memory_limit)
+
+    def price_all(todo: List[TawPipeLayout]) -> None:
+        todo = [layout for layout in todo if layout not in priced]
+        priced.update((p.layout, p) for p in price_many(todo, price))
 
     # The replicated reduction is independent of the rest of the layout: every layout is priced with the first
     # reduction its request allows, and the best of them with the other too.
     first_reduce = layouts[0].replicated_reduce
-    for layout in layouts:
-        if layout.replicated_reduce == first_reduce:
-            price(layout)
+    price_all([layout for layout in layouts if layout.replicated_reduce == first_reduce])
     best = _best(list(priced.values()))
-    for layout in layouts:
-        if layout.replicated_reduce != first_reduce and replace(layout, replicated_reduce=first_reduce) == best.layout:
-            price(layout)
+    price_all([layout for layout in layouts if layout.replicated_reduce != first_reduce
+               and replace(layout, replicated_reduce=first_reduce) == best.layout])
     chosen = _best([priced[layout] for layout in layouts if layout in priced])
     priced_list = [priced[layout] for layout in layouts if layout in priced]
     order = sorted(priced_list, key=lambda p: (not p.fits, p.iteration_time))

@@ -2,9 +2,10 @@
 is the rest): after the process groups exist, the node link (measured by
 :mod:`megatron_tawpipe.distributed.link_probe`, or ``--tawpipe-link-bandwidth``), the compute times
 (``--tawpipe-compute-times``, ``--emulated-compute-times``, or the device's peak at a stated efficiency) and the
-device's memory (the smallest over ranks) are read; rank 0 asks
-:func:`megatron_tawpipe.sim.layout_choice.choose_layout` for the fastest layout the flags given allow that fits, and
-broadcasts it; every rank writes it into its flags; rank 0 prints one line.
+device's memory (the smallest over ranks) are read; rank 0 sets the cost model up from them and
+:func:`megatron_tawpipe.sim.layout_choice.choose_layout` finds the fastest layout the flags given allow that fits,
+every rank pricing its share of the candidates; rank 0's choice is broadcast, every rank writes it into its flags,
+rank 0 prints one line.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,9 @@ from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.distributed.link_probe import LinkMeasure, probe_links
 from megatron_tawpipe.monitor.metrics import min_over_ranks
 from megatron_tawpipe.runtime.tawpipe_cache import device_memory
-from megatron_tawpipe.sim.costmodel import Link
-from megatron_tawpipe.sim.layout_choice import LayoutChoice, LayoutRequest, choose_layout, fixed_choice
+from megatron_tawpipe.sim.costmodel import CostModel, Link
+from megatron_tawpipe.sim.layout_choice import (LayoutChoice, LayoutRequest, Priced, TawPipeLayout, choose_layout,
+                                                fixed_choice)
 from megatron_tawpipe.sim.run_cost import cost_model_for_run
 from megatron_tawpipe.training.layer_split_args import settle_layer_split, shards_per_rank_candidates
 from megatron_tawpipe.training.tawpipe_layout_args import (apply_layout, microbatch_counts, settle_fixed_layouts,
@@ -193,13 +195,27 @@ def _saved_decision(args: argparse.Namespace, key: Dict[str, object]) -> Optiona
 
 def _decide(args, request: LayoutRequest, world_size: int, ranks: int, groups: int, shards: Sequence[int],
             device: torch.device) -> LayoutChoice:
+    """Collective: rank 0 sets the cost model up from the measured inputs; every rank prices its share of the
+    candidate layouts on it (:func:`price_on_every_rank`); rank 0's choice is every rank's."""
     inputs = measure_inputs(args, world_size, groups, device)
-    choice = None
-    if dist.get_rank() == 0:
-        choice = _choose(args, request, ranks, groups, shards, device, inputs)
+    box = [_pricing(args, device, inputs, groups) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    choice = _choose(args, request, ranks, groups, shards, inputs, *box[0])
     box = [choice]
     dist.broadcast_object_list(box, 0)
     return box[0]
+
+
+def price_on_every_rank(layouts: List[TawPipeLayout], price: Callable[[TawPipeLayout], Priced]) -> List[Priced]:
+    """``layouts`` priced by the ranks together: rank r prices every world-size-th from the r-th, and every rank
+    gets every price (collective). A run's ranks have a host core each: the decision takes the time of one
+    rank's share."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [price(layout) for layout in layouts[rank::world]]
+    shares: List[Optional[List[Priced]]] = [None] * world
+    dist.all_gather_object(shares, mine)
+    by_layout = {p.layout: p for share in shares for p in share}
+    return [by_layout[layout] for layout in layouts]
 
 
 def layer_split_of(args: argparse.Namespace, ranks: int) -> Callable[[int], Optional[tuple]]:
@@ -213,20 +229,25 @@ def layer_split_of(args: argparse.Namespace, ranks: int) -> Callable[[int], Opti
     return split_of
 
 
-def _choose(args, request, ranks, groups, shards, device, inputs: RunInputs) -> LayoutChoice:
-    """Rank 0's decision (see :func:`settle_tawpipe_layout`)."""
+def _pricing(args, device: torch.device, inputs: RunInputs, groups: int) -> Tuple[CostModel, float, Dict[str, str]]:
+    """Rank 0's (cost model, memory limit, what they were set up from) for the decision."""
     cost_of, compute = run_cost_of(args, device, inputs)
-    cost = cost_of(args.micro_batch_size, not args.tawpipe_no_recompute)
-    limit = AUTO_CACHE_MEMORY_FRACTION * inputs.memory
     described = inputs.describe(groups)
     described["compute"] = compute
+    return (cost_of(args.micro_batch_size, not args.tawpipe_no_recompute),
+            AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described)
+
+
+def _choose(args, request, ranks, groups, shards, inputs: RunInputs, cost: CostModel, limit: float,
+            described: Dict[str, str]) -> LayoutChoice:
+    """The decision on rank 0's cost model (see :func:`settle_tawpipe_layout`; collective)."""
     counts = microbatch_counts(args, ranks)
     split_of = layer_split_of(args, ranks)
-
     try:
         choice = choose_layout(request, cost, ranks, groups, args.num_layers, counts, limit, split_of, shards,
-                               args.tensor_model_parallel_size, described,
-                               "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe")
+                               args.tensor_model_parallel_size, dict(described),
+                               "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe",
+                               price_many=price_on_every_rank)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     choice.inputs["probe"] = f"{inputs.seconds:.2f} s"
