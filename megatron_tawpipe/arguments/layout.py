@@ -12,7 +12,7 @@ from megatron_tawpipe.arguments.run_config import derive_data_parallel_size
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     return derive_data_parallel_size(args.pipeline_schedule, world_size, args.tensor_model_parallel_size,
-                                     args.pipeline_model_parallel_size)
+                                     args.pipeline_model_parallel_size, args.context_parallel_size)
 
 
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:

@@ -128,6 +128,7 @@ class ParallelLayout:
     pipeline_model_parallel_size: int
     data_parallel_size: int
     sequence_parallel: bool
+    context_parallel_size: int           # ranks sharing each sequence (megatron-core's context parallelism)
     tawpipe_num_groups: Optional[int]    # the weight pipeline's groups; None: one per node
     ranks_per_node: int                  # LOCAL_WORLD_SIZE (common.launcher)
     use_torch_fsdp2: bool                # data parallelism by FSDP2 ...
@@ -138,10 +139,10 @@ class ParallelLayout:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int, ranks_per_node: int) -> "ParallelLayout":
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
         return cls(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                   data_parallel_size=derive_data_parallel_size(args.pipeline_schedule, world_size, tp, pp),
-                   sequence_parallel=args.sequence_parallel, tawpipe_num_groups=args.tawpipe_num_groups,
+                   data_parallel_size=derive_data_parallel_size(args.pipeline_schedule, world_size, tp, pp, cp),
+                   sequence_parallel=args.sequence_parallel, context_parallel_size=cp, tawpipe_num_groups=args.tawpipe_num_groups,
                    ranks_per_node=ranks_per_node, use_torch_fsdp2=args.use_torch_fsdp2,
                    use_megatron_fsdp=args.use_megatron_fsdp,
                    data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
@@ -413,12 +414,14 @@ class TrainingConfig:
         return _read_flags(cls, args, lr_schedule=LrSchedule.from_args(args))
 
 
-def derive_data_parallel_size(schedule: str, world_size: int, tensor_parallel: int, pipeline_parallel: int) -> int:
-    """Data-parallel ranks: every tensor-parallel group with weight passing (it has no pipeline stages), else
-    world / (tensor x pipeline), as Megatron-LM."""
+def derive_data_parallel_size(schedule: str, world_size: int, tensor_parallel: int, pipeline_parallel: int,
+                              context_parallel: int = 1) -> int:
+    """Data-parallel ranks: every tensor x context-parallel group with weight passing (it has no pipeline
+    stages), else world / (tensor x context x pipeline), as Megatron-LM (the context-parallel ranks of a
+    sequence read the same samples)."""
     if is_weight_passing(schedule):
-        return world_size // tensor_parallel
-    return world_size // (pipeline_parallel * tensor_parallel)
+        return world_size // (tensor_parallel * context_parallel)
+    return world_size // (pipeline_parallel * tensor_parallel * context_parallel)
 
 
 @dataclass(frozen=True)

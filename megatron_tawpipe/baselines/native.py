@@ -242,7 +242,7 @@ class NativeTrainer(CheckpointDefaults):
         )
 
     def _reduce_reports(self, reports) -> Tuple[float, float]:
-        """Sum ``[loss_sum, tokens]`` over micro-batches and data-parallel ranks; share it with every rank.
+        """Sum ``[loss_sum, tokens]`` over micro-batches, data- and context-parallel ranks; share it with every rank.
 
         Only the last pipeline stage computes losses; a MAX over the pipeline
         group hands its totals to the other stages (the rest contribute zeros).
@@ -251,7 +251,8 @@ class NativeTrainer(CheckpointDefaults):
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for report in reports:
                 totals += report["lm loss"].to(totals)
-            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+            # the data-parallel ranks and, with context parallelism, the ranks holding the other parts of each sequence
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
         return float(totals[0]), float(totals[1])
@@ -333,8 +334,8 @@ class NativeTrainer(CheckpointDefaults):
         return self._chained_single().optimizer
 
     def writes_checkpoint(self) -> bool:
-        """One data-parallel replica writes the parameters it holds."""
-        return parallel_state.get_data_parallel_rank() == 0
+        """One data-parallel replica writes the parameters it holds (context-parallel ranks hold the same ones)."""
+        return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
     def skip_in_checkpoint(self, name: str) -> bool:
         return False

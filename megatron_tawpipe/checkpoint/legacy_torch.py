@@ -429,7 +429,7 @@ def _save_per_rank(root: str, iteration: int, trainer, scheduler, args, saved_ar
     pipelined = mpu.get_pipeline_model_parallel_world_size() > 1 and not weight_passing
     rank_dir = os.path.join(tmp_dir, "mp_rank_00" if weight_passing else _rank_dir_name(
         mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(), pipelined))
-    writer = rank() == 0 if weight_passing else mpu.get_data_parallel_rank() == 0
+    writer = rank() == 0 if weight_passing else mpu.get_data_parallel_rank(with_context_parallel=True) == 0
     if writer:
         os.makedirs(rank_dir, exist_ok=True)
     barrier()

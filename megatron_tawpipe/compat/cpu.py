@@ -77,6 +77,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if "device" in kwargs:
             kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False   # host memory pinned for a device copy (megatron's CP split of RoPE)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU) + tuple(args[2:])
         if func is torch.Tensor.type:

@@ -107,8 +107,8 @@ def initialize_distributed(args) -> None:
 
 
 def initialize_model_parallel(args) -> None:
-    """megatron-core's parallel state: TP and PP as requested for the native schedules; for weight passing, PP 1
-    and TP as requested (the tensor-parallel groups inside the weight pipeline's virtual ranks)."""
+    """megatron-core's parallel state: TP, CP and PP as requested for the native schedules; for weight passing,
+    PP 1 and TP as requested (the tensor-parallel groups inside the weight pipeline's virtual ranks)."""
     from megatron.core import parallel_state
 
     weight_passing = is_weight_passing(args.pipeline_schedule)
@@ -118,6 +118,7 @@ def initialize_model_parallel(args) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            context_parallel_size=args.context_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
             num_distributed_optimizer_instances=(
                 1 if args.use_torch_fsdp2 else args.num_distributed_optimizer_instances),

@@ -53,6 +53,14 @@ class SDPAttention(MegatronModule):
             1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            if cp is None:
+                from megatron.core import parallel_state
+
+                cp = parallel_state.get_context_parallel_group()
+            self.cp_group = cp
 
     def forward(
         self,
@@ -69,6 +77,8 @@ class SDPAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.cp_group is not None:
+            return self._context_parallel(q, k, v, attention_mask, mask_type)
         sdpa_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.size(2))
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(
@@ -85,6 +95,23 @@ class SDPAttention(MegatronModule):
         else:
             context = F.scaled_dot_product_attention(q, k, v, **kwargs)
         # [b, n, s, d] -> [s, b, n*d]
+        b, n, s, d = context.shape
+        return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+    def _context_parallel(self, q, k, v, attention_mask, mask_type) -> torch.Tensor:
+        """This rank's queries against the whole sequence's keys and values, passed around the context-parallel
+        ring (the causal mask in the global token order of megatron's balanced split)."""
+        from megatron_tawpipe.models.ring_attention import ring_attention
+
+        if attention_mask is not None:
+            raise ValueError("context parallelism takes no attention-mask tensor: the mask is causal (no "
+                             "--reset-attention-mask); the data's mask is not passed to the layers")
+        if self.training and self.dropout_p > 0.0:
+            raise ValueError("context parallelism without Transformer Engine has no attention dropout: "
+                             "--attention-dropout 0")
+        context = ring_attention(q, k, v, self.cp_group, scale=self.softmax_scale,
+                                 causal=mask_type == AttnMaskType.causal)
         b, n, s, d = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
@@ -108,8 +135,6 @@ def _check_supported(config: TransformerConfig) -> None:
         unsupported.append("window_size")
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         unsupported.append(f"softmax_type={config.softmax_type}")
-    if config.context_parallel_size != 1:
-        unsupported.append("context_parallel_size > 1")
     if unsupported:
         raise ValueError(
             "SDPAttention does not support: " + ", ".join(unsupported)

@@ -204,6 +204,7 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         **stage_split,
         sequence_parallel=sequence_parallel,
+        **context_parallel_settings(args),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
@@ -220,6 +221,14 @@ def llama_config(args, pipeline_model_parallel_size: int = 1,
         **native_pipeline_settings(args, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
                                    fusions.get("gradient_accumulation_fusion", False)),
     )
+
+
+def context_parallel_settings(args) -> Dict[str, object]:
+    """megatron-core's context-parallel fields: the size, and the ring (p2p) exchange of keys and values, which
+    is what Transformer Engine's attention and :func:`~megatron_tawpipe.models.ring_attention.ring_attention`
+    (the attention of the local layers) run."""
+    size = getattr(args, "context_parallel_size", 1)
+    return {"context_parallel_size": size, "cp_comm_type": "p2p" if size > 1 else None}
 
 
 def native_pipeline_settings(args, pipeline_size: int, virtual_size: Optional[int],

@@ -14,6 +14,7 @@ from megatron_tawpipe.arguments.weight_passing import (AUTO, tawpipe_cache_probl
 from megatron_tawpipe.common import launcher
 from megatron_tawpipe.compat.megatron_lm import NOTICES
 from megatron_tawpipe.optimizer.precision_aware import precision_refusal
+from megatron_tawpipe.training.context_parallel_args import check_context_parallel
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
 from megatron_tawpipe.training.data_parallel_args import notice, validate_data_parallel
 from megatron_tawpipe.training.plan_file_args import check_plan_file
@@ -248,9 +249,7 @@ def _validate_tensor_parallel(args: argparse.Namespace) -> None:
 
 
 def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None:
-    if args.context_parallel_size != 1:
-        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size}: context parallelism needs "
-                            "Transformer Engine on GPUs and is not supported yet; leave it at 1")
+    check_context_parallel(args, world_size)
     _validate_tensor_parallel(args)
     groups = args.tawpipe_num_groups or world_size // _ranks_per_node(world_size)
     cache_problem = tawpipe_cache_problem(args.pipeline_schedule, args.tawpipe_cache, groups)
