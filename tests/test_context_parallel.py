@@ -86,3 +86,26 @@ def test_what_context_parallelism_cannot_run_is_refused_in_one_line(monkeypatch,
     with pytest.raises(ArgumentError) as info:
         validate_args(parse_args(tiny_args(*extra)))
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_long_context_launch_script_runs_on_cpu_ranks(tmp_path):
+    """examples/pretrain_llama_long_context.sh as its header runs it on 2 CPU ranks (CP 2): it trains, writes its
+    metrics and ends with status 0."""
+    import json
+    import os
+    import subprocess
+
+    from distributed_harness import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, BACKEND="gloo", GPUS_PER_NODE="2", CP="2", TP="1", NUM_LAYERS="2", HIDDEN="64", FFN="128",
+               HEADS="4", KV_HEADS="2", SEQ="256", GLOBAL_BATCH="2", TRAIN_ITERS="2", WARMUP_ITERS="1", PRECISION="",
+               VOCAB_SIZE="256", EVAL_ITERS="0", MAX_RESTARTS="0", OUT_DIR=str(tmp_path), MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(["bash", os.path.join(root, "examples", "pretrain_llama_long_context.sh")], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if line.strip()]
+    iterations = [r for r in records if "lm_loss" in r]
+    assert [r["iteration"] for r in iterations] == [1, 2]
+    assert all(5.0 < r["lm_loss"] < 6.0 for r in iterations)   # ln(256) = 5.5 at the start
