@@ -12,7 +12,7 @@ import pytest
 from training_helpers import tiny_args
 
 from megatron_tawpipe.arguments import ArgumentError, parse_args
-from megatron_tawpipe.compat import flag_rules, flag_table, flag_values
+from megatron_tawpipe.compat import flag_defaults, flag_rules, flag_table, flag_values
 from megatron_tawpipe.compat.megatron_lm import NOTICES
 
 TABLE = flag_table.read_table()
@@ -107,17 +107,22 @@ def test_numbers_are_accepted_however_they_are_written():
 
 
 def test_an_on_value_is_refused_naming_the_accepted_values():
+    """(Megatron-LM's own default of a flag is accepted: tests/test_flag_defaults.py.)"""
     wrong = []
     for row in VALUED:
         if row.cls != flag_rules.REFUSED:
             continue
         rule = flag_values.VALUE_RULES.get(row.flag)
         value = rule.on if rule else plain_value(row)
+        if not rule and row.megatron_defaults:
+            value = "not-the-default-7"
         outcome, line = answer(given(row, value))
-        accepted = " or ".join(f"{row.flag} {shlex.quote(v)}" for v in row.accepted_values)
+        accepted = " or ".join([f"{row.flag} {shlex.quote(v)}" for v in row.accepted_values] + [
+            f"{row.flag} {flag_defaults.shown(v)} (Megatron-LM's default)" for v in row.megatron_defaults
+            if not flag_values.matches(v, row.accepted_values)])
         if outcome != "refused" or not line.startswith(row.flag) or row.reason not in line or "\n" in line:
             wrong.append((row.flag, value, outcome, line))
-        elif rule and not line.endswith(f"; accepted: {accepted}"):
+        elif (rule or row.megatron_defaults) and not line.endswith(f"; accepted: {accepted}"):
             wrong.append((row.flag, value, line))
     assert not wrong, wrong
 

@@ -179,6 +179,10 @@ def test_project_flags_join_megatron_lms_parser_through_its_hook(monkeypatch):
     (["--yaml-cfg", "run.yaml"], "--yaml-cfg run.yaml: YAML configurations are not read: give the flags"),
     (["--moe-router-topk", "4"], "--moe-router-topk 4: mixture-of-experts models are not supported"),
     (["--rerun-mode", "bogus"], "--rerun-mode bogus: gradient / loss checks beyond NaN detection are not made"),
+    (["--activation-offload-fraction", "1.0"], "notice: 1.0 is Megatron-LM's default for "
+                                               "--activation-offload-fraction; it has no effect here because CPU "
+                                               "offloading is not supported"),
+    (["--activation-offload-fraction", "0.5"], "--activation-offload-fraction 0.5: CPU offloading is not supported"),
     (["--use-gigatoken"], "--use-gigatoken: a flag of Megatron-LM's development branch that no megatron-core "
                           "release 0.16-0.19 has"),
     (["--DDP-impl", "local"], "--DDP-impl is a Megatron-DeepSpeed flag this project does not implement"),

@@ -3,17 +3,20 @@
 
     python tools/megatron_lm_flags.py table            # regenerate flag_data/megatron_lm_flags.tsv
     python tools/megatron_lm_flags.py table --check    # exit 1 if the committed table is out of date or
-                                                       # a refused flag's values are undecided
+                                                       # a refused flag's values are undecided (or its
+                                                       # defaults unreviewed)
     python tools/megatron_lm_flags.py record 0.19      # re-record a release's parser (needs megatron.training)
     python tools/megatron_lm_flags.py missing          # flags of the installed Megatron-LM parser the table lacks
 
 ``record SOURCE`` runs ``megatron.training.arguments.add_megatron_arguments`` of the interpreter it runs in:
 the megatron-core 0.19 wheel ships it; for 0.16, put a Megatron-LM checkout at ``core_v0.16.1`` first on
 PYTHONPATH. ``table`` needs neither: it reads the recorded lists (``flag_data/raw_*.tsv``), the rules
-(``megatron_tawpipe/compat/flag_rules.py``, and ``flag_values.py`` for the values of refused flags that ask
-for what this project does) and this project's parser (``build_parser()``). Both ``table`` and ``table
---check`` fail while a refused flag that takes a value is undecided (neither given accepted values nor said
-to have none).
+(``megatron_tawpipe/compat/flag_rules.py``, ``flag_values.py`` for the values of refused flags that ask
+for what this project does, ``flag_defaults.py`` for Megatron-LM's own defaults of refused flags, accepted)
+and this project's parser (``build_parser()``). Both ``table`` and ``table --check`` fail while a refused
+flag that takes a value is undecided (neither given accepted values nor said to have none), while a
+refused flag's default differs between releases unreviewed, or while a value rule's refused example is
+Megatron-LM's default.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_tawpipe.compat import flag_table, flag_values  # noqa: E402
+from megatron_tawpipe.compat import flag_defaults, flag_table, flag_values  # noqa: E402
 from megatron_tawpipe.compat.megatron_lm import project_flags  # noqa: E402
 
 
@@ -36,6 +39,11 @@ def implemented_flags():
 
 def generate() -> str:
     return flag_table.format_table(flag_table.build_table(flag_table.read_all_raw(), implemented_flags()))
+
+
+def problems(rows) -> list:
+    """What keeps the rules from covering the table: the value rules' and the default rule's problems."""
+    return flag_values.problems(rows) + flag_defaults.problems(rows, flag_table.read_all_raw())
 
 
 def installed_parser() -> argparse.ArgumentParser:
@@ -53,11 +61,12 @@ def cmd_table(options) -> int:
     rows = flag_table.parse_table(text)
     summary = ", ".join(f"{n} {cls}" for cls, n in flag_table.counts(rows.values()).items())
     summary += f"; {flag_values.rule_count()} (flag, value) rules"
-    problems = flag_values.problems(rows.values())
-    for problem in problems:
+    summary += f"; Megatron-LM's default accepted for {sum(1 for row in rows.values() if row.megatron_defaults)} flags"
+    found = problems(rows.values())
+    for problem in found:
         print(problem, file=sys.stderr)
     if options.check:
-        if problems:
+        if found:
             return 1
         with open(flag_table.TABLE_PATH, encoding="utf-8") as handle:
             if handle.read() != text:
@@ -69,7 +78,7 @@ def cmd_table(options) -> int:
     with open(flag_table.TABLE_PATH, "w", encoding="utf-8") as handle:
         handle.write(text)
     print(f"wrote {flag_table.TABLE_PATH}: {len(rows)} flags ({summary})")
-    return 1 if problems else 0
+    return 1 if found else 0
 
 
 def cmd_record(options) -> int:

@@ -6,7 +6,8 @@ math, the data order or what is saved: a GPU kernel or memory-placement choice, 
 switch with no target here, a fault-tolerance service that is not used. Everything else is ``refused``
 in one line saying what it needs or what to use instead; the values of a refused flag that ask for what
 this project does (``--rerun-mode disabled``) are accepted by the rules of
-:mod:`megatron_tawpipe.compat.flag_values`. :data:`EXPLICIT` names single flags;
+:mod:`megatron_tawpipe.compat.flag_values`, and Megatron-LM's own default of one by the rule of
+:mod:`megatron_tawpipe.compat.flag_defaults`. :data:`EXPLICIT` names single flags;
 :data:`FAMILIES` whole families by prefix (first match wins; explicit entries are looked up first).
 """
 
@@ -65,7 +66,8 @@ _EXPERIMENTAL = "an experimental Megatron-LM feature that is not supported here"
 _SPLIT = ("give the stages' layers with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
           "or --pipeline-model-parallel-layout")
 _DDP = "not passed to megatron-core's DDP here (--ddp-bucket-size sets the gradient buckets)"
-_CP = "context parallelism is not supported yet (--context-parallel-size 1)"
+_CP = ("context parallelism here is megatron-core's p2p ring over --context-parallel-size ranks: the other "
+       "communication types (a2a, allgather, a2a+p2p), hierarchical and hybrid context parallelism are not supported")
 _NCCL = "NCCL tuning: collectives run with NCCL's defaults here, with the same results"
 _INIT = "initialisation is this project's own (deterministic and the same for every parallel layout)"
 _CKPT_IO = "how megatron-core spreads checkpoint I/O over the ranks; the checkpoint is the same"

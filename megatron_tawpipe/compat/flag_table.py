@@ -6,8 +6,10 @@ recorded releases, how many values it takes, Megatron-LM's default, the releases
 * ``refused`` -- one line says what it needs or what to use instead.
 
 A refused flag that takes a value may list the values that ask for what this project does
-(``no_effect_values``, a JSON list, with ``no_effect_reason``): those take the ``no-effect`` class, every
-other value the flag's class (:mod:`megatron_tawpipe.compat.flag_values` has the rules).
+(``no_effect_values``, a JSON list, with ``no_effect_reason``; :mod:`megatron_tawpipe.compat.flag_values`
+has the rules) and Megatron-LM's own defaults for it (``accepted_defaults``, a JSON list;
+:mod:`megatron_tawpipe.compat.flag_defaults` has the rule): those values take the ``no-effect`` class,
+every other value the flag's class.
 
 The raw flag lists (``flag_data/raw_<source>.tsv``) are what Megatron-LM's own parsers define, recorded by
 ``tools/megatron_lm_flags.py record``; :func:`build_table` classifies them with the rules of
@@ -26,7 +28,7 @@ import json
 import os
 from typing import Dict, Iterable, List, Mapping, Sequence
 
-from megatron_tawpipe.compat import flag_values
+from megatron_tawpipe.compat import flag_defaults, flag_values
 from megatron_tawpipe.compat.flag_rules import NO_EFFECT, REFUSED, classify
 
 IMPLEMENTED = "implemented"
@@ -39,7 +41,9 @@ TABLE_PATH = os.path.join(DATA_DIR, "megatron_lm_flags.tsv")
 SOURCES = ("0.16", "0.19", "main")
 DEEPSPEED = "megatron-deepspeed"
 UNKNOWN = "?"
-_COLUMNS = ("flag", "nargs", "default", "releases", "class", "reason", "no_effect_values", "no_effect_reason")
+_COLUMNS = ("flag", "nargs", "default", "releases", "class", "reason", "accepted_defaults", "no_effect_values",
+            "no_effect_reason")
+_ROW_LENGTHS = (6, 7, 9)    # a row ends after the reason, after accepted_defaults, or has every column
 
 
 def raw_path(source: str) -> str:
@@ -62,6 +66,7 @@ class Row:
     releases: str
     cls: str
     reason: str
+    accepted_defaults: str = "[]"   # JSON list: Megatron-LM's defaults, accepted (refused flags only)
     no_effect_values: str = "[]"    # JSON list: the values that take the no-effect class (refused flags only)
     no_effect_reason: str = ""
 
@@ -75,10 +80,24 @@ class Row:
         """The values of a refused flag that are accepted with a notice (empty for the other classes)."""
         return json.loads(self.no_effect_values)
 
+    @property
+    def megatron_defaults(self) -> list:
+        """Megatron-LM's defaults of a refused flag, accepted with a notice (strings, or lists of strings for a
+        flag taking several values; empty for the other classes)."""
+        return json.loads(self.accepted_defaults)
+
+    def is_megatron_default(self, values) -> bool:
+        """Whether ``values`` are accepted as Megatron-LM's default (and no value rule accepts them)."""
+        return (self.cls == REFUSED and not flag_values.matches(values, self.accepted_values)
+                and flag_defaults.matches(values, self.megatron_defaults))
+
     def answer(self, values):
-        """(class, reason) for the flag given ``values`` (a string, a list, or None for no value)."""
+        """(class, reason) for the flag given ``values`` (a string, a list, or None for no value); at
+        Megatron-LM's default the reason is the whole notice."""
         if self.cls == REFUSED and flag_values.matches(values, self.accepted_values):
             return NO_EFFECT, self.no_effect_reason
+        if self.is_megatron_default(values):
+            return NO_EFFECT, flag_defaults.notice(self.flag, values, self.reason)
         return self.cls, self.reason
 
 
@@ -163,10 +182,9 @@ def build_table(raw: Mapping[str, Sequence[RawFlag]], implemented: Iterable[str]
         else:
             cls, reason = classify(flag, deepspeed_only=releases == DEEPSPEED)
         rule = flag_values.VALUE_RULES.get(flag) if cls == REFUSED and nargs != "0" else None
-        if rule is None:
-            rows.append(Row(flag, nargs, default, releases, cls, reason))
-        else:
-            rows.append(Row(flag, nargs, default, releases, cls, reason, json.dumps(list(rule.values)), rule.reason))
+        defaults = flag_defaults.accepted_defaults(flag, nargs, cls, [by_source[s].get(flag) for s in SOURCES])
+        values = dict(no_effect_values=json.dumps(list(rule.values)), no_effect_reason=rule.reason) if rule else {}
+        rows.append(Row(flag, nargs, default, releases, cls, reason, accepted_defaults=json.dumps(defaults), **values))
     return rows
 
 
@@ -182,11 +200,15 @@ def format_table(rows: Sequence[Row]) -> str:
         "# nargs: values the flag takes; default: Megatron-LM's (JSON, '?' unknown); releases: 0.16 (Megatron-LM",
         "# core_v0.16.1), 0.19 (megatron-core 0.19.2), main (an earlier list of Megatron-LM main's flags),",
         f"# {DEEPSPEED} (Megatron-DeepSpeed's own).",
-        "# no_effect_values (JSON) and no_effect_reason: the values of a refused flag that ask for what",
-        "# pretrain_llama.py does (a feature off, a count of zero, a mode it implements), accepted with one",
-        "# notice; every other value takes the flag's class. Rows without such values end after reason.",
+        "# accepted_defaults (JSON): Megatron-LM's defaults of a refused flag in the recorded releases, accepted",
+        "# with one notice (megatron_tawpipe/compat/flag_defaults.py). no_effect_values (JSON) and",
+        "# no_effect_reason: the values of a refused flag that ask for what pretrain_llama.py does (a feature",
+        "# off, a count of zero, a mode it implements), accepted with one notice. Every other value takes the",
+        "# flag's class. Rows end after reason, or after accepted_defaults, where the later columns are empty.",
         f"# {sum(len(r.accepted_values) for r in valued)} (flag, value) rules over {len(valued)} flags "
-        "(megatron_tawpipe/compat/flag_values.py).",
+        "(megatron_tawpipe/compat/flag_values.py);",
+        f"# Megatron-LM's default accepted for {sum(1 for r in rows if r.megatron_defaults)} flags "
+        "(megatron_tawpipe/compat/flag_defaults.py).",
         "\t".join(_COLUMNS),
     ]
     lines = ["\t".join(_fields(r)) for r in rows]
@@ -194,9 +216,11 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def _fields(row: Row) -> tuple:
-    """A row's columns; a row without values of its own ends after the reason."""
+    """A row's columns; a row ends after the reason, or after accepted_defaults, where the rest is empty."""
     fields = dataclasses.astuple(row)
-    return fields if row.accepted_values else fields[:len(_COLUMNS) - 2]
+    if row.accepted_values:
+        return fields
+    return fields[:_ROW_LENGTHS[1]] if row.megatron_defaults else fields[:_ROW_LENGTHS[0]]
 
 
 def parse_table(text: str) -> Dict[str, Row]:
@@ -205,7 +229,7 @@ def parse_table(text: str) -> Dict[str, Row]:
         if line.startswith("#") or not line.strip() or line.startswith("flag\t"):
             continue
         fields = line.split("\t")
-        if len(fields) not in (len(_COLUMNS) - 2, len(_COLUMNS)):
+        if len(fields) not in _ROW_LENGTHS:
             raise ValueError(f"{TABLE_PATH}: malformed row {line!r}")
         row = Row(*fields)
         if row.cls not in CLASSES:

@@ -7,6 +7,8 @@ accepted with one notice (the ``no-effect`` class) and :data:`VALUE_RULES` lists
 refused as the flag is, with the refusal naming the accepted values. Every refused flag of the table that
 takes a value is decided here: it has a rule, or :data:`WITHOUT_OFF_VALUE` says why no value of it asks
 for what this project does (``tools/megatron_lm_flags.py table --check`` fails while one is undecided).
+Megatron-LM's own default of such a flag is accepted by the rule of
+:mod:`megatron_tawpipe.compat.flag_defaults`; a rule here answers first where it accepts the same value.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ VALUE_RULES = {
     "--mlp-type": ValueRule(("standard",), "every layer has the standard dense MLP", "residual"),
     "--cpu-offloading-num-layers": ValueRule(("0",), _NO_OFFLOAD, "2"),
     "--activation-offload-fraction": ValueRule(("0.0",), _NO_OFFLOAD, "0.5"),
-    "--optimizer-offload-fraction": ValueRule(("0.0",), _NO_OFFLOAD, "1.0"),
+    "--optimizer-offload-fraction": ValueRule(("0.0",), _NO_OFFLOAD, "0.5"),
     "--delta-offload-bytes-across-pp-ranks": ValueRule(("0",), _NO_OFFLOAD, "1048576"),
     "--remote-device": ValueRule(("none",), _NO_OFFLOAD, "cpu"),
     "--config-logger-dir": ValueRule(("",), "an empty directory writes no configuration dumps, as here", "configs"),
@@ -65,7 +67,7 @@ VALUE_RULES = {
     "--start-eval-at-iter": ValueRule(("0",), "validation runs from the start, every --eval-interval iterations",
                                       "1000"),
     "--vocab-extra-ids": ValueRule(("0",), "no extra vocabulary ids are added (T5's span-masking ids)", "100"),
-    "--fim-rate": ValueRule(("0.0",), "no sample is turned into fill-in-the-middle form", "0.5"),
+    "--fim-rate": ValueRule(("0.0",), "no sample is turned into fill-in-the-middle form", "0.9"),
     "--dsa-indexer-loss-coeff": ValueRule(("0.0",), "no DSA indexer loss is added (DeepSeek sparse attention is "
                                           "not used)", "0.01"),
     "--dsa-kernel-backend": ValueRule(("none",), "no fused DSA kernel runs (DeepSeek sparse attention is not "
@@ -94,8 +96,7 @@ WITHOUT_OFF_VALUE: Sequence[Tuple[Tuple[str, ...], str]] = (
       "--linear-", "--gdp-", "--mhc-", "--dsa-", "--experimental-attention-variant", "--window-",
       "--relative-attention-", "--activation-func-clamp-value", "--kitchen-attention-backend", "--fim-",
       "--non-persistent-", "--persistent-save-interval", "--replication-", "--fault-injector-",
-      "--error-injection-type", "--cp-comm-type", "--hierarchical-context-parallel-sizes",
-      "--max-seqlen-per-dp-cp-rank", "--min-offloaded-tensor-size", "--fine-grained-offloading-",
+      "--error-injection-type", "--min-offloaded-tensor-size", "--fine-grained-offloading-",
       "--offload-modules", "--tile-factor", "--checkpoint-num-layers", "--expert-interval", "--zero-",
       "--ds-sequence-parallel-fpdt-chunk-size", "--megatron-fsdp-", "--gtp-remat-", "--batch-invariant-backend",
       "--te-precision-config-file"), _PARAMETER),
@@ -116,7 +117,8 @@ WITHOUT_OFF_VALUE: Sequence[Tuple[Tuple[str, ...], str]] = (
       "--pipeline-model-parallel-split-rank", "--phase-transition-iterations", "--null-tokenizer-eod-id",
       "--output-logit-dtype", "--DDP-impl", "--local_rank", "--lr-decay-tokens", "--lr-warmup-tokens",
       "--train-tokens", "--train-data-exact-num-epochs", "--use-dataset-only", "--retriever-seq-length",
-      "--rotary-position-embeddings-theta"), _SETTING),
+      "--rotary-position-embeddings-theta", "--cp-comm-type", "--hierarchical-context-parallel-sizes",
+      "--max-seqlen-per-dp-cp-rank"), _SETTING),
 )
 
 

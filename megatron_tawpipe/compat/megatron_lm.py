@@ -10,8 +10,9 @@ installed megatron-core, so they are the same under every release:
 * every other flag of the table is registered by :func:`add_compat_args` with its number of values and
   answered by :func:`settle_compat_flags`: a ``no-effect`` flag gives one notice per job saying why, a
   ``refused`` flag one line saying what it needs or what to use instead -- unless its value is one the
-  table accepts for it (a value asking for what this project does, such as ``--rerun-mode disabled``),
-  which gives one notice; the refusal names those values;
+  table accepts for it (a value asking for what this project does, such as ``--rerun-mode disabled``, or
+  Megatron-LM's own default for it, such as ``--activation-offload-fraction 1.0``), which gives one
+  notice; the refusal names those values;
 * a word the table does not know stays argparse's "unrecognized arguments".
 """
 
@@ -21,6 +22,7 @@ import argparse
 import shlex
 from typing import Dict, List, Sequence
 
+from megatron_tawpipe.compat import flag_defaults, flag_values
 from megatron_tawpipe.compat.flag_rules import REFUSED
 from megatron_tawpipe.compat.flag_table import IMPLEMENTED, Row, read_table
 
@@ -77,15 +79,18 @@ def refusal(flag: str, values, row: Row) -> str:
         line = f"{flag} is {row.reason}"
     else:
         line = f"{_shown(flag, values)}: {row.reason}"
-    accepted = row.accepted_values
+    accepted = [f"{flag} {shlex.quote(value)}" for value in row.accepted_values]
+    accepted += [f"{flag} {flag_defaults.shown(value)} (Megatron-LM's default)" for value in row.megatron_defaults
+                 if not flag_values.matches(value, row.accepted_values)]
     if accepted:
-        line += "; accepted: " + " or ".join(f"{flag} {shlex.quote(value)}" for value in accepted)
+        line += "; accepted: " + " or ".join(accepted)
     return line
 
 
 def settle_compat_flags(args: argparse.Namespace) -> List[str]:
     """Answer the table's flags given in ``args`` (removing them): raise ValueError with one line for the
-    first refused (flag, value), else return one notice per flag given (each flag once)."""
+    first refused (flag, value), else return one notice per flag given (each flag once; at Megatron-LM's
+    default the notice is the sentence that says so)."""
     given = vars(args).pop(GIVEN, [])
     table = read_table()
     answers = [(flag, values) + table[flag].answer(values) for flag, values in given]
@@ -96,7 +101,8 @@ def settle_compat_flags(args: argparse.Namespace) -> List[str]:
     for flag, values, _cls, reason in answers:
         if flag not in seen:
             seen.add(flag)
-            notices.append(f"{_shown(flag, values)}: {reason}")
+            by_default = table[flag].is_megatron_default(values)
+            notices.append(reason if by_default else f"{_shown(flag, values)}: {reason}")
     return notices
 
 
