@@ -6,6 +6,10 @@
 # on 4 x 2), 4 samples per rank,
 # emulated compute; then the simulator's figures for the same runs.
 #   sudo bash examples/benchmark_auto_layout.sh                     (every cell below)
+# What --pipeline-schedule auto ranked first on 2 x 2 at 1 Gbit/s and one node (examples/auto_schedule_runs.sh),
+# every strategy at micro-batch 1:
+#   CELLS="2:2:1gbit:equal" STRATEGIES="distopt distopt-node tawpipe" EQUAL="" sudo bash examples/benchmark_auto_layout.sh
+#   CELLS="1:4:none:equal" STRATEGIES="distopt interleaved 1f1b" EQUAL="" sudo bash examples/benchmark_auto_layout.sh
 #   CELLS="3:2:300mbit:4" REPS=2 sudo bash examples/benchmark_auto_layout.sh
 # Against the layout --pipeline-schedule tawpipe ran by default before it was decided (one owner per shard, the
 # cache, one micro-batch per visit), on 2 x 2 at 1 Gbit/s and on one node of 4 ranks (no link to emulate):
@@ -22,6 +26,9 @@ REPS=${REPS:-2}
 ITERS=${ITERS:-4}
 CELLS=${CELLS:-"3:2:300mbit:4 3:2:150mbit:4 4:2:300mbit:equal 4:2:150mbit:equal"}
 STRATEGIES=${STRATEGIES:-tawpipe tawpipe-spread distopt}
+# --equal-memory (the default) gives each strategy the micro-batch size its memory allows; EQUAL="" runs every
+# strategy at the model's micro-batch size 1 (the cell's DISTOPT_MICRO_BATCH is then ignored: give "equal")
+EQUAL=${EQUAL---equal-memory}
 # the named variants' layout (tawpipe itself takes none: the run decides it)
 VARIANT_FLAGS=${VARIANT_FLAGS-"--tawpipe-microbatches-per-visit 4 --tawpipe-shards-per-rank 2"}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -48,7 +55,7 @@ for cell in $CELLS; do
     python tools/benchmark.py "${where[@]}" --repetitions "$REPS" \
         --schedules $STRATEGIES --train-iters "$ITERS" --warmup-iters 1 --no-recompute \
         $VARIANT_FLAGS --ddp-bucket-size 1000000 \
-        --equal-memory "${distopt[@]}" --emulated-compute-times "$OUT/times.json" \
+        $EQUAL "${distopt[@]}" --emulated-compute-times "$OUT/times.json" \
         --outdir "$OUT/$name/runs" --json "$OUT/$name/results.json" --timeout 600 \
         -- "${CELL_MODEL[@]}"
     python tools/benchmark.py --results "$OUT/$name/results.json" --simulate-as-run "$OUT/$name/simulated.json"
