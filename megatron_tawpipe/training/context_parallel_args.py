@@ -40,6 +40,9 @@ def check_context_parallel(args: argparse.Namespace, world_size: int) -> None:
     if args.sequence_parallel and (args.seq_length // cp) % tp:
         raise ArgumentError(f"--sequence-parallel with {flag}: each rank's {args.seq_length // cp} tokens must be "
                             f"divisible by --tensor-model-parallel-size {tp}")
+    if args.emulated_compute_times:
+        raise ArgumentError(f"--emulated-compute-times with {flag}: emulated layers sleep a whole sequence's time "
+                            "and exchange no keys or values; context parallelism runs the real layers")
     if args.reset_attention_mask:
         raise ArgumentError(f"--reset-attention-mask with {flag}: the context-parallel attention is causal over "
                             "the whole sequence (documents are not masked from each other); drop one of them")
