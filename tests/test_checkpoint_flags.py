@@ -352,7 +352,7 @@ def test_legacy_format_with_the_optimizer_under_tawpipe(tmp_path):
     writes it (megatron-core's optimizer.state_dict() of the whole model): tawpipe resumes from it exactly, native
     1f1b resumes from it exactly as from the same run's torch_dist checkpoint, and tawpipe resumes from native
     1f1b's file exactly as from native's torch_dist checkpoint."""
-    tawpipe = ["--pipeline-schedule", "tawpipe"]
+    tawpipe = ["--pipeline-schedule", "tawpipe", *pinned_layout(1)]   # separately launched runs, bit for bit
     legacy, dist_ckpt, native_legacy, native_dist = (str(tmp_path / name) for name in ("l", "d", "nl", "nd"))
     first = tiny_args("--save-interval", "2", "--exit-interval", "2", train_iters=3)
     uninterrupted = run_ranks(train_rank, 2, tiny_args(*tawpipe))[-1]
