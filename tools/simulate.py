@@ -36,7 +36,7 @@ except ImportError:  # running from a source checkout
 from megatron_tawpipe.plan import SCHEDULES
 from megatron_tawpipe.cli.plan_args import (ALL, ANALYTIC, add_advisor_args, check_command, add_model_args, replicable,
                                        check_spread,
-                                       advisor_inputs, cost_model, run_one,
+                                       advisor_inputs, context_parallel_for, cost_model, run_one,
                                        tensor_parallel_for)
 
 def format_table(rows) -> str:
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
             p.error("tawpipe-rep (shard 0 in every group) needs --groups >= 2 and not --flat")
         try:
             tensor_parallel_for(n, args)
+            context_parallel_for(n, args)
             check_spread(n, args)
         except ValueError as exc:
             p.error(str(exc))

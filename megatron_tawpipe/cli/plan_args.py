@@ -9,12 +9,14 @@ from dataclasses import replace
 
 from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_defaults, llama_ffn_hidden_size
 from megatron_tawpipe.common.units import parse_rate, parse_time
+from megatron_tawpipe.sim.context_parallel import AttentionShape, context_parallel_cost, context_parallel_problem
+from megatron_tawpipe.sim.context_parallel import per_gpu_result as context_parallel_result
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
 from megatron_tawpipe.sim.layout_choice import LayoutRequest, choose_layout
 from megatron_tawpipe.sim.ownership import spread_problem
 from megatron_tawpipe.plan.planners import build_plan
-from megatron_tawpipe.sim.pipelines import with_embedding_allreduce
+from megatron_tawpipe.sim.pipelines import simulate_pipeline, with_embedding_allreduce
 from megatron_tawpipe.sim.simulate import simulate
 from megatron_tawpipe.sim.strategies import STRATEGIES, plan_memory, run_strategy
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_result, virtual_rank_cost
@@ -106,6 +108,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="tawpipe/weipipe: tensor parallelism inside each node; the plan runs over ranks / T "
                         "virtual ranks (--num-microbatches is then per virtual rank); see "
                         "megatron_tawpipe/sim/tensor_parallel.py")
+    s.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
+                   help="1f1b, interleaved, distopt, distopt-node, pp-nodes: context parallelism inside each node "
+                        "(each sequence split over C GPUs, ring attention); the schedule runs over ranks / C "
+                        "virtual ranks (--num-microbatches is then per virtual rank); see "
+                        "megatron_tawpipe/sim/context_parallel.py")
 
 
 def cost_model(args) -> CostModel:
@@ -249,6 +256,8 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
         result.options["ownership_speeds"] = _ownership_speeds(choice)
         return plan, result
     tp = tensor_parallel_for(name, args)
+    if context_parallel_for(name, args) > 1:
+        return None, run_context_parallel(name, args, cost)
     if name in STRATEGIES:
         return None, run_strategy(name, cost, args.ranks, args.groups, args.num_layers,
                                   args.num_microbatches)
@@ -269,6 +278,59 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
             result = with_embedding_allreduce(result, cost, args.groups)
     result.options["memory_breakdown"] = plan_memory(result, cost, plan).as_dict()
     return plan, result
+
+
+#: the schedules ``--context-parallel-size`` applies to (megatron's native ones, as pretrain_llama.py runs them)
+CONTEXT_PARALLEL = ("1f1b", "interleaved", "distopt", "distopt-node", "pp-nodes")
+
+
+def context_parallel_for(name: str, args) -> int:
+    """C for a native schedule (1 when not given; a ``ValueError`` naming the flag where it cannot apply)."""
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp == 1:
+        return 1
+    if name not in CONTEXT_PARALLEL:
+        raise ValueError(f"--context-parallel-size {cp} is modelled for {', '.join(CONTEXT_PARALLEL)} only, not {name} "
+                         "(the weight-passing schedules and FSDP do not run context parallelism)")
+    problem = context_parallel_problem(cp, 1, args.ranks // args.groups, args.seq_length, args.ranks)
+    if problem:
+        raise ValueError(f"--context-parallel-size {cp}: {problem}")
+    return cp
+
+
+def attention_shape(args) -> AttentionShape:
+    """One micro-batch's shape for the ring attention's bytes and attention's share of a layer."""
+    return AttentionShape(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                          hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                          num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size)
+
+
+def run_context_parallel(name: str, args, cost: CostModel):
+    """``name`` with ``--context-parallel-size C``: over ranks / C virtual ranks of C GPUs, each with
+    ``--num-microbatches`` micro-batches, on the cost model of
+    :func:`megatron_tawpipe.sim.context_parallel.context_parallel_cost`; per-GPU figures. 1f1b and interleaved
+    are priced as the advisor prices a pipeline (:func:`megatron_tawpipe.sim.pipelines.simulate_pipeline`): one
+    pipeline over the virtual ranks, each stage's gradients reduced over its C GPUs and its optimizer state
+    sharded over them (the distributed optimizer)."""
+    cp = context_parallel_for(name, args)
+    shape = attention_shape(args)
+    virtual = context_parallel_cost(cost, cp, shape)
+    P, D, L, N = args.ranks // cp, args.groups, args.num_layers, args.num_microbatches
+    if name in STRATEGIES:
+        result = run_strategy(name, virtual, P, D, L, N, context_parallel=cp)
+        if name == "pp-nodes":
+            layers, microbatches = -(-L // D), result.options["microbatches_per_pipeline"]
+        else:
+            layers, microbatches = L, N
+    else:
+        V = 1
+        if name == "interleaved":
+            V = args.virtual_stages or build_plan(name, num_ranks=P, num_groups=D, num_layers=L,
+                                                  num_microbatches=P).num_shards // P
+        result = simulate_pipeline(virtual, P, D, L, N * P, pipeline_size=P, virtual_stages=V, name=name,
+                                   context_parallel=cp)
+        layers, microbatches = -(-L // P), N * P
+    return context_parallel_result(result, cp, cost, shape, layers, microbatches)
 
 
 def tensor_parallel_for(name: str, args) -> int:

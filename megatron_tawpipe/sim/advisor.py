@@ -12,7 +12,10 @@ parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
 ``--use-megatron-fsdp``).  Every strategy
 is tried with micro-batch sizes 1, 2, 4, ... up to its batch per replica, each family of knobs up to the
 first size that does not fit, and recompute on/off (:meth:`Advisor.run`; what was searched:
-:func:`megatron_tawpipe.sim.advisor_report.searched`).
+:func:`megatron_tawpipe.sim.advisor_report.searched`), with tensor parallelism T inside the nodes, and the
+native ones (distopt, distopt-node and the megatron pipelines) also with context parallelism C (T x C inside a
+node): over P / (T x C) virtual ranks (:mod:`megatron_tawpipe.sim.tensor_parallel`,
+:mod:`megatron_tawpipe.sim.context_parallel`).
 
 Plan-based strategies cost a plan simulation each (more than 4 visits' worth
 of micro-batches per rank, or 4 x pipeline size per pipeline, are simulated as
@@ -36,8 +39,9 @@ from dataclasses import replace
 from typing import Callable, Dict, List, Optional
 
 from megatron_tawpipe.common.layer_split import default_layer_split
-from megatron_tawpipe.sim.advisor_configs import (PLAIN_TWINS, STRATEGY_ORDER, Cluster, Config, ModelSpec,
-                                                  enumerate_configs, family_of, plain_family_of, size_of)
+from megatron_tawpipe.sim.advisor_configs import (STRATEGY_ORDER, Cluster, Config, ModelSpec, bytes_twin,
+                                                  enumerate_configs, family_of, plain_family_of, size_of, wp_options,
+                                                  wp_schedule)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.advisor_report import PLAN_FILE, command, left_out, mark_auto_layouts, searched, summarize
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
@@ -49,7 +53,8 @@ from megatron_tawpipe.sim.pipelines import pipeline_memory, simulate_extended, s
 from megatron_tawpipe.sim.strategies import plan_memory_fields, simulate_distopt, simulate_hfsdp, simulate_hsdp
 from megatron_tawpipe.sim.memory import generic_breakdown
 from megatron_tawpipe.sim.stages import first_last_options, native_pipeline_split, pipeline_time_bound, stage_works
-from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown, virtual_rank_cost
+from megatron_tawpipe.sim.context_parallel import (AttentionShape, context_parallel_bytes_per_gpu,
+                                                   context_parallel_cost, per_gpu_breakdown)
 
 ORDER = STRATEGY_ORDER
 PLAN_BASED = ("pp-nodes", "1f1b", "interleaved", "tawpipe", "weipipe")
@@ -57,6 +62,8 @@ PLAN_BASED = ("pp-nodes", "1f1b", "interleaved", "tawpipe", "weipipe")
 
 # ------------------------------------------------------------------- evaluate
 class Advisor:
+    tp = cp = 1   # the GPUs of one of this advisor's ranks: tensor x context-parallel (1 x 1: the GPUs themselves)
+
     def __init__(self, model: ModelSpec, cluster: Cluster, global_batch: int,
                  plan_cache: Optional[Dict] = None, grad_bytes: int = 4,
                  check_command: Optional[Callable[[List[str], int], str]] = None):
@@ -68,7 +75,7 @@ class Advisor:
         self.plan_cache = {} if plan_cache is None else plan_cache
         self.costs: Dict = {}
         self.grad_bytes = grad_bytes
-        self._virtual: Dict[int, "Advisor"] = {}
+        self._virtual: Dict[tuple, "Advisor"] = {}
         self._stage_splits: Dict[tuple, tuple] = {}
         self._node_bytes: Dict[tuple, float] = {}
         self._candidate_splits: Dict[int, set] = {}      # pipeline size -> the splits settle() chooses among
@@ -86,24 +93,30 @@ class Advisor:
                 inter_latency=c.inter_latency)
         return self.costs[key]
 
-    # ---- tensor parallelism: the same strategy over P / T virtual ranks -----------------
+    # ---- tensor and context parallelism: the same strategy over P / (T x C) virtual ranks ------------
 
-    def virtual(self, tp: int) -> "Advisor":
-        """The advisor of the P / ``tp`` virtual ranks (tensor-parallel groups) of this cluster."""
-        if tp == 1:
+    def virtual(self, tp: int, cp: int = 1) -> "Advisor":
+        """The advisor of the P / (``tp`` x ``cp``) virtual ranks (tensor x context-parallel groups) of this
+        cluster."""
+        if tp == 1 and cp == 1:
             return self
-        if tp not in self._virtual:
-            self._virtual[tp] = _VirtualRankAdvisor(self, tp)
-        return self._virtual[tp]
+        if (tp, cp) not in self._virtual:
+            self._virtual[(tp, cp)] = _VirtualRankAdvisor(self, tp, cp)
+        return self._virtual[(tp, cp)]
 
     def _split(self, cfg: Config):
-        """(advisor, configuration, T): a tensor-parallel configuration as the virtual ranks' one."""
-        tp = cfg.knobs.get("tp", 1)
-        if tp == 1:
+        """(advisor, configuration, T x C): a tensor- or context-parallel configuration as the virtual ranks'
+        one, and the GPUs of a virtual rank."""
+        tp, cp = cfg.knobs.get("tp", 1), cfg.knobs.get("cp", 1)
+        if tp == 1 and cp == 1:
             return self, cfg, 1
         inner = Config(cfg.strategy, cfg.micro_batch_size, cfg.recompute,
-                       {k: v for k, v in cfg.knobs.items() if k != "tp"})
-        return self.virtual(tp), inner, tp
+                       {k: v for k, v in cfg.knobs.items() if k not in ("tp", "cp")})
+        return self.virtual(tp, cp), inner, tp * cp
+
+    def per_gpu(self, memory: MemoryBreakdown) -> MemoryBreakdown:
+        """This advisor's (virtual) rank's memory, per GPU (:func:`.context_parallel.per_gpu_breakdown`)."""
+        return per_gpu_breakdown(memory, self.tp, self.cp)
 
     def settle(self, cfg: Config) -> Config:
         """Choose the stages of a megatron pipeline whose size does not divide the layers
@@ -113,8 +126,8 @@ class Advisor:
         k = cfg.knobs
         if not k.get("uneven") or "stage_layers" in k:
             return cfg
-        sub, inner, tp = self._split(cfg)
-        if tp > 1:
+        sub, inner, n = self._split(cfg)
+        if n > 1:
             sub.settle(inner)
             k.update(stage_layers=inner.knobs["stage_layers"], split_flags=inner.knobs["split_flags"])
             return cfg
@@ -145,9 +158,9 @@ class Advisor:
         output layer on the last, 1F1B's ``m/(m+p-1)`` and interleaved's ``Vm/(Vm+p-1)`` for equal
         stages; WeiPipe ``NP/(NP+P-1)``).  A pipeline whose stages are not chosen yet (:meth:`settle`
         simulates candidates) takes the best of the candidates' bounds: its ceiling whichever is chosen."""
-        sub, inner, tp = self._split(cfg)
-        if tp > 1:
-            return sub.bound(inner) / tp
+        sub, inner, n = self._split(cfg)
+        if n > 1:
+            return sub.bound(inner) / n
         c = self.cost(cfg.micro_batch_size, cfg.recompute)
         L, P = self.model.num_layers, self.cluster.ranks
         t = L * (c.layer_forward + c.layer_backward + c.layer_recompute) + c.head_forward + c.head_backward
@@ -184,9 +197,9 @@ class Advisor:
         activation once per virtual stage (and its gradient back); weight
         passing: the plan's inter-node bytes (exact, linear in N) and the replicated
         parts' ring all-reduce."""
-        sub, inner, tp = self._split(cfg)
-        if tp > 1:
-            return sub.comm_bound(inner) / tp
+        sub, inner, n = self._split(cfg)
+        if n > 1:
+            return sub.comm_bound(inner) / n
         cl, k = self.cluster, cfg.knobs
         if cl.nodes == 1:
             return float("inf")
@@ -198,7 +211,7 @@ class Advisor:
             N, c = mbs // cl.ranks, k.get("chunk", 1)
             n1, n2 = (N, N) if N <= 4 * c else (2 * c, 4 * c)
             # a split backward moves its weight passes, not its transfers: its plain schedule's bytes
-            name, opts = _bytes_twin(cfg)
+            name, opts = bytes_twin(cfg)
             plan = self._plan(name, n2, **opts)
             weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
             rep_bytes = cost.replicated_params * cost.grad_bytes
@@ -230,9 +243,9 @@ class Advisor:
         a plan with 2c micro-batches per rank has the buffers and the stored
         boundaries of the full one (peak = c visits' worth)."""
         self.settle(cfg)
-        sub, inner, tp = self._split(cfg)
-        if tp > 1:
-            return per_gpu_breakdown(sub.memory_only(inner), tp)
+        sub, inner, n = self._split(cfg)
+        if n > 1:
+            return sub.per_gpu(sub.memory_only(inner))
         cost = self.cost(cfg.micro_batch_size, cfg.recompute)
         cl = self.cluster
         if cfg.strategy in ("tawpipe", "weipipe"):
@@ -243,7 +256,7 @@ class Advisor:
             extra = cfg.knobs.get("zero_bubble") == 2 or bool(cfg.knobs.get("plan_schedule"))
             # the plan its simulation needs (4c or N micro-batches; at least 2c + 1: the same peak) where it is
             # built already or costly to build (a plan-file schedule's), else the smaller one
-            name, opts = _wp_schedule(cfg), _wp_options(cfg)
+            name, opts = wp_schedule(cfg), wp_options(cfg)
             n = min(N, 4 * c)
             if not cfg.knobs.get("plan_schedule") and self._plan_key(name, n, **opts) not in self.plan_cache:
                 n = min(N, 2 * c + extra)
@@ -277,14 +290,15 @@ class Advisor:
 
     def _evaluate(self, cfg: Config) -> Config:
         self.settle(cfg)
-        sub, inner, tp = self._split(cfg)
-        if tp > 1:
+        sub, inner, n = self._split(cfg)
+        if n > 1:
             sub.measure(inner)
-            cfg.tokens_per_sec_per_gpu = inner.tokens_per_sec_per_gpu / tp
+            cfg.tokens_per_sec_per_gpu = inner.tokens_per_sec_per_gpu / n
             cfg.iteration_time, cfg.bubble = inner.iteration_time, inner.bubble
             cfg.inter_bytes_per_node = inner.inter_bytes_per_node
-            cfg.memory = per_gpu_breakdown(inner.memory, tp)
+            cfg.memory = sub.per_gpu(inner.memory)
             cfg.trainable, cfg.note = inner.trainable, inner.note
+            cfg.context_parallel_bytes_per_gpu = inner.context_parallel_bytes_per_gpu
         else:
             self.measure(cfg)
         cfg.status = "ok" if cfg.memory.total <= self.cluster.usable_memory else "no-fit"
@@ -296,8 +310,8 @@ class Advisor:
         if not cfg.knobs.get("plan_schedule"):
             return self.check_command(cfg.argv, self.cluster.ranks)
         sub, inner, _ = self._split(cfg)
-        plan = sub._plan(_wp_schedule(inner), self.G // cfg.micro_batch_size // sub.cluster.ranks,
-                         **_wp_options(inner))
+        plan = sub._plan(wp_schedule(inner), self.G // cfg.micro_batch_size // sub.cluster.ranks,
+                         **wp_options(inner))
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, PLAN_FILE)
             write_plan(plan, path)
@@ -314,18 +328,21 @@ class Advisor:
         N = self.G // b // P
         s = cfg.strategy
         if s in ("tawpipe", "weipipe"):
-            opts, c, name = _wp_options(cfg), cfg.knobs.get("chunk", 1), _wp_schedule(cfg)
+            opts, c, name = wp_options(cfg), cfg.knobs.get("chunk", 1), wp_schedule(cfg)
             res = simulate_extended(lambda n: self._plan(name, n, **opts), cost, N, 2 * c, 4 * c)
             plan = self._plan(name, min(N, 4 * c), **opts)   # simulated: its shards and peaks are the full plan's
             mem = weight_passing_breakdown(res, cost, plan, c)
             res_inter = res.link_bytes["inter"] / D
         elif s in ("pp-nodes", "1f1b", "interleaved"):
-            res = simulate_pipeline(cost, P, D, L, self.G // b, cfg.knobs["pipeline_size"],
-                                    cfg.knobs.get("virtual_stages", 1), self.grad_bytes,
+            pp, V = cfg.knobs["pipeline_size"], cfg.knobs.get("virtual_stages", 1)
+            res = simulate_pipeline(cost, P, D, L, self.G // b, pp, V, self.grad_bytes,
                                     self.plan_cache, name=s, exact=False,
-                                    stage_layers=cfg.knobs.get("stage_layers"))
+                                    stage_layers=cfg.knobs.get("stage_layers"), context_parallel=self.cp)
             mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
             res_inter = res.options["inter_bytes_per_node"]
+            split = cfg.knobs.get("stage_layers") or default_layer_split(L, pp * V)
+            cfg.context_parallel_bytes_per_gpu = self.ring_bytes(
+                b, cfg.recompute, max(sum(split[r::pp]) for r in range(pp)), res.options["microbatches_per_pipeline"])
         else:
             if s == "fsdp":
                 # one unit per layer, as the FSDP2 baseline wraps every decoder layer
@@ -333,19 +350,25 @@ class Advisor:
                 mem = generic_breakdown(res, cost)
                 res_inter = res.link_bytes["inter"] / D if D > 1 else 0.0
             else:
+                C = self.cp
                 fn = {"hsdp": lambda: simulate_hsdp(cost, P, D, L, N, self.grad_bytes),
-                      "distopt-node": lambda: simulate_distopt(cost, P, D, L, N, D, self.grad_bytes),
-                      "distopt": lambda: simulate_distopt(cost, P, D, L, N, 1, self.grad_bytes),
+                      "distopt-node": lambda: simulate_distopt(cost, P, D, L, N, D, self.grad_bytes, C),
+                      "distopt": lambda: simulate_distopt(cost, P, D, L, N, 1, self.grad_bytes, C),
                       "hfsdp": lambda: simulate_hfsdp(cost, P, D, L, N, self.grad_bytes)}[s]
                 res = fn()
                 mem = MemoryBreakdown.from_dict(res.options["memory_breakdown"])
                 res_inter = res.options["inter_bytes_per_node"]
+                cfg.context_parallel_bytes_per_gpu = self.ring_bytes(b, cfg.recompute, L, N)
         cfg.tokens_per_sec_per_gpu = res.tokens_per_sec_per_rank
         cfg.iteration_time = res.iteration_time
         cfg.bubble = res.bubble_ratio
         cfg.inter_bytes_per_node = res_inter
         cfg.memory = mem
         return cfg
+
+    def ring_bytes(self, b: int, recompute: bool, layers: int, microbatches: int) -> float:
+        """Bytes one GPU sends in its context-parallel ring per iteration (0 without context parallelism)."""
+        return 0.0
 
     def run(self, prune: str = "strategy", trainable_only: bool = False,
             runtime_knobs_only: bool = False, keep: Optional[Callable[[Config], bool]] = None,
@@ -428,53 +451,36 @@ class Advisor:
 
 
 class _VirtualRankAdvisor(Advisor):
-    """The advisor of a cluster's P / T tensor-parallel groups, each one *virtual rank*: T GPUs' memory,
-    and the cost model of :func:`megatron_tawpipe.sim.tensor_parallel.virtual_rank_cost` (1/T compute plus the
-    tensor-parallel collectives, T GPUs' links inside the node, the node's link between nodes)."""
+    """The advisor of a cluster's P / (T x C) tensor x context-parallel groups, each one *virtual rank*: T x C
+    GPUs' memory, and the cost model of :func:`megatron_tawpipe.sim.tensor_parallel.virtual_rank_cost` (1/T
+    compute plus the tensor-parallel collectives, T GPUs' links inside the node, the node's link between nodes)
+    or, with C > 1, of :func:`megatron_tawpipe.sim.context_parallel.context_parallel_cost` (1/C of it plus the
+    ring's exposed time)."""
 
-    def __init__(self, parent: Advisor, tp: int):
+    def __init__(self, parent: Advisor, tp: int, cp: int = 1):
         cl = parent.cluster
-        cluster = replace(cl, ranks=cl.ranks // tp, gpu_memory=cl.gpu_memory * tp,
-                          memory_reserve=cl.memory_reserve * tp)
+        n = tp * cp
+        cluster = replace(cl, ranks=cl.ranks // n, gpu_memory=cl.gpu_memory * n,
+                          memory_reserve=cl.memory_reserve * n)
         super().__init__(parent.model, cluster, parent.G, parent.plan_cache, parent.grad_bytes,
                          check_command=parent.check_command)
-        self.parent, self.tp = parent, tp
+        self.parent, self.tp, self.cp = parent, tp, cp
+
+    def shape(self, b: int) -> AttentionShape:
+        m = self.model
+        return AttentionShape(seq_length=m.seq_length, micro_batch_size=b, hidden_size=m.hidden_size,
+                              num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                              ffn_hidden_size=m.ffn_hidden_size)
 
     def cost(self, b: int, recompute: bool) -> CostModel:
         key = (b, recompute)
         if key not in self.costs:
-            self.costs[key] = virtual_rank_cost(self.parent.cost(b, recompute), self.tp)
+            self.costs[key] = context_parallel_cost(self.parent.cost(b, recompute), self.cp, self.shape(b), self.tp)
         return self.costs[key]
 
-
-def _wp_schedule(cfg: Config) -> str:
-    """The plan schedule of a weight-passing configuration: its strategy, or the split-backward schedule
-    its plan file holds (``knobs["plan_schedule"]``)."""
-    return cfg.knobs.get("plan_schedule") or cfg.strategy
-
-
-def _bytes_twin(cfg: Config):
-    """(schedule, options) of a plan with ``cfg``'s transfers that is cheap to build: a split-backward
-    schedule's plain twin (:data:`~megatron_tawpipe.sim.advisor_configs.PLAIN_TWINS`), else ``cfg``'s own."""
-    name = _wp_schedule(cfg)
-    return PLAIN_TWINS.get(name, name), _wp_options(cfg)
-
-
-def _wp_options(cfg: Config) -> dict:
-    options = {}
-    if cfg.strategy == "tawpipe":
-        options = {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
-        if cfg.knobs.get("replicate_first"):
-            options["replicate_first"] = True
-        if cfg.knobs.get("ownership") == "spread":
-            options["ownership"] = "spread"
-        if cfg.knobs.get("shards_per_rank", 1) != 1:
-            options["shards_per_rank"] = cfg.knobs["shards_per_rank"]
-    if cfg.knobs.get("zero_bubble"):
-        options["zero_bubble"] = cfg.knobs["zero_bubble"]
-    if cfg.knobs.get("shard_layers"):
-        options["shard_layers"] = tuple(cfg.knobs["shard_layers"])
-    return options
+    def ring_bytes(self, b: int, recompute: bool, layers: int, microbatches: int) -> float:
+        return context_parallel_bytes_per_gpu(self.parent.cost(b, recompute), self.shape(b), self.cp, self.tp,
+                                              layers, microbatches)
 
 
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",

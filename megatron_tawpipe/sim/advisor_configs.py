@@ -14,6 +14,8 @@ from megatron_tawpipe.sim.costmodel import params_per_layer
 from megatron_tawpipe.sim.layout_choice import LayoutRequest, candidate_layouts, visit_sizes  # noqa: F401
 from megatron_tawpipe.sim.memory import MemoryBreakdown
 from megatron_tawpipe.sim.stages import split_label, weight_passing_split
+from megatron_tawpipe.sim.context_parallel import (CONTEXT_PARALLEL_SIZES, CONTEXT_PARALLEL_STRATEGIES,
+                                                   MIN_TOKENS_PER_RANK, context_parallel_problem)
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
 
 #: Llama-shaped presets: Llama-2 7B/13B/70B, Code Llama 34B.
@@ -106,6 +108,7 @@ class Config:
     iteration_time: float = 0.0
     bubble: float = 0.0
     inter_bytes_per_node: float = 0.0
+    context_parallel_bytes_per_gpu: float = 0.0   # the ring attention's bytes one GPU sends per iteration
     memory: Optional[MemoryBreakdown] = None
     trainable: Optional[bool] = True         # None: not checked against pretrain_llama.py (not listed)
     checked: bool = False
@@ -122,6 +125,8 @@ class Config:
             parts.append(f"vp={k['virtual_stages']}")
         if k.get("tp", 1) > 1:
             parts.append(f"tp={k['tp']}")
+        if k.get("cp", 1) > 1:
+            parts.append(f"cp={k['cp']}")
         if "chunk" in k:
             parts.append(f"c={k['chunk']}")
         if "cache" in k:
@@ -143,16 +148,19 @@ class Config:
         return " ".join(parts)
 
     def row(self) -> dict:
-        return {"strategy": self.strategy, "knobs": dict(self.knobs, micro_batch_size=self.micro_batch_size,
-                                                         recompute=self.recompute),
-                "label": self.label(), "status": self.status,
-                "tokens_per_sec_per_gpu": self.tokens_per_sec_per_gpu,
-                "iteration_time_s": self.iteration_time, "bubble_ratio": self.bubble,
-                "inter_bytes_per_node": self.inter_bytes_per_node,
-                "memory_bytes": self.memory.total if self.memory else None,
-                "memory_breakdown": self.memory.as_dict() if self.memory else None,
-                "compute_bound_tokens_per_sec_per_gpu": self.bound, "trainable": self.trainable,
-                "note": self.note, "command": self.command}
+        out = {"strategy": self.strategy, "knobs": dict(self.knobs, micro_batch_size=self.micro_batch_size,
+                                                        recompute=self.recompute),
+               "label": self.label(), "status": self.status,
+               "tokens_per_sec_per_gpu": self.tokens_per_sec_per_gpu,
+               "iteration_time_s": self.iteration_time, "bubble_ratio": self.bubble,
+               "inter_bytes_per_node": self.inter_bytes_per_node,
+               "memory_bytes": self.memory.total if self.memory else None,
+               "memory_breakdown": self.memory.as_dict() if self.memory else None,
+               "compute_bound_tokens_per_sec_per_gpu": self.bound, "trainable": self.trainable,
+               "note": self.note, "command": self.command}
+        if self.knobs.get("cp", 1) > 1:
+            out["context_parallel_bytes_per_gpu"] = self.context_parallel_bytes_per_gpu
+        return out
 
 
 #: split-backward schedules and the schedule whose transfers they keep (their weight passes move, not their bytes)
@@ -218,9 +226,15 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
     Every strategy is also tried with tensor parallelism inside the nodes (knob ``tp``:
     T = 2, 4, 8 where T divides the GPUs of a node, the heads, the query groups and the
     FFN size): the strategy then runs over P / T virtual ranks (see :mod:`sim.tensor_parallel`).
+    The native strategies (:data:`~megatron_tawpipe.sim.context_parallel.CONTEXT_PARALLEL_STRATEGIES`) are
+    also tried with context parallelism (knob ``cp``: C = 2, 4, 8, with every T of those where T x C divides
+    the GPUs of a node, the sequence splits into 2C chunks and each rank keeps at least
+    :data:`~megatron_tawpipe.sim.context_parallel.MIN_TOKENS_PER_RANK` tokens): over P / (T x C) virtual
+    ranks (see :mod:`sim.context_parallel`).
     Layers that do not divide over the shards or stages are split unevenly
     (:mod:`megatron_tawpipe.sim.stages`)."""
     out, absent = _enumerate(model, cluster, global_batch, runtime_knobs_only, 1)
+    tensor_parallel = [1]
     for tp in TENSOR_PARALLEL_SIZES[1:]:
         problem = tensor_parallel_problem(tp, cluster.per_node, model.num_attention_heads,
                                           model.num_query_groups, model.ffn_hidden_size)
@@ -229,13 +243,53 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
                                   "a tensor-parallel size dividing the GPUs of a node, the attention heads, "
                                   "the query groups and the FFN size"))
             continue
+        tensor_parallel.append(tp)
         configs, why = _enumerate(model, replace(cluster, ranks=cluster.ranks // tp), global_batch,
                                   runtime_knobs_only, tp)
         for cfg in configs:
             cfg.knobs["tp"] = tp
         out += configs
         absent += why
-    return out, _merge(absent)
+    configs, why = _context_parallel(model, cluster, global_batch, runtime_knobs_only, tensor_parallel)
+    return out + configs, _merge(absent + why)
+
+
+def _context_parallel(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool,
+                      tensor_parallel: List[int]):
+    """The native strategies with context parallelism C > 1, each with every tensor-parallel size in
+    ``tensor_parallel`` that fits beside it in a node; the other strategies' absence, once."""
+    out: List[Config] = []
+    absent: List[Absence] = []
+    native = tuple(s for s in STRATEGY_ORDER if s in CONTEXT_PARALLEL_STRATEGIES)
+    others = tuple(s for s in STRATEGY_ORDER if s not in CONTEXT_PARALLEL_STRATEGIES)
+    sizes = []
+    for cp in CONTEXT_PARALLEL_SIZES[1:]:
+        problem = context_parallel_problem(cp, 1, cluster.per_node, model.seq_length, cluster.ranks,
+                                           MIN_TOKENS_PER_RANK)
+        if problem:
+            absent.append(Absence(native, f"C={cp}", problem,
+                                  "a context-parallel size dividing the GPUs of a node, with --seq-length a multiple "
+                                  f"of 2C and at least {MIN_TOKENS_PER_RANK} tokens per rank"))
+            continue
+        sizes.append(cp)
+        for tp in tensor_parallel:
+            if context_parallel_problem(cp, tp, cluster.per_node, model.seq_length, cluster.ranks):
+                continue            # T x C beyond a node (or the local tokens not splitting): not a line each
+            configs, why = _enumerate(model, replace(cluster, ranks=cluster.ranks // (tp * cp)), global_batch,
+                                      runtime_knobs_only, tp, cp)
+            for cfg in configs:
+                if cfg.strategy in native:
+                    cfg.knobs.update({"tp": tp, "cp": cp} if tp > 1 else {"cp": cp})
+                    out.append(cfg)
+            for a in why:
+                mine = tuple(s for s in a.strategies if s in native)
+                if mine:
+                    absent.append(Absence(mine, a.what, a.reason, a.fix))
+    if sizes:
+        absent.append(Absence(others, "C>1", "context parallelism runs under megatron's native schedules only "
+                              "(DDP / distributed optimizer, with or without a pipeline), not weight passing or FSDP",
+                              "distopt, distopt-node, pp-nodes, 1f1b or interleaved with --context-parallel-size"))
+    return out, absent
 
 
 def _merge(absent: List[Absence]) -> List[Absence]:
@@ -248,10 +302,14 @@ def _merge(absent: List[Absence]) -> List[Absence]:
     return [Absence(key[0], "" if "" in w else ", ".join(w), key[1], key[2]) for key, w in whats.items()]
 
 
-def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool, tp: int):
+def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool, tp: int,
+               cp: int = 1):
     P, D, d, L = cluster.ranks, cluster.nodes, cluster.per_node, model.num_layers
-    T = f"T={tp} " if tp > 1 else ""
-    who = f"{P} tensor-parallel groups of {tp} GPUs" if tp > 1 else f"{P} GPUs"
+    T = (f"T={tp} " if tp > 1 else "") + (f"C={cp} " if cp > 1 else "")
+    if cp > 1:
+        who = f"{P} groups of {tp * cp} GPUs (T={tp} x C={cp})"
+    else:
+        who = f"{P} tensor-parallel groups of {tp} GPUs" if tp > 1 else f"{P} GPUs"
     out, na = [], []
 
     def absent(strategies, what, reason, fix):
@@ -275,14 +333,15 @@ def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_kn
                    f"--global-batch-size a multiple of {b * P}")
         for r in (True, False):
             def add(strategy, **knobs):
-                out.append(Config(strategy, b, r, knobs))
+                if cp == 1 or strategy in CONTEXT_PARALLEL_STRATEGIES:
+                    out.append(Config(strategy, b, r, knobs))
             if mbs % P == 0:
                 for s in ("distopt", "fsdp"):
                     add(s)
                 if D > 1:
                     for s in ("distopt-node", "hsdp", "hfsdp"):
                         add(s)
-                if L >= P:
+                if L >= P and cp == 1:
                     _weight_passing(add, absent, L, P, D, mbs // P, b, runtime_knobs_only, who)
             _pipelines(add, absent, L, P, D, mbs, b, who)
     return out, na
@@ -360,3 +419,33 @@ def _pipelines(add, absent, L, P, D, mbs, b, who):
                     add("interleaved", pipeline_size=p, virtual_stages=v,
                         **({"uneven": True} if L % (p * v) else {}))
         p *= 2
+
+
+def wp_schedule(cfg: Config) -> str:
+    """The plan schedule of a weight-passing configuration: its strategy, or the split-backward schedule
+    its plan file holds (``knobs["plan_schedule"]``)."""
+    return cfg.knobs.get("plan_schedule") or cfg.strategy
+
+
+def bytes_twin(cfg: Config):
+    """(schedule, options) of a plan with ``cfg``'s transfers that is cheap to build: a split-backward
+    schedule's plain twin (:data:`~megatron_tawpipe.sim.advisor_configs.PLAIN_TWINS`), else ``cfg``'s own."""
+    name = wp_schedule(cfg)
+    return PLAIN_TWINS.get(name, name), wp_options(cfg)
+
+
+def wp_options(cfg: Config) -> dict:
+    options = {}
+    if cfg.strategy == "tawpipe":
+        options = {"chunk": cfg.knobs["chunk"], "cache": cfg.knobs["cache"]}
+        if cfg.knobs.get("replicate_first"):
+            options["replicate_first"] = True
+        if cfg.knobs.get("ownership") == "spread":
+            options["ownership"] = "spread"
+        if cfg.knobs.get("shards_per_rank", 1) != 1:
+            options["shards_per_rank"] = cfg.knobs["shards_per_rank"]
+    if cfg.knobs.get("zero_bubble"):
+        options["zero_bubble"] = cfg.knobs["zero_bubble"]
+    if cfg.knobs.get("shard_layers"):
+        options["shard_layers"] = tuple(cfg.knobs["shard_layers"])
+    return options

@@ -6,6 +6,8 @@ from __future__ import annotations
 import shlex
 
 from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER, Absence
+from megatron_tawpipe.sim.context_parallel import (CONTEXT_PARALLEL_SIZES, CONTEXT_PARALLEL_STRATEGIES,
+                                                   MIN_TOKENS_PER_RANK, context_parallel_problem)
 from megatron_tawpipe.sim.layout_choice import LayoutRequest, TawPipeLayout, choose_layout
 from megatron_tawpipe.sim.memory import MemoryBreakdown, gb
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
@@ -37,6 +39,8 @@ def strategy_flags(cfg, model, cluster, recompute_flags: bool = True):
     argv = []
     if k.get("tp", 1) > 1:   # tensor parallelism inside the nodes, as Megatron users run it: with sequence parallelism
         argv += ["--tensor-model-parallel-size", str(k["tp"]), "--sequence-parallel"]
+    if k.get("cp", 1) > 1:   # context parallelism inside the nodes (the native schedules)
+        argv += ["--context-parallel-size", str(k["cp"])]
     native_rc = RECOMPUTE if cfg.recompute and recompute_flags else []
     no_recompute = [] if cfg.recompute or not recompute_flags else ["--tawpipe-no-recompute"]
     if k.get("plan_schedule"):    # a split-backward schedule: its plan file first, then the run of it
@@ -174,6 +178,7 @@ def searched(configs, global_batch: int, ranks: int) -> dict:
         entry = {"micro_batch_sizes": sorted({c.micro_batch_size for c in mine}),
                  "micro_batch_sizes_fitting": sorted({c.micro_batch_size for c in fits}),
                  "tensor_parallel": sorted({c.knobs.get("tp", 1) for c in mine}),
+                 "context_parallel": sorted({c.knobs.get("cp", 1) for c in mine}),
                  "recompute": sorted({c.recompute for c in mine}),
                  "configurations": len(mine), "evaluated": len(tried),
                  "larger_than_fits": sum(c.status == "larger" for c in mine),
@@ -257,7 +262,9 @@ def searched_lines(searched: dict) -> list:
                     f"{'fits' if e['one_visit_per_shard_fits'] else 'does not fit'})")
         else:
             what = (f"b={_sizes(e['micro_batch_sizes'])} (fit: {_sizes(e['micro_batch_sizes_fitting'])})")
-        lines.append(f"  {s:<12} {what}, T={_sizes(e['tensor_parallel'])}: {e['evaluated']} evaluated, "
+        cp = e.get("context_parallel", [1])
+        sizes = f"T={_sizes(e['tensor_parallel'])}" + (f", C={_sizes(cp)}" if cp != [1] else "")
+        lines.append(f"  {s:<12} {what}, {sizes}: {e['evaluated']} evaluated, "
                      f"{e['larger_than_fits']} larger than what fits, {e['pruned']} pruned")
     return lines
 
@@ -279,6 +286,11 @@ def no_fit_fix(c, cluster, model) -> str:
             tips.append("micro-batch size 1")
     if term == "comm_buffers" and c.strategy == "tawpipe" and k.get("cache"):
         tips.append("no shard cache")
+    if term in ("activations", "logits") and c.strategy in CONTEXT_PARALLEL_STRATEGIES:
+        longer = [C for C in CONTEXT_PARALLEL_SIZES if C > k.get("cp", 1) and not context_parallel_problem(
+            C, k.get("tp", 1), cluster.per_node, model.seq_length, cluster.ranks, MIN_TOKENS_PER_RANK)]
+        if longer:
+            tips.append(f"context parallelism C={longer[0]} (splits the sequence: activations and logits)")
     larger = [t for t in TENSOR_PARALLEL_SIZES if t > k.get("tp", 1) and not tensor_parallel_problem(
         t, cluster.per_node, model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size)]
     if larger:

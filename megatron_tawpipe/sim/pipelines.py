@@ -76,7 +76,7 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
                       total_microbatches: int, pipeline_size: int, virtual_stages: int = 1,
                       grad_bytes: int = 4, plan_cache: Optional[Dict] = None,
                       name: Optional[str] = None, exact: bool = True,
-                      stage_layers: Optional[Sequence[int]] = None) -> SimResult:
+                      stage_layers: Optional[Sequence[int]] = None, context_parallel: int = 1) -> SimResult:
     """Megatron pipeline of ``pipeline_size`` stages (a multiple of D: every stage
     inside one node, stage boundaries crossing nodes D-1 times), data-parallel
     size ``dp = P / pipeline_size`` inside each stage's node with the
@@ -95,8 +95,12 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     the larger first); every stage is priced with its own layers, so the slowest sets
     the pipeline's pace, and the data-parallel reduction of the largest stage is the one
     that shows.  ``exact=False``: more than 4 x pipeline_size micro-batches per pipeline
-    are simulated as 2x and 4x and extended (:func:`simulate_extended`)."""
+    are simulated as 2x and 4x and extended (:func:`simulate_extended`). ``context_parallel`` C: the ranks
+    are virtual ranks of C context-parallel GPUs (:mod:`megatron_tawpipe.sim.context_parallel`): a boundary's
+    activation leaves in C slices, each on its own link inside the node, and each stage's gradients are
+    reduced over its data x context-parallel GPUs (C x dp members, each with the whole stage)."""
     P, D, L, pp, V = num_ranks, num_groups, num_layers, pipeline_size, virtual_stages
+    C = context_parallel
     dp, m = _pipeline_shape(P, D, total_microbatches, pp)
     split = _stage_split(L, pp, V, stage_layers)
     schedule = "interleaved" if V > 1 else "1f1b"
@@ -104,7 +108,8 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     build = lambda n: _pipeline_plan(D, L, n, pp, V, plan_cache, split)[0]  # noqa: E731
     inter = Link(cost.inter.bandwidth / dp, cost.inter.latency)
     sim_cost = replace(cost, inter=inter, pair_bandwidth=cost.pair_bandwidth or cost.inter.bandwidth,
-                       replicated_params=0.0, embedding_params=0.0, optimizer_time_per_param=0.0)
+                       replicated_params=0.0, embedding_params=0.0, optimizer_time_per_param=0.0,
+                       intra=Link(cost.intra.bandwidth * C, cost.intra.latency))
     r = simulate_extended(build, sim_cost, m, n1, n2)
     best = pipeline_memory(cost, P, D, L, total_microbatches, pp, V, plan_cache, min(m, n2), split)
     w = cost.dtype_bytes
@@ -116,10 +121,12 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     # False, calls synchronous communication"): all of it shows. The rank that exposes most shows.
     # Tied embeddings: the first and last stage then all-reduce the word embedding's gradient, before
     # the step (megatron-core's finalize_model_grads, synchronous).
-    t_emb, emb_bytes, emb_link = embedding_allreduce(cost, D, pp, dp, grad_bytes)
+    t_emb, emb_bytes, emb_link = embedding_allreduce(cost, D, pp, dp * C, grad_bytes)
     extra, psi_all = 0.0, 0.0
     for rank, layers, psi_stage in _stage_params(cost, split, pp):
-        t_rs, t_ag = ring_time(cost.intra, grad_bytes * psi_stage, dp), ring_time(cost.intra, w * psi_stage, dp)
+        members = dp * C
+        t_rs = ring_time(cost.intra, grad_bytes * psi_stage, members)
+        t_ag = ring_time(cost.intra, w * psi_stage, members)
         s_bwd = layers * (cost.layer_backward + cost.layer_recompute)
         shown = exposed(t_rs, s_bwd, layers) + t_ag + (t_emb if rank in (0, pp - 1) else 0.0)
         extra = max(extra, shown + psi_stage / dp * cost.optimizer_time_per_param)
@@ -128,7 +135,7 @@ def simulate_pipeline(cost: CostModel, num_ranks: int, num_groups: int, num_laye
     compute = sum(r.compute_time) * dp
     tokens = total_microbatches * cost.tokens_per_microbatch
     lb = {k: v * dp for k, v in r.link_bytes.items()}
-    lb["intra"] += dp * (dp - 1) / dp * (grad_bytes + w) * psi_all if dp > 1 else 0.0
+    lb["intra"] += (dp * C - 1) * (grad_bytes + w) * psi_all if dp * C > 1 else 0.0
     if emb_bytes:
         lb[emb_link] += emb_bytes
     options = dict(pipeline_size=pp, data_parallel=dp, virtual_stages=V, microbatches_per_pipeline=m,

@@ -145,7 +145,8 @@ def simulate_hsdp(cost: CostModel, num_ranks: int, num_groups: int, num_layers: 
 
 
 def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layers: int,
-                     num_microbatches: int, instances: int = 1, grad_bytes: int = 4) -> SimResult:
+                     num_microbatches: int, instances: int = 1, grad_bytes: int = 4,
+                     context_parallel: int = 1) -> SimResult:
     """Megatron DDP + distributed optimizer (``overlap_grad_reduce``,
     ``overlap_param_gather``).  Every rank holds the bf16 model and an fp32
     gradient buffer; the optimizer state is sharded over the P/instances ranks of
@@ -154,9 +155,15 @@ def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layer
     ``2 g Psi (D-1)/D`` bytes per node; parameters are all-gathered inside the
     node.  ``instances = 1`` (``distopt``): reduce-scatter of gradients and
     all-gather of parameters over all P ranks, ``(P-1)/P (g+w) Psi`` per node. A
-    reduce-scatter on gloo moves an all-reduce's bytes (``reduce_scatter_factor``)."""
+    reduce-scatter on gloo moves an all-reduce's bytes (``reduce_scatter_factor``).
+
+    ``context_parallel`` C: the ranks are virtual ranks of C context-parallel GPUs each
+    (:mod:`megatron_tawpipe.sim.context_parallel`); the gradient and parameter rings run over the data x
+    context-parallel GPUs, C times the ranks, each with the whole model (memory and the optimizer step stay
+    the virtual ranks' figures)."""
     P, D, N, L = num_ranks, num_groups, num_microbatches, num_layers
     d = P // D
+    R, r = P * context_parallel, d * context_parallel      # ring members: all of them, those of a node
     w = cost.dtype_bytes
     psi = total_params(cost, L)
     shards = P // instances
@@ -164,18 +171,18 @@ def simulate_distopt(cost: CostModel, num_ranks: int, num_groups: int, num_layer
     if instances == 1:
         link = cost.inter if D > 1 else cost.intra
         rsf = cost.reduce_scatter_factor
-        t_rs, t_ag = ring_time(link, grad_bytes * psi, P, factor=rsf), ring_time(link, w * psi, P)
-        node_bytes = (P - 1) / P * (rsf * grad_bytes + w) * psi if D > 1 else 0.0
-        intra = (P - (D if D > 1 else 0)) * (P - 1) / P * (rsf * grad_bytes + w) * psi
+        t_rs, t_ag = ring_time(link, grad_bytes * psi, R, factor=rsf), ring_time(link, w * psi, R)
+        node_bytes = (R - 1) / R * (rsf * grad_bytes + w) * psi if D > 1 else 0.0
+        intra = (R - (D if D > 1 else 0)) * (R - 1) / R * (rsf * grad_bytes + w) * psi
         name = "distopt"
     else:
         if instances != D:
             raise ValueError("distopt-node needs one instance per node (instances = num_groups)")
-        t_rs = ring_time(cost.intra, grad_bytes * psi, d, factor=cost.reduce_scatter_factor) + \
+        t_rs = ring_time(cost.intra, grad_bytes * psi, r, factor=cost.reduce_scatter_factor) + \
             ring_time(cost.inter, grad_bytes * psi, D, 2.0)
-        t_ag = ring_time(cost.intra, w * psi, d)
+        t_ag = ring_time(cost.intra, w * psi, r)
         node_bytes = 2 * grad_bytes * psi * (D - 1) / D
-        intra = P * (d - 1) / d * (cost.reduce_scatter_factor * grad_bytes + w) * psi
+        intra = R * (r - 1) / r * (cost.reduce_scatter_factor * grad_bytes + w) * psi
         name = "distopt-node"
     # Buckets of a layer: the last reduce-scatter follows the last backward, the first gather precedes
     # the first forward. More than one instance reduces each bucket synchronously, relying on a side
@@ -249,18 +256,21 @@ def plan_memory(result: SimResult, cost: CostModel, plan) -> MemoryBreakdown:
 
 
 def run_strategy(name: str, cost: CostModel, num_ranks: int, num_groups: int, num_layers: int,
-                 num_microbatches: int, plan_cache: Optional[Dict] = None) -> SimResult:
+                 num_microbatches: int, plan_cache: Optional[Dict] = None, context_parallel: int = 1) -> SimResult:
     """One of :data:`STRATEGIES` with ``num_microbatches`` per rank (the
-    global batch of ``tools/simulate.py``)."""
-    P, D, L, N = num_ranks, num_groups, num_layers, num_microbatches
+    global batch of ``tools/simulate.py``); ``context_parallel`` C > 1 (distopt, distopt-node, pp-nodes): the
+    ranks are virtual ranks of C GPUs (:mod:`megatron_tawpipe.sim.context_parallel`)."""
+    P, D, L, N, C = num_ranks, num_groups, num_layers, num_microbatches, context_parallel
+    if C > 1 and name in ("hsdp", "hfsdp"):
+        raise ValueError(f"{name} does not run context parallelism (FSDP)")
     if name == "hsdp":
         return simulate_hsdp(cost, P, D, L, N)
     if name == "distopt-node":
-        return simulate_distopt(cost, P, D, L, N, instances=D)
+        return simulate_distopt(cost, P, D, L, N, instances=D, context_parallel=C)
     if name == "distopt":
-        return simulate_distopt(cost, P, D, L, N, instances=1)
+        return simulate_distopt(cost, P, D, L, N, instances=1, context_parallel=C)
     if name == "hfsdp":
         return simulate_hfsdp(cost, P, D, L, N)
     if name == "pp-nodes":
-        return simulate_pipeline(cost, P, D, L, N * P, pipeline_size=D, plan_cache=plan_cache)
+        return simulate_pipeline(cost, P, D, L, N * P, pipeline_size=D, plan_cache=plan_cache, context_parallel=C)
     raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
