@@ -182,8 +182,8 @@ class WeightPipeModel:
             return plans_for_run(run, self.world, groups)
         self.cache_decision, plans = tawpipe_cache.decide(
             run, groups, lambda cache: plans_for_run(run, self.world, groups, cache), self.device)
-        if dist.get_rank() == 0:
-            print(self.cache_decision.line(), flush=True)
+        if dist.get_rank() == 0 and getattr(self.args, "tawpipe_layout", None) is None:
+            print(self.cache_decision.line(), flush=True)   # a run's layout line says it already
         return plans
 
     def _check_same_layout(self) -> None:
