@@ -1,0 +1,114 @@
+"""--context-parallel-size inside weight passing: tawpipe and weipipe over P / (T x C) virtual ranks.
+
+Each virtual rank is T x C consecutive ranks; its C context-parallel members each run their S / C tokens of every
+micro-batch (the ring attention between them) and move piece c of every weight and gradient transfer, the
+pieces all-gathered (weights) or reduce-scattered (gradients) inside the group. Against one process without
+any parallelism (3 iterations, clipping active, grouped-query attention, RoPE, fp32, forked gloo ranks): the loss
+and gradient norm of every iteration within 1e-5 relative, and the bytes each link class carried equal the plan's
+(each member counting its piece) and, between nodes, the run's without context parallelism.
+"""
+
+import pytest
+
+from distributed_harness import run_ranks
+from training_helpers import assert_close_rel, losses, pinned_layout, tiny_args, train_rank
+
+ITERS = 3
+GQA = ["--group-query-attention", "--num-query-groups", "2"]
+TAWPIPE = ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2"]
+WEIPIPE = ["--pipeline-schedule", "weipipe"]
+CP2 = ["--context-parallel-size", "2"]
+
+
+def _args(*extra, layers, global_batch):
+    argv = tiny_args(*GQA, *extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1)
+    argv[argv.index("--num-layers") + 1] = str(layers)
+    return argv
+
+
+def _grad_norms(records):
+    return [r["grad_norm"] for r in records]
+
+
+_REFERENCES = {}
+
+
+def _reference(layers, global_batch):
+    key = (layers, global_batch)
+    if key not in _REFERENCES:
+        (_REFERENCES[key],) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch))
+    return _REFERENCES[key]
+
+
+def _check(per_rank, reference):
+    assert max(_grad_norms(reference)) > 1.0   # clipping was active
+    for records in per_rank:
+        assert_close_rel(losses(records), losses(reference), 1e-5)
+        assert_close_rel(_grad_norms(records), _grad_norms(reference), 1e-5, "grad norm")
+    for record in per_rank[0]:
+        assert record["inter_group_bytes"] == record["planned_inter_group_bytes"]
+        assert record["intra_group_bytes"] == record["planned_intra_group_bytes"]
+
+
+# world, flags, layers, global batch: C = 2, so P / 2 virtual ranks (P / 4 with T = 2)
+CASES = [
+    (4, TAWPIPE + pinned_layout(2), 2, 4),                                        # 1 layer/shard, 2 mb, the cache
+    (4, TAWPIPE + ["--tawpipe-replicate-first-shard", "--tawpipe-no-recompute"], 4, 2),   # shard 0 in both groups
+    (4, WEIPIPE, 2, 4),                                                           # 1 layer/shard, 2 mb
+    (4, WEIPIPE + ["--tawpipe-no-recompute"], 3, 2),                              # shards of 2 and 1 layers
+]
+IDS = ["tawpipe-P4-pinned", "tawpipe-P4-replicated-first", "weipipe-P4", "weipipe-P4-uneven-norecompute"]
+
+
+@pytest.mark.parametrize("world,extra,layers,global_batch", CASES, ids=IDS)
+def test_matches_single_process_reference(world, extra, layers, global_batch):
+    per_rank = run_ranks(train_rank, world, _args(*CP2, *extra, "--tawpipe-nccl-faithful",
+                                                  "--distributed-timeout-minutes", "2",
+                                                  layers=layers, global_batch=global_batch))
+    _check(per_rank, _reference(layers, global_batch))
+
+
+def test_tensor_and_context_parallel_on_eight_ranks():
+    """T = 2 x C = 2: two virtual ranks of 4 GPUs, one per group; index j = c * T + t."""
+    per_rank = run_ranks(train_rank, 8, _args(*CP2, *TAWPIPE, *pinned_layout(2), "--tensor-model-parallel-size", "2",
+                                              "--distributed-timeout-minutes", "3", layers=2, global_batch=2))
+    _check(per_rank, _reference(2, 2))
+
+
+def test_node_links_carry_what_they_carry_without_context_parallelism():
+    """The same plan (2 virtual ranks in 2 groups) with C = 1 on 2 ranks and C = 2 on 4: each member moves its
+    half of every transfer, so every link class carries exactly the bytes of the run without it."""
+    flags = TAWPIPE + pinned_layout(2)
+    one = run_ranks(train_rank, 2, _args(*flags, layers=2, global_batch=4))[0]
+    two = run_ranks(train_rank, 4, _args(*CP2, *flags, layers=2, global_batch=4))[0]
+    assert one[0]["inter_group_bytes"] > 0
+    for a, b in zip(one, two):
+        assert b["inter_group_bytes"] == a["inter_group_bytes"]
+        assert b["intra_group_bytes"] == a["intra_group_bytes"]
+    assert_close_rel(losses(two), losses(one), 1e-5)
+
+
+@pytest.mark.parametrize("world, local, extra, message", [
+    (4, "2", TAWPIPE[:2] + ["--tensor-model-parallel-size", "2"],
+     "--context-parallel-size 2 x --tensor-model-parallel-size 2 with --pipeline-schedule tawpipe: 2 ranks per node "
+     "(LOCAL_WORLD_SIZE), which 4 does not divide"),
+    (6, None, WEIPIPE + ["--tawpipe-num-groups", "3", "--tensor-model-parallel-size", "2"],
+     "--tawpipe-num-groups 3 gives 2 ranks per group, which 4 does not divide"),
+    (4, None, TAWPIPE + ["--tawpipe-ownership", "spread"],
+     "--tawpipe-ownership spread with --context-parallel-size 2: the spread layout does not run with context"),
+    (4, None, WEIPIPE + ["--seq-length", "30", "--max-position-embeddings", "30"],
+     "--seq-length 30 must be divisible by 4"),
+])
+def test_unsupported_layouts_are_refused_in_one_line(monkeypatch, world, local, extra, message):
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    if local:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    else:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ArgumentError) as info:
+        validate_args(parse_args(tiny_args(*GQA, *CP2, *extra)))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
