@@ -33,10 +33,10 @@ def _grad_norms(records):
 _REFERENCES = {}
 
 
-def _reference(layers, global_batch):
-    key = (layers, global_batch)
+def _reference(layers, global_batch, *extra):
+    key = (layers, global_batch, extra)
     if key not in _REFERENCES:
-        (_REFERENCES[key],) = run_ranks(train_rank, 1, _args(layers=layers, global_batch=global_batch))
+        (_REFERENCES[key],) = run_ranks(train_rank, 1, _args(*extra, layers=layers, global_batch=global_batch))
     return _REFERENCES[key]
 
 
@@ -68,11 +68,37 @@ def test_matches_single_process_reference(world, extra, layers, global_batch):
     _check(per_rank, _reference(layers, global_batch))
 
 
-def test_tensor_and_context_parallel_on_eight_ranks():
-    """T = 2 x C = 2: two virtual ranks of 4 GPUs, one per group; index j = c * T + t."""
-    per_rank = run_ranks(train_rank, 8, _args(*CP2, *TAWPIPE, *pinned_layout(2), "--tensor-model-parallel-size", "2",
-                                              "--distributed-timeout-minutes", "3", layers=2, global_batch=2))
-    _check(per_rank, _reference(2, 2))
+@pytest.mark.parametrize("extra", [["--tensor-model-parallel-size", "2"],
+                                   ["--tensor-model-parallel-size", "2", "--sequence-parallel", "tied"],
+                                   ["--tawpipe-replicated-reduce", "hierarchical"]],
+                         ids=["T2", "T2-sp-tied", "T1-hierarchical"])
+def test_on_eight_ranks(extra):
+    """T = 2 x C = 2: two virtual ranks of 4 GPUs, one per group (index j = c * T + t), with sequence parallelism
+    and tied embedding and output weights; T = 1 x C = 2: four virtual ranks in two groups, the replicated
+    gradients' pieces all-reduced through the nodes."""
+    tied = "tied" in extra
+    extra = [flag for flag in extra if flag != "tied"]
+    untie = ["--untie-embeddings-and-output-weights"]
+    argv = _args(*CP2, *TAWPIPE, *extra, "--distributed-timeout-minutes", "3", layers=4, global_batch=4)
+    reference = _args(layers=4, global_batch=4)
+    if tied:
+        argv.remove(untie[0])
+        reference.remove(untie[0])
+    per_rank = run_ranks(train_rank, 8, argv)
+    (expected,) = run_ranks(train_rank, 1, reference)
+    _check(per_rank, expected)
+
+
+def test_evaluation_matches_single_process_reference():
+    """Forward-only runs (validation) gather the weight pieces too: the validation loss of one process."""
+    evaluation = ["--eval-interval", "3", "--eval-iters", "2"]
+    per_rank = run_ranks(train_rank, 4, _args(*CP2, *WEIPIPE, *evaluation, layers=2, global_batch=4))
+    reference = _reference(2, 4, *evaluation)
+    _check(per_rank, reference)
+    validation = [r.get("validation_lm_loss") for r in per_rank[0]]
+    expected = [r.get("validation_lm_loss") for r in reference]
+    assert expected[-1] is not None and validation[-1] is not None
+    assert_close_rel([validation[-1]], [expected[-1]], 1e-5, "validation loss")
 
 
 def test_node_links_carry_what_they_carry_without_context_parallelism():
