@@ -138,3 +138,21 @@ def test_unsupported_layouts_are_refused_in_one_line(monkeypatch, world, local, 
         validate_args(parse_args(tiny_args(*GQA, *CP2, *extra)))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_checkpoints_cross_context_parallel_sizes(tmp_path):
+    """tawpipe C = 2 saves; tawpipe C = 1 resumes and saves; weipipe C = 2 resumes: the losses of one
+    uninterrupted run (every member holds whole masters; context-parallel rank 0's are written)."""
+    iters = 6
+    (uninterrupted,) = run_ranks(train_rank, 1, tiny_args(*GQA, train_iters=iters, global_batch=4))
+    dirs = [str(tmp_path / name) for name in ("c2", "c1")]
+    segments = [
+        (4, CP2 + TAWPIPE + ["--save", dirs[0], "--exit-interval", "2"]),
+        (2, TAWPIPE + ["--load", dirs[0], "--save", dirs[1], "--exit-interval", "4"]),
+        (4, CP2 + WEIPIPE + ["--load", dirs[1]]),
+    ]
+    records = []
+    for world, flags in segments:
+        records += run_ranks(train_rank, world, tiny_args(*GQA, *flags, train_iters=iters, global_batch=4))[-1]
+    assert [r["iteration"] for r in records] == list(range(1, iters + 1))
+    assert_close_rel(losses(records), losses(uninterrupted), 1e-5)
