@@ -275,9 +275,10 @@ class WeightPassingTrainer(CheckpointDefaults):
         bad = find_non_finite(groups, self.device)
         if not bad:
             return
-        tp = self.model.tensor_parallel_size
-        owner = (lambda v: f"owner rank {v}") if tp == 1 else (
-            lambda v: f"owner ranks {v * tp}-{v * tp + tp - 1}, a tensor-parallel group")
+        size = self.model.group_size
+        what = "a tensor-parallel group" if self.model.context_parallel_size == 1 else "a tensor x context-parallel group"
+        owner = (lambda v: f"owner rank {v}") if size == 1 else (
+            lambda v: f"owner ranks {v * size}-{v * size + size - 1}, {what}")
         layers = self.plan.layers_of_shard
         names = [f"shard {s} (layers {layers(s)[0]}-{layers(s)[-1]}, {owner(self.plan.owners[s])})"
                  if s < self.plan.num_shards else "the replicated embedding / final norm / output layer"
