@@ -156,3 +156,23 @@ def test_checkpoints_cross_context_parallel_sizes(tmp_path):
         records += run_ranks(train_rank, world, tiny_args(*GQA, *flags, train_iters=iters, global_batch=4))[-1]
     assert [r["iteration"] for r in records] == list(range(1, iters + 1))
     assert_close_rel(losses(records), losses(uninterrupted), 1e-5)
+
+
+def test_bf16_follows_context_parallelism_one():
+    """--bf16 (fp32 masters, bf16 weights gathered and bf16 activations): C = 2 trains like C = 1 up to rounding."""
+    flags = TAWPIPE + pinned_layout(2) + ["--bf16"]
+    one = run_ranks(train_rank, 2, _args(*flags, layers=2, global_batch=4))[0]
+    two = run_ranks(train_rank, 4, _args(*CP2, *flags, layers=2, global_batch=4))[0]
+    assert_close_rel(losses(two), losses(one), 2e-2)
+
+
+def test_auto_schedule_leaves_out_weight_passing_it_does_not_price():
+    """--pipeline-schedule auto with context parallelism ranks the native strategies only (its ranking does not
+    price the context-parallel pieces inside weight passing); without it, weight passing is a candidate."""
+    from megatron_tawpipe.cli.auto_schedule import unpriced_candidate
+
+    argv = tiny_args(*CP2, "--pipeline-schedule", "auto")
+    assert "not priced by the decision" in unpriced_candidate(argv, ["--pipeline-schedule", "tawpipe"])
+    assert "not priced by the decision" in unpriced_candidate(argv, ["--pipeline-schedule", "weipipe"])
+    assert unpriced_candidate(argv, ["--pipeline-schedule", "1f1b"]) == ""
+    assert unpriced_candidate(tiny_args("--pipeline-schedule", "auto"), ["--pipeline-schedule", "tawpipe"]) == ""
