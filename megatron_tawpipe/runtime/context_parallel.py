@@ -48,7 +48,8 @@ class ContextParallelPieces:
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
-            return None
+            raise RuntimeError("context parallelism inside the weight pipeline needs megatron-core's parallel state "
+                               "(initialize_model_parallel with the run's --context-parallel-size) first")
         size = parallel_state.get_context_parallel_world_size()
         if size == 1:
             return None
@@ -111,18 +112,11 @@ class ContextParallelPieces:
         return pieces
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum ``tensors`` over the members, in place (one coalesced all-reduce per dtype)."""
-        by_dtype = {}
+        """Sum ``tensors`` over the members, in place, one all-reduce each (the flat shard gradients are one
+        tensor each; no concatenated copy)."""
         for tensor in tensors:
             if tensor.numel():
-                by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for same in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in same])
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for tensor in same:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+                dist.all_reduce(tensor, group=self.group)
 
     def total_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss-mask tokens over the members' shares (a copy: no gradient flows through it)."""
