@@ -176,3 +176,12 @@ def test_auto_schedule_leaves_out_weight_passing_it_does_not_price():
     assert "not priced by the decision" in unpriced_candidate(argv, ["--pipeline-schedule", "weipipe"])
     assert unpriced_candidate(argv, ["--pipeline-schedule", "1f1b"]) == ""
     assert unpriced_candidate(tiny_args("--pipeline-schedule", "auto"), ["--pipeline-schedule", "tawpipe"]) == ""
+
+
+def test_uneven_loss_masks_match_single_process_reference():
+    """--eod-mask-loss: the members' shares of a sequence hold different numbers of counted tokens (the mock
+    documents' ends fall in one of them), so each member divides its loss sum by the micro-batch's tokens over the
+    group, not by its own count times C (which gives another gradient here)."""
+    eod = ["--eod-mask-loss"]
+    per_rank = run_ranks(train_rank, 4, _args(*CP2, *WEIPIPE, *eod, layers=2, global_batch=4))
+    _check(per_rank, _reference(2, 4, *eod))
