@@ -68,8 +68,8 @@ def test_checkpoints_cross_context_parallel_sizes(tmp_path):
 
 
 @pytest.mark.parametrize("world, extra, message", [
-    (4, ["--context-parallel-size", "2", "--pipeline-schedule", "tawpipe"],
-     "--context-parallel-size 2 with --pipeline-schedule tawpipe"),
+    (4, ["--context-parallel-size", "2", "--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2",
+         "--tawpipe-ownership", "spread"], "--tawpipe-ownership spread with --context-parallel-size 2"),
     (4, ["--context-parallel-size", "3"], "must divide the number of ranks 4"),
     (2, ["--context-parallel-size", "2", "--seq-length", "30", "--max-position-embeddings", "32"],
      "--seq-length 30 must be divisible by 4"),

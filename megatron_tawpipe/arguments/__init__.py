@@ -13,10 +13,10 @@ from megatron_tawpipe.arguments.flags import (ATTENTION_BACKENDS, LLAMA_FLAGS, N
                                               WEIGHT_PASSING_SCHEDULES, ArgumentError, add_tawpipe_args, build_parser,
                                               default_ffn_hidden_size, fill_defaults, is_weight_passing,
                                               llama_ffn_hidden_size, parse_args, plain_arguments, plan_file_of)
-from megatron_tawpipe.arguments.layout import data_parallel_size, virtual_pipeline_size
+from megatron_tawpipe.arguments.layout import data_parallel_size, virtual_pipeline_size, weight_pipeline_ranks
 
 __all__ = ["ATTENTION_BACKENDS", "LLAMA_FLAGS", "NORMALIZATIONS", "PIPELINE_SCHEDULES", "PLAN_FILE_PREFIX",
            "POSITION_EMBEDDING_TYPES", "SUPPORTED_TOKENIZERS", "TOKENIZER_TYPES", "TOOL_FLAGS", "TRANSFORMER_IMPLS",
            "WEIGHT_PASSING_SCHEDULES", "ArgumentError", "add_tawpipe_args", "build_parser", "data_parallel_size",
            "default_ffn_hidden_size", "fill_defaults", "is_weight_passing", "llama_ffn_hidden_size", "parse_args",
-           "plain_arguments", "plan_file_of", "virtual_pipeline_size"]
+           "plain_arguments", "plan_file_of", "virtual_pipeline_size", "weight_pipeline_ranks"]

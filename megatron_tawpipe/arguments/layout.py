@@ -15,6 +15,11 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
                                      args.pipeline_model_parallel_size, args.context_parallel_size)
 
 
+def weight_pipeline_ranks(args: argparse.Namespace, world_size: int) -> int:
+    """The weight pipeline's (virtual) ranks: one per tensor x context-parallel group of T x C consecutive ranks."""
+    return world_size // (args.tensor_model_parallel_size * getattr(args, "context_parallel_size", 1))
+
+
 def virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
     """Model chunks per pipeline rank for --pipeline-schedule interleaved (None for the other schedules): the
     layout's stages / --pipeline-model-parallel-size, or the layers of a stage / --num-layers-per-virtual-pipeline-stage."""

@@ -103,5 +103,16 @@ def choose_schedule(argv: List[str]) -> List[str]:
         raise ArgumentError("--pipeline-schedule auto: the command runs under no schedule (" + "; ".join(reasons) + ")")
     from megatron_tawpipe.training.schedule_decision import decide_schedule
 
-    flags = decide_schedule(base, world, lambda candidate: refusal(with_schedule(argv, candidate), world))
+    flags = decide_schedule(base, world, lambda candidate: unpriced_candidate(argv, candidate)
+                            or refusal(with_schedule(argv, candidate), world))
     return with_schedule(argv, flags)
+
+
+def unpriced_candidate(argv: List[str], candidate: List[str]) -> str:
+    """Why the decision leaves out ``candidate`` though the run would accept it ("" when it does not): context
+    parallelism inside weight passing runs (docs/long-context.md), but the ranking does not price it."""
+    cp = _value(argv, "--context-parallel-size")
+    if cp and cp.isdigit() and int(cp) > 1 and _value(candidate, SCHEDULE_FLAG) in ("tawpipe", "weipipe"):
+        return (f"--context-parallel-size {cp} inside weight passing is not priced by the decision: give "
+                f"--pipeline-schedule {_value(candidate, SCHEDULE_FLAG)} to run it")
+    return ""

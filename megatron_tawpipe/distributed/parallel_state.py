@@ -10,7 +10,8 @@ Rank ``r = k * G + j`` is local index ``j`` of group ``k``. With tensor parallel
 inside the weight pipeline (``--tensor-model-parallel-size T``) these are *virtual*
 ranks: virtual rank ``v`` is the T consecutive global ranks ``v * T .. v * T + T - 1``
 (megatron-core's tensor-parallel group, inside one node), and the topology is that
-of the P / T virtual ranks. The plan decides
+of the P / T virtual ranks; with ``--context-parallel-size C`` too, a virtual rank is the T x C
+consecutive ranks of a tensor x context-parallel group (P / (T x C) virtual ranks). The plan decides
 shard ownership (TawPipe spreads each group's shards over the model's depth);
 the topology records it so that checkpoints and tools can ask.
 """
@@ -92,18 +93,19 @@ _INTRA_GROUPS: Dict[int, dist.ProcessGroup] = {}
 
 
 def initialize_weight_pipeline(num_groups: int, shard_owners: Sequence[int],
-                               tensor_parallel_size: int = 1,
+                               group_size: int = 1,
                                shard_replicas: Optional[Dict[int, Sequence[int]]] = None) -> WeightPipeTopology:
-    """Create the topology (of virtual ranks when ``tensor_parallel_size`` > 1) and one process
-    group per group with all its global ranks (collective: every rank calls it)."""
+    """Create the topology (of virtual ranks of ``group_size`` = T x C consecutive ranks when > 1: tensor x
+    context parallelism) and one process group per group with all its global ranks (collective: every rank
+    calls it)."""
     global _TOPOLOGY
     if _TOPOLOGY is not None:
         raise RuntimeError("the weight pipeline is already initialised; call destroy_weight_pipeline() first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % (num_groups * tensor_parallel_size):
-        raise ValueError(f"--tawpipe-num-groups {num_groups} x --tensor-model-parallel-size {tensor_parallel_size} "
-                         f"must divide the number of ranks {world}")
-    t = tensor_parallel_size
+    if world % (num_groups * group_size):
+        raise ValueError(f"--tawpipe-num-groups {num_groups} x --tensor-model-parallel-size x --context-parallel-size "
+                         f"({group_size}) must divide the number of ranks {world}")
+    t = group_size
     replicas = tuple(sorted((s, tuple(r)) for s, r in (shard_replicas or {}).items()))
     topology = WeightPipeTopology(world // t, num_groups, rank // t, tuple(shard_owners), replicas)
     for group in range(num_groups):

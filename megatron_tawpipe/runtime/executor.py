@@ -86,7 +86,7 @@ class PlanExecutor:
         self.timeout = timeout or datetime.timedelta(minutes=10)
         self.rank = rank
         # Errors name global ranks (with tensor parallelism the plan's ranks are virtual).
-        self.name = (f"rank {communicators.physical(rank)}" if communicators.tensor_parallel_size == 1 else
+        self.name = (f"rank {communicators.physical(rank)}" if communicators.stride == 1 else
                      f"rank {communicators.physical(rank)} (plan rank {rank})")
         self.compute = compute
         self.comms = communicators
@@ -110,7 +110,13 @@ class PlanExecutor:
         self._slices: Dict[int, ShardSlice] = {
             s: holder_slice(plan, s, rank, self._numel[s]) for s in range(plan.num_shards)
             if plan.spread and rank in plan.holders(s)}
-        self._buffer_numel = max([compute.shard_numel] + [p.members * p.length for p in self._slices.values()])
+        # With context parallelism (``compute.context_parallel``, :mod:`runtime.context_parallel`) this GPU moves
+        # its piece of every transfer: its buffers hold C equal pieces.
+        self.cp = getattr(compute, "context_parallel", None)
+        if self.cp is not None and self._slices:
+            raise ExecutionError("the spread layout (slice holders) does not run with context parallelism")
+        whole = self.cp.padded(compute.shard_numel) if self.cp is not None else compute.shard_numel
+        self._buffer_numel = max([whole] + [p.members * p.length for p in self._slices.values()])
         self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
         self._entries_cache: Optional[Tuple[list, dict]] = None
@@ -347,7 +353,7 @@ class PlanExecutor:
         ops, starts = [], []
         for step, x in members:
             send = type(x) is A.SendStart
-            tensor = self._buffer(x.buf, x.kind, x.shard, write=not send)
+            tensor = self._piece_of(x, self._buffer(x.buf, x.kind, x.shard, write=not send), leaving=send)
             ops.append(Op(x.tag, x, step, "send" if send else "recv", [tensor], self.comms.for_action(x, self.rank),
                           peer=self.comms.physical(x.peer)))
             starts.append((x, tensor, send))
@@ -359,7 +365,26 @@ class PlanExecutor:
                 after = (lambda t=tensor: t.zero_()) if x.kind == "grad" else (lambda: None)
                 self._start(x, works[x.tag], x.buf, after, reads_only=x.kind == "weight")
             else:
-                self._start(x, works[x.tag], x.buf)
+                self._start(x, works[x.tag], x.buf, self._arrived(x))
+
+    def _piece_of(self, a, tensor: torch.Tensor, leaving: bool) -> torch.Tensor:
+        """What ``a`` moves of ``tensor`` (a shard's prefix of buffer ``a.buf``): all of it, or with context
+        parallelism this member's piece -- a leaving gradient reduce-scattered over the group into it first, an
+        arriving gradient's buffer zeroed around it (:mod:`runtime.context_parallel`)."""
+        if self.cp is None:
+            return tensor
+        if a.kind == "grad" and leaving:
+            self.cp.scatter(self.grad_buffers[a.buf], tensor.numel())
+        elif a.kind == "grad":
+            tensor.zero_()
+        return self.cp.piece(tensor)
+
+    def _arrived(self, a) -> Callable[[], None]:
+        """What follows an arrival once waited for: with context parallelism, a weight's pieces all-gathered."""
+        if self.cp is None or a.kind != "weight":
+            return lambda: None
+        buffer, numel = self.weight_buffers[a.buf], self._numel[a.shard]
+        return lambda: self.cp.gather(buffer, numel)
 
     def _send(self, a: A.SendStart) -> None:
         self._issue_p2p(a)
@@ -376,14 +401,14 @@ class PlanExecutor:
 
     def _broadcast(self, a: A.BroadcastStart) -> None:
         is_root = self.rank == a.root
-        tensor = self._buffer(a.buf, a.kind, a.shard, write=not is_root)
+        tensor = self._piece_of(a, self._buffer(a.buf, a.kind, a.shard, write=not is_root), leaving=is_root)
         work = self._collective(a, "broadcast", [tensor], a.root)
         if not is_root:
             self._count(self.plan.link_between(self.rank, a.root), tensor)
-        self._start(a, work, a.buf, reads_only=is_root)
+        self._start(a, work, a.buf, self._arrived(a) if not is_root else lambda: None, reads_only=is_root)
 
     def _reduce(self, a: A.ReduceStart) -> None:
-        tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
+        tensor = self._piece_of(a, self._buffer(a.buf, a.kind, a.shard, write=True), leaving=True)
         work = self._collective(a, "reduce", [tensor], a.root)
         after = lambda: None  # noqa: E731
         if self.rank != a.root:
@@ -392,7 +417,7 @@ class PlanExecutor:
         self._start(a, work, a.buf, after)
 
     def _all_reduce(self, a: A.AllReduceStart) -> None:
-        tensor = self._buffer(a.buf, a.kind, a.shard, write=True)
+        tensor = self._piece_of(a, self._buffer(a.buf, a.kind, a.shard, write=True), leaving=True)
         work = self._collective(a, "allreduce", [tensor], -1)
         successor, share = ring_share(a.ranks, self.rank)   # what a ring all-reduce sends
         self._count(self.plan.link_between(self.rank, successor), tensor, share)
@@ -425,6 +450,8 @@ class PlanExecutor:
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
         # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
         grads = [g for g in self.compute.replicated_grads(a.part) if g.numel()]
+        if self.cp is not None:   # summed over the context-parallel group; piece c of each travels
+            grads = [piece for piece in self.cp.scatter_tensors(grads) if piece.numel()]
         work = self._collective(a, "allreduce", grads, -1)
         self._start(a, work, "<replicated>")
 

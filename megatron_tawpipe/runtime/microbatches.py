@@ -24,10 +24,16 @@ class _MicroBatchRecorder:
         return None  # the real output (per-token losses) reaches loss_func after the last shard
 
 
-def normalised_loss(outputs, num_microbatches: int) -> Tuple[torch.Tensor, object]:
-    """Megatron's normalisation of a loss_func result (see schedules.forward_step_calc_loss)."""
+def normalised_loss(outputs, num_microbatches: int,
+                    total_tokens: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Tuple[torch.Tensor, object]:
+    """Megatron's normalisation of a loss_func result (see schedules.forward_step_calc_loss). ``total_tokens``:
+    with context parallelism, the micro-batch's tokens over the context-parallel group from this member's count,
+    so that each member's loss is its tokens' loss sum over the whole sequence's tokens and the members'
+    gradients sum to the micro-batch's mean token loss."""
     if len(outputs) == 3:
         loss, num_tokens, report = outputs
+        if total_tokens is not None:
+            num_tokens = total_tokens(num_tokens)
         return loss / torch.clamp(num_tokens, min=1) / num_microbatches, report
     loss, report = outputs
     return loss / num_microbatches, report
@@ -37,8 +43,11 @@ class MicroBatches:
     """Inputs, loss functions and reports of the micro-batches of one run (one iteration, or one evaluation)."""
 
     def __init__(self, forward_step_func: Optional[Callable], data_iterator: Optional[Iterator],
-                 num_microbatches: int, forward_only: bool):
+                 num_microbatches: int, forward_only: bool,
+                 total_tokens: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        """``total_tokens``: see :func:`normalised_loss` (context parallelism)."""
         self.forward_step_func = forward_step_func
+        self.total_tokens = total_tokens
         self.data_iterator = data_iterator
         self.num_microbatches = num_microbatches
         self.forward_only = forward_only
@@ -57,7 +66,7 @@ class MicroBatches:
 
     def loss(self, mb: int, per_token: torch.Tensor) -> Tuple[torch.Tensor, object]:
         """``(loss, report)``: the micro-batch's loss_func on its per-token losses, normalised like megatron."""
-        return normalised_loss(self.loss_funcs[mb](per_token), self.num_microbatches)
+        return normalised_loss(self.loss_funcs[mb](per_token), self.num_microbatches, self.total_tokens)
 
     def finish_forward(self, mb: int, report: object) -> None:
         """The last shard's forward has run: keep the report; a forward-only run is done with the inputs."""

@@ -256,8 +256,8 @@ class WeightPassingTrainer(CheckpointDefaults):
         executor.trace = None
         if self.rank != 0:
             return
-        # Tensor-parallel ranks of one virtual rank run the same actions: the first one's trace shows them.
-        traces = traces[::self.model.tensor_parallel_size]
+        # The ranks of one virtual rank run the same actions: the first one's trace shows them.
+        traces = traces[::self.model.group_size]
         plan = self.plan
         doc = {"schedule": plan.schedule, "num_ranks": plan.num_ranks, "num_groups": plan.num_groups,
                "num_layers": plan.num_layers, "num_microbatches": plan.num_microbatches,
@@ -275,9 +275,10 @@ class WeightPassingTrainer(CheckpointDefaults):
         bad = find_non_finite(groups, self.device)
         if not bad:
             return
-        tp = self.model.tensor_parallel_size
-        owner = (lambda v: f"owner rank {v}") if tp == 1 else (
-            lambda v: f"owner ranks {v * tp}-{v * tp + tp - 1}, a tensor-parallel group")
+        size = self.model.group_size
+        what = "a tensor-parallel group" if self.model.context_parallel_size == 1 else "a tensor x context-parallel group"
+        owner = (lambda v: f"owner rank {v}") if size == 1 else (
+            lambda v: f"owner ranks {v * size}-{v * size + size - 1}, {what}")
         layers = self.plan.layers_of_shard
         names = [f"shard {s} (layers {layers(s)[0]}-{layers(s)[-1]}, {owner(self.plan.owners[s])})"
                  if s < self.plan.num_shards else "the replicated embedding / final norm / output layer"
@@ -286,7 +287,8 @@ class WeightPassingTrainer(CheckpointDefaults):
 
     def _reduce_reports(self, reports) -> Tuple[float, float]:
         """Sum the ``[loss_sum, tokens]`` reports over micro-batches and data-parallel (virtual) ranks
-        (the tensor-parallel ranks of one virtual rank report the same micro-batches)."""
+        (the tensor-parallel ranks of one virtual rank report the same micro-batches; its context-parallel
+        ranks each their share of every sequence)."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for report in reports:
             totals += report["lm loss"].to(totals)
@@ -305,7 +307,7 @@ class WeightPassingTrainer(CheckpointDefaults):
             return None   # the default group
         from megatron.core import parallel_state
 
-        return parallel_state.get_data_parallel_group()
+        return parallel_state.get_data_parallel_group(with_context_parallel=self.model.context_parallel_size > 1)
 
     def planned_link_bytes(self) -> Dict[str, float]:
         """Bytes per link class per iteration that the plan prescribes, with this run's buffer dtypes
@@ -403,10 +405,12 @@ class WeightPassingTrainer(CheckpointDefaults):
 
     def checkpoint_replica(self, name: str, master: Optional[torch.Tensor]) -> int:
         """0 where this rank's copy is the one written: its own slice, or, for what tensor parallelism
-        does not split (norms, biases of row-parallel layers, extra state), the group's first rank's."""
+        does not split (norms, biases of row-parallel layers, extra state), the group's first rank's; with
+        context parallelism, context-parallel rank 0's (its members hold the same)."""
+        model = self.model
         if master is not None and getattr(master, "tensor_model_parallel", False):
-            return 0
-        return self.model.tensor_parallel_rank
+            return model.index // model.tensor_parallel_size
+        return model.index
 
     def checkpoint_layer_module(self):
         """A decoder layer built from the run's layer spec (its extra state goes into torch_dist checkpoints)."""

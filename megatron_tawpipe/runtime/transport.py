@@ -57,17 +57,19 @@ class Communicators:
     group in that order, so that no communicator is created lazily inside a
     plan (a first use blocks until all members make it).
 
-    With tensor parallelism inside the weight pipeline (``tensor_parallel_size``
-    T > 1) the plan's ranks are *virtual* ranks, one per tensor-parallel group:
-    virtual rank ``v`` is the T global ranks ``v * T + j``. Tensor-parallel rank
-    ``j`` talks only to rank ``j`` of other virtual ranks, so every group above
-    exists once per index ``j`` (its members ``v * T + j``), and each rank keeps
-    the set of its own index: T independent copies of the plan's communication,
-    each moving 1/T of every shard."""
+    With tensor and/or context parallelism inside the weight pipeline (``stride``
+    S = T x C > 1) the plan's ranks are *virtual* ranks, one per group of S
+    consecutive GPUs (megatron-core's order: tensor-parallel rank t fastest, then
+    context-parallel rank c): virtual rank ``v`` is the S global ranks ``v * S + j``.
+    The GPU of index ``j = c * T + t`` talks only to index ``j`` of other virtual
+    ranks, so every group above exists once per index ``j`` (its members
+    ``v * S + j``), and each rank keeps the set of its own index: S independent
+    copies of the plan's communication (each moves 1/T of every shard, and of that
+    the context-parallel piece c: :mod:`runtime.context_parallel`)."""
 
-    def __init__(self, plans, world_size: int, tensor_parallel_size: int = 1, tensor_parallel_rank: int = 0):
+    def __init__(self, plans, world_size: int, stride: int = 1, index: int = 0):
         plans = plans if isinstance(plans, (list, tuple)) else [plans]   # one plan, or each a run may switch to
-        self.tensor_parallel_size, self.tensor_parallel_rank = tensor_parallel_size, tensor_parallel_rank
+        self.stride, self.index = stride, index
         everyone = tuple(range(world_size))
         members = {("p2p", channel, way): everyone for channel in ("weight", "grad") for way in DIRECTIONS}
         members.update({("collective", tuple(ranks), channel): tuple(ranks)
@@ -75,21 +77,21 @@ class Communicators:
         members[("replicated", everyone)] = everyone
         for plan in plans:   # the groups of a replicated all-reduce through the nodes
             members.update({("replicated", ranks): ranks for ranks in node_reduce_groups(plan)})
-        physical_world = world_size * tensor_parallel_size
+        physical_world = world_size * stride
         self.groups: Dict[tuple, Optional[dist.ProcessGroup]] = {}
         mine: Dict[tuple, Tuple[int, ...]] = {}
-        for index in range(tensor_parallel_size):   # every rank creates every index's groups, in one order
+        for j in range(stride):   # every rank creates every index's groups, in one order
             for key, ranks in members.items():
-                physical = [v * tensor_parallel_size + index for v in ranks]
+                physical = [v * stride + j for v in ranks]
                 group = groups.new_group(physical) if physical_world > 1 else None
-                if index == tensor_parallel_rank:
+                if j == index:
                     self.groups[key], mine[key] = group, tuple(physical)
         if physical_world > 1 and dist.get_backend() == "nccl":
             self._create_nccl_communicators(mine)
 
     def physical(self, rank: int) -> int:
-        """The global rank of virtual rank ``rank`` at this rank's tensor-parallel index."""
-        return rank * self.tensor_parallel_size + self.tensor_parallel_rank
+        """The global rank of virtual rank ``rank`` at this rank's index."""
+        return rank * self.stride + self.index
 
     def _create_nccl_communicators(self, members: Dict[tuple, Tuple[int, ...]]) -> None:
         device = torch.device("cuda", torch.cuda.current_device())

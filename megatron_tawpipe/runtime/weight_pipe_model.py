@@ -32,6 +32,7 @@ from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
 from megatron_tawpipe.arguments.run_config import RunConfig, ScheduleConfig
 from megatron_tawpipe.plan import BackwardInput, BackwardWeight, Plan, build_plan, read_plan, validate_plan
 from megatron_tawpipe.data import batch_schedule
+from megatron_tawpipe.runtime.context_parallel import ContextParallelPieces
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
 from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
 from megatron_tawpipe.runtime.microbatches import MicroBatches
@@ -95,13 +96,18 @@ class WeightPipeModel:
         ``config``: the run's records of ``args``."""
         self.args = args
         self.config = config
-        # With --tensor-model-parallel-size T the plan runs over P / T virtual ranks, one per
-        # tensor-parallel group (T consecutive ranks, megatron-core's layout): ``rank`` and
-        # ``world`` are the plan's, ``tensor_parallel_rank`` is this rank's index in its group.
+        # With --tensor-model-parallel-size T and --context-parallel-size C the plan runs over P / (T x C) virtual
+        # ranks, one per tensor x context-parallel group (T x C consecutive ranks, megatron-core's layout: tensor
+        # parallel fastest): ``rank`` and ``world`` are the plan's, ``index`` = c * T + t this rank's in its group.
         self.tensor_parallel_size = self.config.layout.tensor_model_parallel_size
-        self.tensor_parallel_rank = dist.get_rank() % self.tensor_parallel_size
-        self.rank = dist.get_rank() // self.tensor_parallel_size
-        self.world = dist.get_world_size() // self.tensor_parallel_size
+        self.context_parallel_size = self.config.layout.context_parallel_size
+        self.group_size = self.tensor_parallel_size * self.context_parallel_size
+        self.index = dist.get_rank() % self.group_size
+        self.tensor_parallel_rank = self.index % self.tensor_parallel_size
+        self.rank = dist.get_rank() // self.group_size
+        self.world = dist.get_world_size() // self.group_size
+        # C > 1: this member's piece of every transfer and the group's collectives (None with C = 1)
+        self.context_parallel = ContextParallelPieces.of_megatron() if self.context_parallel_size > 1 else None
         self.device = current_device()
         groups = (self.config.layout.tawpipe_num_groups
                   or parallel_state.default_num_groups(dist.get_world_size(), self.config.schedule.pipeline_schedule))
@@ -115,7 +121,7 @@ class WeightPipeModel:
         self.plan = self.plans.get(first) or self.plans[min(self.plans)]
         if any(plan.owners != self.plan.owners or plan.replicas != self.plan.replicas for plan in self.plans.values()):
             raise ValueError("the plans for the schedule's micro-batch counts give shards different owners")
-        self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.tensor_parallel_size,
+        self.topology = parallel_state.initialize_weight_pipeline(groups, self.plan.owners, self.group_size,
                                                                   self.plan.replicas)
         self.recompute = self.config.schedule.recompute
         if any(plan.shard_layers != self.plan.shard_layers for plan in self.plans.values()):
@@ -167,8 +173,7 @@ class WeightPipeModel:
             refusal = launch_order_problem(list(self.plans.values()), os.environ)
             if refusal:
                 raise ValueError(refusal)
-        self.communicators = Communicators(list(self.plans.values()), self.world, self.tensor_parallel_size,
-                                           self.tensor_parallel_rank)
+        self.communicators = Communicators(list(self.plans.values()), self.world, self.group_size, self.index)
         self._create_megatron_communicators()
         self.executor = self._executor(self.plan)
         self.compute: ShardCompute = (compute or LayerCompute)(self)
@@ -202,12 +207,15 @@ class WeightPipeModel:
         created here, before any plan runs, by one small all-reduce each in the same order on every
         rank. Otherwise the first tensor-parallel collective (inside the first forward) would create
         its communicator lazily, blocking while the plan's transfers are in flight."""
-        if self.tensor_parallel_size == 1 or dist.get_backend() != "nccl":
+        if self.group_size == 1 or dist.get_backend() != "nccl":
             return
         from megatron.core import parallel_state as megatron_state
 
         probe = torch.zeros(1, device=self.device)
-        for group in (megatron_state.get_tensor_model_parallel_group(), megatron_state.get_data_parallel_group()):
+        groups = [megatron_state.get_tensor_model_parallel_group(), megatron_state.get_data_parallel_group()]
+        if self.context_parallel is not None:   # its pieces' collectives, the reports' and the norm's reductions
+            groups += [self.context_parallel.group, megatron_state.get_data_parallel_group(with_context_parallel=True)]
+        for group in groups:
             dist.all_reduce(probe, group=group)
 
     def _executor(self, plan, transport=None) -> PlanExecutor:
@@ -300,11 +308,13 @@ class WeightPipeModel:
         """The gradients this rank counts in the global norm: (owned shards', replicated parts').
         Owned shards' are summed over all ranks, replicated parts' over the tensor-parallel group
         (they are the same on every virtual rank). A tensor that tensor parallelism does not
-        split is counted on tensor-parallel rank 0 only (megatron-core's rule)."""
+        split is counted on tensor-parallel rank 0 only (megatron-core's rule); the owned shards'
+        on context-parallel rank 0 only (every member holds the same after :meth:`reduce_partial_grads`)."""
+        counted = self.counted if self.index < self.tensor_parallel_size else []   # context-parallel rank 0's
         if self.tensor_parallel_size == 1:
-            return [self._main_grads[s] for s in self.counted], self.replicated_grads()
+            return [self._main_grads[s] for s in counted], self.replicated_grads()
         first = self.tensor_parallel_rank == 0
-        shards = [view for slot, view in self._owned_grad_slots(self.counted) if first or slot.partition_dim >= 0]
+        shards = [view for slot, view in self._owned_grad_slots(counted) if first or slot.partition_dim >= 0]
         replicated = [grad for master, grad in zip(self.replicated_masters, self._replicated_grads)
                       if first or getattr(master, "tensor_model_parallel", False)]
         return shards, replicated
@@ -312,7 +322,12 @@ class WeightPipeModel:
     def reduce_partial_grads(self) -> None:
         """All-reduce over the tensor-parallel group the gradients that are partial sums there
         (sequence-parallel norms and biases, query/key norms; see ShardTemplate.gradient_is_partial),
-        in one coalesced all-reduce. Nothing to do without tensor parallelism."""
+        in one coalesced all-reduce. Nothing to do without tensor parallelism. With context
+        parallelism, first every gradient (owned shards, replicated parts) is summed over the
+        context-parallel group: each member held its tokens' share, and every member steps the
+        same masters."""
+        if self.context_parallel is not None:
+            self.context_parallel.all_reduce(self.shard_grads() + self.replicated_grads())
         if self.tensor_parallel_size == 1:
             return
         from megatron.core import parallel_state as megatron_state
@@ -360,7 +375,8 @@ class WeightPipeModel:
         return self.microbatches.ordered_reports()
 
     def _reset(self, forward_step_func, data_iterator, num_microbatches: int, forward_only: bool) -> None:
-        self.microbatches = MicroBatches(forward_step_func, data_iterator, num_microbatches, forward_only)
+        self.microbatches = MicroBatches(forward_step_func, data_iterator, num_microbatches, forward_only,
+                                         self.context_parallel.total_tokens if self.context_parallel else None)
         self.compute.reset()
         self.executor.reset_counters()
 

@@ -3,7 +3,9 @@ each one line naming the flags, before any process group or model exists.
 
 The native schedules (no pipelining, ``1f1b``, ``interleaved``, with megatron's DDP or distributed optimizer)
 run megatron-core's context parallelism: its process groups, its balanced split of each sequence into 2C
-chunks, its loss scaling and its gradient reduction over the data- and context-parallel ranks. The layers'
+chunks, its loss scaling and its gradient reduction over the data- and context-parallel ranks. ``tawpipe`` and
+``weipipe`` run the weight pipeline over virtual ranks of T x C GPUs inside one node, each moving its 1/C piece
+of every transfer (:mod:`megatron_tawpipe.runtime.context_parallel`). The layers'
 attention is Transformer Engine's where it is installed, else the ring attention of
 :mod:`megatron_tawpipe.models.ring_attention` (the ``sdpa`` backend).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_tawpipe.arguments.flags import ArgumentError, is_weight_passing
+from megatron_tawpipe.common import launcher
 
 
 def check_context_parallel(args: argparse.Namespace, world_size: int) -> None:
@@ -22,10 +25,7 @@ def check_context_parallel(args: argparse.Namespace, world_size: int) -> None:
         return
     flag = f"--context-parallel-size {cp}"
     if is_weight_passing(args.pipeline_schedule):
-        raise ArgumentError(f"{flag} with --pipeline-schedule {args.pipeline_schedule}: context parallelism runs "
-                            "under the native schedules (1f1b, interleaved, or none with "
-                            "--pipeline-model-parallel-size 1, megatron's DDP or --use-distributed-optimizer); "
-                            "the weight-passing schedules do not split sequences yet")
+        _check_weight_passing(args, world_size, flag)
     if args.use_torch_fsdp2 or args.use_megatron_fsdp:
         which = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
         raise ArgumentError(f"{flag} with {which}: context parallelism runs with megatron's DDP or "
@@ -47,6 +47,27 @@ def check_context_parallel(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--reset-attention-mask with {flag}: the context-parallel attention is causal over "
                             "the whole sequence (documents are not masked from each other); drop one of them")
     _check_attention(args, flag)
+
+
+def _check_weight_passing(args: argparse.Namespace, world_size: int, flag: str) -> None:
+    """tawpipe / weipipe: every tensor x context-parallel group (a virtual rank of T x C GPUs) inside one node (or
+    one group of --tawpipe-num-groups); the spread layout (slices of a shard over its holders) is not run with it."""
+    schedule, tp, cp = args.pipeline_schedule, args.tensor_model_parallel_size, args.context_parallel_size
+    size = tp * cp
+    groups = args.tawpipe_num_groups
+    if groups is not None and groups > 0 and world_size % groups == 0:
+        per_node, where = world_size // groups, f"--tawpipe-num-groups {groups} gives {world_size // groups} ranks per group"
+    else:
+        local = launcher.local_world_size(world_size)
+        per_node = local if local > 0 and world_size % local == 0 else world_size
+        where = f"{per_node} ranks per node (LOCAL_WORLD_SIZE)"
+    if per_node % size:
+        raise ArgumentError(f"{flag} x --tensor-model-parallel-size {tp} with --pipeline-schedule {schedule}: {where}, "
+                            f"which {size} does not divide, so a context-parallel group would span nodes; the "
+                            f"{size} ranks of a weight-pipeline rank must stay inside a node")
+    if schedule == "tawpipe" and args.tawpipe_ownership == "spread":
+        raise ArgumentError(f"--tawpipe-ownership spread with {flag}: the spread layout does not run with context "
+                            "parallelism; give --tawpipe-ownership owner (or auto, which then picks it)")
 
 
 def _check_attention(args: argparse.Namespace, flag: str) -> None:

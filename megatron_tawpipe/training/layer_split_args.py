@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional, Tuple
 
-from megatron_tawpipe.arguments import is_weight_passing
+from megatron_tawpipe.arguments import is_weight_passing, weight_pipeline_ranks
 from megatron_tawpipe.arguments.weight_passing import AUTO
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.common.layer_split import default_layer_split, first_last_layer_split
@@ -37,7 +37,7 @@ def settle_layer_split(args: argparse.Namespace, world_size: int) -> None:
     if layout is not None and (first is not None or last is not None):
         raise ArgumentError(f"{LAYOUT} gives every stage; it cannot be combined with {FIRST} / {LAST}")
     if is_weight_passing(args.pipeline_schedule):
-        ranks = world_size // args.tensor_model_parallel_size
+        ranks = weight_pipeline_ranks(args, world_size)
         # --tawpipe-shards-per-rank auto: the first count the split flags allow until the layout is decided at
         # start-up (training.tawpipe_layout_args), which settles the split again
         per_rank = args.tawpipe_shards_per_rank
@@ -103,9 +103,10 @@ def layout_decoder_counts(text: str, num_layers: int, stages_needed: Optional[in
 def _weight_pipeline_split(args: argparse.Namespace, ranks: int, per_rank: int = 1) -> Tuple[int, ...]:
     """The shards' layer counts: ``ranks x per_rank`` shards (``--tawpipe-shards-per-rank``)."""
     L = args.num_layers
-    tp = args.tensor_model_parallel_size
+    tp, cp = args.tensor_model_parallel_size, getattr(args, "context_parallel_size", 1)
     who = (f"{ranks} weight-pipeline ranks (tensor-parallel groups: ranks / --tensor-model-parallel-size {tp})"
-           if tp > 1 else f"{ranks} weight-pipeline ranks")
+           if tp > 1 and cp == 1 else f"{ranks} weight-pipeline ranks" if cp == 1 else
+           f"{ranks} weight-pipeline ranks (ranks / (--tensor-model-parallel-size {tp} x --context-parallel-size {cp}))")
     what = f"--pipeline-schedule {args.pipeline_schedule} over {who}"
     if per_rank > 1:
         what += f" with --tawpipe-shards-per-rank {per_rank}"

@@ -101,8 +101,8 @@ def build_scheduler(run: RunConfig, optimizer) -> OptimizerParamScheduler:
 
 def data_parallel_rank_and_size(run: RunConfig):
     if run.schedule.weight_passing:   # one data stream per virtual rank
-        tp = run.layout.tensor_model_parallel_size
-        return dist.get_rank() // tp, dist.get_world_size() // tp
+        group = run.layout.tensor_model_parallel_size * run.layout.context_parallel_size
+        return dist.get_rank() // group, dist.get_world_size() // group
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megatron_tawpipe.arguments import plan_file_of
+from megatron_tawpipe.arguments import plan_file_of, weight_pipeline_ranks
 from megatron_tawpipe.common.errors import ArgumentError, PlanError
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.plan import Plan, read_plan, validate_plan
@@ -50,10 +50,11 @@ def check_plan_file(args: argparse.Namespace, world_size: int, ranks_per_node: i
 
 
 def _check_shape(args: argparse.Namespace, plan: Plan, flag: str, world_size: int, ranks_per_node: int) -> None:
-    tp = args.tensor_model_parallel_size
-    ranks = world_size // tp
+    tp = args.tensor_model_parallel_size * args.context_parallel_size
+    ranks = weight_pipeline_ranks(args, world_size)
     if plan.num_ranks != ranks:
-        over_tp = f" / --tensor-model-parallel-size {tp}" if tp > 1 else ""
+        over_tp = (f" / --tensor-model-parallel-size {args.tensor_model_parallel_size}" if tp > 1 else "") + (
+            f" / --context-parallel-size {args.context_parallel_size}" if args.context_parallel_size > 1 else "")
         raise ArgumentError(f"{flag}: the plan has num_ranks={plan.num_ranks}; this run has {ranks} weight-pipeline "
                             f"ranks (WORLD_SIZE {world_size}{over_tp}): start {plan.num_ranks * tp} ranks")
     groups = args.tawpipe_num_groups

@@ -11,6 +11,7 @@ from typing import Callable, List
 
 import torch.distributed as dist
 
+from megatron_tawpipe.arguments.layout import weight_pipeline_ranks
 from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.common.errors import ArgumentError
@@ -47,7 +48,7 @@ def decide_schedule(args: argparse.Namespace, world_size: int, refusal: Callable
                                  weight_passing_recompute=not args.tawpipe_no_recompute,
                                  native_recompute=args.recompute_granularity == "full", check=refusal,
                                  grad_bytes=cost_of(args.micro_batch_size, False).grad_bytes,
-                                 shard_split_of=layer_split_of(args, world_size // args.tensor_model_parallel_size))
+                                 shard_split_of=layer_split_of(args, weight_pipeline_ranks(args, world_size)))
         described = inputs.describe(groups)
         described["compute"] = compute
         head = (f"--pipeline-schedule auto: {len(ranking.ranked)} strategies priced in "

@@ -120,9 +120,9 @@ def next_steps(args, environ: Optional[Dict[str, str]] = None) -> List[str]:
                  "--pipeline-model-parallel-size 1, then tools/compare_metrics.py on the two metrics files",
                  f"the other weight-passing schedule: --pipeline-schedule {other}"]
     elif getattr(args, "context_parallel_size", 1) > 1:
-        # the weight-passing schedules do not split sequences yet: what to try is priced, not run
-        steps = ["the strategies priced for this model, sequence and cluster: tools/simulate.py --advise "
-                 "(docs/long-context.md)"]
+        steps = ["a weight-passing schedule with the same --context-parallel-size on the same model and data: "
+                 "--pipeline-schedule tawpipe --pipeline-model-parallel-size 1 (docs/long-context.md)",
+                 "the strategies priced for this model, sequence and cluster: tools/simulate.py --advise"]
     else:
         steps = ["a weight-passing schedule on the same model and data: --pipeline-schedule tawpipe "
                  "--pipeline-model-parallel-size 1, then tools/compare_metrics.py on the two metrics files"]

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.arguments.layout import weight_pipeline_ranks
 from megatron_tawpipe.arguments.run_config import ModelConfig, PrecisionConfig
 from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION
 from megatron_tawpipe.common.errors import ArgumentError
@@ -86,8 +87,7 @@ def settle_tawpipe_layout(args: argparse.Namespace, world_size: int, device: tor
     settle_fixed_layouts(args)
     if args.pipeline_schedule != "tawpipe" or getattr(args, "tawpipe_layout", None) is not None:
         return None   # another schedule, or settled already
-    tp = args.tensor_model_parallel_size
-    ranks = world_size // tp
+    ranks = weight_pipeline_ranks(args, world_size)
     groups = args.tawpipe_num_groups or parallel_state.default_num_groups(world_size, "tawpipe")
     request = tawpipe_request(args)
     shards = shards_per_rank_candidates(args, ranks)
@@ -163,7 +163,8 @@ def decision_key(args: argparse.Namespace, request: LayoutRequest, world_size: i
     """What a decision depends on besides measurements: the layout flags given, the cluster's shape, the model and
     the batch. A resumed run whose key equals its checkpoint's takes the checkpoint's layout."""
     schedule = args.batch_schedule or ((0, args.global_batch_size),)
-    return {"request": [getattr(request, name) for name in ("ownership", "shards_per_rank", "replicate_first", "cache",
+    cp = {"context_parallel": args.context_parallel_size} if args.context_parallel_size > 1 else {}
+    return {**cp, "request": [getattr(request, name) for name in ("ownership", "shards_per_rank", "replicate_first", "cache",
                                                             "microbatches_per_visit", "replicated_reduce")],
             "world_size": world_size, "groups": groups, "tensor_parallel": args.tensor_model_parallel_size,
             "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
@@ -223,7 +224,7 @@ def layer_split_of(args: argparse.Namespace, ranks: int) -> Callable[[int], Opti
     def split_of(per_rank: int):
         trial = argparse.Namespace(**vars(args))
         trial.tawpipe_shards_per_rank = per_rank
-        settle_layer_split(trial, ranks * args.tensor_model_parallel_size)
+        settle_layer_split(trial, ranks * args.tensor_model_parallel_size * args.context_parallel_size)
         return trial.decoder_layer_split
 
     return split_of

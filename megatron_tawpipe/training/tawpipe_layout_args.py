@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
+from megatron_tawpipe.arguments.layout import weight_pipeline_ranks
 from megatron_tawpipe.arguments.weight_passing import AUTO, is_auto, layout_flags_given
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.data import batch_schedule
@@ -38,10 +39,14 @@ def settle_fixed_layouts(args: argparse.Namespace) -> None:
 
 def tawpipe_request(args: argparse.Namespace) -> LayoutRequest:
     """What the flags fix of the layout (``None``: auto), with what the run's other flags rule out: no replicated
-    first shard without overlap (``--tawpipe-no-overlap``)."""
+    first shard without overlap (``--tawpipe-no-overlap``), no spread layout with context parallelism (one owner
+    per shard)."""
     cache, replicate_first = args.tawpipe_cache, args.tawpipe_replicate_first_shard
+    ownership = args.tawpipe_ownership
+    if is_auto(ownership) and getattr(args, "context_parallel_size", 1) > 1:
+        ownership = "owner"
     return LayoutRequest(
-        ownership=None if is_auto(args.tawpipe_ownership) else args.tawpipe_ownership,
+        ownership=None if is_auto(ownership) else ownership,
         shards_per_rank=None if is_auto(args.tawpipe_shards_per_rank) else int(args.tawpipe_shards_per_rank),
         replicate_first=False if replicate_first is None and args.tawpipe_no_overlap else replicate_first,
         cache=None if is_auto(cache) else cache == "on",
@@ -54,7 +59,7 @@ def check_tawpipe_layout(args: argparse.Namespace, world_size: int, groups: int)
     """Validation: some layout agrees with the TawPipe layout flags given (one line naming them otherwise)."""
     if args.pipeline_schedule != "tawpipe":
         return
-    ranks = world_size // args.tensor_model_parallel_size
+    ranks = weight_pipeline_ranks(args, world_size)
     counts = microbatch_counts(args, ranks)
     shards = shards_per_rank_candidates(args, ranks)
     if not candidate_layouts(tawpipe_request(args), ranks, groups, args.num_layers, counts, shards):

@@ -1,0 +1,125 @@
+"""Context parallelism inside the weight pipeline (``--context-parallel-size C`` with tawpipe / weipipe).
+
+A virtual rank is T x C GPUs of one node (megatron-core's order: tensor-parallel rank t fastest, then
+context-parallel rank c; global rank ``v * T * C + c * T + t``). The C context-parallel members of a virtual rank
+run the same plan actions in the same order, each on its S / C tokens of every micro-batch (the ring attention
+exchanges keys and values between them), and each holds the whole (tensor-parallel slice of the) shard's weights
+for compute. So that the links carry what they carry with C = 1, member c moves only *piece c* of every weight and
+gradient transfer (the flat buffer cut into C pieces of ``ceil(n / C)`` elements, the last one shorter), on the
+communicators of its index ``j = c * T + t`` (:class:`runtime.transport.Communicators`):
+
+* weights: once a piece has arrived (a receive, or a broadcast's), the pieces are all-gathered over the
+  context-parallel group, so that every member holds the whole buffer again;
+* gradients: the invariant is "the true gradient is the sum over the C members of their buffers" (each member's
+  backward adds the gradient of its own tokens). Before a gradient leaves (a send, a reduction to its owner, an
+  all-reduce over the holders of a replicated shard) it is reduce-scattered over the group into piece c, the other
+  pieces zeroed, and piece c travels; a received piece lands in slot c of a zeroed buffer. The replicated
+  parameters' gradients (embedding, final norm, output layer) are summed over the group and piece c of each is
+  all-reduced over the virtual ranks, the other pieces zeroed.
+* before the optimizer step every accumulated gradient (owned shards and replicated parameters) is all-reduced
+  over the group: every member then steps identical masters (masters and Adam state are replicated over the C
+  members).
+
+Every collective here is synchronous and issued at a fixed point of the action stream (a start, or the ``Wait``
+of a weight's arrival), identically on every member, so the context-parallel communicator's operations are in the
+same order on every member whatever the timing of the plan's own transfers.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe.runtime.node_reduce import all_gather_into, reduce_scatter_from
+
+
+class ContextParallelPieces:
+    """Member ``rank`` of a context-parallel group of ``size`` GPUs (``group``): its piece of every transfer and
+    the group's collectives."""
+
+    def __init__(self, group, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+
+    @classmethod
+    def of_megatron(cls) -> Optional["ContextParallelPieces"]:
+        """From megatron-core's parallel state (initialised with the run's context-parallel size); None for C = 1."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("context parallelism inside the weight pipeline needs megatron-core's parallel state "
+                               "(initialize_model_parallel with the run's --context-parallel-size) first")
+        size = parallel_state.get_context_parallel_world_size()
+        if size == 1:
+            return None
+        return cls(parallel_state.get_context_parallel_group(), size, parallel_state.get_context_parallel_rank())
+
+    # ---- geometry ------------------------------------------------------------------------
+
+    def piece_length(self, numel: int) -> int:
+        return -(-numel // self.size)
+
+    def padded(self, numel: int) -> int:
+        """Elements a buffer of ``numel`` needs for the group's collectives (C equal pieces)."""
+        return self.size * self.piece_length(numel)
+
+    def bounds(self, numel: int) -> Tuple[int, int]:
+        """``[start, end)`` of this member's piece of ``numel`` elements (the last piece may be shorter or empty)."""
+        length = self.piece_length(numel)
+        start = min(self.rank * length, numel)
+        return start, min(start + length, numel)
+
+    def piece(self, flat: torch.Tensor) -> torch.Tensor:
+        """This member's piece of the flat ``flat`` (a view: what it sends or receives)."""
+        start, end = self.bounds(flat.numel())
+        return flat[start:end]
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def gather(self, buffer: torch.Tensor, numel: int) -> None:
+        """Every member's piece of the first ``numel`` elements of ``buffer`` into all members' ``buffer``."""
+        length = self.piece_length(numel)
+        whole = buffer[:self.size * length]
+        mine = whole[self.rank * length:(self.rank + 1) * length].clone()
+        all_gather_into(whole, mine, group=self.group)
+
+    # ---- gradients ------------------------------------------------------------------------
+
+    def scatter(self, buffer: torch.Tensor, numel: int) -> None:
+        """The members' first ``numel`` elements of ``buffer`` summed; this member keeps piece c of the sum in
+        place, every other element zero (the sum over the members is unchanged)."""
+        length = self.piece_length(numel)
+        whole = buffer[:self.size * length]
+        whole[numel:].zero_()
+        mine = torch.empty(length, dtype=whole.dtype, device=whole.device)
+        reduce_scatter_from(mine, whole, op=dist.ReduceOp.SUM, group=self.group)
+        whole.zero_()
+        whole[self.rank * length:(self.rank + 1) * length].copy_(mine)
+
+    def scatter_tensors(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The replicated gradients ``tensors`` summed over the members, each member keeping its piece of every
+        tensor (the rest zeroed); returns the pieces (contiguous flat views) for the all-reduce over the virtual
+        ranks."""
+        self.all_reduce(tensors)
+        pieces = []
+        for tensor in tensors:
+            flat = tensor.view(-1)
+            start, end = self.bounds(flat.numel())
+            flat[:start].zero_()
+            flat[end:].zero_()
+            pieces.append(flat[start:end])
+        return pieces
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` over the members, in place, one all-reduce each (the flat shard gradients are one
+        tensor each; no concatenated copy)."""
+        for tensor in tensors:
+            if tensor.numel():
+                dist.all_reduce(tensor, group=self.group)
+
+    def total_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss-mask tokens over the members' shares (a copy: no gradient flows through it)."""
+        total = num_tokens.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
