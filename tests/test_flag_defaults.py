@@ -5,7 +5,7 @@ not done here stay refused. The values come from the recorded parsers' defaults 
 
 import pytest
 
-from training_helpers import tiny_args
+from training_helpers import flag_answer as answer, tiny_args, without_notices
 
 from megatron_tawpipe.arguments import ArgumentError, parse_args
 from megatron_tawpipe.compat import flag_defaults, flag_rules, flag_table, flag_values
@@ -13,20 +13,6 @@ from megatron_tawpipe.compat.megatron_lm import NOTICES
 
 TABLE = flag_table.read_table()
 OFFLOAD = ("CPU offloading is not supported: weights, activations and optimizer state stay on the device")
-
-
-def answer(argv):
-    """('accepted', notices) or ('refused', the line)."""
-    try:
-        return "accepted", getattr(parse_args(tiny_args() + argv), NOTICES, [])
-    except ArgumentError as exc:
-        return "refused", str(exc)
-
-
-def without_notices(args):
-    values = dict(vars(args))
-    values.pop(NOTICES, None)
-    return values
 
 
 def words(row, value):

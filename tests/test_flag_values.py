@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from training_helpers import tiny_args
+from training_helpers import flag_answer as answer, tiny_args, without_notices
 
 from megatron_tawpipe.arguments import ArgumentError, parse_args
 from megatron_tawpipe.compat import flag_defaults, flag_rules, flag_table, flag_values
@@ -33,20 +33,6 @@ def plain_value(row):
     if isinstance(value, bool) or not isinstance(value, (str, int, float)) or value == "":
         return "1"
     return str(value)
-
-
-def answer(argv):
-    """('accepted', notices) or ('refused', the line)."""
-    try:
-        return "accepted", getattr(parse_args(tiny_args() + argv), NOTICES, [])
-    except ArgumentError as exc:
-        return "refused", str(exc)
-
-
-def without_notices(args):
-    values = dict(vars(args))
-    values.pop(NOTICES, None)
-    return values
 
 
 def test_the_table_decides_every_value_taking_flag():

@@ -158,3 +158,24 @@ def assert_trains_like(per_rank: List[List[dict]], reference: List[dict], save: 
         assert_close_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol, "grad norm")
     assert max(r["grad_norm"] for r in reference) > 1.0 and losses(reference)[0] != losses(reference)[-1]
     assert_matches_reference(save, reference_save, iterations, rtol)
+
+
+def flag_answer(argv):
+    """How the Megatron-LM flags ``argv`` (after ``tiny_args()``) are answered: ('accepted', notices) or
+    ('refused', the line)."""
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.compat.megatron_lm import NOTICES
+
+    try:
+        return "accepted", getattr(parse_args(tiny_args() + argv), NOTICES, [])
+    except ArgumentError as exc:
+        return "refused", str(exc)
+
+
+def without_notices(args) -> dict:
+    """Parsed flags as a dict, the notices left out."""
+    from megatron_tawpipe.compat.megatron_lm import NOTICES
+
+    values = dict(vars(args))
+    values.pop(NOTICES, None)
+    return values
