@@ -32,6 +32,7 @@ def main() -> int:
 
     from megatron_tawpipe.arguments import parse_args
     from megatron_tawpipe.arguments.run_config import ModelConfig, PrecisionConfig
+    from megatron_tawpipe.bench.activation_bytes import saved_storages
     from megatron_tawpipe.distributed.initialize import destroy
     from megatron_tawpipe.sim.run_cost import cost_model_for_run
     from megatron_tawpipe.training import pretrain
@@ -43,15 +44,7 @@ def main() -> int:
 
     def counting_forward_step(data_iterator, model):
         params = {t.untyped_storage().data_ptr() for t in model.parameters()}
-        saved = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with saved_storages(params) as saved:
             output, loss_func = gpt_forward_step(data_iterator, model)
         if torch.is_grad_enabled():
             counts.append(sum(saved.values()))

@@ -9,7 +9,26 @@ match.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Dict, Iterator, Set
+
 import torch
+
+
+@contextlib.contextmanager
+def saved_storages(excluded: Set[int]) -> Iterator[Dict[int, int]]:
+    """Within it, the bytes of every distinct storage autograd saves for backward, by storage address (filled
+    as the saves happen), the storages at the addresses in ``excluded`` (a model's parameters) left out."""
+    saved: Dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield saved
 
 
 def measure_layer_activation_bytes(args, device: torch.device) -> float:
@@ -21,18 +40,10 @@ def measure_layer_activation_bytes(args, device: torch.device) -> float:
 
     template, weights = bound_shard_template(args, 1, device)
     own = {p.untyped_storage().data_ptr() for p in template.model.parameters()} | {weights.untyped_storage().data_ptr()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in own:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     generator = torch.Generator().manual_seed(args.seed)
     hidden_in = torch.randn(args.seq_length, args.micro_batch_size, args.hidden_size, generator=generator)
     hidden_in = hidden_in.to(device, weights.dtype).requires_grad_(True)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.enable_grad(), saved_storages(own) as saved:
         out = template.run_layers(hidden_in, template.rotary(args.seq_length), None)
     saved[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
     saved.pop(hidden_in.untyped_storage().data_ptr(), None)   # the input is the previous layer's output
