@@ -474,6 +474,8 @@ def test_commands_parse_with_the_projects_arguments(strategy, recompute):
     if recompute:
         assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == \
             ("full", "uniform", 1) or strategy in ("tawpipe", "weipipe")
+    if strategy in ("tawpipe", "weipipe"):   # the recompute it was priced with, pinned
+        assert args.tawpipe_recompute == ("on" if recompute else "off") and args.tawpipe_no_recompute == (not recompute)
 
 
 def test_replicated_first_shard_is_a_tawpipe_knob_with_its_memory_and_flag():

@@ -18,7 +18,7 @@ from megatron_tawpipe.models.deferred_linear import TE_MIN_VERSION, WgradStore, 
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan import build_plan, split_backward, validate_plan, write_plan
 from megatron_tawpipe.arguments import LLAMA_FLAGS
-from training_helpers import GPT_FLAGS, assert_trains_like, tiny_args, train_rank
+from training_helpers import GPT_FLAGS, assert_trains_like, tiny_args, train_rank, recompute_as_written
 
 ITERS = 3
 GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
@@ -196,7 +196,7 @@ def test_transformer_engine_path_is_chosen_by_backend_and_version():
 def _args(*extra, layers, global_batch, save, architecture=LLAMA_FLAGS):
     argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1, architecture=architecture)
     argv[argv.index("--num-layers") + 1] = str(layers)
-    return argv + ["--save", save, "--save-interval", "1"]
+    return recompute_as_written(argv + ["--save", save, "--save-interval", "1"])
 
 
 RUNS = [   # schedule (a split tawpipe plan: "tawpipe-split"), P, N, layers, flags

@@ -47,7 +47,7 @@ def delayed_run(tmp_path_factory):
         monkeypatch.setattr(torch.optim.AdamW, "step", _slow_step(torch.optim.AdamW.step))
         # 8 layers on 2 ranks in 2 groups (one rank per node), 4 micro-batches per rank
         argv = tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--timeline-file",
-                         str(timeline), "--emulated-compute-times", str(times), "--tawpipe-no-recompute", *pinned_layout(2), train_iters=2)
+                         str(timeline), "--emulated-compute-times", str(times), *pinned_layout(2, recompute=False), train_iters=2)
         run_ranks(train_rank, 2, argv)
     return json.loads(timeline.read_text())
 

@@ -9,7 +9,7 @@ import pytest
 from distributed_harness import run_ranks
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan import build_plan, split_backward, validate_plan, write_plan
-from training_helpers import assert_trains_like, tiny_args, train_rank
+from training_helpers import assert_trains_like, tiny_args, train_rank, recompute_as_written
 
 ITERS = 3
 
@@ -17,7 +17,7 @@ ITERS = 3
 def _args(*extra, layers, global_batch, save):
     argv = tiny_args(*extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1)
     argv[argv.index("--num-layers") + 1] = str(layers)
-    return argv + ["--save", save, "--save-interval", "1"]
+    return recompute_as_written(argv + ["--save", save, "--save-interval", "1"])
 
 
 CASES = [   # recompute and the NCCL-faithful transport; the forward's kept graph (no recompute), two groups

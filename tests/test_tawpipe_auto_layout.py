@@ -150,7 +150,8 @@ def test_no_layout_flag_trains_like_the_reference_and_records_its_layout(referen
     assert "tawpipe_layout" not in per_rank[-1][1]
     assert layout["inputs"]["node link"].endswith("(--tawpipe-link-bandwidth)")
     assert set(layout["auto"]) == {"ownership", "shards_per_rank", "replicate_first", "cache",
-                                   "microbatches_per_visit", "replicated_reduce"}
+                                   "microbatches_per_visit", "replicated_reduce", "recompute"}
+    assert layout["layout"]["recompute"] is False   # a tiny model: its activations fit the host's memory
     with open(metrics, encoding="utf-8") as f:
         first = json.loads(f.readline())
     assert first["tawpipe_layout"]["layout"] == layout["layout"]

@@ -11,7 +11,7 @@ and gradient norm of every iteration within 1e-5 relative, and the bytes each li
 import pytest
 
 from distributed_harness import run_ranks
-from training_helpers import assert_close_rel, losses, pinned_layout, tiny_args, train_rank
+from training_helpers import assert_close_rel, losses, pinned_layout, tiny_args, train_rank, recompute_as_written
 
 ITERS = 3
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
@@ -23,7 +23,7 @@ CP2 = ["--context-parallel-size", "2"]
 def _args(*extra, layers, global_batch):
     argv = tiny_args(*GQA, *extra, train_iters=ITERS, global_batch=global_batch, micro_batch=1)
     argv[argv.index("--num-layers") + 1] = str(layers)
-    return argv
+    return recompute_as_written(argv)
 
 
 def _grad_norms(records):

@@ -19,6 +19,7 @@ import pytest
 from distributed_harness import run_ranks
 from megatron_tawpipe.arguments import LLAMA_FLAGS
 from training_helpers import (assert_close_rel, assert_matches_reference, assert_same_parameters,  # noqa: F401
+                              recompute_as_written,
                               losses, tiny_args, train_rank)  # (others import assert_same_parameters from here)
 
 ITERS = 3
@@ -31,7 +32,7 @@ def _args(*extra, layers, global_batch, save=None, tied=False, architecture=LLAM
         argv.remove("--untie-embeddings-and-output-weights")
     if save:
         argv += ["--save", save, "--save-interval", "1"]
-    return argv
+    return recompute_as_written(argv)
 
 
 @pytest.fixture(scope="module")

@@ -145,9 +145,11 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale():
 
 def test_recompute_replays_dropout_masks():
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    recompute = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", *dropout, train_iters=3))[0]
+    # one layout (the dropout masks follow the layout's order of micro-batches and shards), recompute on and off
+    recompute = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", *dropout, *pinned_layout(1),
+                                                   train_iters=3))[0]
     keep = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", *dropout,
-                                              "--tawpipe-no-recompute", train_iters=3))[0]
+                                              *pinned_layout(1, recompute=False), train_iters=3))[0]
     no_dropout = run_ranks(train_rank, 2, tiny_args("--pipeline-schedule", "tawpipe", train_iters=3))[0]
     assert_close_rel(losses(recompute), losses(keep), 1e-6, "loss with recompute vs without")
     assert losses(recompute)[0] != losses(no_dropout)[0], "dropout must be active"

@@ -21,15 +21,29 @@ TINY_MODEL = list(LLAMA_FLAGS) + TINY_SHAPE
 GPT_FLAGS = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--no-create-attention-mask-in-dataloader"]
 
 
-def pinned_layout(groups: int) -> List[str]:
+def pinned_layout(groups: int, recompute: bool = True) -> List[str]:
     """TawPipe's layout flags, every knob given: one owner per shard, one shard per rank, the shard cache where
-    there are two or more groups, one micro-batch per visit, the hierarchical reduction, no replicated first shard
-    (the layout TawPipe ran by default before the run decided it). For tests whose figures belong to one layout
-    (bytes, plan steps, files) or that compare separately launched runs bit for bit: with a layout flag at auto
-    the run decides on what it measures (docs/tawpipe-layout.md)."""
+    there are two or more groups, one micro-batch per visit, the hierarchical reduction, no replicated first shard,
+    recompute (the layout TawPipe ran by default before the run decided it). For tests whose figures belong to one
+    layout (bytes, plan steps, files) or that compare separately launched runs bit for bit: with a layout flag at
+    auto the run decides on what it measures (docs/tawpipe-layout.md)."""
     return ["--tawpipe-ownership", "owner", "--tawpipe-shards-per-rank", "1", "--no-tawpipe-replicate-first-shard",
             "--tawpipe-cache", "on" if groups >= 2 else "off", "--tawpipe-microbatches-per-visit", "1",
-            "--tawpipe-replicated-reduce", "hierarchical"]
+            "--tawpipe-replicated-reduce", "hierarchical", "--tawpipe-recompute", "on" if recompute else "off"]
+
+
+RECOMPUTE_FLAGS = ("--tawpipe-recompute", "--tawpipe-no-recompute", "--recompute-granularity")
+
+
+def recompute_as_written(argv: List[str]) -> List[str]:
+    """A tawpipe / weipipe case written when both recomputed by default (before ``--tawpipe-recompute auto``, which
+    keeps a tiny model's activations): ``--tawpipe-recompute on`` unless the case sets recompute itself, so that it
+    keeps running the recomputing path it was written for."""
+    if "--pipeline-schedule" not in argv or any(flag in argv for flag in RECOMPUTE_FLAGS):
+        return list(argv)
+    if argv[argv.index("--pipeline-schedule") + 1] not in ("tawpipe", "weipipe"):
+        return list(argv)
+    return list(argv) + ["--tawpipe-recompute", "on"]
 
 
 def tiny_args(*extra: str, train_iters: int = 3, global_batch: int = 8, micro_batch: int = 1,

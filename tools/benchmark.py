@@ -67,9 +67,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--chart", default=None, help="draw the table to this PNG")
-    p.add_argument("--no-recompute", action="store_true",
-                   help="weight-passing schedules keep activations (--tawpipe-no-recompute), like the native "
-                        "schedules and FSDP do by default: the same compute per micro-batch for all")
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
+                   help="the weight-passing schedules' --tawpipe-recompute: auto (default) decides as a run does "
+                        "(activations kept where they fit, like the native schedules and FSDP by default); on / off "
+                        "pin it (the simulator's prediction alike)")
+    p.add_argument("--no-recompute", action="store_true", help="the same as --recompute off")
     p.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="--ddp-bucket-size for the megatron DDP strategies (pp-nodes, distopt-node, distopt): "
                         "on a small model megatron's default (40M parameters) is one bucket, reduced only after "
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
                              train_iters=args.train_iters, warmup_iters=args.warmup_iters, groups=args.groups,
                              model_args=model_args if model_args is not None else DEFAULT_MODEL,
                              outdir=args.outdir, cluster=cluster, timeout_s=args.timeout,
-                             recompute=not args.no_recompute, emulated_compute_times=args.emulated_compute_times,
+                             recompute=_recompute(args), emulated_compute_times=args.emulated_compute_times,
                              deferred_weight_gradients=args.deferred_weight_gradients,
                              record_plan_memory=args.record_plan_memory, measured_times=args.measured_times,
                              tawpipe_microbatches_per_visit=args.tawpipe_microbatches_per_visit,
@@ -219,6 +221,13 @@ def main(argv=None) -> int:
         print(f"\nbenchmark.py: error: {failed}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _recompute(args):
+    """The weight-passing runs' recompute: None (auto), True (on) or False (off, also --no-recompute)."""
+    if args.no_recompute or args.recompute == "off":
+        return False
+    return None if args.recompute == "auto" else True
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def run_plan(a, plan_path: str, recompute: bool, metrics: str, log: str) -> dict
         os.remove(metrics)
     cmd = ["torchrun", "--standalone", "--nproc-per-node", str(a.ranks), "pretrain_llama.py", *model_flags(a),
            "--pipeline-schedule", f"plan:{plan_path}", "--tawpipe-num-groups", str(a.groups),
-           *([] if recompute else ["--tawpipe-no-recompute"]), "--record-plan-memory",
+           "--tawpipe-recompute", "on" if recompute else "off", "--record-plan-memory",
            "--train-iters", str(a.train_iters), "--metrics-file", metrics]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     with open(log, "w") as f:

@@ -26,7 +26,9 @@ TAWPIPE_REPLICATED_REDUCE_SETTINGS = ("auto", "hierarchical", "flat")
 AUTO = "auto"
 # The TawPipe layout flags (dest names) whose default, auto, the run decides at start-up.
 TAWPIPE_LAYOUT_FLAGS = ("tawpipe_ownership", "tawpipe_shards_per_rank", "tawpipe_replicate_first_shard",
-                        "tawpipe_cache", "tawpipe_microbatches_per_visit", "tawpipe_replicated_reduce")
+                        "tawpipe_cache", "tawpipe_microbatches_per_visit", "tawpipe_replicated_reduce",
+                        "tawpipe_recompute")
+TAWPIPE_RECOMPUTE_SETTINGS = (AUTO, "on", "off")
 
 
 def auto_or_positive_int(text: str):
@@ -182,9 +184,15 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "the only one the travelling gradient waits for: 1 (WZB1) runs the weight-gradient pass in "
                         "the same turn, after the input gradient; 2 (WZB2) one round later, when the rank meets the "
                         "same gradient again (holds one more round of activations, one more round of turns)")
+    g.add_argument("--tawpipe-recompute", choices=TAWPIPE_RECOMPUTE_SETTINGS, default=AUTO,
+                   help="weipipe/tawpipe: on: recompute each shard's forward in its backward (one more forward per "
+                        "shard and micro-batch; the activations of one shard at a time); off: keep each shard's "
+                        "activations (faster, needs memory for the activations of every shard a rank holds "
+                        "micro-batches of); auto (default): off where the memory model's peak per device without "
+                        "recompute fits the device's memory, else on (tawpipe: decided with the other layout flags). "
+                        "--recompute-granularity full means on")
     g.add_argument("--tawpipe-no-recompute", action="store_true",
-                   help="weipipe/tawpipe: keep each shard's activations instead of recomputing the shard "
-                        "in backward (faster, needs memory for N x L/P layers of activations)")
+                   help="weipipe/tawpipe: the same as --tawpipe-recompute off (kept for existing command lines)")
     g.add_argument("--metrics-file", default=None, help="write one JSON object per iteration here")
     g.add_argument("--emulated-compute-times", default=None, metavar="FILE",
                    help="emulated compute: layer/output-layer forward, backward and recompute become sleeps "

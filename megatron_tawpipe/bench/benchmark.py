@@ -97,7 +97,7 @@ class BenchmarkConfig:
     cluster: Optional[tuple] = None  # (nodes, ranks_per_node, rate) for the emulated cluster
     burst: Optional[str] = None  # htb burst of the emulated node links (default: the cluster's)
     timeout_s: Optional[float] = None
-    recompute: bool = True   # False: weight passing keeps activations like native schedules and FSDP
+    recompute: Optional[bool] = None   # weight passing: None decides (--tawpipe-recompute auto), True on, False off
     emulated_compute_times: Optional[str] = None  # --emulated-compute-times for every schedule
     deferred_weight_gradients: bool = False  # split backwards emulated (and simulated) with deferred wgrad kernels
     record_plan_memory: bool = False  # --record-plan-memory on the weight-passing runs
@@ -168,7 +168,7 @@ def schedule_command(schedule: str, config: BenchmarkConfig, metrics_file: str) 
     if config.bf16_gradients:
         common += bf16_gradient_flags(schedule)
     if schedule.startswith(("tawpipe", "weipipe")):
-        extra = [] if config.recompute else ["--tawpipe-no-recompute"]
+        extra = [] if config.recompute is None else ["--tawpipe-recompute", "on" if config.recompute else "off"]
         if config.record_plan_memory:
             extra.append("--record-plan-memory")
         if schedule.startswith("weipipe-zb"):

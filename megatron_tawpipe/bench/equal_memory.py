@@ -148,8 +148,7 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str], de
         cmd += ["--virtual-stages", str(interleaved_virtual_stages(layers, config.ranks))]
     if "--untie-embeddings-and-output-weights" not in args:   # Megatron-LM's default: tied
         cmd.append("--tie-embeddings-and-output-weights")
-    if not config.recompute:
-        cmd.append("--no-recompute")
+    cmd += ["--recompute", {None: "auto", True: "on", False: "off"}[config.recompute]]
     if config.deferred_weight_gradients:
         cmd.append("--deferred-weight-gradients")
     times = config.measured_times or config.emulated_compute_times

@@ -29,7 +29,7 @@ GROUPS_FLAG = "--tawpipe-num-groups"   # the groups (nodes): the weight-passing 
 LAYOUT_FLAGS = {"--tawpipe-ownership": 1, "--tawpipe-shards-per-rank": 1, "--tawpipe-cache": 1,
                 "--tawpipe-microbatches-per-visit": 1, "--tawpipe-replicated-reduce": 1,
                 "--tawpipe-replicate-first-shard": 0, "--no-tawpipe-replicate-first-shard": 0}
-WEIGHT_PASSING_FLAGS = {"--tawpipe-no-recompute": 0, "--tawpipe-no-overlap": 0, "--tawpipe-nccl-faithful": 0,
+WEIGHT_PASSING_FLAGS = {"--tawpipe-no-recompute": 0, "--tawpipe-recompute": 1, "--tawpipe-no-overlap": 0, "--tawpipe-nccl-faithful": 0,
                         "--weipipe-zero-bubble": 1, "--timeline-file": 1, "--record-plan-memory": 0}
 
 

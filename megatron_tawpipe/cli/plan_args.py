@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from typing import Optional
 
 from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_defaults, llama_ffn_hidden_size
 from megatron_tawpipe.common.units import parse_rate, parse_time
@@ -58,7 +59,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--micro-batch-size", type=int, default=1)
     m.add_argument("--num-microbatches", type=int, default=8, help="per rank")
     m.add_argument("--no-recompute", action="store_true", help="keep all activations instead "
-                   "of recomputing shards in backward")
+                   "of recomputing shards in backward (the same as --recompute off)")
+    m.add_argument("--recompute", choices=("on", "off", "auto"), default=None,
+                   help="weight passing: recompute shards in backward (on, the default), keep their activations "
+                        "(off), or decide as pretrain_llama.py's --tawpipe-recompute auto does (auto: with "
+                        "--tawpipe-ownership auto TawPipe's layout decision takes recompute too; the other "
+                        "schedules keep activations, as nothing here sets a memory limit)")
     m.add_argument("--dtype-bytes", type=int, default=2, help="compute dtype size (bf16: 2)")
     m.add_argument("--tie-embeddings-and-output-weights", action="store_true",
                    help="the output layer shares the word embedding, as pretrain_llama.py builds it without "
@@ -115,13 +121,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "megatron_tawpipe/sim/context_parallel.py")
 
 
-def cost_model(args) -> CostModel:
+def recompute_of(args) -> bool:
+    """Whether the cost model of ``args`` recomputes (``--recompute auto``: not, but for TawPipe's decision)."""
+    if args.no_recompute or getattr(args, "recompute", None) in ("off", "auto"):
+        return False
+    return True
+
+
+def cost_model(args, recompute: Optional[bool] = None) -> CostModel:
+    """The simulator's cost model of ``args`` (``recompute``: instead of the flags' setting)."""
+    recompute = recompute_of(args) if recompute is None else recompute
     cost = CostModel.from_flops(
         hidden_size=args.hidden_size, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=args.vocab_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, peak_tflops=args.peak_tflops,
-        efficiency=args.efficiency, recompute=not args.no_recompute,
+        efficiency=args.efficiency, recompute=recompute,
         intra_bw=parse_rate(args.intra_bw), intra_latency=parse_time(args.intra_latency),
         inter_bw=parse_rate(args.inter_bw), inter_latency=parse_time(args.inter_latency),
         dtype_bytes=args.dtype_bytes,
@@ -194,6 +209,8 @@ def decide_layout(name: str, args, cost: CostModel, memory_limit: float = float(
     cost model, ranks, groups and batch."""
     tp = tensor_parallel_for(name, args)
     groups = 1 if args.flat else args.groups
+    if getattr(args, "recompute", None) == "auto":   # recompute decided with the layout
+        cost = {rc: cost if cost.recompute == rc else cost_model(args, rc) for rc in (False, True)}
     return choose_layout(layout_request_of(args), cost, args.ranks // tp, groups, args.num_layers,
                          [args.num_microbatches], memory_limit, tensor_parallel=tp,
                          plan_schedule="tawpipe-nooverlap" if name == "tawpipe-nooverlap" or args.no_overlap
@@ -204,7 +221,8 @@ def layout_args(layout) -> dict:
     """The simulator's flags of a decided layout."""
     return {"tawpipe_ownership": layout.ownership, "tawpipe_shards_per_rank": layout.shards_per_rank,
             "replicate_first_shard": layout.replicate_first, "cache": layout.cache, "no_cache": not layout.cache,
-            "chunk": layout.microbatches_per_visit, "tawpipe_replicated_reduce": layout.replicated_reduce}
+            "chunk": layout.microbatches_per_visit, "tawpipe_replicated_reduce": layout.replicated_reduce,
+            "recompute": "on" if layout.recompute else "off", "no_recompute": not layout.recompute}
 
 
 def _ownership_speeds(choice) -> dict:
@@ -251,6 +269,8 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
     if args.tawpipe_ownership == "auto" and name in AUTO_LAYOUT:
         choice = decide_layout(name, args, cost)
         fixed = argparse.Namespace(**{**vars(args), **layout_args(choice.chosen)})
+        if cost.recompute != choice.chosen.recompute:
+            cost = cost_model(fixed)
         plan, result = run_one(name, fixed, cost, validate, record)
         result.options["layout_choice"] = choice.record()
         result.options["ownership_speeds"] = _ownership_speeds(choice)

@@ -42,11 +42,13 @@ def strategy_flags(cfg, model, cluster, recompute_flags: bool = True):
     if k.get("cp", 1) > 1:   # context parallelism inside the nodes (the native schedules)
         argv += ["--context-parallel-size", str(k["cp"])]
     native_rc = RECOMPUTE if cfg.recompute and recompute_flags else []
-    no_recompute = [] if cfg.recompute or not recompute_flags else ["--tawpipe-no-recompute"]
+    # weight passing: recompute as priced (a TawPipe layout the run decides itself decides it too)
+    wp_rc = (["--tawpipe-recompute", "on" if cfg.recompute else "off"]
+             if recompute_flags and not k.get("auto_layout") else [])
     if k.get("plan_schedule"):    # a split-backward schedule: its plan file first, then the run of it
         argv += ["--pipeline-schedule", "plan:" + PLAN_FILE, "--tawpipe-num-groups", str(D)]
         argv += list(k.get("split_flags", []))
-        argv += no_recompute
+        argv += wp_rc
     elif s == "tawpipe":
         argv += ["--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", str(D)]
         if not k.get("auto_layout"):   # the layout as simulated; auto: the layout the run decides (the same)
@@ -58,9 +60,9 @@ def strategy_flags(cfg, model, cluster, recompute_flags: bool = True):
             # the shard cache as simulated (one group: nothing to keep, auto leaves it off)
             argv += ["--tawpipe-cache", "on" if k["cache"] else "off"] if D > 1 else []
         argv += list(k.get("split_flags", []))      # uneven shards: the default split needs none
-        argv += no_recompute
+        argv += wp_rc
     elif s == "weipipe":
-        argv += ["--pipeline-schedule", "weipipe", "--tawpipe-num-groups", str(D)] + no_recompute
+        argv += ["--pipeline-schedule", "weipipe", "--tawpipe-num-groups", str(D)] + wp_rc
         argv += ["--weipipe-zero-bubble", str(k["zero_bubble"])] if k.get("zero_bubble") else []
         argv += list(k.get("split_flags", []))
     elif s in ("pp-nodes", "1f1b", "interleaved"):
@@ -100,19 +102,20 @@ def mark_auto_layouts(advisor, configs, listed: int) -> None:
         if cfg.strategy != "tawpipe" or k.get("plan_schedule"):
             continue
         tp = k.get("tp", 1)
-        key = (cfg.micro_batch_size, cfg.recompute, tp)
+        key = (cfg.micro_batch_size, tp)
         if key not in decided:
             P = advisor.cluster.ranks // tp
             N = advisor.G // cfg.micro_batch_size // P
             sub = advisor.virtual(tp)   # its plans (built already for what it evaluated) over the P / T ranks
-            choice = choose_layout(LayoutRequest(), advisor.cost(cfg.micro_batch_size, cfg.recompute), P,
+            costs = {rc: advisor.cost(cfg.micro_batch_size, rc) for rc in (False, True)}
+            choice = choose_layout(LayoutRequest(), costs, P,
                                    advisor.cluster.nodes, advisor.model.num_layers, [N], advisor.cluster.usable_memory,
                                    tensor_parallel=tp,
                                    plan_builder=lambda n, opts, sub=sub: sub._plan("tawpipe", n, **opts))
             decided[key] = choice.chosen
         mine = TawPipeLayout(k.get("ownership", "owner"), k.get("shards_per_rank", 1),
                              bool(k.get("replicate_first")), bool(k["cache"]) and advisor.cluster.nodes > 1,
-                             k["chunk"], "hierarchical")
+                             k["chunk"], "hierarchical", cfg.recompute)
         if mine == decided[key]:
             k["auto_layout"] = True
             cfg.argv, cfg.command = command(cfg, advisor.model, advisor.cluster, advisor.G)

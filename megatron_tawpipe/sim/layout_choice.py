@@ -1,17 +1,21 @@
 """TawPipe's layout, decided: the one function behind every ``auto`` of a TawPipe run.
 
-A TawPipe layout is six knobs (:class:`TawPipeLayout`): where each shard's state lives (``owner``: one rank of
+A TawPipe layout is seven knobs (:class:`TawPipeLayout`): where each shard's state lives (``owner``: one rank of
 one group; ``spread``: a slice in every group), shards per rank, shard 0 replicated in every group, the shard
-cache, micro-batches per visit, and how the replicated parameters' gradients are all-reduced. Every layout
-computes the same step (the equivalence tests prove each exact); they differ in bytes on the node links, in
-when those bytes move, and in memory.
+cache, micro-batches per visit, how the replicated parameters' gradients are all-reduced, and whether a shard's
+forward is recomputed in its backward (or its activations kept). Every layout computes the same step (the
+equivalence tests prove each exact); they differ in bytes on the node links, in when those bytes move, in
+compute (recompute: one more forward per shard and micro-batch) and in memory.
 
 :func:`choose_layout` takes what the user fixed (:class:`LayoutRequest`: ``None`` = auto), enumerates every
 layout that agrees with it and that the ranks, groups and layers allow (:func:`candidate_layouts`), prices each
 with the simulator on the run's cost model (compute times and links), drops those whose predicted peak per
 device exceeds the memory limit, and keeps the fastest. Near-ties (within :data:`TIE`, 0.2%) go to the earlier
 candidate in a fixed order -- one owner per shard, one shard per rank, no replication, the cache, one
-micro-batch per visit, the hierarchical reduction first -- so that a run does not flip layouts on noise.
+micro-batch per visit, the hierarchical reduction, activations kept first -- so that a run does not flip layouts
+on noise. Recompute is priced only where it can win: a layout recomputing is never faster than the same layout
+keeping its activations (the same plan, longer backward actions), so it is priced for the layouts that do not
+fit without it and would beat the fastest that does.
 
 ``pretrain_llama.py`` (``training.tawpipe_layout_args``), ``tools/simulate.py`` and the advisor call it, so
 ``auto`` means one thing everywhere.
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.sim.costmodel import CostModel
@@ -43,6 +47,7 @@ class TawPipeLayout:
     cache: bool = False                    # --tawpipe-cache on / off
     microbatches_per_visit: int = 1        # --tawpipe-microbatches-per-visit
     replicated_reduce: str = "hierarchical"   # --tawpipe-replicated-reduce
+    recompute: bool = True                 # --tawpipe-recompute on / off
 
     def plan_options(self) -> dict:
         """The TawPipe planner's options for this layout."""
@@ -62,7 +67,8 @@ class TawPipeLayout:
         out = ["--tawpipe-ownership", self.ownership, "--tawpipe-shards-per-rank", str(self.shards_per_rank),
                "--tawpipe-cache", "on" if self.cache else "off",
                "--tawpipe-microbatches-per-visit", str(self.microbatches_per_visit),
-               "--tawpipe-replicated-reduce", self.replicated_reduce]
+               "--tawpipe-replicated-reduce", self.replicated_reduce,
+               "--tawpipe-recompute", "on" if self.recompute else "off"]
         return out + (["--tawpipe-replicate-first-shard"] if self.replicate_first else
                       ["--no-tawpipe-replicate-first-shard"])
 
@@ -73,6 +79,7 @@ class TawPipeLayout:
             parts.append("first shard replicated")
         if self.replicated_reduce == "flat":
             parts.append("flat replicated reduce")
+        parts.append("recompute" if self.recompute else "activations kept")
         return ", ".join(parts)
 
 
@@ -86,6 +93,7 @@ class LayoutRequest:
     cache: Optional[bool] = None
     microbatches_per_visit: Optional[int] = None
     replicated_reduce: Optional[str] = None
+    recompute: Optional[bool] = None
 
     def is_fixed(self) -> bool:
         return all(v is not None for v in asdict(self).values())
@@ -101,12 +109,12 @@ def visit_sizes(n: int) -> List[int]:
 
 
 def candidate_layouts(request: LayoutRequest, ranks: int, groups: int, num_layers: int,
-                      microbatch_counts: Sequence[int], shards_allowed: Sequence[int] = SHARDS_PER_RANK
-                      ) -> List[TawPipeLayout]:
+                      microbatch_counts: Sequence[int], shards_allowed: Sequence[int] = SHARDS_PER_RANK,
+                      recomputes: Sequence[bool] = (False, True)) -> List[TawPipeLayout]:
     """Every layout that agrees with ``request`` and that ``ranks`` weight-pipeline ranks in ``groups`` groups
     with ``num_layers`` layers run, for every micro-batch count per rank in ``microbatch_counts`` (a batch ramp
     has several), in the preference order of near-ties. ``shards_allowed``: the shard counts per rank the
-    layer-split flags allow."""
+    layer-split flags allow; ``recomputes``: the recompute settings there is a cost model for."""
     r = request
     several = groups >= 2
     shards = [v for v in shards_allowed if num_layers >= v * ranks]
@@ -125,7 +133,8 @@ def candidate_layouts(request: LayoutRequest, ranks: int, groups: int, num_layer
                         continue   # without the cache the spread layout gathers every visit: not tried unless asked
                     for c in visits:
                         for reduce in reduces:
-                            out.append(TawPipeLayout(ownership, v, rep, cache, c, reduce))
+                            out.extend(TawPipeLayout(ownership, v, rep, cache, c, reduce, rc)
+                                       for rc in sorted(set(recomputes)))
 
     def agrees(layout: TawPipeLayout) -> bool:
         return all(want is None or getattr(layout, name) == want for name, want in asdict(r).items())
@@ -238,28 +247,39 @@ def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int
     return result.iteration_time, peak
 
 
-def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: int, num_layers: int,
+Costs = Union[CostModel, Mapping[bool, CostModel]]   # one cost model, or one per recompute setting
+
+
+def costs_by_recompute(cost: Costs) -> Dict[bool, CostModel]:
+    """``{recompute: cost model}``: a single model prices its own setting only."""
+    return {cost.recompute: cost} if isinstance(cost, CostModel) else dict(cost)
+
+
+def choose_layout(request: LayoutRequest, cost: Costs, ranks: int, groups: int, num_layers: int,
                   microbatch_counts: Sequence[int], memory_limit: float = float("inf"),
                   split_of: Callable[[int], Optional[Tuple[int, ...]]] = lambda v: None,
                   shards_allowed: Sequence[int] = SHARDS_PER_RANK, tensor_parallel: int = 1,
                   inputs: Optional[Dict[str, str]] = None, plan_schedule: str = "tawpipe",
                   plan_builder: Optional[PlanBuilder] = None, price_many: PriceMany = price_here) -> LayoutChoice:
     """The fastest layout that agrees with ``request`` and fits ``memory_limit`` bytes per device (see the module
-    docstring); ``split_of(shards_per_rank)``: the layers of each shard (None: the default split). With nothing
-    that fits, the one of least memory (its peak in the choice: the runtime says it does not fit). Raises
-    ``ValueError`` when no layout agrees with the request. ``plan_builder``: see :func:`price_layout`;
-    ``price_many``: how a list of layouts gets priced (:func:`price_here`, or shared out by a run's ranks)."""
+    docstring); ``cost``: the run's cost model, or one per recompute setting (``{False: ..., True: ...}``: the
+    decision takes recompute too); ``split_of(shards_per_rank)``: the layers of each shard (None: the default
+    split). With nothing that fits, the one of least memory (its peak in the choice: the runtime says it does not
+    fit). Raises ``ValueError`` when no layout agrees with the request. ``plan_builder``: see
+    :func:`price_layout`; ``price_many``: how a list of layouts gets priced (:func:`price_here`, or shared out by
+    a run's ranks)."""
     started = time.perf_counter()
     counts = list(microbatch_counts)
-    layouts = candidate_layouts(request, ranks, groups, num_layers, counts, shards_allowed)
+    costs = costs_by_recompute(cost)
+    layouts = candidate_layouts(request, ranks, groups, num_layers, counts, shards_allowed, tuple(costs))
     if not layouts:
         raise ValueError(f"no TawPipe layout agrees with the flags given ({_given(request)}) on {ranks} ranks in "
                          f"{groups} groups, {num_layers} layers, {counts[0]} micro-batches per rank")
     priced: Dict[TawPipeLayout, Priced] = {}
 
     def price(layout: TawPipeLayout) -> Priced:
-        t, peak = price_layout(layout, cost, ranks, groups, num_layers, counts, split_of(layout.shards_per_rank),
-                               tensor_parallel, plan_schedule, plan_builder)
+        t, peak = price_layout(layout, costs[layout.recompute], ranks, groups, num_layers, counts,
+                               split_of(layout.shards_per_rank), tensor_parallel, plan_schedule, plan_builder)
         return Priced(layout, t, peak, peak <= memory_limit)
 
     def price_all(todo: List[TawPipeLayout]) -> None:
@@ -267,9 +287,18 @@ def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: i
         priced.update((p.layout, p) for p in price_many(todo, price))
 
     # The replicated reduction is independent of the rest of the layout: every layout is priced with the first
-    # reduction its request allows, and the best of them with the other too.
-    first_reduce = layouts[0].replicated_reduce
-    price_all([layout for layout in layouts if layout.replicated_reduce == first_reduce])
+    # reduction its request allows, and the best of them with the other too. Recompute: every layout is priced
+    # with the first setting allowed (activations kept where both are); a recomputing layout only where the same
+    # layout keeping its activations does not fit and would beat the fastest that fits (recompute never speeds a
+    # layout up).
+    first_reduce, first_recompute = layouts[0].replicated_reduce, layouts[0].recompute
+    price_all([layout for layout in layouts
+               if layout.replicated_reduce == first_reduce and layout.recompute == first_recompute])
+    fitting = [p.iteration_time for p in priced.values() if p.fits]
+    bar = min(fitting) * (1 + TIE) if fitting else float("inf")
+    price_all([layout for layout in layouts if layout.replicated_reduce == first_reduce
+               and layout.recompute != first_recompute and _worth_recomputing(
+                   priced.get(replace(layout, recompute=first_recompute)), bar)])
     best = _best(list(priced.values()))
     price_all([layout for layout in layouts if layout.replicated_reduce != first_reduce
                and replace(layout, replicated_reduce=first_reduce) == best.layout])
@@ -279,6 +308,12 @@ def choose_layout(request: LayoutRequest, cost: CostModel, ranks: int, groups: i
     order.remove(chosen)
     return LayoutChoice(chosen.layout, [chosen] + order, dict(inputs or {}), time.perf_counter() - started,
                         request)
+
+
+def _worth_recomputing(kept: Optional[Priced], bar: float) -> bool:
+    """Whether a layout's recomputing form can be chosen, given its form keeping activations (``kept``): only
+    where that does not fit and would be faster than ``bar`` (the fastest that fits, with the tie margin)."""
+    return kept is None or (not kept.fits and kept.iteration_time < bar)
 
 
 def _best(priced: List[Priced]) -> Priced:

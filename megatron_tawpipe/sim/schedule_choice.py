@@ -92,35 +92,45 @@ def _label(cfg: Config) -> str:
 
 
 def rank_schedules(model: ModelSpec, cluster: Cluster, global_batch: int, micro_batch_size: int,
-                   cost_of: Callable[[int, bool], CostModel], weight_passing_recompute: bool,
-                   native_recompute: bool, check: Callable[[List[str]], str], grad_bytes: int = 4,
+                   cost_of: Callable[[int, bool], CostModel], weight_passing_recompute: Optional[bool],
+                   native_recompute: Optional[bool], check: Callable[[List[str]], str], grad_bytes: int = 4,
                    shard_split_of: Callable[[int], Optional[tuple]] = lambda v: None) -> ScheduleRanking:
     """Rank the candidates (see the module docstring). ``cost_of(b, recompute)``: the run's cost model;
-    ``check(flags)``: why ``pretrain_llama.py`` refuses the run with ``flags`` in place of ``--pipeline-schedule
-    auto`` ("" when it accepts it); ``shard_split_of(shards_per_rank)``: TawPipe's layer split."""
+    ``weight_passing_recompute`` / ``native_recompute``: the recomputation the command fixes (None: each
+    candidate recomputes only where it does not fit otherwise, and its flags say which); ``check(flags)``: why
+    ``pretrain_llama.py`` refuses the run with ``flags`` in place of ``--pipeline-schedule auto`` ("" when it
+    accepts it); ``shard_split_of(shards_per_rank)``: TawPipe's layer split."""
     advisor = _RunAdvisor(model, cluster, global_batch, cost_of, grad_bytes)
     b = micro_batch_size
 
     def keep(cfg: Config) -> bool:
         recompute = weight_passing_recompute if cfg.strategy == "weipipe" else native_recompute
-        return (cfg.strategy in AUTO_STRATEGIES[1:] and cfg.micro_batch_size == b and cfg.recompute == recompute
+        return (cfg.strategy in AUTO_STRATEGIES[1:] and cfg.micro_batch_size == b
+                and (recompute is None or cfg.recompute == recompute)
                 and not cfg.knobs.get("plan_schedule") and cfg.knobs.get("tp", 1) == 1)
 
     configs, _ = advisor.run(prune="strategy", keep=keep, listed=0)
-    candidates: List[Ranked] = []
+    by_label: dict = {}
     for cfg in configs:
         if cfg.status not in ("ok", "no-fit"):
             continue
-        flags = strategy_flags(cfg, model, cluster, recompute_flags=False)
+        fixed = weight_passing_recompute if cfg.strategy == "weipipe" else native_recompute
+        flags = strategy_flags(cfg, model, cluster, recompute_flags=fixed is None)
         if "--pipeline-schedule" not in flags:
             flags = ["--pipeline-schedule", "1f1b"] + flags
-        candidates.append(Ranked(_label(cfg), flags, cfg.tokens_per_sec_per_gpu, cfg.memory.total,
-                                 "" if cfg.status == "ok" else "over the memory limit"))
-    # TawPipe in the layout it decides on this cost model and memory
+        label = _label(cfg)
+        r = Ranked(label + ("" if fixed is not None else ", recompute" if cfg.recompute else ""), flags,
+                   cfg.tokens_per_sec_per_gpu, cfg.memory.total, "" if cfg.status == "ok" else "over the memory limit")
+        other = by_label.get(label)   # with recompute left open: the faster of the two that fit
+        if other is None or (not r.refusal, r.tokens_per_sec_per_gpu) > (not other.refusal, other.tokens_per_sec_per_gpu):
+            by_label[label] = r
+    candidates: List[Ranked] = list(by_label.values())
+    # TawPipe in the layout it decides on this cost model and memory (recompute with it where left open)
     P, D = cluster.ranks, cluster.nodes
     if global_batch % (b * P) == 0 and model.num_layers >= P:
         n = global_batch // (b * P)
-        cost = advisor.cost(b, weight_passing_recompute)
+        settings = (False, True) if weight_passing_recompute is None else (weight_passing_recompute,)
+        cost = {rc: advisor.cost(b, rc) for rc in settings}
         choice = choose_layout(LayoutRequest(), cost, P, D, model.num_layers, [n], cluster.usable_memory,
                                shard_split_of)
         best = choice.chosen_priced

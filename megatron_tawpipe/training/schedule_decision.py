@@ -23,6 +23,18 @@ from megatron_tawpipe.sim.schedule_choice import rank_schedules
 from megatron_tawpipe.training.tawpipe_layout import layer_split_of, measure_inputs, run_cost_of
 
 
+def recompute_fixed(args: argparse.Namespace):
+    """The recomputation the command fixes for the weight-passing candidates: True with
+    ``--recompute-granularity full`` (megatron's candidates too) or ``--tawpipe-recompute on``, False with
+    ``--tawpipe-recompute off`` (``--tawpipe-no-recompute``), None when it leaves it open (each candidate then
+    recomputes only where it does not fit otherwise)."""
+    if args.recompute_granularity == "full" or args.tawpipe_recompute == "on":
+        return True
+    if args.tawpipe_recompute == "off" or args.tawpipe_no_recompute:
+        return False
+    return None
+
+
 def decide_schedule(args: argparse.Namespace, world_size: int, refusal: Callable[[List[str]], str]) -> List[str]:
     """The winner's flags (in place of ``--pipeline-schedule auto``); ``args``: the command validated under one
     candidate (its model, batch and cluster flags); ``refusal(flags)``: why the run refuses the command with
@@ -45,8 +57,9 @@ def decide_schedule(args: argparse.Namespace, world_size: int, refusal: Callable
                           memory_reserve=(1 - AUTO_CACHE_MEMORY_FRACTION) * inputs.memory,
                           intra_latency=inputs.intra.latency, inter_latency=inputs.inter.latency)
         ranking = rank_schedules(model, cluster, args.global_batch_size, args.micro_batch_size, cost_of,
-                                 weight_passing_recompute=not args.tawpipe_no_recompute,
-                                 native_recompute=args.recompute_granularity == "full", check=refusal,
+                                 weight_passing_recompute=recompute_fixed(args),
+                                 native_recompute=True if args.recompute_granularity == "full" else None,
+                                 check=refusal,
                                  grad_bytes=cost_of(args.micro_batch_size, False).grad_bytes,
                                  shard_split_of=layer_split_of(args, weight_pipeline_ranks(args, world_size)))
         described = inputs.describe(groups)

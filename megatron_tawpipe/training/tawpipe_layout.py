@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_tawpipe.arguments.layout import weight_pipeline_ranks
 from megatron_tawpipe.arguments.run_config import ModelConfig, PrecisionConfig
-from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION
+from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION, is_auto
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.distributed import parallel_state
@@ -34,6 +34,7 @@ from megatron_tawpipe.sim.run_cost import cost_model_for_run
 from megatron_tawpipe.training.layer_split_args import settle_layer_split, shards_per_rank_candidates
 from megatron_tawpipe.training.tawpipe_layout_args import (apply_layout, microbatch_counts, settle_fixed_layouts,
                                                            tawpipe_request)
+from megatron_tawpipe.training.weipipe_recompute import settle_weipipe_recompute
 
 #: the efficiency a device's peak is taken at when no compute times are given (the advisor's default)
 PEAK_EFFICIENCY = 0.4
@@ -85,6 +86,8 @@ def settle_tawpipe_layout(args: argparse.Namespace, world_size: int, device: tor
     """Decide every TawPipe layout flag left at auto (collective: every rank calls it) and write the decision into
     ``args`` (see the module docstring); None for another schedule."""
     settle_fixed_layouts(args)
+    if args.pipeline_schedule == "weipipe" and is_auto(args.tawpipe_recompute):
+        settle_weipipe_recompute(args, world_size, device)
     if args.pipeline_schedule != "tawpipe" or getattr(args, "tawpipe_layout", None) is not None:
         return None   # another schedule, or settled already
     ranks = weight_pipeline_ranks(args, world_size)
@@ -165,11 +168,11 @@ def decision_key(args: argparse.Namespace, request: LayoutRequest, world_size: i
     schedule = args.batch_schedule or ((0, args.global_batch_size),)
     cp = {"context_parallel": args.context_parallel_size} if args.context_parallel_size > 1 else {}
     return {**cp, "request": [getattr(request, name) for name in ("ownership", "shards_per_rank", "replicate_first", "cache",
-                                                            "microbatches_per_visit", "replicated_reduce")],
+                                                            "microbatches_per_visit", "replicated_reduce", "recompute")],
             "world_size": world_size, "groups": groups, "tensor_parallel": args.tensor_model_parallel_size,
             "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
             "micro_batch_size": args.micro_batch_size, "batch_schedule": [list(step) for step in schedule],
-            "recompute": not args.tawpipe_no_recompute, "link": args.tawpipe_link_bandwidth,
+            "link": args.tawpipe_link_bandwidth,
             "compute_times": args.tawpipe_compute_times or args.emulated_compute_times}
 
 
@@ -230,16 +233,19 @@ def layer_split_of(args: argparse.Namespace, ranks: int) -> Callable[[int], Opti
     return split_of
 
 
-def _pricing(args, device: torch.device, inputs: RunInputs, groups: int) -> Tuple[CostModel, float, Dict[str, str]]:
-    """Rank 0's (cost model, memory limit, what they were set up from) for the decision."""
+def _pricing(args, device: torch.device, inputs: RunInputs, groups: int
+             ) -> Tuple[Dict[bool, CostModel], float, Dict[str, str]]:
+    """Rank 0's (cost model of each recompute setting the flags allow, memory limit, what they were set up from)
+    for the decision."""
     cost_of, compute = run_cost_of(args, device, inputs)
     described = inputs.describe(groups)
     described["compute"] = compute
-    return (cost_of(args.micro_batch_size, not args.tawpipe_no_recompute),
+    settings = (False, True) if is_auto(args.tawpipe_recompute) else (args.tawpipe_recompute == "on",)
+    return ({rc: cost_of(args.micro_batch_size, rc) for rc in settings},
             AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described)
 
 
-def _choose(args, request, ranks, groups, shards, inputs: RunInputs, cost: CostModel, limit: float,
+def _choose(args, request, ranks, groups, shards, inputs: RunInputs, cost: Dict[bool, CostModel], limit: float,
             described: Dict[str, str]) -> LayoutChoice:
     """The decision on rank 0's cost model (see :func:`settle_tawpipe_layout`; collective)."""
     counts = microbatch_counts(args, ranks)

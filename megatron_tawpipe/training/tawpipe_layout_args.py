@@ -17,7 +17,7 @@ import argparse
 from typing import List, Optional
 
 from megatron_tawpipe.arguments.layout import weight_pipeline_ranks
-from megatron_tawpipe.arguments.weight_passing import AUTO, is_auto, layout_flags_given
+from megatron_tawpipe.arguments.weight_passing import AUTO, is_auto, layout_flags_given, plan_file_of
 from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.sim.layout_choice import LayoutChoice, LayoutRequest, candidate_layouts
@@ -35,6 +35,24 @@ def settle_fixed_layouts(args: argparse.Namespace) -> None:
         args.tawpipe_shards_per_rank = 1   # a plan file's own count is checked against it where given
     if args.tawpipe_replicate_first_shard is None:
         args.tawpipe_replicate_first_shard = False
+    if plan_file_of(args.pipeline_schedule) is not None and is_auto(args.tawpipe_recompute):
+        args.tawpipe_recompute = "on"   # a plan file: recompute as before (weipipe decides at start-up)
+
+
+def settle_recompute_flags(args: argparse.Namespace) -> None:
+    """Weight passing: ``--tawpipe-no-recompute`` is ``--tawpipe-recompute off``, megatron's
+    ``--recompute-granularity full`` is ``on``; two of them that disagree: one line naming both."""
+    asked = [(flag, value) for flag, value in (
+        ("--tawpipe-recompute " + args.tawpipe_recompute, args.tawpipe_recompute),
+        ("--tawpipe-no-recompute", "off" if args.tawpipe_no_recompute else AUTO),
+        ("--recompute-granularity full", "on" if args.recompute_granularity == "full" else AUTO)) if value != AUTO]
+    if len({value for _, value in asked}) > 1:
+        raise ArgumentError(f"{asked[0][0]} and {asked[-1][0]} disagree on whether --pipeline-schedule "
+                            f"{args.pipeline_schedule} recomputes its shards; give one of them")
+    if asked:
+        args.tawpipe_recompute = asked[0][1]
+    if args.tawpipe_recompute != AUTO:
+        args.tawpipe_no_recompute = args.tawpipe_recompute == "off"
 
 
 def tawpipe_request(args: argparse.Namespace) -> LayoutRequest:
@@ -52,7 +70,8 @@ def tawpipe_request(args: argparse.Namespace) -> LayoutRequest:
         cache=None if is_auto(cache) else cache == "on",
         microbatches_per_visit=(None if is_auto(args.tawpipe_microbatches_per_visit)
                                 else int(args.tawpipe_microbatches_per_visit)),
-        replicated_reduce=None if is_auto(args.tawpipe_replicated_reduce) else args.tawpipe_replicated_reduce)
+        replicated_reduce=None if is_auto(args.tawpipe_replicated_reduce) else args.tawpipe_replicated_reduce,
+        recompute=None if is_auto(args.tawpipe_recompute) else args.tawpipe_recompute == "on")
 
 
 def check_tawpipe_layout(args: argparse.Namespace, world_size: int, groups: int) -> None:
@@ -86,6 +105,8 @@ def apply_layout(args: argparse.Namespace, choice: LayoutChoice, world_size: int
     args.tawpipe_cache = "on" if layout.cache else "off"
     args.tawpipe_microbatches_per_visit = layout.microbatches_per_visit
     args.tawpipe_replicated_reduce = layout.replicated_reduce
+    args.tawpipe_recompute = "on" if layout.recompute else "off"
+    args.tawpipe_no_recompute = not layout.recompute
     settle_layer_split(args, world_size)
     args.tawpipe_layout = choice.record()
 

@@ -18,7 +18,8 @@ from megatron_tawpipe.training.context_parallel_args import check_context_parall
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
 from megatron_tawpipe.training.data_parallel_args import notice, validate_data_parallel
 from megatron_tawpipe.training.plan_file_args import check_plan_file
-from megatron_tawpipe.training.tawpipe_layout_args import check_tawpipe_layout, settle_fixed_layouts
+from megatron_tawpipe.training.tawpipe_layout_args import (check_tawpipe_layout, settle_fixed_layouts,
+                                                           settle_recompute_flags)
 from megatron_tawpipe.training.settle_args import (apply_checkpoint_args, derive_args, settle_batch_schedule,
                                                   settle_iterations, settle_micro_batches)
 
@@ -265,7 +266,8 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
         if args.recompute_granularity == "selective":
             raise ArgumentError(
                 f"--recompute-granularity selective is not supported with --pipeline-schedule "
-                f"{args.pipeline_schedule} (it recomputes whole shards; --tawpipe-no-recompute turns that off)")
+                f"{args.pipeline_schedule} (it recomputes whole shards: --tawpipe-recompute on / off / auto)")
+        settle_recompute_flags(args)
         if args.timeline_file and os.path.isdir(args.timeline_file):
             raise ArgumentError(f"--timeline-file {args.timeline_file} is a directory; give a file name")
         if args.tawpipe_microbatches_per_visit not in (1, AUTO) and args.pipeline_schedule != "tawpipe":
@@ -282,9 +284,9 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
     if (args.tawpipe_num_groups is not None or args.tawpipe_no_overlap or args.tawpipe_no_recompute
             or args.tawpipe_microbatches_per_visit not in (1, AUTO) or args.timeline_file or args.tawpipe_nccl_faithful
             or args.tawpipe_replicate_first_shard or args.weipipe_zero_bubble
-            or args.record_plan_memory):
+            or args.record_plan_memory or args.tawpipe_recompute != AUTO):
         raise ArgumentError(
-            "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / "
+            "--tawpipe-num-groups / --tawpipe-no-overlap / --tawpipe-no-recompute / --tawpipe-recompute / "
             "--tawpipe-microbatches-per-visit / --tawpipe-replicate-first-shard / --tawpipe-nccl-faithful / "
             "--weipipe-zero-bubble / --timeline-file / --record-plan-memory need --pipeline-schedule tawpipe or "
             "weipipe")

@@ -67,7 +67,7 @@ class LlamaRun:
 # with the simulator's plan of the same layout, not the layout a run would decide
 TAWPIPE_FLAGS = ("--pipeline-schedule", "tawpipe", "--tawpipe-ownership", "owner", "--tawpipe-shards-per-rank", "1",
                  "--tawpipe-cache", "off", "--tawpipe-microbatches-per-visit", "1", "--no-tawpipe-replicate-first-shard",
-                 "--tawpipe-replicated-reduce", "hierarchical")
+                 "--tawpipe-replicated-reduce", "hierarchical", "--tawpipe-recompute", "on")
 NATIVE_1F1B_FLAGS = ("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "1")
 
 
