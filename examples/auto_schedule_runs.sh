@@ -16,15 +16,8 @@ OUT=examples/results/auto_schedule_${NODES}x${PER_NODE}_${RATE}.txt
 TIMES=runs/auto_schedule_times.json
 mkdir -p runs && calibrate_times "$TIMES" >/dev/null
 ranks=$((NODES * PER_NODE))
-CELL=()
-for ((i = 0; i < ${#MODEL[@]}; i++)); do
-    case "${MODEL[i]}" in
-        --num-layers) CELL+=(--num-layers "$((ranks * 2))"); i=$((i + 1)) ;;
-        --global-batch-size) CELL+=(--global-batch-size "$((ranks * 4))"); i=$((i + 1)) ;;
-        *) CELL+=("${MODEL[i]}") ;;
-    esac
-done
-ARGS=("${CELL[@]}" --pipeline-schedule auto --emulated-compute-times "$TIMES" --train-iters 2)
+model_with "$((ranks * 2))" "$((ranks * 4))"
+ARGS=("${CELL_MODEL[@]}" --pipeline-schedule auto --emulated-compute-times "$TIMES" --train-iters 2)
 if [ "$RATE" = none ]; then
     torchrun --nproc-per-node "$ranks" --master-port "${MASTER_PORT:-29571}" pretrain_llama.py "${ARGS[@]}" 2>&1 |
         grep -v "Warning\|warnings.warn\|MockGPTDataset" | tee "$OUT"

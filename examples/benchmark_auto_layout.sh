@@ -4,7 +4,8 @@
 # micro-batches per visit), on emulated clusters of 3 x 2 and 4 x 2 ranks (root: network namespaces, htb-shaped
 # node links), the long-context model of examples/long_context_model.sh with two layers per rank (12 on 3 x 2, 16
 # on 4 x 2), 4 samples per rank,
-# emulated compute; then the simulator's figures for the same runs.
+# emulated compute (weight passing recomputes as a plain run decides, RECOMPUTE=auto: activations kept where they
+# fit, as the native strategies keep theirs); then the simulator's figures for the same runs.
 #   sudo bash examples/benchmark_auto_layout.sh                     (every cell below)
 # What --pipeline-schedule auto ranked first on 2 x 2 at 1 Gbit/s and one node (examples/auto_schedule_runs.sh),
 # every strategy at micro-batch 1:
@@ -40,20 +41,13 @@ for cell in $CELLS; do
     name="${nodes}x${per_node}_${rate}"
     gbs=$((nodes * per_node * 4))
     layers=$((nodes * per_node * 2))
-    CELL_MODEL=()   # MODEL with two layers and 4 samples per rank
-    for ((i = 0; i < ${#MODEL[@]}; i++)); do
-        case "${MODEL[i]}" in
-            --num-layers) CELL_MODEL+=(--num-layers "$layers"); i=$((i + 1)) ;;
-            --global-batch-size) CELL_MODEL+=(--global-batch-size "$gbs"); i=$((i + 1)) ;;
-            *) CELL_MODEL+=("${MODEL[i]}") ;;
-        esac
-    done
+    model_with "$layers" "$gbs"   # CELL_MODEL: MODEL with two layers and 4 samples per rank
     distopt=()
     [ "$distopt_mb" = equal ] || distopt=(--micro-batch-size-of "distopt=$distopt_mb")
     if [ "$nodes" = 1 ]; then where=(--ranks "$per_node" --groups 1); else
         where=(--nodes "$nodes" --ranks-per-node "$per_node" --rate "$rate"); fi
     python tools/benchmark.py "${where[@]}" --repetitions "$REPS" \
-        --schedules $STRATEGIES --train-iters "$ITERS" --warmup-iters 1 --no-recompute \
+        --schedules $STRATEGIES --train-iters "$ITERS" --warmup-iters 1 --recompute "${RECOMPUTE:-auto}" \
         $VARIANT_FLAGS --ddp-bucket-size 1000000 \
         $EQUAL "${distopt[@]}" --emulated-compute-times "$OUT/times.json" \
         --outdir "$OUT/$name/runs" --json "$OUT/$name/results.json" --timeout 600 \

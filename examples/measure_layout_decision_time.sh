@@ -11,18 +11,11 @@ export OMP_NUM_THREADS=1
 source examples/long_context_model.sh
 TIMES=$(mktemp) && trap 'rm -f "$TIMES"' EXIT
 calibrate_times "$TIMES" >/dev/null 2>&1
-CELL=()
-for ((i = 0; i < ${#MODEL[@]}; i++)); do
-    case "${MODEL[i]}" in
-        --num-layers) CELL+=(--num-layers "${LAYERS:-16}"); i=$((i + 1)) ;;
-        --global-batch-size) CELL+=(--global-batch-size "${GBS:-32}"); i=$((i + 1)) ;;
-        *) CELL+=("${MODEL[i]}") ;;
-    esac
-done
+model_with "${LAYERS:-16}" "${GBS:-32}"
 for rep in $(seq "${REPS:-3}"); do
     for tree in ${BASE:-} "$HERE"; do
         line=$(PYTHONPATH=$tree LOCAL_WORLD_SIZE=${LWS:-2} torchrun --nproc-per-node "${NPROC:-8}" \
-            --master-port "${MASTER_PORT:-29561}" "$tree/pretrain_llama.py" "${CELL[@]}" --pipeline-schedule tawpipe \
+            --master-port "${MASTER_PORT:-29561}" "$tree/pretrain_llama.py" "${CELL_MODEL[@]}" --pipeline-schedule tawpipe \
             --tawpipe-num-groups "${NG:-4}" --emulated-compute-times "$TIMES" --tawpipe-link-bandwidth 300Mbit/s \
             --tawpipe-link-latency 100us --train-iters 1 2>&1 | grep "tawpipe layout:" | head -1)
         echo "$tree: $(grep -oE '[0-9]+ layouts priced in [0-9.]+ s' <<<"$line")"

@@ -219,7 +219,7 @@ def test_emulated_tensor_parallelism_runs_megatrons_collectives(times_file, sequ
     two in the recompute, one each way for the output layer; plan bytes as planned."""
     extra = ["--sequence-parallel"] if sequence_parallel else []
     argv = tiny_args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", "--tensor-model-parallel-size",
-                     "2", *extra, "--emulated-compute-times", times_file, train_iters=2)
+                     "2", *extra, "--emulated-compute-times", times_file, "--tawpipe-recompute", "on", train_iters=2)
     results = run_ranks(_tensor_parallel_collectives_rank, 4, argv)
     hidden = 32 * 1 * 64                       # seq x micro-batch x hidden of tiny_args
     micro_batches, layers = 8 // 2, 8          # per virtual rank; all layers visited once each way
