@@ -371,8 +371,8 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
                    f"--global-batch-size a multiple of {c * P} (b={b})")
     # the layouts pretrain_llama.py decides among (sim.layout_choice.candidate_layouts; the replicated reduction
     # through the nodes), so that the advisor's TawPipe is the run's: each with the plan-file split-backward twin
-    # (tawpipe-zb) of one owner per shard
-    for layout in candidate_layouts(LayoutRequest(replicated_reduce="hierarchical"), P, D, L, [N]):
+    # (tawpipe-zb) of one owner per shard (recompute: the advisor's own knob, every configuration tried both ways)
+    for layout in candidate_layouts(LayoutRequest(replicated_reduce="hierarchical", recompute=True), P, D, L, [N]):
         knobs = dict(chunk=layout.microbatches_per_visit, cache=layout.cache, replicate_first=layout.replicate_first)
         if layout.ownership == "spread":
             knobs["ownership"] = "spread"
