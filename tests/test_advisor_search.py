@@ -185,3 +185,15 @@ def test_a_split_backward_moves_what_its_plain_schedule_moves_and_holds_at_least
         assert split.memory.total >= plain.memory.total
         for term in ("weights", "grads", "optimizer", "comm_buffers", "logits"):
             assert getattr(split.memory, term) >= getattr(plain.memory, term) - 1e-6, term
+
+
+@pytest.mark.parametrize("gbs", [16, 64])
+def test_no_configuration_is_enumerated_twice(gbs):
+    """Each strategy, micro-batch size, recompute setting and set of knobs once (TawPipe's layouts come from the
+    run's own candidate list, whose recompute knob the advisor sets itself)."""
+    import json
+
+    configs, _ = enumerate_configs(TINY, cluster(), gbs)
+    keys = [(c.strategy, c.micro_batch_size, c.recompute, json.dumps(c.knobs, sort_keys=True, default=str))
+            for c in configs]
+    assert len(keys) == len(set(keys)) and any(k[0] == "tawpipe" for k in keys)
