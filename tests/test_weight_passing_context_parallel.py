@@ -158,6 +158,26 @@ def test_checkpoints_cross_context_parallel_sizes(tmp_path):
     assert_close_rel(losses(records), losses(uninterrupted), 1e-5)
 
 
+def test_checkpoints_cross_tensor_times_context_parallel_groups_of_four(tmp_path):
+    """T = 2 x C = 2 (virtual ranks of 4 GPUs) saves under tawpipe; T = 2 x C = 1 resumes and saves; megatron's
+    1F1B with T = 2 x C = 2 resumes: the losses of one uninterrupted run (each checkpoint holds whole tensors,
+    whatever the T x C slicing that wrote it)."""
+    iters = 6
+    (uninterrupted,) = run_ranks(train_rank, 1, tiny_args(*GQA, train_iters=iters, global_batch=4))
+    dirs = [str(tmp_path / name) for name in ("t2c2", "t2c1")]
+    tp2 = ["--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "3"]
+    segments = [
+        (8, CP2 + tp2 + TAWPIPE + ["--save", dirs[0], "--exit-interval", "2"]),
+        (4, tp2 + TAWPIPE + ["--load", dirs[0], "--save", dirs[1], "--exit-interval", "4"]),
+        (4, CP2 + tp2 + ["--pipeline-schedule", "1f1b", "--load", dirs[1]]),
+    ]
+    records = []
+    for world, flags in segments:
+        records += run_ranks(train_rank, world, tiny_args(*GQA, *flags, train_iters=iters, global_batch=4))[-1]
+    assert [r["iteration"] for r in records] == list(range(1, iters + 1))
+    assert_close_rel(losses(records), losses(uninterrupted), 1e-5)
+
+
 def test_bf16_follows_context_parallelism_one():
     """--bf16 (fp32 masters, bf16 weights gathered and bf16 activations): C = 2 trains like C = 1 up to rounding."""
     flags = TAWPIPE + pinned_layout(2) + ["--bf16"]
