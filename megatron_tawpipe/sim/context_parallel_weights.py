@@ -46,7 +46,8 @@ def weight_passing_cost(cost: CostModel, cp: int, shape: AttentionShape) -> Cost
     inside the node on C GPUs' links."""
     virtual = context_parallel_cost(cost, cp, shape)
     return replace(virtual, intra=Link(cost.intra.bandwidth * cp, cost.intra.latency),
-                   copy_bandwidth=cost.copy_bandwidth)
+                   # every member steps the whole masters (replicated over the C members)
+                   optimizer_time_per_param=cost.optimizer_time_per_param)
 
 
 class PieceCollectives:
