@@ -100,3 +100,21 @@ def test_weight_passing_cost_keeps_the_optimizer_whole_and_the_links_per_member(
     assert virtual.optimizer_time_per_param == cost.optimizer_time_per_param
     assert virtual.layer_forward > cost.layer_forward / 2   # half the work plus the ring's exposed time
     assert virtual.head_forward == pytest.approx(cost.head_forward / 2)
+
+
+def test_the_benchmark_prices_a_context_parallel_run_over_its_virtual_ranks():
+    """tools/benchmark.py --simulate-as-run of a CP 2 run on 2 x 2: the simulator gets C and the micro-batches of
+    each group of C ranks (global batch 16 over 2 data-parallel groups: 8 each)."""
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig
+    from megatron_tawpipe.bench.equal_memory import samples_per_rank, simulate_command
+
+    model = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "4096",
+             "--global-batch-size", "16", "--vocab-size", "2047", "--tokenizer-type", "NullTokenizer",
+             "--context-parallel-size", "2"]
+    config = BenchmarkConfig(ranks=4, model_args=model, cluster=(2, 2, "1gbit"), schedules=("distopt",))
+    assert samples_per_rank(config) == 8
+    cmd = simulate_command(config, 1, ["distopt"])
+    assert cmd[cmd.index("--context-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--num-microbatches") + 1] == "8"
+    without = BenchmarkConfig(ranks=4, model_args=model[:-2], cluster=(2, 2, "1gbit"), schedules=("distopt",))
+    assert samples_per_rank(without) == 4 and "--context-parallel-size" not in simulate_command(without, 1, ["distopt"])
