@@ -298,8 +298,8 @@ def context_parallel_for(name: str, args) -> int:
     if cp == 1:
         return 1
     if name not in CONTEXT_PARALLEL + WEIGHT_PASSING_CP:
-        raise ValueError(f"--context-parallel-size {cp} is modelled for {', '.join(CONTEXT_PARALLEL + WEIGHT_PASSING_CP)} "
-                         f"only, not {name}")
+        known = ", ".join(CONTEXT_PARALLEL + WEIGHT_PASSING_CP)
+        raise ValueError(f"--context-parallel-size {cp} is modelled for {known} only, not {name}")
     if name in WEIGHT_PASSING_CP and (args.tensor_model_parallel_size or 1) > 1:
         raise ValueError(f"--context-parallel-size {cp} with --tensor-model-parallel-size "
                          f"{args.tensor_model_parallel_size}: {name} is modelled with one of them at a time")

@@ -316,8 +316,9 @@ class EmulatedShardCompute:
         if self.ring is None:
             self.clock.sleep(times.forward_s(layers, last) / self.split)
         else:
+            dtype, device = self.model.compute_dtype, self.model.device
             for _ in range(layers):
-                self.ring.forward(times.layer_forward / self.split, self.clock.sleep, self.model.compute_dtype, self.model.device)
+                self.ring.forward(times.layer_forward / self.split, self.clock.sleep, dtype, device)
             self.clock.sleep(times.forward_s(0, last) / self.split)
         self._exchange(self.PER_LAYER * layers + (1 if last else 0))
         if last:
@@ -338,7 +339,8 @@ class EmulatedShardCompute:
         return 0.5 * self.layers[shard] * self.clock.times.layer_backward / self.split
 
     def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
-        self._backward_pass(shard, leave_s=self._weight_half_s(shard), dtype=self.model.compute_dtype, device=self.model.device)
+        self._backward_pass(shard, leave_s=self._weight_half_s(shard), dtype=self.model.compute_dtype,
+                            device=self.model.device)
         if self.clock.deferred_weight_gradients:    # the store, held (allocated) until the weight pass
             self._store[(mb, shard)] = torch.empty(self.store_bytes(shard), dtype=torch.uint8,
                                                    device=weights.device)
