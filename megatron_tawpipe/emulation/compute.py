@@ -316,7 +316,7 @@ class EmulatedShardCompute:
         if self.ring is None:
             self.clock.sleep(times.forward_s(layers, last) / self.split)
         else:
-            dtype, device = self.model.compute_dtype, self.model.device
+            dtype, device = self.model.compute_dtype, weights.device
             for _ in range(layers):
                 self.ring.forward(times.layer_forward / self.split, self.clock.sleep, dtype, device)
             self.clock.sleep(times.forward_s(0, last) / self.split)
@@ -327,7 +327,7 @@ class EmulatedShardCompute:
             batches.finish_forward(mb, batches.loss(mb, per_token)[1])
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
-        self._backward_pass(shard, leave_s=0.0, dtype=self.model.compute_dtype, device=self.model.device)
+        self._backward_pass(shard, leave_s=0.0, dtype=self.model.compute_dtype, device=weights.device)
         self._weight_grads(mb, shard, grad_buffer)
 
     def _weight_half_s(self, shard: int) -> float:
@@ -340,7 +340,7 @@ class EmulatedShardCompute:
 
     def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
         self._backward_pass(shard, leave_s=self._weight_half_s(shard), dtype=self.model.compute_dtype,
-                            device=self.model.device)
+                            device=weights.device)
         if self.clock.deferred_weight_gradients:    # the store, held (allocated) until the weight pass
             self._store[(mb, shard)] = torch.empty(self.store_bytes(shard), dtype=torch.uint8,
                                                    device=weights.device)
