@@ -109,16 +109,3 @@ def test_the_long_context_launch_script_runs_on_cpu_ranks(tmp_path):
     iterations = [r for r in records if "lm_loss" in r]
     assert [r["iteration"] for r in iterations] == [1, 2]
     assert all(5.0 < r["lm_loss"] < 6.0 for r in iterations)   # ln(256) = 5.5 at the start
-
-
-def test_emulated_compute_is_refused_with_context_parallelism(monkeypatch, tmp_path):
-    import json
-
-    from megatron_tawpipe.arguments import ArgumentError, parse_args
-    from megatron_tawpipe.training.validate_args import validate_args
-
-    times = tmp_path / "times.json"
-    times.write_text(json.dumps({"layer_forward": 0.001, "layer_backward": 0.002, "layer_recompute": 0.001}))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ArgumentError, match="--emulated-compute-times with --context-parallel-size 2"):
-        validate_args(parse_args(tiny_args("--context-parallel-size", "2", "--emulated-compute-times", str(times))))

@@ -296,7 +296,8 @@ def test_simulate_prices_one_context_parallel_configuration():
     d1, d2 = one["distopt"]["options"]["memory_breakdown"], rows["distopt"]["options"]["memory_breakdown"]
     assert d2["activations"] == pytest.approx(d1["activations"] / 2) and d2["weights"] == d1["weights"]
     assert d2["optimizer"] == pytest.approx(d1["optimizer"])
-    for bad, message in ((["--schedule", "tawpipe", "--context-parallel-size", "2"], "not tawpipe"),
+    for bad, message in ((["--schedule", "tawpipe", "--context-parallel-size", "2", "--tawpipe-ownership", "spread"],
+                          "spread layout does not run"),
                          (["--schedule", "fsdp", "--context-parallel-size", "2"], "not fsdp"),
                          (["--schedule", "distopt", "--context-parallel-size", "8"], "does not divide the 4 GPUs")):
         refused = run_simulate(*bad, *SIM)

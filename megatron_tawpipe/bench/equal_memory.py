@@ -102,11 +102,18 @@ def model_int(config, flag: str, default: Optional[int] = None) -> int:
 
 
 def samples_per_rank(config) -> int:
-    """Each rank's share of the global batch (every strategy keeps the same global batch)."""
+    """Each rank's share of the global batch (every strategy keeps the same global batch); with
+    ``--context-parallel-size C`` each group of C ranks' share (its members split every sequence)."""
     global_batch = model_int(config, "--global-batch-size")
-    if global_batch % config.ranks:
-        raise BenchmarkError(f"--global-batch-size {global_batch} is not a multiple of the {config.ranks} ranks")
-    return global_batch // config.ranks
+    ranks = config.ranks // context_parallel_size(config)
+    if global_batch % ranks:
+        raise BenchmarkError(f"--global-batch-size {global_batch} is not a multiple of the {ranks} data-parallel ranks")
+    return global_batch // ranks
+
+
+def context_parallel_size(config) -> int:
+    """The model flags' ``--context-parallel-size`` (1 without it)."""
+    return model_int(config, "--context-parallel-size", 1)
 
 
 def candidate_sizes(config) -> List[int]:
@@ -132,7 +139,7 @@ def simulate_command(config, micro_batch_size: int, schedules: Sequence[str], de
            "--num-microbatches", str(samples_per_rank(config) // micro_batch_size), "--vocab-size", str(vocab),
            "--dtype-bytes", str(dtype_bytes), "--intra-bw", INTRA_BW,
            "--backend", "nccl" if flag_value(args, "--distributed-backend") == "nccl" else "gloo"]
-    for flag in ("--num-attention-heads", "--ffn-hidden-size", "--num-query-groups"):
+    for flag in ("--num-attention-heads", "--ffn-hidden-size", "--num-query-groups", "--context-parallel-size"):
         if flag_value(args, flag) is not None:
             cmd += [flag, flag_value(args, flag)]
     if decided and list(schedules) == ["tawpipe"]:

@@ -12,6 +12,8 @@ from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_default
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.sim.context_parallel import AttentionShape, context_parallel_cost, context_parallel_problem
 from megatron_tawpipe.sim.context_parallel import per_gpu_result as context_parallel_result
+from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, weight_passing_cost
+from megatron_tawpipe.sim.context_parallel_weights import per_gpu_result as weight_passing_result
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
 from megatron_tawpipe.sim.layout_choice import LayoutRequest, choose_layout
@@ -115,10 +117,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "virtual ranks (--num-microbatches is then per virtual rank); see "
                         "megatron_tawpipe/sim/tensor_parallel.py")
     s.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
-                   help="1f1b, interleaved, distopt, distopt-node, pp-nodes: context parallelism inside each node "
-                        "(each sequence split over C GPUs, ring attention); the schedule runs over ranks / C "
-                        "virtual ranks (--num-microbatches is then per virtual rank); see "
-                        "megatron_tawpipe/sim/context_parallel.py")
+                   help="1f1b, interleaved, distopt, distopt-node, pp-nodes, tawpipe, weipipe: context parallelism "
+                        "inside each node (each sequence split over C GPUs, ring attention); the schedule runs over "
+                        "ranks / C virtual ranks (--num-microbatches is then per virtual rank); see "
+                        "megatron_tawpipe/sim/context_parallel.py and context_parallel_weights.py")
 
 
 def recompute_of(args) -> bool:
@@ -208,10 +210,15 @@ def decide_layout(name: str, args, cost: CostModel, memory_limit: float = float(
     """``pretrain_llama.py``'s decision (:func:`megatron_tawpipe.sim.layout_choice.choose_layout`) on the simulator's
     cost model, ranks, groups and batch."""
     tp = tensor_parallel_for(name, args)
+    cp = context_parallel_for(name, args)
+    if cp > 1:   # over the virtual ranks of C GPUs, on their cost model
+        cost = weight_passing_cost(cost, cp, attention_shape(args))
     groups = 1 if args.flat else args.groups
     if getattr(args, "recompute", None) == "auto":   # recompute decided with the layout
-        cost = {rc: cost if cost.recompute == rc else cost_model(args, rc) for rc in (False, True)}
-    return choose_layout(layout_request_of(args), cost, args.ranks // tp, groups, args.num_layers,
+        other = lambda rc: cost_model(args, rc) if cp == 1 else weight_passing_cost(  # noqa: E731
+            cost_model(args, rc), cp, attention_shape(args))
+        cost = {rc: cost if cost.recompute == rc else other(rc) for rc in (False, True)}
+    return choose_layout(layout_request_of(args), cost, args.ranks // (tp * cp), groups, args.num_layers,
                          [args.num_microbatches], memory_limit, tensor_parallel=tp,
                          plan_schedule="tawpipe-nooverlap" if name == "tawpipe-nooverlap" or args.no_overlap
                          else "tawpipe")
@@ -254,7 +261,8 @@ def replicable(name: str, args) -> bool:
 
 def make_plan(name: str, args, validate: bool = True):
     n = args.num_microbatches * (args.ranks if name in ACTIVATION else 1)
-    plan = build_plan(name, num_ranks=args.ranks // tensor_parallel_for(name, args), num_groups=args.groups,
+    virtual = tensor_parallel_for(name, args) * (context_parallel_for(name, args) if name in WEIGHT_PASSING_CP else 1)
+    plan = build_plan(name, num_ranks=args.ranks // virtual, num_groups=args.groups,
                       num_layers=args.num_layers, num_microbatches=n,
                       **planner_options(name, args))
     if validate:
@@ -277,7 +285,7 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
         return plan, result
     tp = tensor_parallel_for(name, args)
     if context_parallel_for(name, args) > 1:
-        return None, run_context_parallel(name, args, cost)
+        return run_context_parallel(name, args, cost, validate, record)
     if name in STRATEGIES:
         return None, run_strategy(name, cost, args.ranks, args.groups, args.num_layers,
                                   args.num_microbatches)
@@ -300,8 +308,10 @@ def run_one(name: str, args, cost: CostModel, validate: bool = True, record: boo
     return plan, result
 
 
-#: the schedules ``--context-parallel-size`` applies to (megatron's native ones, as pretrain_llama.py runs them)
+#: the schedules ``--context-parallel-size`` applies to: megatron's native ones, and the weight-passing plans
+#: pretrain_llama.py runs with it (the pieces of :mod:`megatron_tawpipe.sim.context_parallel_weights`)
 CONTEXT_PARALLEL = ("1f1b", "interleaved", "distopt", "distopt-node", "pp-nodes")
+WEIGHT_PASSING_CP = ("tawpipe", "tawpipe-rep", "tawpipe-nocache", "tawpipe-nooverlap", "weipipe")
 
 
 def context_parallel_for(name: str, args) -> int:
@@ -309,9 +319,15 @@ def context_parallel_for(name: str, args) -> int:
     cp = getattr(args, "context_parallel_size", 1) or 1
     if cp == 1:
         return 1
-    if name not in CONTEXT_PARALLEL:
-        raise ValueError(f"--context-parallel-size {cp} is modelled for {', '.join(CONTEXT_PARALLEL)} only, not {name} "
-                         "(the weight-passing schedules and FSDP do not run context parallelism)")
+    if name not in CONTEXT_PARALLEL + WEIGHT_PASSING_CP:
+        known = ", ".join(CONTEXT_PARALLEL + WEIGHT_PASSING_CP)
+        raise ValueError(f"--context-parallel-size {cp} is modelled for {known} only, not {name}")
+    if name in WEIGHT_PASSING_CP and (args.tensor_model_parallel_size or 1) > 1:
+        raise ValueError(f"--context-parallel-size {cp} with --tensor-model-parallel-size "
+                         f"{args.tensor_model_parallel_size}: {name} is modelled with one of them at a time")
+    if name in WEIGHT_PASSING_CP and args.tawpipe_ownership == "spread":
+        raise ValueError(f"--context-parallel-size {cp} with --tawpipe-ownership spread: the spread layout does not "
+                         "run with context parallelism")
     problem = context_parallel_problem(cp, 1, args.ranks // args.groups, args.seq_length, args.ranks)
     if problem:
         raise ValueError(f"--context-parallel-size {cp}: {problem}")
@@ -325,7 +341,7 @@ def attention_shape(args) -> AttentionShape:
                           num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size)
 
 
-def run_context_parallel(name: str, args, cost: CostModel):
+def run_context_parallel(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
     """``name`` with ``--context-parallel-size C``: over ranks / C virtual ranks of C GPUs, each with
     ``--num-microbatches`` micro-batches, on the cost model of
     :func:`megatron_tawpipe.sim.context_parallel.context_parallel_cost`; per-GPU figures. 1f1b and interleaved
@@ -334,6 +350,13 @@ def run_context_parallel(name: str, args, cost: CostModel):
     sharded over them (the distributed optimizer)."""
     cp = context_parallel_for(name, args)
     shape = attention_shape(args)
+    if name in WEIGHT_PASSING_CP:
+        plan = make_plan(name, args, validate)
+        pieces = PieceCollectives(cost, cp, plan)
+        virtual = weight_passing_cost(cost, cp, shape)
+        result = simulate(plan, virtual, record=record, around=pieces)
+        result.options["memory_breakdown"] = plan_memory(result, virtual, plan).as_dict()
+        return plan, weight_passing_result(result, cp, cost, shape, pieces, args.num_microbatches)
     virtual = context_parallel_cost(cost, cp, shape)
     P, D, L, N = args.ranks // cp, args.groups, args.num_layers, args.num_microbatches
     if name in STRATEGIES:
@@ -350,7 +373,7 @@ def run_context_parallel(name: str, args, cost: CostModel):
         result = simulate_pipeline(virtual, P, D, L, N * P, pipeline_size=P, virtual_stages=V, name=name,
                                    context_parallel=cp)
         layers, microbatches = -(-L // P), N * P
-    return context_parallel_result(result, cp, cost, shape, layers, microbatches)
+    return None, context_parallel_result(result, cp, cost, shape, layers, microbatches)
 
 
 def tensor_parallel_for(name: str, args) -> int:

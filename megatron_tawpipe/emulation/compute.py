@@ -104,13 +104,29 @@ def load_compute_times(path: str, flag: str = "--emulated-compute-times", micro_
 class EmulatedCompute:
     """Calibrated sleeps in place of compute, and the seconds slept since the last :meth:`take_slept_s`."""
 
-    def __init__(self, times: ComputeTimes, recompute: bool, deferred_weight_gradients: bool = True):
+    def __init__(self, times: ComputeTimes, recompute: bool, deferred_weight_gradients: bool = True,
+                 args=None):
         self.times = times
         self.recompute = recompute   # whether each backward also recomputes the forward (full recompute)
         # a split backward's weight-gradient half slept in its weight pass (deferred kernels: the runtime,
         # and the default) or, False, in its input pass
         self.deferred_weight_gradients = deferred_weight_gradients
         self.slept_s = 0.0
+        # --context-parallel-size C: every layer sleeps 1/C of its times around the ring's real exchange
+        # (:mod:`.ring`; made on first use, once megatron-core's parallel state exists)
+        self.args = args
+        self.context_parallel_size = (getattr(args, "context_parallel_size", 1) or 1) if args is not None else 1
+        self._ring = None
+
+    def ring(self, tensor_parallel_size: int = 1):
+        """This rank's :class:`~megatron_tawpipe.emulation.ring.EmulatedRing` (None with C = 1)."""
+        if self.context_parallel_size == 1:
+            return None
+        if self._ring is None:
+            from megatron_tawpipe.emulation.ring import EmulatedRing
+
+            self._ring = EmulatedRing.of_megatron(self.args, tensor_parallel_size)
+        return self._ring
 
     @classmethod
     def from_args(cls, args, recompute: bool) -> Optional["EmulatedCompute"]:
@@ -121,7 +137,7 @@ class EmulatedCompute:
         times = load_compute_times(path, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
         # The runtime defers the weight-gradient kernels of a split backward; --emulated-deferred-weight-gradients
         # (kept for existing command lines) asks for what is now always done.
-        return cls(times, recompute, True)
+        return cls(times, recompute, True, args=args)
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -146,6 +162,18 @@ class EmulatedCompute:
             self.sleep(forward_s)
             return x.clone() if tuple(x.shape) == tuple(out_shape) else x.new_zeros(out_shape)
         return _SleepingCompute.apply(self, forward_s, backward_s, tuple(out_shape), x, *trainable)
+
+    def layer(self, x: torch.Tensor, params: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """One decoder layer on this rank's tokens: :meth:`block` of the layer's times, or with context
+        parallelism 1/C of them around the ring's real exchange (:class:`_RingLayer`)."""
+        times, ring = self.times, self.ring()
+        if ring is None:
+            return self.block(x, x.shape, times.layer_forward, times.backward_s(1, False, self.recompute), params)
+        trainable = [p for p in params if p.requires_grad]
+        if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
+            ring.forward(times.layer_forward / ring.size, self.sleep, x.dtype, x.device)
+            return x.clone()
+        return _RingLayer.apply(self, ring, x, *trainable)
 
     # ---- megatron-core's GPTModel (one pipeline chunk, or the whole model under FSDP) ------------------------
 
@@ -201,6 +229,29 @@ class _SleepingCompute(torch.autograd.Function):
         return (None, None, None, None, grad_x, *grads)
 
 
+class _RingLayer(torch.autograd.Function):
+    """A decoder layer under context parallelism: :class:`_SleepingCompute`'s tensors, its forward and
+    backward (a recompute first, with full recompute) the ring's passes (:mod:`.ring`) of 1/C of the times."""
+
+    @staticmethod
+    def forward(ctx, clock: EmulatedCompute, ring, x, *params):
+        ctx.clock, ctx.ring = clock, ring
+        ctx.meta = (x.dtype, x.device)
+        ctx.param_meta = [(p.shape, p.dtype, p.device) for p in params]
+        ring.forward(clock.times.layer_forward / ring.size, clock.sleep, x.dtype, x.device)
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        clock, ring, (dtype, device) = ctx.clock, ctx.ring, ctx.meta
+        times = clock.times
+        if clock.recompute and times.layer_recompute:
+            ring.forward(times.layer_recompute / ring.size, clock.sleep, dtype, device)
+        ring.backward(times.layer_backward / ring.size, clock.sleep, dtype, device)
+        grads = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.param_meta]
+        return (None, None, grad_out, *grads)
+
+
 class EmulatedShardCompute:
     """A weight-pipeline rank's forward/backward actions as sleeps (the model's ``ShardCompute``).
 
@@ -218,6 +269,11 @@ class EmulatedShardCompute:
     all-reduces of the hidden state in the forward, two in the backward and two in
     a recompute (under --sequence-parallel, an all-gather and a reduce-scatter for
     each), and one for the output layer's forward and backward.
+
+    With context parallelism (C > 1) each rank sleeps 1/C of the times (1/(T x C) with both), every decoder
+    layer around the ring attention's real exchange of keys and values (and, backward, of their fp32
+    gradients) on the context-parallel group (:mod:`.ring`); the tensor-parallel collectives move the local
+    S / C tokens' hidden state.
     """
 
     PER_LAYER = 2   # tensor-parallel hidden-state collectives per decoder layer and pass
@@ -227,7 +283,10 @@ class EmulatedShardCompute:
         self.layers = model.plan.shard_layers   # per shard
         self.last = model.plan.num_shards - 1
         self.tp = model.tensor_parallel_size
-        self._exchange = _tensor_parallel_exchange(model) if self.tp > 1 else (lambda count: None)
+        self.cp = getattr(model, "context_parallel_size", 1) or 1
+        self.ring = clock.ring(self.tp) if self.cp > 1 else None
+        self.split = self.tp * self.cp   # each GPU's share of a layer's (and the output layer's) work
+        self._exchange = _tensor_parallel_exchange(model, self.cp) if self.tp > 1 else (lambda count: None)
         self._store: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, shard) -> its held weight-gradient store
 
     def reset(self) -> None:
@@ -240,7 +299,7 @@ class EmulatedShardCompute:
         the compute dtype, divided over the tensor-parallel ranks -- as the simulator's memory model counts
         it (``CostModel.layer_weight_store_bytes``)."""
         args = self.model.args
-        H, tokens = args.hidden_size, args.seq_length * args.micro_batch_size
+        H, tokens = args.hidden_size, args.seq_length // self.cp * args.micro_batch_size
         ffn = args.ffn_hidden_size or 4 * H
         heads = args.num_attention_heads
         groups = args.num_query_groups if args.group_query_attention else None
@@ -253,8 +312,14 @@ class EmulatedShardCompute:
         batches, last = self.model.microbatches, shard == self.last
         if shard == 0:
             batches.start(mb)
-        layers = self.layers[shard]
-        self.clock.sleep(self.clock.times.forward_s(layers, last) / self.tp)
+        layers, times = self.layers[shard], self.clock.times
+        if self.ring is None:
+            self.clock.sleep(times.forward_s(layers, last) / self.split)
+        else:
+            dtype, device = self.model.compute_dtype, weights.device
+            for _ in range(layers):
+                self.ring.forward(times.layer_forward / self.split, self.clock.sleep, dtype, device)
+            self.clock.sleep(times.forward_s(0, last) / self.split)
         self._exchange(self.PER_LAYER * layers + (1 if last else 0))
         if last:
             labels = batches.inputs[mb]["labels"]
@@ -262,7 +327,7 @@ class EmulatedShardCompute:
             batches.finish_forward(mb, batches.loss(mb, per_token)[1])
 
     def backward(self, mb: int, shard: int, weights: torch.Tensor, grad_buffer: torch.Tensor) -> None:
-        self._backward_pass(shard, leave_s=0.0)
+        self._backward_pass(shard, leave_s=0.0, dtype=self.model.compute_dtype, device=weights.device)
         self._weight_grads(mb, shard, grad_buffer)
 
     def _weight_half_s(self, shard: int) -> float:
@@ -271,10 +336,11 @@ class EmulatedShardCompute:
         none where the input pass computes them."""
         if not self.clock.deferred_weight_gradients:
             return 0.0
-        return 0.5 * self.layers[shard] * self.clock.times.layer_backward / self.tp
+        return 0.5 * self.layers[shard] * self.clock.times.layer_backward / self.split
 
     def backward_input(self, mb: int, shard: int, weights: torch.Tensor) -> None:
-        self._backward_pass(shard, leave_s=self._weight_half_s(shard))
+        self._backward_pass(shard, leave_s=self._weight_half_s(shard), dtype=self.model.compute_dtype,
+                            device=weights.device)
         if self.clock.deferred_weight_gradients:    # the store, held (allocated) until the weight pass
             self._store[(mb, shard)] = torch.empty(self.store_bytes(shard), dtype=torch.uint8,
                                                    device=weights.device)
@@ -284,10 +350,20 @@ class EmulatedShardCompute:
         self._store.pop((mb, shard), None)
         self._weight_grads(mb, shard, grad_buffer)
 
-    def _backward_pass(self, shard: int, leave_s: float) -> None:
-        """The backward's time (recompute included) less ``leave_s``, and its tensor-parallel exchanges."""
-        last, layers = shard == self.last, self.layers[shard]
-        self.clock.sleep(self.clock.times.backward_s(layers, last, self.model.recompute) / self.tp - leave_s)
+    def _backward_pass(self, shard: int, leave_s: float, dtype=None, device=None) -> None:
+        """The backward's time (recompute included) less ``leave_s``, and its tensor-parallel exchanges; with
+        context parallelism each layer's recompute and backward run the ring (``leave_s`` taken evenly from
+        the layers' backward)."""
+        last, layers, times = shard == self.last, self.layers[shard], self.clock.times
+        if self.ring is None:
+            self.clock.sleep(times.backward_s(layers, last, self.model.recompute) / self.split - leave_s)
+        else:
+            self.clock.sleep(times.backward_s(0, last, False) / self.split)
+            per_layer = times.layer_backward / self.split - leave_s / max(layers, 1)
+            for _ in range(layers):
+                if self.model.recompute and times.layer_recompute:
+                    self.ring.forward(times.layer_recompute / self.split, self.clock.sleep, dtype, device)
+                self.ring.backward(per_layer, self.clock.sleep, dtype, device)
         self._exchange(self.PER_LAYER * layers * (2 if self.model.recompute else 1) + (1 if last else 0))
 
     def _weight_grads(self, mb: int, shard: int, grad_buffer: torch.Tensor) -> None:
@@ -301,7 +377,7 @@ class EmulatedShardCompute:
             model.microbatches.release(mb)
 
 
-def _tensor_parallel_exchange(model):
+def _tensor_parallel_exchange(model, context_parallel_size: int = 1):
     """``exchange(count)``: ``count`` of megatron's tensor-parallel hidden-state collectives on the
     group, of the real size (``seq x micro-batch x hidden`` in the compute dtype): all-reduces, or
     under --sequence-parallel all-gather + reduce-scatter pairs."""
@@ -310,7 +386,8 @@ def _tensor_parallel_exchange(model):
 
     args, tp = model.args, model.tensor_parallel_size
     group = parallel_state.get_tensor_model_parallel_group()
-    full = torch.zeros(args.seq_length * args.micro_batch_size * args.hidden_size, dtype=model.compute_dtype,
+    tokens = args.seq_length // context_parallel_size * args.micro_batch_size   # this rank's (context parallelism)
+    full = torch.zeros(tokens * args.hidden_size, dtype=model.compute_dtype,
                        device=model.device)
     part = full[: full.numel() // tp].clone()
     sequence_parallel = bool(args.sequence_parallel)

@@ -9,6 +9,10 @@ module, as in the real model -- the embedding, each layer, the final norm and th
 sleep the output layer's calibrated times, the embedding none: as the weight-passing emulation) -- so the
 hooks a data-parallel library puts on them fire as they would: Megatron-FSDP, for one, notices the end of a micro-batch's backward through
 a hook on the output layer, and without it reduces and gathers across instances every micro-batch.
+
+With ``--context-parallel-size C`` the input is this rank's S / C tokens (the balanced split of the data), each
+layer sleeps 1/C of its times around the ring attention's real exchange of keys and values
+(:meth:`EmulatedCompute.layer`, :mod:`.ring`), and the output layer 1/C of its times.
 """
 
 from __future__ import annotations
@@ -36,12 +40,10 @@ class EmulatedTransformerLayer(TransformerLayer):
 
     def forward(self, hidden_states, *args, **kwargs):
         compute = self.emulated_compute
-        times = compute.times
         hidden = hidden_states
         for module in self._parts:   # each on its parameters as registered when it runs (FSDP: the gathered)
             hidden = module(hidden)
-        return compute.block(hidden, hidden.shape, times.layer_forward, times.backward_s(1, False, compute.recompute),
-                             list(self.parameters(recurse=False)))
+        return compute.layer(hidden, list(self.parameters(recurse=False)))
 
 
 class EmulatedGPTModel(GPTModel):
@@ -65,7 +67,8 @@ class EmulatedGPTModel(GPTModel):
             if self.decoder.final_layernorm is not None:
                 _emulate(self.decoder.final_layernorm, emulated_compute, 0.0, 0.0, lambda x: x.shape)
             # the output layer's logits and the loss, slept: per-token losses [b, s] from [s, b, h]
-            _emulate(self.output_layer, emulated_compute, times.head_forward, times.head_backward,
+            cp = emulated_compute.context_parallel_size   # per token: 1/C of the sequence's times
+            _emulate(self.output_layer, emulated_compute, times.head_forward / cp, times.head_backward / cp,
                      lambda x: (x.shape[1], x.shape[0]))
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, **_):

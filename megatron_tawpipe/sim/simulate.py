@@ -138,8 +138,11 @@ class _Op:
 
 
 class _Simulator:
-    def __init__(self, plan: Plan, cost: CostModel, record: bool):
+    def __init__(self, plan: Plan, cost: CostModel, record: bool, around=None):
         self.plan, self.cost, self.record = plan, cost, record
+        # what a rank does beside the plan's actions (context parallelism's pieces: :mod:`.context_parallel_weights`)
+        self.around = around
+        self.paid: Dict[int, int] = {}          # rank -> the step whose time before its start was spent
         self.G = plan.ranks_per_group
         self.events: list = []
         self.seq = 0
@@ -223,11 +226,22 @@ class _Simulator:
                 if r in self.blocked_at:
                     self.idle[(r, self.pc[r])] = t - self.blocked_at.pop(r)
                 self.pc[r] += 1
+                after = self.around.after_wait(r, op.start.get(r)) if self.around is not None else 0.0
+                if after > 0:     # a collective the rank runs once the transfer arrived
+                    self.push(t + after, "rank", r)
+                    return
                 continue
-            self.pc[r] += 1
             if cls in _STARTS:
+                if self.around is not None and self.paid.get(r) != self.pc[r]:
+                    before = self.around.before_start(r, a)
+                    if before > 0:    # a collective the rank runs before the transfer leaves
+                        self.paid[r] = self.pc[r]
+                        self.push(t + before, "rank", r)
+                        return
+                self.pc[r] += 1
                 self.post(r, a, t)
                 continue
+            self.pc[r] += 1
             dur, kind = self.duration(r, a)
             if dur > 0:
                 if kind in COMPUTE_LABELS:
@@ -256,6 +270,8 @@ class _Simulator:
             dur = self.copy[a.shard] / 2
         elif cls is A.OptimizerStep:
             dur = self.cost.optimizer_time(self.plan, r)
+            if self.around is not None:
+                dur += self.around.before_optimizer(r)
         else:
             return 0.0, "other"
         return dur, SPAN_LABELS[cls]
@@ -408,9 +424,12 @@ _STARTS = frozenset(A.STARTS)
 _SLICES = frozenset(A.SLICE_COLLECTIVES)
 
 
-def simulate(plan: Plan, cost: CostModel, record: bool = True) -> SimResult:
-    """Simulate one iteration of ``plan`` (which should be validated first)."""
-    sim = _Simulator(plan, cost, record)
+def simulate(plan: Plan, cost: CostModel, record: bool = True, around=None) -> SimResult:
+    """Simulate one iteration of ``plan`` (which should be validated first). ``around``: what each rank runs
+    beside the plan's actions (``after_wait(rank, start)``, ``before_start(rank, start)``,
+    ``before_optimizer(rank)``: seconds), as context parallelism's pieces inside weight passing
+    (:class:`~megatron_tawpipe.sim.context_parallel_weights.PieceCollectives`)."""
+    sim = _Simulator(plan, cost, record, around)
     sim.run()
     P = plan.num_ranks
     iteration = max(sim.finish) if P else 0.0

@@ -7,7 +7,8 @@ chunks, its loss scaling and its gradient reduction over the data- and context-p
 ``weipipe`` run the weight pipeline over virtual ranks of T x C GPUs inside one node, each moving its 1/C piece
 of every transfer (:mod:`megatron_tawpipe.runtime.context_parallel`). The layers'
 attention is Transformer Engine's where it is installed, else the ring attention of
-:mod:`megatron_tawpipe.models.ring_attention` (the ``sdpa`` backend).
+:mod:`megatron_tawpipe.models.ring_attention` (the ``sdpa`` backend). ``--emulated-compute-times`` runs with it: each emulated layer sleeps 1/C of its
+calibrated times around the ring's real exchange of keys and values (:mod:`megatron_tawpipe.emulation.ring`).
 """
 
 from __future__ import annotations
@@ -40,9 +41,6 @@ def check_context_parallel(args: argparse.Namespace, world_size: int) -> None:
     if args.sequence_parallel and (args.seq_length // cp) % tp:
         raise ArgumentError(f"--sequence-parallel with {flag}: each rank's {args.seq_length // cp} tokens must be "
                             f"divisible by --tensor-model-parallel-size {tp}")
-    if args.emulated_compute_times:
-        raise ArgumentError(f"--emulated-compute-times with {flag}: emulated layers sleep a whole sequence's time "
-                            "and exchange no keys or values; context parallelism runs the real layers")
     if args.reset_attention_mask:
         raise ArgumentError(f"--reset-attention-mask with {flag}: the context-parallel attention is causal over "
                             "the whole sequence (documents are not masked from each other); drop one of them")

@@ -9,10 +9,12 @@ Every node's ranks form a group; all nodes run the same collective at the same
 time (as FSDP2/HSDP and megatron's per-node reductions do), so ranks compete
 for the shared cores as they do in training. For each size in bytes (of the
 gathered / reduced tensor) it times ``all_gather_into_tensor``,
-``reduce_scatter_tensor`` and ``all_reduce``, the median of ``--repeats``
+``reduce_scatter_tensor``, ``all_reduce`` and ``ring_exchange`` (the context-parallel ring attention's
+step: every rank sends the tensor to the next rank of its node and receives the previous one's, posted
+together with ``batch_isend_irecv``), the median of ``--repeats``
 after ``--warmup``, and fits ``time = latency + bytes_moved / bandwidth`` per
 collective over the sizes, bytes_moved being a ring's ((d-1)/d of the tensor;
-twice that for the all-reduce). Rank 0 prints one JSON object.
+twice that for the all-reduce, the whole tensor for the ring exchange). Rank 0 prints one JSON object.
 """
 
 from __future__ import annotations
@@ -66,7 +68,15 @@ def main(argv=None) -> int:
     d = per_node
     results: Dict[str, Dict[str, float]] = {}
     fits = {}
-    for name in ("all_gather", "reduce_scatter", "all_reduce"):
+    members = dist.get_process_group_ranks(group)
+    to_next, from_prev = members[(rank % d + 1) % d], members[(rank % d - 1) % d]
+
+    def exchange(send, recv):
+        ops = [dist.P2POp(dist.isend, send, to_next, group), dist.P2POp(dist.irecv, recv, from_prev, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    for name in ("all_gather", "reduce_scatter", "all_reduce", "ring_exchange"):
         points = []
         for size in (int(s) for s in args.sizes.split(",")):
             numel = size // 4 // d * d
@@ -77,9 +87,13 @@ def main(argv=None) -> int:
             elif name == "reduce_scatter":
                 fn = lambda: dist.reduce_scatter_tensor(part, full, group=group)  # noqa: E731
                 moved = (d - 1) / d * numel * 4
-            else:
+            elif name == "all_reduce":
                 fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
                 moved = 2 * (d - 1) / d * numel * 4
+            else:
+                incoming = torch.empty_like(full)
+                fn = lambda: exchange(full, incoming)  # noqa: E731
+                moved = numel * 4
             t = _time(fn, args.repeats, args.warmup, group)
             results.setdefault(name, {})[str(numel * 4)] = t
             points.append((moved, t))

@@ -1,0 +1,130 @@
+"""Context parallelism inside weight passing (``tawpipe`` / ``weipipe`` with ``--context-parallel-size C``), as the
+simulator prices it: in the same detail as the native strategies' (:mod:`.context_parallel`), what
+:mod:`megatron_tawpipe.runtime.context_parallel` runs.
+
+The plan runs over P / (T x C) *virtual ranks*, each T x C GPUs of one node, with:
+
+* **compute** the native side's (:func:`~megatron_tawpipe.sim.context_parallel.context_parallel_cost`): per decoder
+  layer and micro-batch 1/C of the layer's work (the linear layers per token, the causal score blocks balanced by
+  the 2C-chunk split) plus the ring attention's exposed time on the node's link, forward, backward and recompute;
+  the output layer 1/C;
+* **weight and gradient transfers** in the plan's bytes unchanged: member c moves piece c (1/C) of every transfer,
+  each on its own GPU's link inside the node (C times one GPU's bandwidth, as tensor parallelism's slices), all of
+  them through the node's one link between nodes, so that link carries the bytes of C = 1;
+* **the pieces' collectives** over the C members of a virtual rank, on one GPU's link inside the node, blocking
+  the rank (the runtime issues them synchronously around the plan's actions: :class:`PieceCollectives`): the
+  all-gather of a weight that arrived (a receive, a broadcast's non-root) before it is used; the reduce-scatter of
+  a gradient before it leaves (a send, a reduction to its owner, the all-reduce of a replicated shard's holders;
+  gloo's moves an all-reduce's bytes, ``CostModel.reduce_scatter_factor``); the all-reduce of the replicated
+  parameters' gradients before their all-reduce over the virtual ranks; and before the optimizer step the
+  all-reduce of every accumulated gradient the rank keeps (its owned shards' and the replicated parameters');
+* **memory** per GPU: the activations and logits / C (the local tokens); weights, gradients, buffers, fp32 masters
+  and Adam state whole on every member (the runtime replicates the masters over the C members);
+* tokens/s per GPU: 1/C of the virtual rank's.
+
+Ring collectives: an all-gather of B bytes over C members sends (C-1)/C x B per member in C-1 steps, an all-reduce
+2(C-1)/C x B in 2(C-1), each step paying the link's latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.sim.context_parallel import (AttentionShape, context_parallel_bytes_per_gpu,
+                                                   context_parallel_cost)
+from megatron_tawpipe.sim.costmodel import CostModel, Link
+from megatron_tawpipe.sim.memory import TERMS, MemoryBreakdown
+
+#: memory terms that hold the local tokens' share inside weight passing (the rest are whole on every member)
+LOCAL_TOKEN_TERMS = ("activations", "logits")
+_LEAVING = (A.SendStart, A.ReduceStart, A.AllReduceStart)
+
+
+def weight_passing_cost(cost: CostModel, cp: int, shape: AttentionShape) -> CostModel:
+    """The cost model of one virtual rank of C GPUs: the native side's compute and ring, and the plan's transfers
+    inside the node on C GPUs' links."""
+    virtual = context_parallel_cost(cost, cp, shape)
+    return replace(virtual, intra=Link(cost.intra.bandwidth * cp, cost.intra.latency),
+                   # every member steps the whole masters (replicated over the C members)
+                   optimizer_time_per_param=cost.optimizer_time_per_param)
+
+
+class PieceCollectives:
+    """The context-parallel collectives one member runs beside the plan's actions (``simulate(..., around=)``),
+    in seconds; ``cost`` is one GPU's (its link inside the node), ``plan`` the virtual ranks' plan."""
+
+    def __init__(self, cost: CostModel, cp: int, plan):
+        self.cost, self.cp, self.plan = cost, cp, plan
+        self.link = cost.intra
+        self.bytes = {"gather": 0.0, "scatter": 0.0, "all_reduce": 0.0}   # per virtual rank's member, one iteration
+
+    def _ring(self, nbytes: float, share: float, steps: int, what: str) -> float:
+        self.bytes[what] += share * nbytes
+        send = 0.0 if self.link.bandwidth == float("inf") else share * nbytes / self.link.bandwidth
+        return steps * self.link.latency + send
+
+    def all_gather(self, nbytes: float) -> float:
+        c = self.cp
+        return self._ring(nbytes, (c - 1) / c, c - 1, "gather")
+
+    def reduce_scatter(self, nbytes: float) -> float:
+        c, factor = self.cp, self.cost.reduce_scatter_factor
+        return self._ring(nbytes, factor * (c - 1) / c, int(factor * (c - 1)), "scatter")
+
+    def all_reduce(self, nbytes: float) -> float:
+        c = self.cp
+        return self._ring(nbytes, 2 * (c - 1) / c, 2 * (c - 1), "all_reduce")
+
+    # ---- the simulator's hooks ----------------------------------------------------------------------------
+    def after_wait(self, rank: int, start) -> float:
+        """A weight that arrived (a receive, a broadcast's non-root): its pieces all-gathered."""
+        if start is None or getattr(start, "kind", None) != "weight":
+            return 0.0
+        if type(start) is A.RecvStart or (type(start) is A.BroadcastStart and start.root != rank):
+            return self.all_gather(start.size * self.cost.shard_bytes(self.plan, start.shard))
+        return 0.0
+
+    def before_start(self, rank: int, start) -> float:
+        """A gradient about to leave: reduce-scattered into the member's piece; the replicated gradients summed."""
+        if type(start) is A.ReplicatedAllReduceStart:
+            return self.all_reduce(self.cost.replicated_part_params(start.part) * self.cost.grad_bytes)
+        if type(start) in _LEAVING and start.kind == "grad":
+            return self.reduce_scatter(start.size * self.cost.grad_shard_bytes(self.plan, start.shard))
+        return 0.0
+
+    def before_optimizer(self, rank: int) -> float:
+        """Every accumulated gradient the rank keeps (its owned shards', the replicated parameters') summed."""
+        params = self.plan.layers_held_by(rank) * self.cost.params_per_layer + self.cost.replicated_params
+        return self.all_reduce(params * self.cost.grad_bytes)
+
+
+def per_gpu_breakdown(memory: MemoryBreakdown, cp: int) -> MemoryBreakdown:
+    """A virtual rank's memory per GPU: the activations and logits / C, the rest whole on every member."""
+    out = MemoryBreakdown(notes=dict(memory.notes))
+    for term in TERMS:
+        local = term in LOCAL_TOKEN_TERMS
+        setattr(out, term, getattr(memory, term) / (cp if local else 1))
+        note = out.notes.get(term, "")
+        what = f"/ {cp} context-parallel GPUs" if local else f"(whole on each of {cp} context-parallel GPUs)"
+        out.notes[term] = f"({note}) {what}" if note and local else (f"{note} {what}" if note else what)
+    return out
+
+
+def per_gpu_result(result, cp: int, cost: CostModel, shape: AttentionShape, pieces: PieceCollectives,
+                   microbatches: float):
+    """A virtual-rank result of weight passing as per-GPU figures, in place: tokens/s / C, activations / C,
+    the ring's and the pieces' bytes per GPU inside the node in ``options``."""
+    result.tokens_per_sec_per_rank /= cp
+    result.activation_bytes /= cp
+    breakdown = result.options.get("memory_breakdown")
+    if breakdown is not None:
+        result.options["memory_breakdown"] = per_gpu_breakdown(MemoryBreakdown.from_dict(breakdown), cp).as_dict()
+    result.options["context_parallel_size"] = cp
+    # every virtual rank runs every layer for each of its micro-batches
+    layers = pieces.plan.num_layers if hasattr(pieces.plan, "num_layers") else sum(pieces.plan.shard_layers)
+    result.options["context_parallel_bytes_per_gpu"] = context_parallel_bytes_per_gpu(cost, shape, cp, 1, layers,
+                                                                                      microbatches)
+    ranks = max(pieces.plan.num_ranks, 1)
+    result.options["context_parallel_piece_bytes_per_gpu"] = {k: v / ranks for k, v in pieces.bytes.items()}
+    return result

@@ -1,0 +1,120 @@
+"""Context parallelism inside weight passing in the simulator (megatron_tawpipe/sim/context_parallel_weights.py):
+the node link carries the bytes of C = 1, a GPU's compute is 1/C (plus the ring), the pieces' collectives inside
+the node cost what a ring of C members costs, and the activations alone fall to 1/C."""
+
+import json
+import os
+import subprocess
+import sys
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, weight_passing_cost
+from megatron_tawpipe.sim.context_parallel import AttentionShape, ring_attention_exposed
+from megatron_tawpipe.sim.costmodel import CostModel, Link
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "1408", "--num-attention-heads", "8",
+         "--seq-length", "8192", "--micro-batch-size", "1", "--num-microbatches", "4", "--vocab-size", "4096",
+         "--no-recompute", "--json", "--no-validate"]
+
+
+def simulate(*args):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "simulate.py"), *MODEL, *args],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return {r["schedule"]: r for r in json.loads(done.stdout)}
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe"])
+def test_node_link_carries_the_bytes_of_one_gpu_per_virtual_rank(schedule):
+    """C = 2 on 8 ranks in 2 nodes against C = 1 on 4 ranks in 2 nodes (the same plan over the virtual ranks):
+    the same bytes between nodes; half the tokens per GPU at the same iteration time on free links."""
+    two = simulate("--schedule", schedule, "--ranks", "8", "--groups", "2", "--context-parallel-size", "2",
+                   "--inter-bw", "1GB/s")[schedule]
+    one = simulate("--schedule", schedule, "--ranks", "4", "--groups", "2", "--inter-bw", "1GB/s")[schedule]
+    assert two["inter_group_bytes"] == pytest.approx(one["inter_group_bytes"]) and one["inter_group_bytes"] > 0
+    assert two["options"]["context_parallel_size"] == 2
+    assert two["options"]["context_parallel_bytes_per_gpu"] > 0
+    pieces = two["options"]["context_parallel_piece_bytes_per_gpu"]
+    assert pieces["gather"] > 0 and pieces["scatter"] > 0 and pieces["all_reduce"] > 0
+    # memory per GPU: activations / 2, weights and optimizer state whole (masters replicated over the members)
+    m1, m2 = one["options"]["memory_breakdown"], two["options"]["memory_breakdown"]
+    assert m2["activations"] == pytest.approx(m1["activations"] / 2)
+    assert m2["weights"] == pytest.approx(m1["weights"]) and m2["optimizer"] == pytest.approx(m1["optimizer"])
+
+
+def test_compute_per_gpu_is_a_cth_plus_the_ring():
+    """A free link inside the node: each GPU's layer and output layer take exactly 1/C of one GPU's times; on
+    0.6 GB/s the ring's exposed time comes on top, the same as the native side's."""
+    kw = dict(hidden_size=512, seq_length=8192, ffn_hidden_size=1408, num_attention_heads=8, vocab_size=4096,
+              recompute=False)
+    shape = AttentionShape(8192, 1, 512, 8, None, 1408)
+    free = replace(CostModel.from_flops(**kw), intra=Link(float("inf"), 0.0))
+    virtual = weight_passing_cost(free, 2, shape)
+    assert virtual.layer_forward == pytest.approx(free.layer_forward / 2)
+    assert virtual.layer_backward == pytest.approx(free.layer_backward / 2)
+    assert virtual.head_backward == pytest.approx(free.head_backward / 2)
+    slow = CostModel.from_flops(**kw, intra_bw="0.6GB/s")
+    ring = ring_attention_exposed(slow, shape, 2)
+    assert ring.backward > 0
+    virtual = weight_passing_cost(slow, 2, shape)
+    assert virtual.layer_backward == pytest.approx(slow.layer_backward / 2 + ring.backward)
+    assert virtual.layer_forward == pytest.approx(slow.layer_forward / 2 + ring.forward)
+
+
+class _Plan:
+    num_ranks, num_shards, shard_layers = 2, 2, [2, 2]
+
+    def layers_held_by(self, rank):
+        return 2
+
+
+def test_pieces_collectives_by_hand():
+    """C = 2 on gloo, 1 GB/s and 1 ms per step inside the node, shards of 2 layers of 1M parameters: a weight that
+    arrived (2 bytes a value: 4 MB) is all-gathered in 1/2 x 4 MB / 1 GB/s + 1 ms = 3 ms;
+    a gradient (8 MB fp32) is reduce-scattered as gloo does, an all-reduce's bytes: 8 ms + 2 ms; the optimizer's
+    all-reduce of 2 M + 1 M replicated parameters' gradients (12 MB): 12 ms + 2 ms."""
+    cost = CostModel(layer_forward=1.0, layer_backward=2.0, params_per_layer=1e6, dtype_bytes=2, grad_bytes=4,
+                     replicated_params=1e6, intra=Link(1e9, 1e-3), backend="gloo")
+    pieces = PieceCollectives(cost, 2, _Plan())
+    recv = A.RecvStart(tag=1, peer=0, shard=1, buf="w0", kind="weight", link="inter")
+    assert pieces.after_wait(1, recv) == pytest.approx(0.003)
+    send = A.SendStart(tag=2, peer=0, shard=1, buf="w0", kind="grad", link="inter")
+    assert pieces.before_start(1, send) == pytest.approx(0.010)
+    assert pieces.before_start(1, A.SendStart(tag=3, peer=0, shard=1, buf="w0", kind="weight", link="inter")) == 0.0
+    assert pieces.before_optimizer(0) == pytest.approx(0.014)
+    assert pieces.bytes == {"gather": 2e6, "scatter": 8e6, "all_reduce": 12e6}
+    nccl = PieceCollectives(replace(cost, backend="nccl"), 2, _Plan())
+    assert nccl.before_start(1, send) == pytest.approx(0.005)   # a ring reduce-scatter: half the bytes, one step
+
+
+def test_weight_passing_cost_keeps_the_optimizer_whole_and_the_links_per_member():
+    cost = CostModel.from_flops(hidden_size=512, seq_length=8192, ffn_hidden_size=1408, num_attention_heads=8,
+                                vocab_size=4096, recompute=False, intra_bw="1GB/s")
+    virtual = weight_passing_cost(cost, 2, AttentionShape(8192, 1, 512, 8, None, 1408))
+    assert virtual.intra.bandwidth == pytest.approx(2 * cost.intra.bandwidth)
+    assert virtual.optimizer_time_per_param == cost.optimizer_time_per_param
+    assert virtual.layer_forward > cost.layer_forward / 2   # half the work plus the ring's exposed time
+    assert virtual.head_forward == pytest.approx(cost.head_forward / 2)
+
+
+def test_the_benchmark_prices_a_context_parallel_run_over_its_virtual_ranks():
+    """tools/benchmark.py --simulate-as-run of a CP 2 run on 2 x 2: the simulator gets C and the micro-batches of
+    each group of C ranks (global batch 16 over 2 data-parallel groups: 8 each)."""
+    from megatron_tawpipe.bench.benchmark import BenchmarkConfig
+    from megatron_tawpipe.bench.equal_memory import samples_per_rank, simulate_command
+
+    model = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "4096",
+             "--global-batch-size", "16", "--vocab-size", "2047", "--tokenizer-type", "NullTokenizer",
+             "--context-parallel-size", "2"]
+    config = BenchmarkConfig(ranks=4, model_args=model, cluster=(2, 2, "1gbit"), schedules=("distopt",))
+    assert samples_per_rank(config) == 8
+    cmd = simulate_command(config, 1, ["distopt"])
+    assert cmd[cmd.index("--context-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--num-microbatches") + 1] == "8"
+    without = BenchmarkConfig(ranks=4, model_args=model[:-2], cluster=(2, 2, "1gbit"), schedules=("distopt",))
+    assert samples_per_rank(without) == 4 and "--context-parallel-size" not in simulate_command(without, 1, ["distopt"])
