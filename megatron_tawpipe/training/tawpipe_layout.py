@@ -27,6 +27,8 @@ from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.distributed.link_probe import LinkMeasure, probe_links
 from megatron_tawpipe.monitor.metrics import min_over_ranks
 from megatron_tawpipe.runtime.tawpipe_cache import device_memory
+from megatron_tawpipe.sim.context_parallel import AttentionShape
+from megatron_tawpipe.sim.context_parallel_weights import weight_passing_cost
 from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.layout_choice import (LayoutChoice, LayoutRequest, Priced, TawPipeLayout, choose_layout,
                                                 fixed_choice)
@@ -241,8 +243,18 @@ def _pricing(args, device: torch.device, inputs: RunInputs, groups: int
     described = inputs.describe(groups)
     described["compute"] = compute
     settings = (False, True) if is_auto(args.tawpipe_recompute) else (args.tawpipe_recompute == "on",)
-    return ({rc: cost_of(args.micro_batch_size, rc) for rc in settings},
-            AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described)
+    costs = {rc: cost_of(args.micro_batch_size, rc) for rc in settings}
+    cp = args.context_parallel_size
+    if cp > 1 and args.tensor_model_parallel_size == 1:
+        # a virtual rank of C GPUs: 1/C of the layers' work plus the ring's exposed time, the plan's transfers on
+        # C GPUs' links inside the node (the simulator's pricing; with tensor parallelism beside it, as one
+        # tensor-parallel group computing whole sequences)
+        shape = AttentionShape(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                               hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                               num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size)
+        costs = {rc: weight_passing_cost(cost, cp, shape) for rc, cost in costs.items()}
+        described["context parallelism"] = f"{cp} GPUs per virtual rank"
+    return costs, AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described
 
 
 def _choose(args, request, ranks, groups, shards, inputs: RunInputs, cost: Dict[bool, CostModel], limit: float,
