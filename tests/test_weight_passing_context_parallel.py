@@ -66,6 +66,9 @@ def test_matches_single_process_reference(world, extra, layers, global_batch):
                                                   "--distributed-timeout-minutes", "2",
                                                   layers=layers, global_batch=global_batch))
     _check(per_rank, _reference(layers, global_batch))
+    decision = per_rank[0][0].get("tawpipe_layout")
+    if decision and decision["auto"]:   # layouts priced on the virtual ranks' context-parallel cost model
+        assert decision["inputs"]["context parallelism"] == "2 GPUs per virtual rank"
 
 
 @pytest.mark.parametrize("extra", [["--tensor-model-parallel-size", "2"],
