@@ -749,10 +749,10 @@ def test_nothing_fits_and_left_out_strategies_say_why():
 
 
 def _weipipe_family_best(cluster, model, global_batch):
-    """The advisor's best WeiPipe configuration (b=1, no recompute, no tensor parallelism) and, from the
-    simulator directly, every variant's tokens/s per GPU."""
-    keep = lambda c: c.strategy == "weipipe" and c.knobs.get("tp", 1) == 1 and c.micro_batch_size == 1 \
-        and not c.recompute  # noqa: E731
+    """The advisor's best WeiPipe configuration (b=1, no recompute, no tensor or context parallelism) and, from
+    the simulator directly, every variant's tokens/s per GPU."""
+    keep = lambda c: c.strategy == "weipipe" and c.knobs.get("tp", 1) == 1 and c.knobs.get("cp", 1) == 1 \
+        and c.micro_batch_size == 1 and not c.recompute  # noqa: E731
     s = advise(model, cluster, global_batch, check_command=check_command, keep=keep)
     adv = Advisor(model, cluster, global_batch)
     cost = adv.cost(1, False)

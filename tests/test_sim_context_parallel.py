@@ -206,15 +206,19 @@ def test_gradient_rings_count_the_context_parallel_gpus():
 
 
 # ------------------------------------------------------------------------------------------- the advisor
-def test_context_parallel_is_tried_for_the_native_strategies_only():
+def test_context_parallel_is_tried_for_the_native_strategies_and_weight_passing_at_t1():
     model = replace(TINY, seq_length=8192)
     configs, absent = enumerate_configs(model, tiny_cluster(), 32)
     cp = [c for c in configs if c.knobs.get("cp", 1) > 1]
-    assert {c.strategy for c in cp} == set(CONTEXT_PARALLEL_STRATEGIES)
+    assert {c.strategy for c in cp} == set(CONTEXT_PARALLEL_STRATEGIES) | {"tawpipe", "weipipe"}
     assert {c.knobs["cp"] for c in cp} == {2, 4}                       # 4 GPUs per node
     assert all(c.knobs.get("tp", 1) * c.knobs["cp"] <= 4 for c in cp)
+    # weight passing: T = 1, one owner per shard, no plan file (what the simulator prices)
+    wp = [c for c in cp if c.strategy in ("tawpipe", "weipipe")]
+    assert all("tp" not in c.knobs and c.knobs.get("ownership") != "spread" and not c.knobs.get("plan_schedule")
+               for c in wp)
     (others,) = [a for a in absent if a.what == "C>1"]
-    assert set(others.strategies) == {"tawpipe", "weipipe", "fsdp", "hsdp", "hfsdp"}
+    assert set(others.strategies) == {"fsdp", "hsdp", "hfsdp"}
     # C = 8 does not divide a node of 4: absent, with the reason
     (eight,) = [a for a in absent if a.what == "C=8"]
     assert "does not divide the 4 GPUs of a node" in eight.reason and set(eight.strategies) == \

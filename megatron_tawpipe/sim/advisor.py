@@ -13,9 +13,8 @@ parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
 is tried with micro-batch sizes 1, 2, 4, ... up to its batch per replica, each family of knobs up to the
 first size that does not fit, and recompute on/off (:meth:`Advisor.run`; what was searched:
 :func:`megatron_tawpipe.sim.advisor_report.searched`), with tensor parallelism T inside the nodes, and the
-native ones (distopt, distopt-node and the megatron pipelines) also with context parallelism C (T x C inside a
-node): over P / (T x C) virtual ranks (:mod:`megatron_tawpipe.sim.tensor_parallel`,
-:mod:`megatron_tawpipe.sim.context_parallel`).
+native ones and TawPipe / WeiPipe (at T = 1) also with context parallelism C (T x C inside a node): over
+P / (T x C) virtual ranks (:mod:`.tensor_parallel`, :mod:`.context_parallel`, :mod:`.context_parallel_weights`).
 
 Plan-based strategies cost a plan simulation each (more than 4 visits' worth
 of micro-batches per rank, or 4 x pipeline size per pipeline, are simulated as
@@ -33,8 +32,6 @@ scale study uses).  The candidates and their enumeration:
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional
 
@@ -43,9 +40,9 @@ from megatron_tawpipe.sim.advisor_configs import (STRATEGY_ORDER, Cluster, Confi
                                                   enumerate_configs, family_of, plain_family_of, size_of, wp_options,
                                                   wp_schedule)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
-from megatron_tawpipe.sim.advisor_report import PLAN_FILE, command, left_out, mark_auto_layouts, searched, summarize
+from megatron_tawpipe.sim.advisor_report import (check_listed, check_with_plan_file, command, left_out, mark_auto_layouts,
+                                                 searched, summarize)
 from megatron_tawpipe.sim.memory import MemoryBreakdown, weight_passing_breakdown
-from megatron_tawpipe.plan.files import write_plan
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
@@ -55,6 +52,8 @@ from megatron_tawpipe.sim.memory import generic_breakdown
 from megatron_tawpipe.sim.stages import first_last_options, native_pipeline_split, pipeline_time_bound, stage_works
 from megatron_tawpipe.sim.context_parallel import (AttentionShape, context_parallel_bytes_per_gpu,
                                                    context_parallel_cost, per_gpu_breakdown)
+from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, weight_passing_cost
+from megatron_tawpipe.sim.context_parallel_weights import per_gpu_breakdown as weight_passing_per_gpu
 
 ORDER = STRATEGY_ORDER
 PLAN_BASED = ("pp-nodes", "1f1b", "interleaved", "tawpipe", "weipipe")
@@ -114,9 +113,15 @@ class Advisor:
                        {k: v for k, v in cfg.knobs.items() if k not in ("tp", "cp")})
         return self.virtual(tp, cp), inner, tp * cp
 
-    def per_gpu(self, memory: MemoryBreakdown) -> MemoryBreakdown:
-        """This advisor's (virtual) rank's memory, per GPU (:func:`.context_parallel.per_gpu_breakdown`)."""
+    def per_gpu(self, memory: MemoryBreakdown, strategy: str = "") -> MemoryBreakdown:
+        """This advisor's (virtual) rank's memory per GPU (weight passing keeps its masters whole on each member)."""
+        if self.cp > 1 and strategy in ("tawpipe", "weipipe"):
+            return weight_passing_per_gpu(memory, self.cp)
         return per_gpu_breakdown(memory, self.tp, self.cp)
+
+    def wp_cost(self, b: int, recompute: bool):
+        """(cost model, ``around`` of a plan: the context-parallel pieces' collectives, or None) of weight passing."""
+        return self.cost(b, recompute), None
 
     def settle(self, cfg: Config) -> Config:
         """Choose the stages of a megatron pipeline whose size does not divide the layers
@@ -245,7 +250,7 @@ class Advisor:
         self.settle(cfg)
         sub, inner, n = self._split(cfg)
         if n > 1:
-            return sub.per_gpu(sub.memory_only(inner))
+            return sub.per_gpu(sub.memory_only(inner), cfg.strategy)
         cost = self.cost(cfg.micro_batch_size, cfg.recompute)
         cl = self.cluster
         if cfg.strategy in ("tawpipe", "weipipe"):
@@ -282,7 +287,7 @@ class Advisor:
             return cfg.trainable
         cfg.checked = True
         if cfg.trainable and self.check_command is not None:
-            problem = self._check(cfg)
+            problem = check_with_plan_file(self, cfg)
             if problem:
                 cfg.trainable = False
                 cfg.note = "pretrain_llama.py refuses it: " + problem
@@ -296,7 +301,7 @@ class Advisor:
             cfg.tokens_per_sec_per_gpu = inner.tokens_per_sec_per_gpu / n
             cfg.iteration_time, cfg.bubble = inner.iteration_time, inner.bubble
             cfg.inter_bytes_per_node = inner.inter_bytes_per_node
-            cfg.memory = sub.per_gpu(inner.memory)
+            cfg.memory = sub.per_gpu(inner.memory, cfg.strategy)
             cfg.trainable, cfg.note = inner.trainable, inner.note
             cfg.context_parallel_bytes_per_gpu = inner.context_parallel_bytes_per_gpu
         else:
@@ -304,19 +309,6 @@ class Advisor:
         cfg.status = "ok" if cfg.memory.total <= self.cluster.usable_memory else "no-fit"
         cfg.argv, cfg.command = command(cfg, self.model, self.cluster, self.G)
         return cfg
-
-    def _check(self, cfg: Config) -> str:
-        """``check_command`` of ``cfg``'s command; a plan-file configuration with its plan written first."""
-        if not cfg.knobs.get("plan_schedule"):
-            return self.check_command(cfg.argv, self.cluster.ranks)
-        sub, inner, _ = self._split(cfg)
-        plan = sub._plan(wp_schedule(inner), self.G // cfg.micro_batch_size // sub.cluster.ranks,
-                         **wp_options(inner))
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, PLAN_FILE)
-            write_plan(plan, path)
-            argv = ["plan:" + path if a == "plan:" + PLAN_FILE else a for a in cfg.argv]
-            return self.check_command(argv, self.cluster.ranks)
 
     def measure(self, cfg: Config) -> Config:
         """The simulation of ``cfg`` on this advisor's (possibly virtual) ranks: tokens/s, time,
@@ -329,7 +321,8 @@ class Advisor:
         s = cfg.strategy
         if s in ("tawpipe", "weipipe"):
             opts, c, name = wp_options(cfg), cfg.knobs.get("chunk", 1), wp_schedule(cfg)
-            res = simulate_extended(lambda n: self._plan(name, n, **opts), cost, N, 2 * c, 4 * c)
+            cost, around = self.wp_cost(b, cfg.recompute)
+            res = simulate_extended(lambda n: self._plan(name, n, **opts), cost, N, 2 * c, 4 * c, around)
             plan = self._plan(name, min(N, 4 * c), **opts)   # simulated: its shards and peaks are the full plan's
             mem = weight_passing_breakdown(res, cost, plan, c)
             res_inter = res.link_bytes["inter"] / D
@@ -431,23 +424,9 @@ class Advisor:
             best[cfg.strategy] = max(best.get(cfg.strategy, 0.0), cfg.tokens_per_sec_per_gpu)
             if prune == "top2" and cfg.tokens_per_sec_per_gpu > best_runnable and self.check(cfg):
                 best_runnable = cfg.tokens_per_sec_per_gpu
-        self._check_listed(configs, listed)
+        check_listed(self, configs, listed)
         mark_auto_layouts(self, configs, listed)
         return configs, na + left_out(configs, prune)
-
-    def _check_listed(self, configs: List[Config], listed: int) -> None:
-        """Check what the answer shows (see :meth:`run`), in the ranking's order; mark the rest not checked."""
-        if self.check_command is None:
-            return
-        ok = sorted((c for c in configs if c.status == "ok"),
-                    key=lambda c: (-round(c.tokens_per_sec_per_gpu, 1), c.memory.total))
-        runnable: set = set()
-        for i, cfg in enumerate(ok):
-            if i < listed or cfg.strategy not in runnable or not runnable:
-                if self.check(cfg):
-                    runnable.add(cfg.strategy)
-            elif not cfg.checked:
-                cfg.trainable, cfg.note = None, "not checked against pretrain_llama.py (not listed)"
 
 
 class _VirtualRankAdvisor(Advisor):
@@ -481,6 +460,12 @@ class _VirtualRankAdvisor(Advisor):
     def ring_bytes(self, b: int, recompute: bool, layers: int, microbatches: int) -> float:
         return context_parallel_bytes_per_gpu(self.parent.cost(b, recompute), self.shape(b), self.cp, self.tp,
                                               layers, microbatches)
+
+    def wp_cost(self, b: int, recompute: bool):
+        if self.cp == 1:
+            return super().wp_cost(b, recompute)
+        one = self.parent.cost(b, recompute)
+        return weight_passing_cost(one, self.cp, self.shape(b)), lambda plan: PieceCollectives(one, self.cp, plan)
 
 
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",

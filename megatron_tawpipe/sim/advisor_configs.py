@@ -257,11 +257,12 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
 def _context_parallel(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool,
                       tensor_parallel: List[int]):
     """The native strategies with context parallelism C > 1, each with every tensor-parallel size in
-    ``tensor_parallel`` that fits beside it in a node; the other strategies' absence, once."""
+    ``tensor_parallel`` that fits beside it in a node, and TawPipe / WeiPipe at T = 1 (one owner per shard, no
+    plan file: what the simulator prices, :mod:`.context_parallel_weights`); the other strategies' absence, once."""
     out: List[Config] = []
     absent: List[Absence] = []
     native = tuple(s for s in STRATEGY_ORDER if s in CONTEXT_PARALLEL_STRATEGIES)
-    others = tuple(s for s in STRATEGY_ORDER if s not in CONTEXT_PARALLEL_STRATEGIES)
+    others = tuple(s for s in STRATEGY_ORDER if s not in CONTEXT_PARALLEL_STRATEGIES + WEIGHT_PASSING)
     sizes = []
     for cp in CONTEXT_PARALLEL_SIZES[1:]:
         problem = context_parallel_problem(cp, 1, cluster.per_node, model.seq_length, cluster.ranks,
@@ -281,14 +282,20 @@ def _context_parallel(model: ModelSpec, cluster: Cluster, global_batch: int, run
                 if cfg.strategy in native:
                     cfg.knobs.update({"tp": tp, "cp": cp} if tp > 1 else {"cp": cp})
                     out.append(cfg)
+                elif (cfg.strategy in WEIGHT_PASSING and tp == 1 and not cfg.knobs.get("plan_schedule")
+                      and cfg.knobs.get("ownership") != "spread"):
+                    cfg.knobs["cp"] = cp
+                    out.append(cfg)
             for a in why:
                 mine = tuple(s for s in a.strategies if s in native)
                 if mine:
                     absent.append(Absence(mine, a.what, a.reason, a.fix))
     if sizes:
-        absent.append(Absence(others, "C>1", "context parallelism runs under megatron's native schedules only "
-                              "(DDP / distributed optimizer, with or without a pipeline), not weight passing or FSDP",
-                              "distopt, distopt-node, pp-nodes, 1f1b or interleaved with --context-parallel-size"))
+        absent.append(Absence(others, "C>1", "context parallelism runs under megatron's native schedules and "
+                              "weight passing, not FSDP", "distopt, distopt-node, pp-nodes, 1f1b, interleaved, "
+                              "tawpipe or weipipe with --context-parallel-size"))
+        absent.append(Absence(WEIGHT_PASSING, "C>1 with T>1, spread, a plan file", "not priced by the simulator "
+                              "inside weight passing", "tawpipe (one owner per shard) or weipipe at T = 1"))
     return out, absent
 
 
@@ -300,6 +307,9 @@ def _merge(absent: List[Absence]) -> List[Absence]:
         if a.what not in whats[(a.strategies, a.reason, a.fix)]:
             whats[(a.strategies, a.reason, a.fix)].append(a.what)
     return [Absence(key[0], "" if "" in w else ", ".join(w), key[1], key[2]) for key, w in whats.items()]
+
+
+WEIGHT_PASSING = ("tawpipe", "weipipe")   # the weight-passing strategies (context parallelism: at T = 1)
 
 
 def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool, tp: int,
@@ -333,7 +343,7 @@ def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_kn
                    f"--global-batch-size a multiple of {b * P}")
         for r in (True, False):
             def add(strategy, **knobs):
-                if cp == 1 or strategy in CONTEXT_PARALLEL_STRATEGIES:
+                if cp == 1 or strategy in CONTEXT_PARALLEL_STRATEGIES + WEIGHT_PASSING:
                     out.append(Config(strategy, b, r, knobs))
             if mbs % P == 0:
                 for s in ("distopt", "fsdp"):
@@ -341,7 +351,7 @@ def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_kn
                 if D > 1:
                     for s in ("distopt-node", "hsdp", "hfsdp"):
                         add(s)
-                if L >= P and cp == 1:
+                if L >= P and (cp == 1 or tp == 1):
                     _weight_passing(add, absent, L, P, D, mbs // P, b, runtime_knobs_only, who)
             _pipelines(add, absent, L, P, D, mbs, b, who)
     return out, na

@@ -3,9 +3,12 @@ what does not fit and why); see :mod:`megatron_tawpipe.sim.advisor`."""
 
 from __future__ import annotations
 
+import os
 import shlex
+import tempfile
 
-from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER, Absence
+from megatron_tawpipe.plan.files import write_plan
+from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER, Absence, wp_options, wp_schedule
 from megatron_tawpipe.sim.context_parallel import (CONTEXT_PARALLEL_SIZES, CONTEXT_PARALLEL_STRATEGIES,
                                                    MIN_TOKENS_PER_RANK, context_parallel_problem)
 from megatron_tawpipe.sim.layout_choice import LayoutRequest, TawPipeLayout, choose_layout
@@ -405,3 +408,31 @@ def format_report(summary: dict, top_memory: int = 3, rows: int = 15, reasons_pe
     return "\n".join(lines)
 
 
+def check_listed(advisor, configs, listed: int) -> None:
+    """Check what the answer shows (see :meth:`megatron_tawpipe.sim.advisor.Advisor.run`), in the ranking's order;
+    mark the rest not checked."""
+    if advisor.check_command is None:
+        return
+    ok = sorted((c for c in configs if c.status == "ok"),
+                key=lambda c: (-round(c.tokens_per_sec_per_gpu, 1), c.memory.total))
+    runnable: set = set()
+    for i, cfg in enumerate(ok):
+        if i < listed or cfg.strategy not in runnable or not runnable:
+            if advisor.check(cfg):
+                runnable.add(cfg.strategy)
+        elif not cfg.checked:
+            cfg.trainable, cfg.note = None, "not checked against pretrain_llama.py (not listed)"
+
+
+def check_with_plan_file(advisor, cfg) -> str:
+    """The advisor's ``check_command`` of ``cfg``'s command; a plan-file configuration with its plan written
+    first."""
+    if not cfg.knobs.get("plan_schedule"):
+        return advisor.check_command(cfg.argv, advisor.cluster.ranks)
+    sub, inner, _ = advisor._split(cfg)
+    plan = sub._plan(wp_schedule(inner), advisor.G // cfg.micro_batch_size // sub.cluster.ranks, **wp_options(inner))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, PLAN_FILE)
+        write_plan(plan, path)
+        argv = ["plan:" + path if a == "plan:" + PLAN_FILE else a for a in cfg.argv]
+        return advisor.check_command(argv, advisor.cluster.ranks)

@@ -47,7 +47,7 @@ def _cached_plan(cache: Optional[Dict], key, build):
     return cache[key]
 
 
-def simulate_extended(build, cost: CostModel, n: int, n1: int, n2: int) -> SimResult:
+def simulate_extended(build, cost: CostModel, n: int, n1: int, n2: int, around=None) -> SimResult:
     """Simulate the plan ``build(n)`` of ``n`` micro-batches; when ``n > n2``
     simulate ``n1`` and ``n2`` instead and extend linearly.  Once a schedule
     is in its steady state every further micro-batch (round) adds the same
@@ -55,11 +55,15 @@ def simulate_extended(build, cost: CostModel, n: int, n1: int, n2: int) -> SimRe
     10 and 100 Gbit/s, tests/test_advisor.py): TawPipe and 1F1B from 2 and 4
     visits / 2p and 4p micro-batches exactly, WeiPipe within 0.2%, interleaved
     1F1B within 0.5%.  Memory fields are those of the ``n2``
-    plan (buffers and stored boundaries saturate after a few micro-batches)."""
+    plan (buffers and stored boundaries saturate after a few micro-batches). ``around(plan)``: what each rank
+    runs beside the plan's actions (``simulate``'s ``around``)."""
+    def run(m):
+        plan = build(m)
+        return simulate(plan, cost, record=False, around=around(plan) if around is not None else None)
+
     if n <= n2:
-        return simulate(build(n), cost, record=False)
-    r1 = simulate(build(n1), cost, record=False)
-    r2 = simulate(build(n2), cost, record=False)
+        return run(n)
+    r1, r2 = run(n1), run(n2)
     f = (n - n2) / (n2 - n1)
     ext = lambda a, b: b + f * (b - a)  # noqa: E731
     T = ext(r1.iteration_time, r2.iteration_time)
