@@ -54,6 +54,14 @@ def _fit(points: List[tuple]) -> Dict[str, float]:
     return {"latency_s": max(a, 0.0), "bandwidth_bytes_per_s": (1.0 / b) if b > 0 else float("inf")}
 
 
+def node_group(world: int, rank: int):
+    """(the process group of this rank's node, ranks per node): one group per node of torchrun's
+    LOCAL_WORLD_SIZE ranks, every rank creating every group (collective)."""
+    per_node = launcher.local_world_size(world)
+    groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(world // per_node)]
+    return groups[rank // per_node], per_node
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="65536,819200,3276800,13107200", help="tensor bytes, comma-separated")
@@ -62,10 +70,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    per_node = launcher.local_world_size(world)
-    groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(world // per_node)]
-    group = groups[rank // per_node]
-    d = per_node
+    group, d = node_group(world, rank)
     results: Dict[str, Dict[str, float]] = {}
     fits = {}
     members = dist.get_process_group_ranks(group)
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
             points.append((moved, t))
         fits[name] = _fit(points)
     if rank == 0:
-        print(json.dumps({"ranks_per_node": d, "nodes": world // per_node, "seconds": results, "fit": fits},
+        print(json.dumps({"ranks_per_node": d, "nodes": world // d, "seconds": results, "fit": fits},
                          indent=1), flush=True)
     dist.destroy_process_group()
     return 0

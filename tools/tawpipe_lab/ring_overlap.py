@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.common import launcher
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.emulation.ring import EmulatedRing
 from megatron_tawpipe.sim.context_parallel import AttentionShape, attention_share, ring_attention_exposed
 from megatron_tawpipe.sim.costmodel import CostModel, Link
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tools/: the lab's modules
+from tawpipe_lab.collective_speed import node_group  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,14 +48,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    cp = launcher.local_world_size(world)
-    groups = [dist.new_group(list(range(n * cp, (n + 1) * cp))) for n in range(world // cp)]
-    group = groups[rank // cp]
+    group, cp = node_group(world, rank)   # the context-parallel group: a node's ranks
     shape = AttentionShape(args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
                            None, args.ffn_hidden_size)
     numel = int(shape.kv_bytes(cp, 1, args.dtype_bytes)) // args.dtype_bytes
     ring = EmulatedRing(group, cp, rank % cp, numel, attention_share(shape))
-    times = json.load(open(args.times))
+    with open(args.times, encoding="utf-8") as f:
+        times = json.load(f)
     forward, backward = times["layer_forward"] / cp, times["layer_backward"] / cp
     dtype = torch.float32 if args.dtype_bytes == 4 else torch.bfloat16
     slept = [0.0]
