@@ -336,9 +336,7 @@ def context_parallel_for(name: str, args) -> int:
 
 def attention_shape(args) -> AttentionShape:
     """One micro-batch's shape for the ring attention's bytes and attention's share of a layer."""
-    return AttentionShape(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                          hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                          num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size)
+    return AttentionShape.of_flags(args)
 
 
 def run_context_parallel(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -41,10 +43,8 @@ ACCUMULATOR_DTYPE = torch.float32
 
 def ring_shape(args) -> AttentionShape:
     """The run's micro-batch shape for the ring's sizes and attention's share of a layer."""
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
-    return AttentionShape(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                          hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                          num_query_groups=groups, ffn_hidden_size=args.ffn_hidden_size)
+    shape = AttentionShape.of_flags(args)
+    return shape if getattr(args, "group_query_attention", False) else replace(shape, num_query_groups=None)
 
 
 class EmulatedRing:

@@ -43,6 +43,14 @@ def device_memory(device: torch.device) -> Tuple[float, str]:
     return host_available_bytes() / ranks, f"host's available memory / {ranks} ranks on it"
 
 
+def least_device_memory(device: torch.device) -> Tuple[float, str]:
+    """(bytes, what they are) of the smallest device memory over all ranks as ``auto`` counts it (collective:
+    one all-reduce), so that every rank decides alike."""
+    memory, what = device_memory(device)
+    least = min_over_ranks(memory)
+    return least, what + (", the smallest over ranks" if least < memory else "")
+
+
 def decide(config: RunConfig, groups: int, build_plans: Callable[[bool], Dict[int, Plan]],
            device: torch.device) -> Tuple[CacheDecision, Dict[int, Plan]]:
     """The run's ``--tawpipe-cache`` decision and its plans (``build_plans(cache)``, by micro-batches per rank)."""
@@ -56,9 +64,6 @@ def decide(config: RunConfig, groups: int, build_plans: Callable[[bool], Dict[in
                           config.layout.tensor_model_parallel_size)
     if setting == "on":
         return decide_cache(setting, groups, peak), plans
-    memory, what = device_memory(device)
-    least = min_over_ranks(memory)
-    if least < memory:
-        what += ", the smallest over ranks"
+    least, what = least_device_memory(device)
     decision = decide_cache(setting, groups, peak, least, what)
     return decision, (plans if decision.cache else build_plans(False))

@@ -91,6 +91,14 @@ class AttentionShape:
     ffn_hidden_size: Optional[int] = None
     causal: bool = True
 
+    @classmethod
+    def of_flags(cls, args) -> "AttentionShape":
+        """The shape a run's (or the simulator's) flags give: ``--seq-length``, ``--micro-batch-size``,
+        ``--hidden-size``, ``--num-attention-heads``, ``--num-query-groups``, ``--ffn-hidden-size``."""
+        return cls(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size,
+                   num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                   ffn_hidden_size=args.ffn_hidden_size)
+
     @property
     def kv_channels(self) -> float:
         """Key (or value) channels of one token: key/value heads x head size (the hidden size without

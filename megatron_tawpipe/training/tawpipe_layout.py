@@ -25,8 +25,7 @@ from megatron_tawpipe.common.errors import ArgumentError
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.distributed.link_probe import LinkMeasure, probe_links
-from megatron_tawpipe.monitor.metrics import min_over_ranks
-from megatron_tawpipe.runtime.tawpipe_cache import device_memory
+from megatron_tawpipe.runtime.tawpipe_cache import least_device_memory
 from megatron_tawpipe.sim.context_parallel import AttentionShape
 from megatron_tawpipe.sim.context_parallel_weights import weight_passing_cost
 from megatron_tawpipe.sim.costmodel import CostModel, Link
@@ -135,10 +134,7 @@ def measure_inputs(args: argparse.Namespace, world_size: int, groups: int, devic
         inter, intra = _link(args, groups, per_group, device)
     else:
         inter, intra = DEFAULT_INTER, DEFAULT_INTRA["cuda" if device.type == "cuda" else "cpu"]
-    memory, what = device_memory(device)
-    least = min_over_ranks(memory)
-    if least < memory:
-        what += ", the smallest over ranks"
+    least, what = least_device_memory(device)
     return RunInputs(inter, intra, least, what, time.perf_counter() - started)
 
 
@@ -249,10 +245,7 @@ def _pricing(args, device: torch.device, inputs: RunInputs, groups: int
         # a virtual rank of C GPUs: 1/C of the layers' work plus the ring's exposed time, the plan's transfers on
         # C GPUs' links inside the node (the simulator's pricing; with tensor parallelism beside it, as one
         # tensor-parallel group computing whole sequences)
-        shape = AttentionShape(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                               hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                               num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size)
-        costs = {rc: weight_passing_cost(cost, cp, shape) for rc, cost in costs.items()}
+        costs = {rc: weight_passing_cost(cost, cp, AttentionShape.of_flags(args)) for rc, cost in costs.items()}
         described["context parallelism"] = f"{cp} GPUs per virtual rank"
     return costs, AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described
 

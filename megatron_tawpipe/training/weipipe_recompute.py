@@ -15,12 +15,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_tawpipe.arguments.layout import weight_pipeline_ranks
-from megatron_tawpipe.arguments.run_config import ModelConfig, PrecisionConfig
+from megatron_tawpipe.arguments.run_config import ModelConfig, PrecisionConfig, ScheduleConfig
 from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION
 from megatron_tawpipe.distributed import parallel_state
-from megatron_tawpipe.monitor.metrics import min_over_ranks
 from megatron_tawpipe.plan.planners import build_plan
-from megatron_tawpipe.runtime.tawpipe_cache import device_memory
+from megatron_tawpipe.runtime.tawpipe_cache import least_device_memory
 from megatron_tawpipe.sim.run_cost import cost_model_for_run
 from megatron_tawpipe.sim.tawpipe_cache import predicted_memory
 from megatron_tawpipe.training.tawpipe_layout_args import microbatch_counts
@@ -29,7 +28,7 @@ from megatron_tawpipe.training.tawpipe_layout_args import microbatch_counts
 def weipipe_peak_without_recompute(args: argparse.Namespace, world_size: int, groups: int) -> float:
     """The memory model's largest peak per device over the run's WeiPipe plans, activations kept."""
     ranks = weight_pipeline_ranks(args, world_size)
-    name = f"weipipe-zb{args.weipipe_zero_bubble}" if args.weipipe_zero_bubble else "weipipe"
+    name = ScheduleConfig.from_args(args).plan_name
     cost = cost_model_for_run(ModelConfig.from_args(args), PrecisionConfig.from_args(args), args.micro_batch_size,
                               False)
     split = tuple(args.decoder_layer_split) if args.decoder_layer_split else None
@@ -42,10 +41,7 @@ def weipipe_peak_without_recompute(args: argparse.Namespace, world_size: int, gr
 def settle_weipipe_recompute(args: argparse.Namespace, world_size: int, device: torch.device) -> None:
     """Write WeiPipe's recompute decision into ``args`` (see the module docstring; collective)."""
     groups = args.tawpipe_num_groups or parallel_state.default_num_groups(world_size, "weipipe")
-    memory, what = device_memory(device)
-    least = min_over_ranks(memory)
-    if least < memory:
-        what += ", the smallest over ranks"
+    least, what = least_device_memory(device)
     limit = AUTO_CACHE_MEMORY_FRACTION * least
     peak = weipipe_peak_without_recompute(args, world_size, groups)
     keep = peak <= limit
