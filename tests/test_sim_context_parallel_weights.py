@@ -66,8 +66,15 @@ def test_compute_per_gpu_is_a_cth_plus_the_ring():
     assert virtual.layer_forward == pytest.approx(slow.layer_forward / 2 + ring.forward)
 
 
+_RECV = A.RecvStart(tag=1, peer=0, shard=1, buf="w0", kind="weight", link="inter")
+_SEND = A.SendStart(tag=2, peer=0, shard=1, buf="w0", kind="grad", link="inter")
+_SEND_WEIGHT = A.SendStart(tag=3, peer=0, shard=1, buf="w0", kind="weight", link="inter")
+
+
 class _Plan:
+    """Rank 1 receives a weight, sends a gradient and a weight (where the members meet: the plan's member points)."""
     num_ranks, num_shards, shard_layers = 2, 2, [2, 2]
+    actions = [[], [_RECV, A.Wait(1), _SEND, A.Wait(2), _SEND_WEIGHT, A.Wait(3)]]
 
     def layers_held_by(self, rank):
         return 2
@@ -81,11 +88,10 @@ def test_pieces_collectives_by_hand():
     cost = CostModel(layer_forward=1.0, layer_backward=2.0, params_per_layer=1e6, dtype_bytes=2, grad_bytes=4,
                      replicated_params=1e6, intra=Link(1e9, 1e-3), backend="gloo")
     pieces = PieceCollectives(cost, 2, _Plan())
-    recv = A.RecvStart(tag=1, peer=0, shard=1, buf="w0", kind="weight", link="inter")
-    assert pieces.after_wait(1, recv) == pytest.approx(0.003)
-    send = A.SendStart(tag=2, peer=0, shard=1, buf="w0", kind="grad", link="inter")
+    assert pieces.after_wait(1, _RECV) == pytest.approx(0.003)
+    send = _SEND
     assert pieces.before_start(1, send) == pytest.approx(0.010)
-    assert pieces.before_start(1, A.SendStart(tag=3, peer=0, shard=1, buf="w0", kind="weight", link="inter")) == 0.0
+    assert pieces.before_start(1, _SEND_WEIGHT) == 0.0
     assert pieces.before_optimizer(0) == pytest.approx(0.014)
     assert pieces.bytes == {"gather": 2e6, "scatter": 8e6, "all_reduce": 12e6}
     nccl = PieceCollectives(replace(cost, backend="nccl"), 2, _Plan())

@@ -5,6 +5,7 @@
     python tools/check_plans.py --ranks 2-8 --microbatches 1-3 --workers 2
     python tools/check_plans.py --write-plans plans.jsonl    # build only; compare two such files byte for byte
     python tools/check_plans.py --splits even         # only shards of equal size (the default: even and uneven)
+    python tools/check_plans.py --context-parallel 2,4   # weight passing's per-GPU plans with C members too
 
 TawPipe's options are checked as a whole product for P <= --full-product-max-ranks
 and one at a time (plus the named variants) above.  Prints the count of plans checked
@@ -37,8 +38,19 @@ def _range(text: str):
 
 
 def _one(args):
-    P, microbatches, full, splits, report, schedules = args
-    return P, run_sweep([P], microbatches, full, splits=splits, report=report, schedules=schedules)
+    P, microbatches, full, splits, report, schedules, cp = args
+    return P, run_sweep([P], microbatches, full, splits=splits, report=report, schedules=schedules,
+                        context_parallel=cp)
+
+
+def _sizes(text: str):
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(c < 2 for c in sizes):
+        raise argparse.ArgumentTypeError(f"--context-parallel takes comma-separated sizes of 2 or more; got {text!r}")
+    return sizes
 
 
 def _names(flag: str, known):
@@ -77,6 +89,10 @@ def main(argv=None) -> int:
     p.add_argument("--schedules", type=_names("--schedules", SWEPT), default=None,
                    help=f"only these planners (comma-separated; default all: {', '.join(SWEPT)})")
     p.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+    p.add_argument("--context-parallel", type=_sizes, default=(),
+                   help="comma-separated context-parallel sizes C > 1: every weight-passing plan with one owner "
+                        "per shard is checked again as virtual ranks of C members, their collectives included "
+                        "(the per-GPU plan; the spread layout does not run with context parallelism)")
     p.add_argument("--json", metavar="PATH", help="also write the counts and failures as JSON")
     p.add_argument("--no-report", action="store_true",
                    help="skip the stricter readings reported beside the check (lazy connection without the "
@@ -90,18 +106,18 @@ def main(argv=None) -> int:
                             args.splits, args.schedules)
         print(f"wrote {count} plans to {args.write_plans} in {time.time() - start:.0f} s")
         return 0
-    jobs = [(P, args.microbatches, args.full_product_max_ranks, args.splits, not args.no_report, args.schedules)
-            for P in sorted(args.ranks, reverse=True)]
+    jobs = [(P, args.microbatches, args.full_product_max_ranks, args.splits, not args.no_report, args.schedules,
+             args.context_parallel) for P in sorted(args.ranks, reverse=True)]
     if args.workers > 1:
         with mp.Pool(args.workers) as pool:
             results = pool.map(_one, jobs, chunksize=1)
     else:
         results = [_one(j) for j in jobs]
-    total, by_schedule, failures, unwarmed, device, in_flight, cache = 0, {}, [], {}, {}, {}, {}
+    total, by_schedule, failures, unwarmed, device, in_flight, cache, cp = 0, {}, [], {}, {}, {}, {}, {}
     for P, res in sorted(results, key=lambda x: x[0]):
         total += res.checked
         for counts, mine in ((by_schedule, res.by_schedule), (unwarmed, res.hang_without_warmup),
-                             (device, res.device_order_ok)):
+                             (device, res.device_order_ok), (cp, res.context_parallel)):
             for k, v in mine.items():
                 counts[k] = counts.get(k, 0) + v
         for k, v in res.most_in_flight.items():
@@ -115,6 +131,9 @@ def main(argv=None) -> int:
     print(f"checked {total} plans in {time.time() - start:.0f} s: " +
           ", ".join(f"{k} {v}" for k, v in sorted(by_schedule.items())) +
           f"; {len(failures)} failed")
+    if cp:
+        print("weight-passing plans checked with context-parallel members too: " +
+              ", ".join(f"C = {k}: {v}" for k, v in sorted(cp.items())))
     if cache:
         print("tawpipe by shard cache and scheduling groups D: " +
               ", ".join(f"{k}: {n} ({f} failed)" for k, (n, f) in sorted(cache.items())))
@@ -128,6 +147,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"checked": total, "by_schedule": by_schedule, "tawpipe_cache": cache, "ranks": args.ranks,
+                       "context_parallel": {str(k): v for k, v in sorted(cp.items())},
                        "schedules": list(args.schedules or SWEPT),
                        "microbatches": args.microbatches,
                        "full_product_max_ranks": args.full_product_max_ranks, "splits": list(args.splits),

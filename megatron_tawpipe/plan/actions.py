@@ -363,5 +363,6 @@ def short(action, starts=None) -> str:
 def describe(action) -> str:
     """Full, unambiguous text of an action, used in error messages."""
     t = type(action)
-    args = ", ".join(f"{n}={getattr(action, n)!r}" for n in FIELD_NAMES[t])
+    names = FIELD_NAMES.get(t) or tuple(f.name for f in fields(t))   # (an action of a derived plan too)
+    args = ", ".join(f"{n}={getattr(action, n)!r}" for n in names)
     return f"{t.__name__}({args})"

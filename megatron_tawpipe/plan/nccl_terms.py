@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.context_parallel import MemberCollectiveStart
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.plan import Plan
 
@@ -34,6 +35,8 @@ def process_group(action, rank: int) -> tuple:
         return ("p2p", channel, direction(rank, action)) if channel in DIRECTED_CHANNELS else ("p2p", channel)
     if t is A.ReplicatedAllReduceStart:
         return ("replicated", action.ranks)
+    if t is MemberCollectiveStart:   # the context-parallel group of a virtual rank's members
+        return ("context_parallel", action.ranks)
     return ("collective", action.ranks, A.CHANNEL[action.kind])
 
 
@@ -71,6 +74,8 @@ def describe_fifo(key: tuple) -> str:
         return f"{what} process group"
     if key[0] == "replicated":
         return f"replicated all-reduce group {list(key[1])}"
+    if key[0] == "context_parallel":
+        return f"context-parallel group {list(key[1])}"
     return f"{key[2]} collective group {list(key[1])}"
 
 
@@ -127,6 +132,8 @@ def transfer_elements(plan: Plan, action) -> tuple:
     kind = getattr(action, "kind", None)
     if type(action) is A.ReplicatedAllReduceStart:
         return ("replicated", action.part)
+    if type(action) is MemberCollectiveStart:
+        return ("members", f"{action.op} of shard {action.shard}" if action.shard >= 0 else action.op)
     if kind in ("weight", "grad") and 0 <= action.shard < len(plan.shard_layers):
         return ("layers", plan.shard_layers[action.shard])
     return (kind, getattr(action, "size", None))
@@ -149,4 +156,4 @@ def nth(k: int) -> str:
 
 
 P2P_TYPES = frozenset(A.P2P)
-START_TYPES = frozenset(A.STARTS)
+START_TYPES = frozenset(A.STARTS + (MemberCollectiveStart,))

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from megatron_tawpipe.plan.errors import PlanError
-from megatron_tawpipe.plan.connect import communicators_in_flight
-from megatron_tawpipe.plan.nccl import NcclModel
+from megatron_tawpipe.plan.connect import check_nccl_order, communicators_in_flight
+from megatron_tawpipe.plan.context_parallel import lanes
+from megatron_tawpipe.plan.nccl import MODES, NcclModel
 from megatron_tawpipe.plan.planners import build_plan
 from megatron_tawpipe.plan.validate import validate_plan
 
@@ -59,6 +60,9 @@ class SweepResult:
     most_in_flight: dict = field(default_factory=dict)    # communicators in flight at once on one rank
     # TawPipe's plans by shard cache and scheduling groups: {"cache on, D > 4": [checked, failed], ...}
     tawpipe_cache: dict = field(default_factory=dict)
+    # With context-parallel sizes: weight-passing plans (one owner per shard: the spread layout does not run with
+    # context parallelism) whose per-GPU plans were checked too, by size: {C: count}
+    context_parallel: dict = field(default_factory=dict)
 
 
 def tawpipe_cache_class(kwargs: dict) -> str:
@@ -191,7 +195,10 @@ def _even_cases(ranks: Sequence[int], microbatches: Sequence[int], full_product_
 
 def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_max_ranks: int = 8,
               stop_on_failure: bool = False, progress=None, splits: Sequence[str] = SPLITS,
-              report: bool = False, schedules: Optional[Sequence[str]] = None) -> SweepResult:
+              report: bool = False, schedules: Optional[Sequence[str]] = None,
+              context_parallel: Sequence[int] = ()) -> SweepResult:
+    """``context_parallel``: sizes C > 1 at which each weight-passing plan with one owner per shard is checked
+    again as virtual ranks of C context-parallel members (what ``validate_plan(..., context_parallel=C)`` adds)."""
     result = SweepResult()
     for schedule, kwargs in plan_cases(ranks, microbatches, full_product_max_ranks, splits=splits,
                                        schedules=schedules):
@@ -199,6 +206,10 @@ def run_sweep(ranks: Sequence[int], microbatches: Sequence[int], full_product_ma
         try:
             plan = build_case(schedule, kwargs)
             validate_plan(plan)
+            if plan.family == "weight" and plan.ownership == "owner":
+                for size in (c for c in context_parallel if c > 1):
+                    check_nccl_order(lanes(plan, size), MODES)   # (the rest of validate_plan ran above)
+                    result.context_parallel[size] = result.context_parallel.get(size, 0) + 1
             if report:
                 _report(plan, schedule, result)
         except PlanError as exc:

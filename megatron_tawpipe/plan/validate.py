@@ -23,6 +23,9 @@ A third pass runs the plan's communication under NCCL's ordering rules
 (``batch``), sends that finish only when their receive runs, in both of
 ProcessGroupNCCL's arrangements (a communicator per rank pair, or one per
 process group).  gloo would run a plan that fails it; a GPU cluster would hang.
+With context parallelism it runs the per-GPU plan too: every virtual rank's
+members as lanes of the plan, their collectives at the member points
+(:mod:`plan.context_parallel`).
 
 Errors are ``PlanError`` with ``rank``, ``step`` and ``action`` set where one
 place is to blame.
@@ -38,6 +41,7 @@ from megatron_tawpipe.common.layer_split import check_layer_split
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.connect import check_nccl_order
+from megatron_tawpipe.plan.context_parallel import lanes
 from megatron_tawpipe.plan.nccl import MODES
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.symbolic import SymbolicExecutor
@@ -53,14 +57,18 @@ class ValidationReport:
     contributions: int
 
 
-def validate_plan(plan: Plan, nccl_modes=MODES) -> ValidationReport:
+def validate_plan(plan: Plan, nccl_modes=MODES, context_parallel: int = 1) -> ValidationReport:
     """Raise ``PlanError`` unless ``plan`` is sound, on gloo and under NCCL's
     ordering rules in each of ``nccl_modes`` (``()`` skips that pass); return
-    a few counts."""
+    a few counts. ``context_parallel`` > 1: the plan's ranks are virtual ranks of
+    that many context-parallel members, and the per-GPU plan with their
+    collectives (:func:`plan.context_parallel.lanes`) must pass NCCL's rules too."""
     _check_meta(plan)
     starts = _check_static(plan)
     SymbolicExecutor(plan, starts).run()
     check_nccl_order(plan, nccl_modes)
+    if context_parallel > 1:
+        check_nccl_order(lanes(plan, context_parallel), nccl_modes)
     p2p = sum(1 for v in starts.values() if isinstance(v[0][2], A.P2P))
     return ValidationReport(actions=plan.num_actions(), transfers=p2p,
                             collectives=len(starts) - p2p,

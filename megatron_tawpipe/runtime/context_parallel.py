@@ -20,18 +20,21 @@ communicators of its index ``j = c * T + t`` (:class:`runtime.transport.Communic
   over the group: every member then steps identical masters (masters and Adam state are replicated over the C
   members).
 
-Every collective here is synchronous and issued at a fixed point of the action stream (a start, or the ``Wait``
-of a weight's arrival), identically on every member, so the context-parallel communicator's operations are in the
-same order on every member whatever the timing of the plan's own transfers.
+Every collective here is synchronous and issued at a *member point* of the action list (a start, or the ``Wait``
+of a weight's arrival: :func:`megatron_tawpipe.plan.context_parallel.member_points`, which the executor runs),
+identically on every member, so the context-parallel communicator's operations are in the same order on every
+member whatever the timing of the plan's own transfers; the per-GPU plan with those points as collectives
+(:func:`megatron_tawpipe.plan.context_parallel.lanes`) is what the NCCL model proves.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_tawpipe.plan.context_parallel import MemberPoint, member_points, points_by_step
 from megatron_tawpipe.runtime.node_reduce import all_gather_into, reduce_scatter_from
 
 
@@ -41,6 +44,7 @@ class ContextParallelPieces:
 
     def __init__(self, group, size: int, rank: int):
         self.group, self.size, self.rank = group, size, rank
+        self._points: Optional[Tuple[list, dict]] = None
 
     @classmethod
     def of_megatron(cls) -> Optional["ContextParallelPieces"]:
@@ -54,6 +58,31 @@ class ContextParallelPieces:
         if size == 1:
             return None
         return cls(parallel_state.get_context_parallel_group(), size, parallel_state.get_context_parallel_rank())
+
+    # ---- where the members meet ------------------------------------------------------------
+
+    def points(self, actions, plan_rank: int) -> Dict[Tuple[int, str], List[MemberPoint]]:
+        """The member points of plan rank ``plan_rank``'s list ``actions`` an executor runs, by (step, when): all
+        but the compute actions' (the ring attention's, inside the compute) and the last (the gradients' sum
+        before the step, :meth:`all_reduce` from the model). Computed once per list."""
+        if self._points is None or self._points[0] is not actions:
+            points = [p for p in member_points(actions, plan_rank, compute=False) if p.op != "sum"]
+            self._points = (actions, points_by_step(points))
+        return self._points[1]
+
+    def meet(self, point: MemberPoint, buffer: Optional[torch.Tensor], numel: int,
+             replicated: Callable[[str], Sequence[torch.Tensor]]) -> None:
+        """Run ``point``: an arrived weight's pieces gathered into ``buffer`` (its first ``numel`` elements), a
+        leaving gradient in ``buffer`` reduce-scattered into this member's piece, or the replicated gradients
+        (``replicated(part)``) summed."""
+        if point.op == "gather":
+            self.gather(buffer, numel)
+        elif point.op == "scatter":
+            self.scatter(buffer, numel)
+        elif point.op == "replicated":
+            self.all_reduce([g for g in replicated(point.action.part) if g.numel()])
+        else:
+            raise ValueError(f"member point {point.op!r} is not run by the executor")
 
     # ---- geometry ------------------------------------------------------------------------
 
@@ -97,11 +126,10 @@ class ContextParallelPieces:
         whole.zero_()
         whole[self.rank * length:(self.rank + 1) * length].copy_(mine)
 
-    def scatter_tensors(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """The replicated gradients ``tensors`` summed over the members, each member keeping its piece of every
-        tensor (the rest zeroed); returns the pieces (contiguous flat views) for the all-reduce over the virtual
-        ranks."""
-        self.all_reduce(tensors)
+    def keep_pieces(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Of the replicated gradients ``tensors`` (summed over the members already), this member keeps its piece
+        of every tensor (the rest zeroed); returns the pieces (contiguous flat views) for the all-reduce over the
+        virtual ranks."""
         pieces = []
         for tensor in tensors:
             flat = tensor.view(-1)

@@ -120,6 +120,7 @@ class PlanExecutor:
         self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
         self._entries_cache: Optional[Tuple[list, dict]] = None
+        self._members: Dict[Tuple[int, str], list] = {}
         self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
         self._posted: Dict[int, Tuple[float, object]] = {}
         # --record-plan-memory: bytes held after each compute action (a callable returning them), the most seen
@@ -214,6 +215,9 @@ class PlanExecutor:
         """Execute ``actions``; ``forward_only`` keeps forwards and weight traffic only (evaluation)."""
         self._forward_only = forward_only
         self._entries = self._entries_by_step(actions)
+        # with context parallelism, the member points it runs (the compute actions' are the compute's, the last
+        # -- the gradients' sum before the step -- the model's), by (step, when)
+        self._members = self.cp.points(actions, self.rank) if self.cp is not None else {}
         board = progress.board()
         for step, action in enumerate(actions):
             if forward_only and not _needed_for_forward(action, self.in_flight):
@@ -224,7 +228,11 @@ class PlanExecutor:
                 host = time.time()
                 started = self.timer.stamp(host)
             try:
+                if self._members:
+                    self._meet(step, "before")
                 self._handlers[type(action)](action)
+                if self._members:
+                    self._meet(step, "after")
                 if self.trace is not None:
                     ended = time.time()
                     self._record(action, started, self.timer.stamp(ended), host, ended)
@@ -345,6 +353,17 @@ class PlanExecutor:
             self._entries_cache = cached = (actions, entries)
         return cached[1]
 
+    def _meet(self, step: int, when: str) -> None:
+        """The context-parallel members' collectives at ``step`` (``when``: before or after its action)."""
+        for point in self._members.get((step, when), ()):
+            x = point.action
+            if point.op == "replicated":
+                self.cp.meet(point, None, 0, self.compute.replicated_grads)
+                continue
+            self._check_not_in_flight(x.buf, True)
+            buffers = self.weight_buffers if point.op == "gather" else self.grad_buffers
+            self.cp.meet(point, buffers[x.buf], self._numel[x.shard], self.compute.replicated_grads)
+
     def _issue_p2p(self, a) -> None:
         """Issue ``a`` with the rest of its batch; a later member was issued with the first."""
         members = self._entries.get(self._step)
@@ -365,26 +384,17 @@ class PlanExecutor:
                 after = (lambda t=tensor: t.zero_()) if x.kind == "grad" else (lambda: None)
                 self._start(x, works[x.tag], x.buf, after, reads_only=x.kind == "weight")
             else:
-                self._start(x, works[x.tag], x.buf, self._arrived(x))
+                self._start(x, works[x.tag], x.buf)
 
     def _piece_of(self, a, tensor: torch.Tensor, leaving: bool) -> torch.Tensor:
         """What ``a`` moves of ``tensor`` (a shard's prefix of buffer ``a.buf``): all of it, or with context
-        parallelism this member's piece -- a leaving gradient reduce-scattered over the group into it first, an
-        arriving gradient's buffer zeroed around it (:mod:`runtime.context_parallel`)."""
+        parallelism this member's piece -- a leaving gradient was reduce-scattered into it at the member point
+        before, an arriving gradient's buffer is zeroed around it (:mod:`runtime.context_parallel`)."""
         if self.cp is None:
             return tensor
-        if a.kind == "grad" and leaving:
-            self.cp.scatter(self.grad_buffers[a.buf], tensor.numel())
-        elif a.kind == "grad":
+        if a.kind == "grad" and not leaving:
             tensor.zero_()
         return self.cp.piece(tensor)
-
-    def _arrived(self, a) -> Callable[[], None]:
-        """What follows an arrival once waited for: with context parallelism, a weight's pieces all-gathered."""
-        if self.cp is None or a.kind != "weight":
-            return lambda: None
-        buffer, numel = self.weight_buffers[a.buf], self._numel[a.shard]
-        return lambda: self.cp.gather(buffer, numel)
 
     def _send(self, a: A.SendStart) -> None:
         self._issue_p2p(a)
@@ -405,7 +415,7 @@ class PlanExecutor:
         work = self._collective(a, "broadcast", [tensor], a.root)
         if not is_root:
             self._count(self.plan.link_between(self.rank, a.root), tensor)
-        self._start(a, work, a.buf, self._arrived(a) if not is_root else lambda: None, reads_only=is_root)
+        self._start(a, work, a.buf, reads_only=is_root)
 
     def _reduce(self, a: A.ReduceStart) -> None:
         tensor = self._piece_of(a, self._buffer(a.buf, a.kind, a.shard, write=True), leaving=True)
@@ -450,8 +460,8 @@ class PlanExecutor:
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
         # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
         grads = [g for g in self.compute.replicated_grads(a.part) if g.numel()]
-        if self.cp is not None:   # summed over the context-parallel group; piece c of each travels
-            grads = [piece for piece in self.cp.scatter_tensors(grads) if piece.numel()]
+        if self.cp is not None:   # summed over the members at the point before; piece c of each travels
+            grads = [piece for piece in self.cp.keep_pieces(grads) if piece.numel()]
         work = self._collective(a, "allreduce", grads, -1)
         self._start(a, work, "<replicated>")
 

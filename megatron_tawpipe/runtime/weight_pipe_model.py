@@ -114,8 +114,8 @@ class WeightPipeModel:
         # One plan per micro-batch count the run's global batches give (one, unless
         # --step-batch-size-schedule): the same shard owners, so a step-up only changes the plan.
         self.plans = self._plans(groups)
-        for plan in self.plans.values():
-            validate_plan(plan)
+        for plan in self.plans.values():   # (with C > 1, its members' collectives too)
+            validate_plan(plan, context_parallel=self.context_parallel_size)
         first = batch_schedule.micro_batches(self.config.data.schedule[0][1], self.config.schedule.micro_batch_size,
                                              self.config.layout.data_parallel_size)   # the first batch's
         self.plan = self.plans.get(first) or self.plans[min(self.plans)]

@@ -12,7 +12,8 @@ The plan runs over P / (T x C) *virtual ranks*, each T x C GPUs of one node, wit
   each on its own GPU's link inside the node (C times one GPU's bandwidth, as tensor parallelism's slices), all of
   them through the node's one link between nodes, so that link carries the bytes of C = 1;
 * **the pieces' collectives** over the C members of a virtual rank, on one GPU's link inside the node, blocking
-  the rank (the runtime issues them synchronously around the plan's actions: :class:`PieceCollectives`): the
+  the rank (the runtime issues them synchronously at the plan's member points,
+  :func:`megatron_tawpipe.plan.context_parallel.member_points`: :class:`PieceCollectives`): the
   all-gather of a weight that arrived (a receive, a broadcast's non-root) before it is used; the reduce-scatter of
   a gradient before it leaves (a send, a reduction to its owner, the all-reduce of a replicated shard's holders;
   gloo's moves an all-reduce's bytes, ``CostModel.reduce_scatter_factor``); the all-reduce of the replicated
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.context_parallel import member_points
 from megatron_tawpipe.sim.context_parallel import (AttentionShape, context_parallel_bytes_per_gpu,
                                                    context_parallel_cost)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
@@ -38,7 +39,6 @@ from megatron_tawpipe.sim.memory import TERMS, MemoryBreakdown
 
 #: memory terms that hold the local tokens' share inside weight passing (the rest are whole on every member)
 LOCAL_TOKEN_TERMS = ("activations", "logits")
-_LEAVING = (A.SendStart, A.ReduceStart, A.AllReduceStart)
 
 
 def weight_passing_cost(cost: CostModel, cp: int, shape: AttentionShape) -> CostModel:
@@ -58,6 +58,9 @@ class PieceCollectives:
         self.cost, self.cp, self.plan = cost, cp, plan
         self.link = cost.intra
         self.bytes = {"gather": 0.0, "scatter": 0.0, "all_reduce": 0.0}   # per virtual rank's member, one iteration
+        # where the members meet: the plan's member points (the executor's), as {rank: {tag of the start: op}}
+        self.points = [{p.action.tag: p.op for p in member_points(acts, r, compute=False) if p.op != "sum"}
+                       for r, acts in enumerate(plan.actions)]
 
     def _ring(self, nbytes: float, share: float, steps: int, what: str) -> float:
         self.bytes[what] += share * nbytes
@@ -79,17 +82,16 @@ class PieceCollectives:
     # ---- the simulator's hooks ----------------------------------------------------------------------------
     def after_wait(self, rank: int, start) -> float:
         """A weight that arrived (a receive, a broadcast's non-root): its pieces all-gathered."""
-        if start is None or getattr(start, "kind", None) != "weight":
+        if start is None or self.points[rank].get(start.tag) != "gather":
             return 0.0
-        if type(start) is A.RecvStart or (type(start) is A.BroadcastStart and start.root != rank):
-            return self.all_gather(start.size * self.cost.shard_bytes(self.plan, start.shard))
-        return 0.0
+        return self.all_gather(start.size * self.cost.shard_bytes(self.plan, start.shard))
 
     def before_start(self, rank: int, start) -> float:
         """A gradient about to leave: reduce-scattered into the member's piece; the replicated gradients summed."""
-        if type(start) is A.ReplicatedAllReduceStart:
+        op = self.points[rank].get(start.tag)
+        if op == "replicated":
             return self.all_reduce(self.cost.replicated_part_params(start.part) * self.cost.grad_bytes)
-        if type(start) in _LEAVING and start.kind == "grad":
+        if op == "scatter":
             return self.reduce_scatter(start.size * self.cost.grad_shard_bytes(self.plan, start.shard))
         return 0.0
 
