@@ -189,18 +189,6 @@ def test_bf16_follows_context_parallelism_one():
     assert_close_rel(losses(two), losses(one), 2e-2)
 
 
-def test_auto_schedule_leaves_out_weight_passing_it_does_not_price():
-    """--pipeline-schedule auto with context parallelism ranks the native strategies only (its ranking does not
-    price the context-parallel pieces inside weight passing); without it, weight passing is a candidate."""
-    from megatron_tawpipe.cli.auto_schedule import unpriced_candidate
-
-    argv = tiny_args(*CP2, "--pipeline-schedule", "auto")
-    assert "not priced by the decision" in unpriced_candidate(argv, ["--pipeline-schedule", "tawpipe"])
-    assert "not priced by the decision" in unpriced_candidate(argv, ["--pipeline-schedule", "weipipe"])
-    assert unpriced_candidate(argv, ["--pipeline-schedule", "1f1b"]) == ""
-    assert unpriced_candidate(tiny_args("--pipeline-schedule", "auto"), ["--pipeline-schedule", "tawpipe"]) == ""
-
-
 def test_uneven_loss_masks_match_single_process_reference():
     """--eod-mask-loss: the members' shares of a sequence hold different numbers of counted tokens (the mock
     documents' ends fall in one of them), so each member divides its loss sum by the micro-batch's tokens over the

@@ -5,7 +5,8 @@ Collective: every rank calls :func:`choose_schedule` with the same command line.
 (the run keeps it), the node link and the link inside a node are measured (:mod:`megatron_tawpipe.distributed.
 link_probe`; ``--tawpipe-link-bandwidth`` gives the node link instead), the device's memory read (the smallest
 over ranks), and rank 0 ranks the candidates (:func:`megatron_tawpipe.sim.schedule_choice.rank_schedules`) at the
-command's micro-batch size, global batch and recomputation, on its compute times (``--tawpipe-compute-times``,
+command's micro-batch size, global batch, recomputation and tensor x context parallelism (every candidate
+over the same virtual ranks, priced per GPU), on its compute times (``--tawpipe-compute-times``,
 ``--emulated-compute-times``, or the device's peak at a stated efficiency), each candidate's command checked by
 the run's own validation. Rank 0 prints the top three with their margins and the flags that pin the winner; every
 rank gets the winner's flags and runs the command with them in place of ``--pipeline-schedule auto``.
@@ -103,16 +104,6 @@ def choose_schedule(argv: List[str]) -> List[str]:
         raise ArgumentError("--pipeline-schedule auto: the command runs under no schedule (" + "; ".join(reasons) + ")")
     from megatron_tawpipe.training.schedule_decision import decide_schedule
 
-    flags = decide_schedule(base, world, lambda candidate: unpriced_candidate(argv, candidate)
-                            or refusal(with_schedule(argv, candidate), world))
+    flags = decide_schedule(base, world, lambda candidate: refusal(with_schedule(argv, candidate), world))
     return with_schedule(argv, flags)
 
-
-def unpriced_candidate(argv: List[str], candidate: List[str]) -> str:
-    """Why the decision leaves out ``candidate`` though the run would accept it ("" when it does not): context
-    parallelism inside weight passing runs (docs/long-context.md), but the ranking does not price it."""
-    cp = _value(argv, "--context-parallel-size")
-    if cp and cp.isdigit() and int(cp) > 1 and _value(candidate, SCHEDULE_FLAG) in ("tawpipe", "weipipe"):
-        return (f"--context-parallel-size {cp} inside weight passing is not priced by the decision: give "
-                f"--pipeline-schedule {_value(candidate, SCHEDULE_FLAG)} to run it")
-    return ""

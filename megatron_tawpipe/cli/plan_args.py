@@ -12,7 +12,7 @@ from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_default
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.sim.context_parallel import AttentionShape, context_parallel_cost, context_parallel_problem
 from megatron_tawpipe.sim.context_parallel import per_gpu_result as context_parallel_result
-from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, weight_passing_cost
+from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, virtual_rank_pricing, weight_passing_cost
 from megatron_tawpipe.sim.context_parallel_weights import per_gpu_result as weight_passing_result
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
@@ -211,15 +211,17 @@ def decide_layout(name: str, args, cost: CostModel, memory_limit: float = float(
     cost model, ranks, groups and batch."""
     tp = tensor_parallel_for(name, args)
     cp = context_parallel_for(name, args)
-    if cp > 1:   # over the virtual ranks of C GPUs, on their cost model
-        cost = weight_passing_cost(cost, cp, attention_shape(args))
     groups = 1 if args.flat else args.groups
+    one = {cost.recompute: cost}
     if getattr(args, "recompute", None) == "auto":   # recompute decided with the layout
-        other = lambda rc: cost_model(args, rc) if cp == 1 else weight_passing_cost(  # noqa: E731
-            cost_model(args, rc), cp, attention_shape(args))
-        cost = {rc: cost if cost.recompute == rc else other(rc) for rc in (False, True)}
-    return choose_layout(layout_request_of(args), cost, args.ranks // (tp * cp), groups, args.num_layers,
-                         [args.num_microbatches], memory_limit, tensor_parallel=tp,
+        one = {rc: cost if cost.recompute == rc else cost_model(args, rc) for rc in (False, True)}
+    # with C > 1: over the virtual ranks of C GPUs, priced as the run prices them (the pieces' collectives too)
+    costs, pieces = virtual_rank_pricing(one, cp, attention_shape(args)) if cp > 1 else (one, None)
+    request = layout_request_of(args)
+    if cp > 1 and request.ownership is None:   # the spread layout does not run with context parallelism
+        request = replace(request, ownership="owner")
+    return choose_layout(request, costs, args.ranks // (tp * cp), groups, args.num_layers,
+                         [args.num_microbatches], memory_limit, tensor_parallel=tp, pieces=pieces,
                          plan_schedule="tawpipe-nooverlap" if name == "tawpipe-nooverlap" or args.no_overlap
                          else "tawpipe")
 

@@ -33,12 +33,12 @@ scale study uses).  The candidates and their enumeration:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_tawpipe.common.layer_split import default_layer_split
 from megatron_tawpipe.sim.advisor_configs import (STRATEGY_ORDER, Cluster, Config, ModelSpec, bytes_twin,
-                                                  enumerate_configs, family_of, plain_family_of, size_of, wp_options,
-                                                  wp_schedule)
+                                                  enumerate_at, enumerate_configs, family_of, plain_family_of, size_of,
+                                                  wp_options, wp_schedule)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.advisor_report import (check_listed, check_with_plan_file, command, left_out, mark_auto_layouts,
                                                  searched, summarize)
@@ -52,7 +52,7 @@ from megatron_tawpipe.sim.memory import generic_breakdown
 from megatron_tawpipe.sim.stages import first_last_options, native_pipeline_split, pipeline_time_bound, stage_works
 from megatron_tawpipe.sim.context_parallel import (AttentionShape, context_parallel_bytes_per_gpu,
                                                    context_parallel_cost, per_gpu_breakdown)
-from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, weight_passing_cost
+from megatron_tawpipe.sim.context_parallel_weights import virtual_rank_pricing
 from megatron_tawpipe.sim.context_parallel_weights import per_gpu_breakdown as weight_passing_per_gpu
 
 ORDER = STRATEGY_ORDER
@@ -365,7 +365,7 @@ class Advisor:
 
     def run(self, prune: str = "strategy", trainable_only: bool = False,
             runtime_knobs_only: bool = False, keep: Optional[Callable[[Config], bool]] = None,
-            listed: int = 15):
+            listed: int = 15, parallel: Optional[Tuple[int, int]] = None):
         """Evaluate every configuration (pruned as described in the module doc);
         returns (configs, absent): :class:`~megatron_tawpipe.sim.advisor_configs.Absence` lines for every
         strategy or knob not tried (enumeration), not simulated (pruning) or left out (``trainable_only``).  Analytic
@@ -375,9 +375,13 @@ class Advisor:
         ``keep``: only the configurations it accepts (a study's restriction, e.g. TawPipe's cache off).
         ``pretrain_llama.py``'s check (``check_command``) runs on what the answer needs: the ``listed`` best,
         each strategy's best down to its first runnable configuration, the best runnable one (and, with
-        ``trainable_only``, every configuration); the others' ``trainable`` is None (not checked)."""
-        configs, na = enumerate_configs(self.model, self.cluster, self.G,
-                                        runtime_knobs_only or trainable_only)
+        ``trainable_only``, every configuration); the others' ``trainable`` is None (not checked).
+        ``parallel``: (T, C), the configurations at that tensor x context parallelism only
+        (:func:`~megatron_tawpipe.sim.advisor_configs.enumerate_at`)."""
+        if parallel is None:
+            configs, na = enumerate_configs(self.model, self.cluster, self.G, runtime_knobs_only or trainable_only)
+        else:
+            configs, na = enumerate_at(self.model, self.cluster, self.G, *parallel, runtime_knobs_only)
         if keep is not None:
             configs = [c for c in configs if keep(c)]
         for c in configs:
@@ -464,8 +468,8 @@ class _VirtualRankAdvisor(Advisor):
     def wp_cost(self, b: int, recompute: bool):
         if self.cp == 1:
             return super().wp_cost(b, recompute)
-        one = self.parent.cost(b, recompute)
-        return weight_passing_cost(one, self.cp, self.shape(b)), lambda plan: PieceCollectives(one, self.cp, plan)
+        costs, pieces = virtual_rank_pricing({recompute: self.parent.cost(b, recompute)}, self.cp, self.shape(b))
+        return costs[recompute], pieces.around(recompute)
 
 
 def advise(model: ModelSpec, cluster: Cluster, global_batch: int, prune: str = "strategy",

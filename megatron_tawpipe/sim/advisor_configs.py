@@ -244,10 +244,7 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
                                   "the query groups and the FFN size"))
             continue
         tensor_parallel.append(tp)
-        configs, why = _enumerate(model, replace(cluster, ranks=cluster.ranks // tp), global_batch,
-                                  runtime_knobs_only, tp)
-        for cfg in configs:
-            cfg.knobs["tp"] = tp
+        configs, why = enumerate_at(model, cluster, global_batch, tp, 1, runtime_knobs_only)
         out += configs
         absent += why
     configs, why = _context_parallel(model, cluster, global_batch, runtime_knobs_only, tensor_parallel)
@@ -276,16 +273,8 @@ def _context_parallel(model: ModelSpec, cluster: Cluster, global_batch: int, run
         for tp in tensor_parallel:
             if context_parallel_problem(cp, tp, cluster.per_node, model.seq_length, cluster.ranks):
                 continue            # T x C beyond a node (or the local tokens not splitting): not a line each
-            configs, why = _enumerate(model, replace(cluster, ranks=cluster.ranks // (tp * cp)), global_batch,
-                                      runtime_knobs_only, tp, cp)
-            for cfg in configs:
-                if cfg.strategy in native:
-                    cfg.knobs.update({"tp": tp, "cp": cp} if tp > 1 else {"cp": cp})
-                    out.append(cfg)
-                elif (cfg.strategy in WEIGHT_PASSING and tp == 1 and not cfg.knobs.get("plan_schedule")
-                      and cfg.knobs.get("ownership") != "spread"):
-                    cfg.knobs["cp"] = cp
-                    out.append(cfg)
+            configs, why = enumerate_at(model, cluster, global_batch, tp, cp, runtime_knobs_only)
+            out += configs
             for a in why:
                 mine = tuple(s for s in a.strategies if s in native)
                 if mine:
@@ -297,6 +286,28 @@ def _context_parallel(model: ModelSpec, cluster: Cluster, global_batch: int, run
         absent.append(Absence(WEIGHT_PASSING, "C>1 with T>1, spread, a plan file", "not priced by the simulator "
                               "inside weight passing", "tawpipe (one owner per shard) or weipipe at T = 1"))
     return out, absent
+
+
+def enumerate_at(model: ModelSpec, cluster: Cluster, global_batch: int, tp: int, cp: int,
+                 runtime_knobs_only: bool = False):
+    """(configs, absent) at tensor parallelism ``tp`` and context parallelism ``cp`` alone (knobs ``tp``, ``cp``
+    where above 1), what :func:`enumerate_configs` tries at that T x C: every strategy with C = 1; with C > 1 the
+    native strategies, and TawPipe (one owner per shard) and WeiPipe without a plan file at T = 1. The sizes are
+    taken as given (``--pipeline-schedule auto`` prices a run's own T and C: no rule of the search applies)."""
+    if tp == 1 and cp == 1:
+        return _enumerate(model, cluster, global_batch, runtime_knobs_only, 1)
+    configs, why = _enumerate(model, replace(cluster, ranks=cluster.ranks // (tp * cp)), global_batch,
+                              runtime_knobs_only, tp, cp)
+    out = []
+    for cfg in configs:
+        if cp > 1 and cfg.strategy in WEIGHT_PASSING and (tp > 1 or cfg.knobs.get("plan_schedule")
+                                                          or cfg.knobs.get("ownership") == "spread"):
+            continue
+        if cp > 1 and cfg.strategy not in CONTEXT_PARALLEL_STRATEGIES + WEIGHT_PASSING:
+            continue
+        cfg.knobs.update({k: v for k, v in (("tp", tp), ("cp", cp)) if v > 1})
+        out.append(cfg)
+    return out, why
 
 
 def _merge(absent: List[Absence]) -> List[Absence]:

@@ -11,6 +11,7 @@ from megatron_tawpipe.plan.files import write_plan
 from megatron_tawpipe.sim.advisor_configs import STRATEGY_ORDER, Absence, wp_options, wp_schedule
 from megatron_tawpipe.sim.context_parallel import (CONTEXT_PARALLEL_SIZES, CONTEXT_PARALLEL_STRATEGIES,
                                                    MIN_TOKENS_PER_RANK, context_parallel_problem)
+from megatron_tawpipe.sim.context_parallel_weights import virtual_rank_pricing
 from megatron_tawpipe.sim.layout_choice import LayoutRequest, TawPipeLayout, choose_layout
 from megatron_tawpipe.sim.memory import MemoryBreakdown, gb
 from megatron_tawpipe.sim.tensor_parallel import TENSOR_PARALLEL_SIZES, tensor_parallel_problem
@@ -104,16 +105,18 @@ def mark_auto_layouts(advisor, configs, listed: int) -> None:
         k = cfg.knobs
         if cfg.strategy != "tawpipe" or k.get("plan_schedule"):
             continue
-        tp = k.get("tp", 1)
-        key = (cfg.micro_batch_size, tp)
+        tp, cp = k.get("tp", 1), k.get("cp", 1)
+        key = (cfg.micro_batch_size, tp, cp)
         if key not in decided:
-            P = advisor.cluster.ranks // tp
+            P = advisor.cluster.ranks // (tp * cp)
             N = advisor.G // cfg.micro_batch_size // P
-            sub = advisor.virtual(tp)   # its plans (built already for what it evaluated) over the P / T ranks
-            costs = {rc: advisor.cost(cfg.micro_batch_size, rc) for rc in (False, True)}
-            choice = choose_layout(LayoutRequest(), costs, P,
+            sub = advisor.virtual(tp, cp)   # its plans (built already for what it evaluated) over the P / (T x C)
+            one = {rc: advisor.cost(cfg.micro_batch_size, rc) for rc in (False, True)}
+            # with C > 1 (T = 1): the virtual ranks' pricing, one owner per shard (the run's request)
+            costs, pieces = virtual_rank_pricing(one, cp, sub.shape(cfg.micro_batch_size)) if cp > 1 else (one, None)
+            choice = choose_layout(LayoutRequest(ownership="owner" if cp > 1 else None), costs, P,
                                    advisor.cluster.nodes, advisor.model.num_layers, [N], advisor.cluster.usable_memory,
-                                   tensor_parallel=tp,
+                                   tensor_parallel=tp, pieces=pieces,
                                    plan_builder=lambda n, opts, sub=sub: sub._plan("tawpipe", n, **opts))
             decided[key] = choice.chosen
         mine = TawPipeLayout(k.get("ownership", "owner"), k.get("shards_per_rank", 1),

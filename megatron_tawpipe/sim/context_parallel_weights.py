@@ -29,7 +29,9 @@ Ring collectives: an all-gather of B bytes over C members sends (C-1)/C x B per 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Dict, Mapping, Optional, Tuple
 
 from megatron_tawpipe.plan.context_parallel import member_points
 from megatron_tawpipe.sim.context_parallel import (AttentionShape, context_parallel_bytes_per_gpu,
@@ -99,6 +101,34 @@ class PieceCollectives:
         """Every accumulated gradient the rank keeps (its owned shards', the replicated parameters') summed."""
         params = self.plan.layers_held_by(rank) * self.cost.params_per_layer + self.cost.replicated_params
         return self.all_reduce(params * self.cost.grad_bytes)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """What context parallelism adds to the pricing of a weight-passing plan over virtual ranks of C GPUs besides
+    their cost model: the pieces' collectives beside the plan's actions (:meth:`around`, for ``simulate``) and the
+    memory per GPU (:meth:`per_gpu`). ``one``: one GPU's cost model by recompute setting. Picklable (a run's ranks
+    share it)."""
+
+    one: Mapping[bool, CostModel]
+    cp: int
+
+    def around(self, recompute: bool):
+        """``around(plan)``: the :class:`PieceCollectives` of a plan priced with ``recompute``."""
+        return partial(PieceCollectives, self.one[recompute], self.cp)
+
+    def per_gpu(self, memory: MemoryBreakdown) -> MemoryBreakdown:
+        return per_gpu_breakdown(memory, self.cp)
+
+
+def virtual_rank_pricing(one: Mapping[bool, CostModel], cp: int, shape: AttentionShape
+                         ) -> Tuple[Dict[bool, CostModel], Optional[Pieces]]:
+    """(the virtual ranks' cost model by recompute setting, their :class:`Pieces`) of weight passing with context
+    parallelism C at T = 1, from one GPU's cost models ``one``: the one pricing of the advisor, of
+    ``pretrain_llama.py``'s TawPipe layout decision and of ``--pipeline-schedule auto``. C = 1: ``one`` and None."""
+    if cp == 1:
+        return dict(one), None
+    return {rc: weight_passing_cost(cost, cp, shape) for rc, cost in one.items()}, Pieces(dict(one), cp)
 
 
 def per_gpu_breakdown(memory: MemoryBreakdown, cp: int) -> MemoryBreakdown:

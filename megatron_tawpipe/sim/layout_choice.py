@@ -209,6 +209,20 @@ class LayoutChoice:
                 "key": self.key, "saved_from": self.saved_from}
 
 
+@dataclass
+class LayoutInputs:
+    """What a run's layout decision takes from its flags besides the cost model and the memory limit (one reader,
+    ``training.tawpipe_layout.layout_inputs``, for the run and for ``--pipeline-schedule auto``): the layout flags
+    given, micro-batches per rank of every global batch (None: the one global batch's), the shard counts per rank
+    allowed, the layers of each shard by shard count, the plan priced."""
+
+    request: LayoutRequest = field(default_factory=LayoutRequest)
+    microbatch_counts: Optional[List[int]] = None
+    shards_allowed: Sequence[int] = SHARDS_PER_RANK
+    split_of: Callable[[int], Optional[Tuple[int, ...]]] = lambda v: None
+    plan_schedule: str = "tawpipe"
+
+
 PlanBuilder = Callable[[int, dict], object]   # (micro-batches per rank, planner options) -> Plan
 #: (layouts, price one) -> each layout priced, in order; a run spreads the pricing over its ranks
 PriceMany = Callable[[List["TawPipeLayout"], Callable[["TawPipeLayout"], "Priced"]], List["Priced"]]
@@ -222,10 +236,12 @@ def price_here(layouts: List[TawPipeLayout], price: Callable[[TawPipeLayout], Pr
 def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int, num_layers: int,
                  microbatch_counts: Sequence[int], shard_layers: Optional[Tuple[int, ...]] = None,
                  tensor_parallel: int = 1, plan_schedule: str = "tawpipe",
-                 plan_builder: Optional[PlanBuilder] = None) -> Tuple[float, float]:
+                 plan_builder: Optional[PlanBuilder] = None, pieces=None) -> Tuple[float, float]:
     """(predicted iteration time of the first count's batch, predicted peak bytes per device over every count)
     of ``layout``: the simulator on ``cost`` (over ``ranks`` weight-pipeline ranks, each ``tensor_parallel``
-    GPUs). ``plan_builder``: where plans come from (a caller's cache; default: built here, each once)."""
+    GPUs). ``plan_builder``: where plans come from (a caller's cache; default: built here, each once).
+    ``pieces``: with context parallelism (virtual ranks of C GPUs, ``cost`` theirs), the pieces' collectives and
+    the memory per GPU (:class:`megatron_tawpipe.sim.context_parallel_weights.Pieces`)."""
     virtual = virtual_rank_cost(cost, tensor_parallel)
     options = layout.plan_options()
     if shard_layers is not None:
@@ -241,9 +257,12 @@ def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int
         return built[n]
 
     first = microbatch_counts[0]
-    result = simulate_extended(build, virtual, first, 2 * c, 4 * c)
+    around = pieces.around(layout.recompute) if pieces is not None else None
+    per_gpu = pieces.per_gpu if pieces is not None else (lambda memory: memory)
+    result = simulate_extended(build, virtual, first, 2 * c, 4 * c, around)
     # the plan of min(n, 4c) micro-batches has the full plan's buffers and stored boundaries
-    peak = max(predicted_memory(build(min(n, 4 * c)), virtual, c, tensor_parallel).total for n in microbatch_counts)
+    peak = max(per_gpu(predicted_memory(build(min(n, 4 * c)), virtual, c, tensor_parallel)).total
+               for n in microbatch_counts)
     return result.iteration_time, peak
 
 
@@ -260,14 +279,16 @@ def choose_layout(request: LayoutRequest, cost: Costs, ranks: int, groups: int, 
                   split_of: Callable[[int], Optional[Tuple[int, ...]]] = lambda v: None,
                   shards_allowed: Sequence[int] = SHARDS_PER_RANK, tensor_parallel: int = 1,
                   inputs: Optional[Dict[str, str]] = None, plan_schedule: str = "tawpipe",
-                  plan_builder: Optional[PlanBuilder] = None, price_many: PriceMany = price_here) -> LayoutChoice:
+                  plan_builder: Optional[PlanBuilder] = None, price_many: PriceMany = price_here,
+                  pieces=None) -> LayoutChoice:
     """The fastest layout that agrees with ``request`` and fits ``memory_limit`` bytes per device (see the module
     docstring); ``cost``: the run's cost model, or one per recompute setting (``{False: ..., True: ...}``: the
     decision takes recompute too); ``split_of(shards_per_rank)``: the layers of each shard (None: the default
     split). With nothing that fits, the one of least memory (its peak in the choice: the runtime says it does not
     fit). Raises ``ValueError`` when no layout agrees with the request. ``plan_builder``: see
     :func:`price_layout`; ``price_many``: how a list of layouts gets priced (:func:`price_here`, or shared out by
-    a run's ranks)."""
+    a run's ranks); ``pieces``: context parallelism's, with ``cost`` the virtual ranks' (see :func:`price_layout`;
+    :func:`megatron_tawpipe.sim.context_parallel_weights.virtual_rank_pricing` gives both)."""
     started = time.perf_counter()
     counts = list(microbatch_counts)
     costs = costs_by_recompute(cost)
@@ -279,7 +300,8 @@ def choose_layout(request: LayoutRequest, cost: Costs, ranks: int, groups: int, 
 
     def price(layout: TawPipeLayout) -> Priced:
         t, peak = price_layout(layout, costs[layout.recompute], ranks, groups, num_layers, counts,
-                               split_of(layout.shards_per_rank), tensor_parallel, plan_schedule, plan_builder)
+                               split_of(layout.shards_per_rank), tensor_parallel, plan_schedule, plan_builder,
+                               pieces)
         return Priced(layout, t, peak, peak <= memory_limit)
 
     def price_all(todo: List[TawPipeLayout]) -> None:

@@ -11,7 +11,6 @@ from typing import Callable, List
 
 import torch.distributed as dist
 
-from megatron_tawpipe.arguments.layout import weight_pipeline_ranks
 from megatron_tawpipe.arguments.weight_passing import AUTO_CACHE_MEMORY_FRACTION
 from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.common.errors import ArgumentError
@@ -20,7 +19,7 @@ from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.distributed.initialize import initialize_distributed
 from megatron_tawpipe.sim.advisor_configs import Cluster, ModelSpec
 from megatron_tawpipe.sim.schedule_choice import rank_schedules
-from megatron_tawpipe.training.tawpipe_layout import layer_split_of, measure_inputs, run_cost_of
+from megatron_tawpipe.training.tawpipe_layout import layout_inputs, measure_inputs, run_cost_of
 
 
 def recompute_fixed(args: argparse.Namespace):
@@ -56,21 +55,24 @@ def decide_schedule(args: argparse.Namespace, world_size: int, refusal: Callable
                           inter_bw=inputs.inter.bandwidth, gpu_memory=inputs.memory,
                           memory_reserve=(1 - AUTO_CACHE_MEMORY_FRACTION) * inputs.memory,
                           intra_latency=inputs.intra.latency, inter_latency=inputs.inter.latency)
+        T, C = args.tensor_model_parallel_size, args.context_parallel_size
         ranking = rank_schedules(model, cluster, args.global_batch_size, args.micro_batch_size, cost_of,
                                  weight_passing_recompute=recompute_fixed(args),
                                  native_recompute=True if args.recompute_granularity == "full" else None,
                                  check=refusal,
                                  grad_bytes=cost_of(args.micro_batch_size, False).grad_bytes,
-                                 shard_split_of=layer_split_of(args, weight_pipeline_ranks(args, world_size)))
+                                 layout=layout_inputs(args, world_size), tensor_parallel=T, context_parallel=C)
         described = inputs.describe(groups)
         described["compute"] = compute
+        if T * C > 1:   # every candidate over the virtual ranks of T x C GPUs
+            described["virtual ranks"] = f"{world_size // (T * C)} of {T} x {C} GPUs (tensor x context parallel)"
         head = (f"--pipeline-schedule auto: {len(ranking.ranked)} strategies priced in "
                 f"{time.perf_counter() - started:.1f} s; " + "; ".join(f"{k}: {v}" for k, v in described.items()))
         winner = ranking.winner
         if winner is None:
             box = [("error", "\n".join(ranking.lines()))]
         else:
-            flags = list(winner.flags) + (winner.layout.chosen.flags() if winner.layout is not None else [])
+            flags = list(winner.flags)   # TawPipe's: with its decided layout
             left = [f"  left out: {r.label}: {r.refusal}" for r in ranking.left_out[:3]]
             print("\n".join([head] + ranking.lines() + left + [
                 f"running {winner.label}; to pin it, replace --pipeline-schedule auto with: {' '.join(flags)}"]),

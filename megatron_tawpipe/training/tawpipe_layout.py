@@ -27,10 +27,10 @@ from megatron_tawpipe.distributed import parallel_state
 from megatron_tawpipe.distributed.link_probe import LinkMeasure, probe_links
 from megatron_tawpipe.runtime.tawpipe_cache import least_device_memory
 from megatron_tawpipe.sim.context_parallel import AttentionShape
-from megatron_tawpipe.sim.context_parallel_weights import weight_passing_cost
+from megatron_tawpipe.sim.context_parallel_weights import Pieces, virtual_rank_pricing
 from megatron_tawpipe.sim.costmodel import CostModel, Link
-from megatron_tawpipe.sim.layout_choice import (LayoutChoice, LayoutRequest, Priced, TawPipeLayout, choose_layout,
-                                                fixed_choice)
+from megatron_tawpipe.sim.layout_choice import (LayoutChoice, LayoutInputs, LayoutRequest, Priced, TawPipeLayout,
+                                                choose_layout, fixed_choice)
 from megatron_tawpipe.sim.run_cost import cost_model_for_run
 from megatron_tawpipe.training.layer_split_args import settle_layer_split, shards_per_rank_candidates
 from megatron_tawpipe.training.tawpipe_layout_args import (apply_layout, microbatch_counts, settle_fixed_layouts,
@@ -93,13 +93,13 @@ def settle_tawpipe_layout(args: argparse.Namespace, world_size: int, device: tor
         return None   # another schedule, or settled already
     ranks = weight_pipeline_ranks(args, world_size)
     groups = args.tawpipe_num_groups or parallel_state.default_num_groups(world_size, "tawpipe")
-    request = tawpipe_request(args)
-    shards = shards_per_rank_candidates(args, ranks)
+    layout = layout_inputs(args, world_size)
+    request = layout.request
     key = decision_key(args, request, world_size, groups)
     if request.is_fixed():
         choice = fixed_choice(request)
     else:
-        choice = _saved_decision(args, key) or _decide(args, request, world_size, ranks, groups, shards, device)
+        choice = _saved_decision(args, key) or _decide(args, layout, world_size, ranks, groups, device)
     choice.key, choice.request = key, request
     apply_layout(args, choice, world_size)
     if dist.get_rank() == 0:
@@ -195,14 +195,22 @@ def _saved_decision(args: argparse.Namespace, key: Dict[str, object]) -> Optiona
     return choice
 
 
-def _decide(args, request: LayoutRequest, world_size: int, ranks: int, groups: int, shards: Sequence[int],
+def layout_inputs(args: argparse.Namespace, world_size: int) -> LayoutInputs:
+    """What the layout decision takes from the run's flags besides the cost model (the run's and
+    ``--pipeline-schedule auto``'s TawPipe candidate's): over the weight pipeline's (virtual) ranks."""
+    ranks = weight_pipeline_ranks(args, world_size)
+    return LayoutInputs(tawpipe_request(args), microbatch_counts(args, ranks), shards_per_rank_candidates(args, ranks),
+                        layer_split_of(args, ranks), layout_plan_schedule(args))
+
+
+def _decide(args, layout: LayoutInputs, world_size: int, ranks: int, groups: int,
             device: torch.device) -> LayoutChoice:
     """Collective: rank 0 sets the cost model up from the measured inputs; every rank prices its share of the
     candidate layouts on it (:func:`price_on_every_rank`); rank 0's choice is every rank's."""
     inputs = measure_inputs(args, world_size, groups, device)
     box = [_pricing(args, device, inputs, groups) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
-    choice = _choose(args, request, ranks, groups, shards, inputs, *box[0])
+    choice = _choose(args, layout, ranks, groups, inputs, *box[0])
     box = [choice]
     dist.broadcast_object_list(box, 0)
     return box[0]
@@ -220,6 +228,11 @@ def price_on_every_rank(layouts: List[TawPipeLayout], price: Callable[[TawPipeLa
     return [by_layout[layout] for layout in layouts]
 
 
+def layout_plan_schedule(args: argparse.Namespace) -> str:
+    """The plan TawPipe's layouts are priced on: ``tawpipe-nooverlap`` with ``--tawpipe-no-overlap``."""
+    return "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe"
+
+
 def layer_split_of(args: argparse.Namespace, ranks: int) -> Callable[[int], Optional[tuple]]:
     """``split_of(shards_per_rank)``: the layer split the run's flags give with that many shards per rank."""
     def split_of(per_rank: int):
@@ -231,35 +244,43 @@ def layer_split_of(args: argparse.Namespace, ranks: int) -> Callable[[int], Opti
     return split_of
 
 
+def recompute_settings(args: argparse.Namespace) -> Tuple[bool, ...]:
+    """The recompute settings TawPipe's layout decision chooses among: both under ``--tawpipe-recompute auto``."""
+    return (False, True) if is_auto(args.tawpipe_recompute) else (args.tawpipe_recompute == "on",)
+
+
+def layout_pricing(args: argparse.Namespace, one: Dict[bool, CostModel]
+                   ) -> Tuple[Dict[bool, CostModel], Optional[Pieces]]:
+    """(cost models, context parallelism's pieces) TawPipe's layout is priced on, from one GPU's cost models
+    ``one`` (by recompute setting): with ``--context-parallel-size C`` at T = 1, the virtual ranks of C GPUs as
+    the simulator prices them (1/C of the layers' work plus the ring's exposed time, the plan's transfers on C
+    GPUs' links inside the node, the pieces' collectives, the memory per GPU); with tensor parallelism beside it,
+    as one tensor-parallel group computing whole sequences."""
+    if args.context_parallel_size > 1 and args.tensor_model_parallel_size == 1:
+        return virtual_rank_pricing(one, args.context_parallel_size, AttentionShape.of_flags(args))
+    return dict(one), None
+
+
 def _pricing(args, device: torch.device, inputs: RunInputs, groups: int
-             ) -> Tuple[Dict[bool, CostModel], float, Dict[str, str]]:
-    """Rank 0's (cost model of each recompute setting the flags allow, memory limit, what they were set up from)
-    for the decision."""
+             ) -> Tuple[Dict[bool, CostModel], Optional[Pieces], float, Dict[str, str]]:
+    """Rank 0's (cost model of each recompute setting the flags allow, context parallelism's pieces, memory limit,
+    what they were set up from) for the decision."""
     cost_of, compute = run_cost_of(args, device, inputs)
     described = inputs.describe(groups)
     described["compute"] = compute
-    settings = (False, True) if is_auto(args.tawpipe_recompute) else (args.tawpipe_recompute == "on",)
-    costs = {rc: cost_of(args.micro_batch_size, rc) for rc in settings}
-    cp = args.context_parallel_size
-    if cp > 1 and args.tensor_model_parallel_size == 1:
-        # a virtual rank of C GPUs: 1/C of the layers' work plus the ring's exposed time, the plan's transfers on
-        # C GPUs' links inside the node (the simulator's pricing; with tensor parallelism beside it, as one
-        # tensor-parallel group computing whole sequences)
-        costs = {rc: weight_passing_cost(cost, cp, AttentionShape.of_flags(args)) for rc, cost in costs.items()}
-        described["context parallelism"] = f"{cp} GPUs per virtual rank"
-    return costs, AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described
+    costs, pieces = layout_pricing(args, {rc: cost_of(args.micro_batch_size, rc) for rc in recompute_settings(args)})
+    if pieces is not None:
+        described["context parallelism"] = f"{args.context_parallel_size} GPUs per virtual rank"
+    return costs, pieces, AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described
 
 
-def _choose(args, request, ranks, groups, shards, inputs: RunInputs, cost: Dict[bool, CostModel], limit: float,
-            described: Dict[str, str]) -> LayoutChoice:
+def _choose(args, layout: LayoutInputs, ranks, groups, inputs: RunInputs, cost: Dict[bool, CostModel],
+            pieces: Optional[Pieces], limit: float, described: Dict[str, str]) -> LayoutChoice:
     """The decision on rank 0's cost model (see :func:`settle_tawpipe_layout`; collective)."""
-    counts = microbatch_counts(args, ranks)
-    split_of = layer_split_of(args, ranks)
     try:
-        choice = choose_layout(request, cost, ranks, groups, args.num_layers, counts, limit, split_of, shards,
-                               args.tensor_model_parallel_size, dict(described),
-                               "tawpipe-nooverlap" if args.tawpipe_no_overlap else "tawpipe",
-                               price_many=price_on_every_rank)
+        choice = choose_layout(layout.request, cost, ranks, groups, args.num_layers, layout.microbatch_counts, limit,
+                               layout.split_of, layout.shards_allowed, args.tensor_model_parallel_size,
+                               dict(described), layout.plan_schedule, price_many=price_on_every_rank, pieces=pieces)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     choice.inputs["probe"] = f"{inputs.seconds:.2f} s"
