@@ -120,7 +120,7 @@ class PlanExecutor:
         self.weight_buffers, self.grad_buffers = self._allocate_buffers(plan.actions[rank])
         self.in_flight: Dict[int, _InFlight] = {}
         self._entries_cache: Optional[Tuple[list, dict]] = None
-        self._members: Dict[Tuple[int, str], list] = {}
+        self._members: Dict[Tuple[int, str], list] = {}   # the member points of the list running, by (step, when)
         self.trace: Optional[dict] = None   # {"spans": [...], "transfers": [...]} when recording a timeline
         self._posted: Dict[int, Tuple[float, object]] = {}
         # --record-plan-memory: bytes held after each compute action (a callable returning them), the most seen
@@ -215,9 +215,7 @@ class PlanExecutor:
         """Execute ``actions``; ``forward_only`` keeps forwards and weight traffic only (evaluation)."""
         self._forward_only = forward_only
         self._entries = self._entries_by_step(actions)
-        # with context parallelism, the member points it runs (the compute actions' are the compute's, the last
-        # -- the gradients' sum before the step -- the model's), by (step, when)
-        self._members = self.cp.points(actions, self.rank) if self.cp is not None else {}
+        self._members = self.cp.points(actions, self.rank) if self.cp is not None else {}   # context parallelism's
         board = progress.board()
         for step, action in enumerate(actions):
             if forward_only and not _needed_for_forward(action, self.in_flight):
@@ -228,11 +226,9 @@ class PlanExecutor:
                 host = time.time()
                 started = self.timer.stamp(host)
             try:
-                if self._members:
-                    self._meet(step, "before")
+                self._meet(step, "before")
                 self._handlers[type(action)](action)
-                if self._members:
-                    self._meet(step, "after")
+                self._meet(step, "after")
                 if self.trace is not None:
                     ended = time.time()
                     self._record(action, started, self.timer.stamp(ended), host, ended)
@@ -356,13 +352,12 @@ class PlanExecutor:
     def _meet(self, step: int, when: str) -> None:
         """The context-parallel members' collectives at ``step`` (``when``: before or after its action)."""
         for point in self._members.get((step, when), ()):
-            x = point.action
-            if point.op == "replicated":
-                self.cp.meet(point, None, 0, self.compute.replicated_grads)
-                continue
-            self._check_not_in_flight(x.buf, True)
-            buffers = self.weight_buffers if point.op == "gather" else self.grad_buffers
-            self.cp.meet(point, buffers[x.buf], self._numel[x.shard], self.compute.replicated_grads)
+            x, buffer, numel = point.action, None, 0
+            if point.op != "replicated":   # an arrived weight's or a leaving gradient's buffer
+                self._check_not_in_flight(x.buf, True)
+                buffer = (self.weight_buffers if point.op == "gather" else self.grad_buffers)[x.buf]
+                numel = self._numel[x.shard]
+            self.cp.meet(point, buffer, numel, self.compute.replicated_grads)
 
     def _issue_p2p(self, a) -> None:
         """Issue ``a`` with the rest of its batch; a later member was issued with the first."""
@@ -387,14 +382,11 @@ class PlanExecutor:
                 self._start(x, works[x.tag], x.buf)
 
     def _piece_of(self, a, tensor: torch.Tensor, leaving: bool) -> torch.Tensor:
-        """What ``a`` moves of ``tensor`` (a shard's prefix of buffer ``a.buf``): all of it, or with context
-        parallelism this member's piece -- a leaving gradient was reduce-scattered into it at the member point
-        before, an arriving gradient's buffer is zeroed around it (:mod:`runtime.context_parallel`)."""
-        if self.cp is None:
-            return tensor
-        if a.kind == "grad" and not leaving:
+        """What ``a`` moves of ``tensor`` (a shard's prefix of ``a.buf``): all of it, or with context parallelism
+        this member's piece (an arriving gradient's buffer zeroed around it: :mod:`runtime.context_parallel`)."""
+        if self.cp is not None and a.kind == "grad" and not leaving:
             tensor.zero_()
-        return self.cp.piece(tensor)
+        return tensor if self.cp is None else self.cp.piece(tensor)
 
     def _send(self, a: A.SendStart) -> None:
         self._issue_p2p(a)
