@@ -390,8 +390,6 @@ def tensor_parallel_for(name: str, args) -> int:
     return tp
 
 
-
-
 # ----------------------------------------------------------------- the advisor
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "vocab_size")
