@@ -126,8 +126,9 @@ def test_what_was_searched_is_said():
     assert taw["micro_batch_sizes"] == [1] and taw["microbatches_per_visit"][:3] == [1, 2, 4]
     fits = [c for c in s["ranked"] if c["strategy"] == "tawpipe"]
     assert sorted({r["knobs"]["chunk"] for r in fits}) == taw["microbatches_per_visit_fitting"]
+    # one visit per shard: every micro-batch of a virtual rank (32 sequences over 8 / (T x C) of them) in one
     assert taw["one_visit_per_shard_fits"] == any(
-        r["knobs"]["chunk"] * r["knobs"].get("tp", 1) * 8 == 32 for r in fits)
+        r["knobs"]["chunk"] * (8 // (r["knobs"].get("tp", 1) * r["knobs"].get("cp", 1))) == 32 for r in fits)
     text = format_report(s)
     assert "searched (every strategy" in text and "tawpipe      b=1 with micro-batches per visit 1, 2, 4" in text
 

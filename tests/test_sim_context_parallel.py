@@ -206,17 +206,19 @@ def test_gradient_rings_count_the_context_parallel_gpus():
 
 
 # ------------------------------------------------------------------------------------------- the advisor
-def test_context_parallel_is_tried_for_the_native_strategies_and_weight_passing_at_t1():
+def test_context_parallel_is_tried_for_the_native_strategies_and_weight_passing():
     model = replace(TINY, seq_length=8192)
     configs, absent = enumerate_configs(model, tiny_cluster(), 32)
     cp = [c for c in configs if c.knobs.get("cp", 1) > 1]
     assert {c.strategy for c in cp} == set(CONTEXT_PARALLEL_STRATEGIES) | {"tawpipe", "weipipe"}
     assert {c.knobs["cp"] for c in cp} == {2, 4}                       # 4 GPUs per node
     assert all(c.knobs.get("tp", 1) * c.knobs["cp"] <= 4 for c in cp)
-    # weight passing: T = 1, one owner per shard, no plan file (what the simulator prices)
+    # weight passing: at every T x C the native strategies are tried at (T = 2 beside C = 2 too), one owner per
+    # shard, no plan file (what the simulator prices)
     wp = [c for c in cp if c.strategy in ("tawpipe", "weipipe")]
-    assert all("tp" not in c.knobs and c.knobs.get("ownership") != "spread" and not c.knobs.get("plan_schedule")
-               for c in wp)
+    assert all(c.knobs.get("ownership") != "spread" and not c.knobs.get("plan_schedule") for c in wp)
+    sizes = lambda cs: {(c.knobs.get("tp", 1), c.knobs["cp"]) for c in cs}   # noqa: E731
+    assert sizes(wp) == sizes(c for c in cp if c.strategy in CONTEXT_PARALLEL_STRATEGIES) and (2, 2) in sizes(wp)
     (others,) = [a for a in absent if a.what == "C>1"]
     assert set(others.strategies) == {"fsdp", "hsdp", "hfsdp"}
     # C = 8 does not divide a node of 4: absent, with the reason
@@ -248,7 +250,7 @@ def test_long_sequences_fit_with_context_parallelism_where_nothing_native_fits_w
     """128k tokens on nodes of 8 GPUs, a model of two key/value heads (tensor parallelism up to T = 2 only): the
     least memory per GPU of a native configuration with context parallelism (T x C up to 8) is below that of
     any without it (T <= 2). With GPU memory between the two the advisor ranks context-parallel configurations
-    and no native one of C = 1, and never context parallelism for the weight pipelines or FSDP."""
+    and no native one of C = 1, the weight pipelines only with context parallelism too, and FSDP never with it."""
     model = ModelSpec(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8, num_query_groups=2,
                       vocab_size=1000, seq_length=131072)
     big = Cluster(ranks=16, nodes=2, intra_bw=450e9, inter_bw=1.25e9, peak_tflops=989, efficiency=0.4,
@@ -265,7 +267,9 @@ def test_long_sequences_fit_with_context_parallelism_where_nothing_native_fits_w
     ranked = s["ranked"]
     native_ranked = [r for r in ranked if r["strategy"] in CONTEXT_PARALLEL_STRATEGIES]
     assert native_ranked and all(r["knobs"].get("cp", 1) > 1 for r in native_ranked)
-    assert all(r["knobs"].get("cp", 1) == 1 for r in ranked if r["strategy"] not in CONTEXT_PARALLEL_STRATEGIES)
+    assert all(r["knobs"].get("cp", 1) > 1 for r in ranked if r["strategy"] in ("tawpipe", "weipipe"))
+    assert all(r["knobs"].get("cp", 1) == 1 for r in ranked
+               if r["strategy"] not in CONTEXT_PARALLEL_STRATEGIES + ("tawpipe", "weipipe"))
     assert all(r["memory_bytes"] <= cl.usable_memory for r in ranked)
     assert "--context-parallel-size" in native_ranked[0]["command"]
     assert s["searched"]["distopt"]["context_parallel"] == [1, 2, 4, 8]

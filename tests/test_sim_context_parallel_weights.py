@@ -1,6 +1,8 @@
 """Context parallelism inside weight passing in the simulator (megatron_tawpipe/sim/context_parallel_weights.py):
 the node link carries the bytes of C = 1, a GPU's compute is 1/C (plus the ring), the pieces' collectives inside
-the node cost what a ring of C members costs, and the activations alone fall to 1/C."""
+the node cost what a ring of C members costs, and the activations alone fall to 1/C. Beside tensor parallelism T:
+virtual ranks of T x C GPUs, each GPU's pieces carrying its tensor-parallel slice (1/T of the bytes), the links
+T x C, the state / T and the activations / (T x C); T = 1 and C = 1 are the pricing of either alone."""
 
 import json
 import os
@@ -12,9 +14,13 @@ from dataclasses import replace
 import pytest
 
 from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, weight_passing_cost
+from megatron_tawpipe.sim.context_parallel_weights import (PieceCollectives, per_gpu_breakdown, virtual_rank_pricing,
+                                                           weight_passing_cost)
 from megatron_tawpipe.sim.context_parallel import AttentionShape, ring_attention_exposed
 from megatron_tawpipe.sim.costmodel import CostModel, Link
+from megatron_tawpipe.sim.memory import TERMS, MemoryBreakdown
+from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown as tensor_parallel_breakdown
+from megatron_tawpipe.sim.tensor_parallel import virtual_rank_cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "1408", "--num-attention-heads", "8",
@@ -124,3 +130,128 @@ def test_the_benchmark_prices_a_context_parallel_run_over_its_virtual_ranks():
     assert cmd[cmd.index("--num-microbatches") + 1] == "8"
     without = BenchmarkConfig(ranks=4, model_args=model[:-2], cluster=(2, 2, "1gbit"), schedules=("distopt",))
     assert samples_per_rank(without) == 4 and "--context-parallel-size" not in simulate_command(without, 1, ["distopt"])
+
+
+# ---- tensor parallelism T beside C ------------------------------------------------------------------------------
+
+def _cost(**kw):
+    return CostModel.from_flops(hidden_size=512, seq_length=8192, ffn_hidden_size=1408, num_attention_heads=8,
+                                vocab_size=4096, recompute=False, **kw)
+
+
+SHAPE = AttentionShape(8192, 1, 512, 8, None, 1408)
+
+
+def test_pieces_collectives_carry_the_tensor_parallel_slice_by_hand():
+    """T = 2 beside C = 2, the plan and links of test_pieces_collectives_by_hand: each GPU's collectives carry its
+    slice, half the bytes, at the same latencies: the weight's all-gather 1/2 x 2 MB / 1 GB/s + 1 ms = 2 ms, the
+    gradient's reduce-scatter (gloo: an all-reduce's bytes) 4 MB + 2 ms = 6 ms, the optimizer's all-reduce of
+    6 MB: 6 ms + 2 ms = 8 ms."""
+    cost = CostModel(layer_forward=1.0, layer_backward=2.0, params_per_layer=1e6, dtype_bytes=2, grad_bytes=4,
+                     replicated_params=1e6, intra=Link(1e9, 1e-3), backend="gloo")
+    pieces = PieceCollectives(cost, 2, _Plan(), tp=2)
+    assert pieces.after_wait(1, _RECV) == pytest.approx(0.002)
+    assert pieces.before_start(1, _SEND) == pytest.approx(0.006)
+    assert pieces.before_start(1, _SEND_WEIGHT) == 0.0
+    assert pieces.before_optimizer(0) == pytest.approx(0.008)
+    assert pieces.bytes == {"gather": 1e6, "scatter": 4e6, "all_reduce": 6e6}
+    # C = 4 beside T = 4: an all-gather of 3/4 of a quarter of 4 MB in 3 steps
+    four = PieceCollectives(replace(cost, backend="nccl"), 4, _Plan(), tp=4)
+    assert four.after_wait(1, _RECV) == pytest.approx(0.75 * 1e6 / 1e9 + 3e-3)
+
+
+def test_weight_passing_cost_at_t_by_c_by_hand():
+    """T = 2 x C = 2 on 1 GB/s and 5 us inside the node: a layer's forward is a quarter of one GPU's, plus two
+    tensor-parallel all-reduces of the local tokens' hidden state over 2 GPUs (2 latencies + half the tokens'
+    bytes / 1 GB/s each), plus the ring's exposed time at T = 2; the output layer a quarter plus one all-reduce;
+    the plan's transfers on 4 GPUs' links; the optimizer over the tensor-parallel slice (1/2, whole on each
+    member); the copies of a slice on 2 GPUs' bandwidth."""
+    cost = _cost(intra_bw="1GB/s", intra_latency="5us")
+    virtual = weight_passing_cost(cost, 2, SHAPE, 2)
+    all_reduce = 2 * 5e-6 + (cost.activation_bytes / 2) / 1e9
+    ring = ring_attention_exposed(cost, SHAPE, 2, 2)
+    assert ring.forward > 0
+    assert virtual.layer_forward == pytest.approx(cost.layer_forward / 4 + 2 * all_reduce + ring.forward)
+    assert virtual.layer_backward == pytest.approx(cost.layer_backward / 4 + 3 * all_reduce + ring.backward)
+    assert virtual.head_forward == pytest.approx(cost.head_forward / 4 + all_reduce)
+    assert virtual.intra.bandwidth == pytest.approx(4e9) and virtual.intra.latency == cost.intra.latency
+    assert virtual.inter == cost.inter
+    assert virtual.optimizer_time_per_param == pytest.approx(cost.optimizer_time_per_param / 2)
+    assert virtual.copy_bandwidth == pytest.approx(2 * cost.copy_bandwidth)
+    assert virtual.activation_bytes == cost.activation_bytes   # the virtual rank's micro-batch, whole
+
+
+def test_t_by_c_reduces_to_either_alone():
+    """C = 1: tensor parallelism's virtual rank exactly (cost model and memory); T = 1: the pricing at C alone."""
+    cost = _cost(intra_bw="1GB/s")
+    for tp in (2, 4):
+        assert weight_passing_cost(cost, 1, SHAPE, tp) == virtual_rank_cost(cost, tp)
+    assert weight_passing_cost(cost, 2, SHAPE, 1) == weight_passing_cost(cost, 2, SHAPE)
+    costs, pieces = virtual_rank_pricing({False: cost}, 2, SHAPE, 1)
+    assert costs[False] == weight_passing_cost(cost, 2, SHAPE) and pieces.tp == 1
+    assert virtual_rank_pricing({False: cost}, 1, SHAPE, 2) == ({False: cost}, None)
+    memory = _memory()
+    assert per_gpu_breakdown(memory, 1, 2).as_dict() == tensor_parallel_breakdown(memory, 2).as_dict()
+    assert per_gpu_breakdown(memory, 2, 1).as_dict() == per_gpu_breakdown(memory, 2).as_dict()
+    one = PieceCollectives(cost, 2, _Plan())
+    assert PieceCollectives(cost, 2, _Plan(), tp=1).after_wait(1, _RECV) == one.after_wait(1, _RECV)
+
+
+def _memory():
+    m = MemoryBreakdown()
+    for i, term in enumerate(TERMS):
+        setattr(m, term, 1e9 * (i + 1))
+    return m
+
+
+def test_memory_per_gpu_at_t_by_c_by_hand():
+    """T = 2 x C = 4: the activations and logits / 8 (the local tokens, sequence-parallel over T); the weights,
+    gradients, masters and Adam state and the buffers / 2 (the slice, whole on every member)."""
+    memory = _memory()
+    per = per_gpu_breakdown(memory, 4, 2)
+    for term in TERMS:
+        share = 8 if term in ("activations", "logits") else 2
+        assert getattr(per, term) == pytest.approx(getattr(memory, term) / share), term
+    assert "/ 2 tensor- x 4 context-parallel GPUs" in per.notes["activations"]
+    assert "/ 2 tensor-parallel GPUs (whole on each of 4 context-parallel GPUs)" in per.notes["optimizer"]
+    costs, pieces = virtual_rank_pricing({False: _cost()}, 4, SHAPE, 2)
+    assert pieces.per_gpu(memory).as_dict() == per.as_dict()
+
+
+@pytest.mark.parametrize("schedule", ["tawpipe", "weipipe"])
+def test_tools_simulate_prices_t_by_c(schedule):
+    """tools/simulate.py --tensor-model-parallel-size 2 --context-parallel-size 2 on 16 ranks in 2 groups: the plan
+    over 4 virtual ranks of 4 GPUs; the node links carry the bytes of the same plan on 4 ranks at T = C = 1; the
+    pieces' bytes per GPU are half those at T = 1 x C = 2 (8 ranks: the same plan); memory per GPU: the
+    activations a quarter of T = C = 1's, the weights and the optimizer state half."""
+    common = ["--schedule", schedule, "--groups", "2", "--inter-bw", "1GB/s"]
+    both = simulate(*common, "--ranks", "16", "--tensor-model-parallel-size", "2",
+                    "--context-parallel-size", "2")[schedule]
+    cp = simulate(*common, "--ranks", "8", "--context-parallel-size", "2")[schedule]
+    one = simulate(*common, "--ranks", "4")[schedule]
+    assert both["inter_group_bytes"] == pytest.approx(one["inter_group_bytes"]) and one["inter_group_bytes"] > 0
+    assert both["options"]["context_parallel_size"] == 2 and both["options"]["tensor_model_parallel_size"] == 2
+    p2, p1 = both["options"]["context_parallel_piece_bytes_per_gpu"], cp["options"]["context_parallel_piece_bytes_per_gpu"]
+    for what in ("gather", "scatter", "all_reduce"):
+        assert p1[what] > 0 and p2[what] == pytest.approx(p1[what] / 2), what
+    m4, m1 = both["options"]["memory_breakdown"], one["options"]["memory_breakdown"]
+    assert m4["activations"] == pytest.approx(m1["activations"] / 4)
+    assert m4["logits"] == pytest.approx(m1["logits"] / 4)
+    assert m4["weights"] == pytest.approx(m1["weights"] / 2) and m4["optimizer"] == pytest.approx(m1["optimizer"] / 2)
+    assert m4["comm_buffers"] == pytest.approx(m1["comm_buffers"] / 2)
+    assert both["weight_buffer_bytes"] == pytest.approx(one["weight_buffer_bytes"] / 2)
+    assert both["activation_bytes"] == pytest.approx(one["activation_bytes"] / 4)
+    assert 0 < both["tokens_per_sec_per_rank"] < float("inf")
+
+
+def test_tools_simulate_decides_the_tawpipe_layout_at_t_by_c_on_the_same_pricing():
+    """--tawpipe-ownership auto --recompute auto at T = 2 x C = 2: the layout decided (one owner per shard) is
+    predicted at the iteration time the simulation of its flags gives (the decision and the simulation price the
+    virtual ranks the same way)."""
+    run = simulate("--schedule", "tawpipe", "--ranks", "16", "--groups", "2", "--tensor-model-parallel-size", "2",
+                   "--context-parallel-size", "2", "--inter-bw", "1GB/s", "--tawpipe-ownership", "auto",
+                   "--recompute", "auto")["tawpipe"]
+    choice = run["options"]["layout_choice"]
+    assert choice["layout"]["ownership"] == "owner"
+    assert choice["predicted_iteration_time"] == pytest.approx(run["iteration_time_s"], rel=1e-9)
+    assert run["options"]["tensor_model_parallel_size"] == 2 and run["options"]["context_parallel_size"] == 2

@@ -12,7 +12,7 @@ from megatron_tawpipe.arguments import ArgumentError, build_parser, fill_default
 from megatron_tawpipe.common.units import parse_rate, parse_time
 from megatron_tawpipe.sim.context_parallel import AttentionShape, context_parallel_cost, context_parallel_problem
 from megatron_tawpipe.sim.context_parallel import per_gpu_result as context_parallel_result
-from megatron_tawpipe.sim.context_parallel_weights import PieceCollectives, virtual_rank_pricing, weight_passing_cost
+from megatron_tawpipe.sim.context_parallel_weights import virtual_rank_pricing
 from megatron_tawpipe.sim.context_parallel_weights import per_gpu_result as weight_passing_result
 from megatron_tawpipe.sim.costmodel import BACKENDS, CostModel
 from megatron_tawpipe.sim.fsdp import simulate_fsdp
@@ -119,7 +119,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
                    help="1f1b, interleaved, distopt, distopt-node, pp-nodes, tawpipe, weipipe: context parallelism "
                         "inside each node (each sequence split over C GPUs, ring attention); the schedule runs over "
-                        "ranks / C virtual ranks (--num-microbatches is then per virtual rank); see "
+                        "ranks / C virtual ranks (tawpipe/weipipe beside --tensor-model-parallel-size T: ranks / "
+                        "(T x C) of T x C GPUs; --num-microbatches is then per virtual rank); see "
                         "megatron_tawpipe/sim/context_parallel.py and context_parallel_weights.py")
 
 
@@ -215,8 +216,8 @@ def decide_layout(name: str, args, cost: CostModel, memory_limit: float = float(
     one = {cost.recompute: cost}
     if getattr(args, "recompute", None) == "auto":   # recompute decided with the layout
         one = {rc: cost if cost.recompute == rc else cost_model(args, rc) for rc in (False, True)}
-    # with C > 1: over the virtual ranks of C GPUs, priced as the run prices them (the pieces' collectives too)
-    costs, pieces = virtual_rank_pricing(one, cp, attention_shape(args)) if cp > 1 else (one, None)
+    # with C > 1: over the virtual ranks of T x C GPUs, priced as the run prices them (the pieces' collectives too)
+    costs, pieces = virtual_rank_pricing(one, cp, attention_shape(args), tp)
     request = layout_request_of(args)
     if cp > 1 and request.ownership is None:   # the spread layout does not run with context parallelism
         request = replace(request, ownership="owner")
@@ -324,13 +325,11 @@ def context_parallel_for(name: str, args) -> int:
     if name not in CONTEXT_PARALLEL + WEIGHT_PASSING_CP:
         known = ", ".join(CONTEXT_PARALLEL + WEIGHT_PASSING_CP)
         raise ValueError(f"--context-parallel-size {cp} is modelled for {known} only, not {name}")
-    if name in WEIGHT_PASSING_CP and (args.tensor_model_parallel_size or 1) > 1:
-        raise ValueError(f"--context-parallel-size {cp} with --tensor-model-parallel-size "
-                         f"{args.tensor_model_parallel_size}: {name} is modelled with one of them at a time")
     if name in WEIGHT_PASSING_CP and args.tawpipe_ownership == "spread":
         raise ValueError(f"--context-parallel-size {cp} with --tawpipe-ownership spread: the spread layout does not "
                          "run with context parallelism")
-    problem = context_parallel_problem(cp, 1, args.ranks // args.groups, args.seq_length, args.ranks)
+    tp = (args.tensor_model_parallel_size or 1) if name in WEIGHT_PASSING_CP else 1
+    problem = context_parallel_problem(cp, tp, args.ranks // args.groups, args.seq_length, args.ranks)
     if problem:
         raise ValueError(f"--context-parallel-size {cp}: {problem}")
     return cp
@@ -342,21 +341,23 @@ def attention_shape(args) -> AttentionShape:
 
 
 def run_context_parallel(name: str, args, cost: CostModel, validate: bool = True, record: bool = False):
-    """``name`` with ``--context-parallel-size C``: over ranks / C virtual ranks of C GPUs, each with
-    ``--num-microbatches`` micro-batches, on the cost model of
-    :func:`megatron_tawpipe.sim.context_parallel.context_parallel_cost`; per-GPU figures. 1f1b and interleaved
+    """``name`` with ``--context-parallel-size C``: over ranks / C virtual ranks of C GPUs (ranks / (T x C) of
+    T x C with ``--tensor-model-parallel-size T``, weight passing), each with ``--num-microbatches`` micro-batches,
+    on the cost model of :func:`megatron_tawpipe.sim.context_parallel.context_parallel_cost` (weight passing:
+    :func:`megatron_tawpipe.sim.context_parallel_weights.virtual_rank_pricing`); per-GPU figures. 1f1b and interleaved
     are priced as the advisor prices a pipeline (:func:`megatron_tawpipe.sim.pipelines.simulate_pipeline`): one
     pipeline over the virtual ranks, each stage's gradients reduced over its C GPUs and its optimizer state
     sharded over them (the distributed optimizer)."""
     cp = context_parallel_for(name, args)
     shape = attention_shape(args)
     if name in WEIGHT_PASSING_CP:
+        tp = tensor_parallel_for(name, args)
         plan = make_plan(name, args, validate)
-        pieces = PieceCollectives(cost, cp, plan)
-        virtual = weight_passing_cost(cost, cp, shape)
+        costs, priced = virtual_rank_pricing({cost.recompute: cost}, cp, shape, tp)
+        virtual, pieces = costs[cost.recompute], priced.around(cost.recompute)(plan)
         result = simulate(plan, virtual, record=record, around=pieces)
         result.options["memory_breakdown"] = plan_memory(result, virtual, plan).as_dict()
-        return plan, weight_passing_result(result, cp, cost, shape, pieces, args.num_microbatches)
+        return plan, weight_passing_result(result, cp, cost, shape, pieces, args.num_microbatches, tp)
     virtual = context_parallel_cost(cost, cp, shape)
     P, D, L, N = args.ranks // cp, args.groups, args.num_layers, args.num_microbatches
     if name in STRATEGIES:
@@ -387,8 +388,6 @@ def tensor_parallel_for(name: str, args) -> int:
     if per_node % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the {per_node} ranks of a group")
     return tp
-
-
 
 
 # ----------------------------------------------------------------- the advisor

@@ -13,7 +13,7 @@ parallel inside the node); ``fsdp`` over all ranks, ``hsdp``,
 is tried with micro-batch sizes 1, 2, 4, ... up to its batch per replica, each family of knobs up to the
 first size that does not fit, and recompute on/off (:meth:`Advisor.run`; what was searched:
 :func:`megatron_tawpipe.sim.advisor_report.searched`), with tensor parallelism T inside the nodes, and the
-native ones and TawPipe / WeiPipe (at T = 1) also with context parallelism C (T x C inside a node): over
+native ones and TawPipe / WeiPipe also with context parallelism C (T x C inside a node): over
 P / (T x C) virtual ranks (:mod:`.tensor_parallel`, :mod:`.context_parallel`, :mod:`.context_parallel_weights`).
 
 Plan-based strategies cost a plan simulation each (more than 4 visits' worth
@@ -114,9 +114,10 @@ class Advisor:
         return self.virtual(tp, cp), inner, tp * cp
 
     def per_gpu(self, memory: MemoryBreakdown, strategy: str = "") -> MemoryBreakdown:
-        """This advisor's (virtual) rank's memory per GPU (weight passing keeps its masters whole on each member)."""
+        """This advisor's (virtual) rank's memory per GPU (weight passing keeps its masters' tensor-parallel slice
+        whole on each context-parallel member)."""
         if self.cp > 1 and strategy in ("tawpipe", "weipipe"):
-            return weight_passing_per_gpu(memory, self.cp)
+            return weight_passing_per_gpu(memory, self.cp, self.tp)
         return per_gpu_breakdown(memory, self.tp, self.cp)
 
     def wp_cost(self, b: int, recompute: bool):
@@ -468,7 +469,8 @@ class _VirtualRankAdvisor(Advisor):
     def wp_cost(self, b: int, recompute: bool):
         if self.cp == 1:
             return super().wp_cost(b, recompute)
-        costs, pieces = virtual_rank_pricing({recompute: self.parent.cost(b, recompute)}, self.cp, self.shape(b))
+        costs, pieces = virtual_rank_pricing({recompute: self.parent.cost(b, recompute)}, self.cp, self.shape(b),
+                                             self.tp)
         return costs[recompute], pieces.around(recompute)
 
 

@@ -253,9 +253,9 @@ def enumerate_configs(model: ModelSpec, cluster: Cluster, global_batch: int,
 
 def _context_parallel(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool,
                       tensor_parallel: List[int]):
-    """The native strategies with context parallelism C > 1, each with every tensor-parallel size in
-    ``tensor_parallel`` that fits beside it in a node, and TawPipe / WeiPipe at T = 1 (one owner per shard, no
-    plan file: what the simulator prices, :mod:`.context_parallel_weights`); the other strategies' absence, once."""
+    """The native strategies with context parallelism C > 1, and TawPipe / WeiPipe (one owner per shard, no plan
+    file: what the simulator prices, :mod:`.context_parallel_weights`), each with every tensor-parallel size in
+    ``tensor_parallel`` that fits beside it in a node; the other strategies' absence, once."""
     out: List[Config] = []
     absent: List[Absence] = []
     native = tuple(s for s in STRATEGY_ORDER if s in CONTEXT_PARALLEL_STRATEGIES)
@@ -283,8 +283,9 @@ def _context_parallel(model: ModelSpec, cluster: Cluster, global_batch: int, run
         absent.append(Absence(others, "C>1", "context parallelism runs under megatron's native schedules and "
                               "weight passing, not FSDP", "distopt, distopt-node, pp-nodes, 1f1b, interleaved, "
                               "tawpipe or weipipe with --context-parallel-size"))
-        absent.append(Absence(WEIGHT_PASSING, "C>1 with T>1, spread, a plan file", "not priced by the simulator "
-                              "inside weight passing", "tawpipe (one owner per shard) or weipipe at T = 1"))
+        absent.append(Absence(WEIGHT_PASSING, "C>1 with spread, a plan file", "not priced by the simulator "
+                              "inside weight passing", "tawpipe (one owner per shard) or weipipe without a plan "
+                              "file"))
     return out, absent
 
 
@@ -292,7 +293,7 @@ def enumerate_at(model: ModelSpec, cluster: Cluster, global_batch: int, tp: int,
                  runtime_knobs_only: bool = False):
     """(configs, absent) at tensor parallelism ``tp`` and context parallelism ``cp`` alone (knobs ``tp``, ``cp``
     where above 1), what :func:`enumerate_configs` tries at that T x C: every strategy with C = 1; with C > 1 the
-    native strategies, and TawPipe (one owner per shard) and WeiPipe without a plan file at T = 1. The sizes are
+    native strategies, and TawPipe (one owner per shard) and WeiPipe without a plan file. The sizes are
     taken as given (``--pipeline-schedule auto`` prices a run's own T and C: no rule of the search applies)."""
     if tp == 1 and cp == 1:
         return _enumerate(model, cluster, global_batch, runtime_knobs_only, 1)
@@ -300,7 +301,7 @@ def enumerate_at(model: ModelSpec, cluster: Cluster, global_batch: int, tp: int,
                               runtime_knobs_only, tp, cp)
     out = []
     for cfg in configs:
-        if cp > 1 and cfg.strategy in WEIGHT_PASSING and (tp > 1 or cfg.knobs.get("plan_schedule")
+        if cp > 1 and cfg.strategy in WEIGHT_PASSING and (cfg.knobs.get("plan_schedule")
                                                           or cfg.knobs.get("ownership") == "spread"):
             continue
         if cp > 1 and cfg.strategy not in CONTEXT_PARALLEL_STRATEGIES + WEIGHT_PASSING:
@@ -320,7 +321,7 @@ def _merge(absent: List[Absence]) -> List[Absence]:
     return [Absence(key[0], "" if "" in w else ", ".join(w), key[1], key[2]) for key, w in whats.items()]
 
 
-WEIGHT_PASSING = ("tawpipe", "weipipe")   # the weight-passing strategies (context parallelism: at T = 1)
+WEIGHT_PASSING = ("tawpipe", "weipipe")   # the weight-passing strategies
 
 
 def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_knobs_only: bool, tp: int,
@@ -362,7 +363,7 @@ def _enumerate(model: ModelSpec, cluster: Cluster, global_batch: int, runtime_kn
                 if D > 1:
                     for s in ("distopt-node", "hsdp", "hfsdp"):
                         add(s)
-                if L >= P and (cp == 1 or tp == 1):
+                if L >= P:
                     _weight_passing(add, absent, L, P, D, mbs // P, b, runtime_knobs_only, who)
             _pipelines(add, absent, L, P, D, mbs, b, who)
     return out, na

@@ -112,8 +112,9 @@ def mark_auto_layouts(advisor, configs, listed: int) -> None:
             N = advisor.G // cfg.micro_batch_size // P
             sub = advisor.virtual(tp, cp)   # its plans (built already for what it evaluated) over the P / (T x C)
             one = {rc: advisor.cost(cfg.micro_batch_size, rc) for rc in (False, True)}
-            # with C > 1 (T = 1): the virtual ranks' pricing, one owner per shard (the run's request)
-            costs, pieces = virtual_rank_pricing(one, cp, sub.shape(cfg.micro_batch_size)) if cp > 1 else (one, None)
+            # with C > 1: the virtual ranks' pricing (at T x C), one owner per shard (the run's request)
+            costs, pieces = (virtual_rank_pricing(one, cp, sub.shape(cfg.micro_batch_size), tp) if cp > 1
+                             else (one, None))
             choice = choose_layout(LayoutRequest(ownership="owner" if cp > 1 else None), costs, P,
                                    advisor.cluster.nodes, advisor.model.num_layers, [N], advisor.cluster.usable_memory,
                                    tensor_parallel=tp, pieces=pieces,
@@ -196,7 +197,7 @@ def searched(configs, global_batch: int, ranks: int) -> dict:
             entry["microbatches_per_visit"] = sorted({c.knobs["chunk"] for c in mine})
             entry["microbatches_per_visit_fitting"] = sorted({c.knobs["chunk"] for c in fits})
             entry["one_visit_per_shard_fits"] = any(
-                c.knobs["chunk"] == global_batch // c.micro_batch_size // (ranks // c.knobs.get("tp", 1))
+                c.knobs["chunk"] == global_batch // c.micro_batch_size // (ranks // (c.knobs.get("tp", 1) * c.knobs.get("cp", 1)))
                 for c in fits)
         out[s] = entry
     return out

@@ -240,9 +240,14 @@ def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int
     """(predicted iteration time of the first count's batch, predicted peak bytes per device over every count)
     of ``layout``: the simulator on ``cost`` (over ``ranks`` weight-pipeline ranks, each ``tensor_parallel``
     GPUs). ``plan_builder``: where plans come from (a caller's cache; default: built here, each once).
-    ``pieces``: with context parallelism (virtual ranks of C GPUs, ``cost`` theirs), the pieces' collectives and
-    the memory per GPU (:class:`megatron_tawpipe.sim.context_parallel_weights.Pieces`)."""
-    virtual = virtual_rank_cost(cost, tensor_parallel)
+    ``pieces``: with context parallelism (virtual ranks of T x C GPUs, ``cost`` theirs: the tensor parallelism
+    ``tensor_parallel`` is in it already), the pieces' collectives and the memory per GPU
+    (:class:`megatron_tawpipe.sim.context_parallel_weights.Pieces`)."""
+    if pieces is not None and pieces.tp != tensor_parallel:
+        raise ValueError(f"the context-parallel pieces are priced at T={pieces.tp}, the layout at T={tensor_parallel}")
+    # with the pieces, ``cost`` is the whole virtual rank's and their per_gpu slices memory over T x C
+    tp = 1 if pieces is not None else tensor_parallel
+    virtual = virtual_rank_cost(cost, tp)
     options = layout.plan_options()
     if shard_layers is not None:
         options["shard_layers"] = tuple(shard_layers)
@@ -261,7 +266,7 @@ def price_layout(layout: TawPipeLayout, cost: CostModel, ranks: int, groups: int
     per_gpu = pieces.per_gpu if pieces is not None else (lambda memory: memory)
     result = simulate_extended(build, virtual, first, 2 * c, 4 * c, around)
     # the plan of min(n, 4c) micro-batches has the full plan's buffers and stored boundaries
-    peak = max(per_gpu(predicted_memory(build(min(n, 4 * c)), virtual, c, tensor_parallel)).total
+    peak = max(per_gpu(predicted_memory(build(min(n, 4 * c)), virtual, c, tp)).total
                for n in microbatch_counts)
     return result.iteration_time, peak
 

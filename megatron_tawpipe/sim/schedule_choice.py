@@ -12,7 +12,7 @@ those over the memory limit or refused by ``pretrain_llama.py``'s validation dro
 predicted tokens/s per GPU. With T x C > 1 every candidate runs over the P / (T x C) virtual ranks of T x C GPUs
 inside a node and is priced per GPU as the advisor prices that T x C
 (:meth:`megatron_tawpipe.sim.advisor.Advisor.virtual`): the native strategies with the ring attention's exposed
-time; TawPipe (one owner per shard) and WeiPipe, with C > 1 at T = 1 only, with the pieces' collectives too
+time; TawPipe (one owner per shard) and WeiPipe, with C > 1 (beside any T), with the pieces' collectives too
 (:mod:`megatron_tawpipe.sim.context_parallel_weights`; TawPipe's layout decided on that pricing as the run decides
 it). Every candidate computes the same step (the equivalence tests hold each to one process): the choice changes
 speed, never the math.
@@ -99,16 +99,6 @@ def _label(cfg: Config) -> str:
     return cfg.strategy
 
 
-def unpriced_weight_passing(tensor_parallel: int, context_parallel: int) -> str:
-    """Why TawPipe and WeiPipe are not ranked at T x C ("" where they are): the simulator prices context
-    parallelism inside weight passing at T = 1 only."""
-    if tensor_parallel > 1 and context_parallel > 1:
-        return (f"--tensor-model-parallel-size {tensor_parallel} beside --context-parallel-size {context_parallel} "
-                "inside weight passing is not priced (context parallelism is priced there at T = 1): give "
-                "--pipeline-schedule tawpipe or weipipe to run it")
-    return ""
-
-
 def rank_schedules(model: ModelSpec, cluster: Cluster, global_batch: int, micro_batch_size: int,
                    cost_of: Callable[[int, bool], CostModel], weight_passing_recompute: Optional[bool],
                    native_recompute: Optional[bool], check: Callable[[List[str]], str], grad_bytes: int = 4,
@@ -128,7 +118,6 @@ def rank_schedules(model: ModelSpec, cluster: Cluster, global_batch: int, micro_
     if problem:   # the ring is priced inside a node
         return ScheduleRanking([], [Ranked(f"every strategy with --context-parallel-size {C}", [], 0.0, 0.0,
                                            f"not priced: {problem}")])
-    unpriced = unpriced_weight_passing(T, C)
 
     def keep(cfg: Config) -> bool:
         recompute = weight_passing_recompute if cfg.strategy == "weipipe" else native_recompute
@@ -151,14 +140,13 @@ def rank_schedules(model: ModelSpec, cluster: Cluster, global_batch: int, micro_
         if other is None or (not r.refusal, r.tokens_per_sec_per_gpu) > (not other.refusal, other.tokens_per_sec_per_gpu):
             by_label[label] = r
     candidates: List[Ranked] = list(by_label.values())
-    tawpipe = _tawpipe(advisor, b, T, C, layout or LayoutInputs(), weight_passing_recompute) if not unpriced else None
+    tawpipe = _tawpipe(advisor, b, T, C, layout or LayoutInputs(), weight_passing_recompute)
     candidates += [tawpipe] if tawpipe is not None else []
     for r in candidates:
         if not r.refusal:
             r.refusal = check(r.flags)
     ranked = sorted((r for r in candidates if not r.refusal), key=lambda r: -r.tokens_per_sec_per_gpu)
-    left = [Ranked(s, ["--pipeline-schedule", s], 0.0, 0.0, unpriced) for s in ("tawpipe", "weipipe") if unpriced]
-    return ScheduleRanking(ranked, left + [r for r in candidates if r.refusal])
+    return ScheduleRanking(ranked, [r for r in candidates if r.refusal])
 
 
 def _tawpipe(advisor: Advisor, b: int, T: int, C: int, layout: LayoutInputs,
@@ -176,8 +164,8 @@ def _tawpipe(advisor: Advisor, b: int, T: int, C: int, layout: LayoutInputs,
         request = replace(request, ownership="owner")
     settings = (False, True) if recompute is None else (recompute,)
     one = {rc: advisor.cost(b, rc) for rc in settings}
-    # C > 1 (at T = 1): the virtual ranks' cost model and pieces; T > 1: choose_layout slices the work over T
-    costs, pieces = virtual_rank_pricing(one, C, advisor.virtual(T, C).shape(b)) if C > 1 else (one, None)
+    # C > 1: the virtual ranks' cost model and pieces at T x C; C = 1: choose_layout slices the work over T
+    costs, pieces = virtual_rank_pricing(one, C, advisor.virtual(T, C).shape(b), T) if C > 1 else (one, None)
     choice = choose_layout(request, costs, V, D, model.num_layers, layout.microbatch_counts or [G // (b * V)],
                            cluster.usable_memory, layout.split_of, layout.shards_allowed, T,
                            plan_schedule=layout.plan_schedule, pieces=pieces)

@@ -252,13 +252,14 @@ def recompute_settings(args: argparse.Namespace) -> Tuple[bool, ...]:
 def layout_pricing(args: argparse.Namespace, one: Dict[bool, CostModel]
                    ) -> Tuple[Dict[bool, CostModel], Optional[Pieces]]:
     """(cost models, context parallelism's pieces) TawPipe's layout is priced on, from one GPU's cost models
-    ``one`` (by recompute setting): with ``--context-parallel-size C`` at T = 1, the virtual ranks of C GPUs as
-    the simulator prices them (1/C of the layers' work plus the ring's exposed time, the plan's transfers on C
-    GPUs' links inside the node, the pieces' collectives, the memory per GPU); with tensor parallelism beside it,
-    as one tensor-parallel group computing whole sequences."""
-    if args.context_parallel_size > 1 and args.tensor_model_parallel_size == 1:
-        return virtual_rank_pricing(one, args.context_parallel_size, AttentionShape.of_flags(args))
-    return dict(one), None
+    ``one`` (by recompute setting): with ``--context-parallel-size C`` (beside ``--tensor-model-parallel-size T``
+    or not), the virtual ranks of T x C GPUs as the simulator prices them (1/(T x C) of the layers' work plus the
+    tensor-parallel collectives and the ring's exposed time, the plan's transfers on T x C GPUs' links inside the
+    node, the pieces' collectives of each GPU's tensor-parallel slice, the memory per GPU:
+    :func:`megatron_tawpipe.sim.context_parallel_weights.virtual_rank_pricing`); with C = 1, one GPU's (the
+    decision slices it over T)."""
+    return virtual_rank_pricing(one, args.context_parallel_size, AttentionShape.of_flags(args),
+                                args.tensor_model_parallel_size)
 
 
 def _pricing(args, device: torch.device, inputs: RunInputs, groups: int
@@ -270,7 +271,9 @@ def _pricing(args, device: torch.device, inputs: RunInputs, groups: int
     described["compute"] = compute
     costs, pieces = layout_pricing(args, {rc: cost_of(args.micro_batch_size, rc) for rc in recompute_settings(args)})
     if pieces is not None:
-        described["context parallelism"] = f"{args.context_parallel_size} GPUs per virtual rank"
+        T, C = args.tensor_model_parallel_size, args.context_parallel_size
+        described["context parallelism"] = (f"{C} GPUs per virtual rank" if T == 1 else
+                                            f"{T} x {C} GPUs per virtual rank (tensor x context parallel)")
     return costs, pieces, AUTO_CACHE_MEMORY_FRACTION * inputs.memory, described
 
 
