@@ -92,7 +92,8 @@ def test_async_save_resumes_like_a_synchronous_save(tmp_path, uninterrupted):
     from megatron_tawpipe.checkpoint import read_parameters
 
     async_dir, sync_dir = str(tmp_path / "async"), str(tmp_path / "sync")
-    common = ("--pipeline-schedule", "tawpipe", "--save-interval", "2", "--exit-interval", "4")
+    # one layout for both runs (compared bit for bit): with it decided, each run decides on what it measures
+    common = ("--pipeline-schedule", "tawpipe", "--save-interval", "2", "--exit-interval", "4", *pinned_layout(1))
     first = run_ranks(train_rank, 2, tiny_args(*common, "--save", async_dir, "--async-save", train_iters=ITERS))[-1]
     run_ranks(train_rank, 2, tiny_args(*common, "--save", sync_dir, train_iters=ITERS))
     assert open(os.path.join(async_dir, "latest_checkpointed_iteration.txt")).read().strip() == "4"
