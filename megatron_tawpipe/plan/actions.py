@@ -241,6 +241,19 @@ class OptimizerStep:
     """One optimizer step on the rank's owned shard(s) and replicated parts."""
 
 
+@dataclass(frozen=True, slots=True)
+class MemberCollectiveStart:
+    """A collective of the context-parallel members of one virtual rank (``ranks``: their GPUs in a per-GPU plan,
+    :func:`megatron_tawpipe.plan.context_parallel.lanes`): ``op`` (a member point's: compute, gather, scatter,
+    replicated, sum) for ``shard`` (-1: none), always followed by its ``Wait`` (the runtime issues these
+    synchronously). Only per-GPU plans hold it, which only the NCCL model runs: not among
+    :data:`ACTION_TYPES`."""
+    tag: int
+    ranks: Tuple[int, ...]
+    op: str
+    shard: int = -1
+
+
 # Buffer fields with a fixed role, per action type; communication actions take
 # the role from their kind (``COMM_BUFFER``).
 BUFFER_ROLES = {

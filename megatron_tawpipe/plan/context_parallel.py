@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from megatron_tawpipe.plan import actions as A
+from megatron_tawpipe.plan.actions import MemberCollectiveStart
 from megatron_tawpipe.plan.errors import PlanError
+from megatron_tawpipe.plan.nccl_terms import entries_of
 from megatron_tawpipe.plan.plan import Plan
 
 #: What the members do at a point (see the module docstring), and when, relative to the action at its step.
@@ -55,36 +57,14 @@ class MemberPoint:
         return WHEN[self.op]
 
 
-@dataclass(frozen=True, slots=True)
-class MemberCollectiveStart:
-    """A collective of the context-parallel members of one virtual rank (``ranks``: their GPUs in a
-    :func:`lanes` plan): ``op`` of :data:`OPERATIONS` for ``shard`` (-1: none). Only :func:`lanes` plans hold it,
-    always followed by its ``Wait`` (the runtime issues these synchronously)."""
-    tag: int
-    ranks: Tuple[int, ...]
-    op: str
-    shard: int = -1
-
-
-def _issued_together(actions) -> Dict[int, int]:
-    """The step of the first start of each start's NCCL group (``batch``): {step: first step}."""
-    first: Dict[int, int] = {}
-    current, at = None, -1
-    for step, a in enumerate(actions):
-        batch = getattr(a, "batch", None) if type(a) in A.P2P else None
-        if batch is None or batch != current:
-            current, at = batch, step
-        first[step] = at
-    return first
-
-
 def member_points(actions, rank: int, compute: bool = True) -> List[MemberPoint]:
     """The member points of ``rank``'s list ``actions``, in the order the members run them (``compute``: with
     the compute actions'; the executor leaves those to its compute). Raises ``PlanError`` for an action
     context parallelism does not run (the spread layout's slice collectives)."""
     points: List[Tuple[int, int, MemberPoint]] = []   # (step, order at the step, point)
     order = {"before": 0, "during": 1, "after": 2}
-    first = _issued_together(actions)
+    # a send's group is issued at its first start, as the executor issues it (``runtime.executor._issue_p2p``)
+    first = {step: ops[0][0] for _, ops in entries_of(actions, rank, "group") for step, _ in ops}
     starts: Dict[int, object] = {}
     for step, a in enumerate(actions):
         t = type(a)
@@ -155,13 +135,10 @@ def lanes(plan: Plan, size: int) -> Plan:
     out: List[List[object]] = [[] for _ in range(plan.num_ranks * size)]
     for v, acts in enumerate(plan.actions):
         members = tuple(range(v * size, (v + 1) * size))
-        at = points_by_step(member_points(acts, v))
         meetings: Dict[Tuple[int, str], List[Tuple[int, MemberPoint]]] = {}
-        for key, points in sorted(at.items(), key=lambda kv: (kv[0][0], ("before", "during", "after").index(kv[0][1]))):
-            meetings[key] = []
-            for p in points:
-                meetings[key].append((next_tag, p))
-                next_tag += 1
+        for p in member_points(acts, v):   # one tag each, in the order the members run them
+            meetings.setdefault((p.step, p.when), []).append((next_tag, p))
+            next_tag += 1
         for c in range(size):
             lane = out[v * size + c]
 

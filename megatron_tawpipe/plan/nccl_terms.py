@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from megatron_tawpipe.plan import actions as A
-from megatron_tawpipe.plan.context_parallel import MemberCollectiveStart
+from megatron_tawpipe.plan.actions import MemberCollectiveStart
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.plan import Plan
 
