@@ -72,6 +72,9 @@ def test_emulated_layers_run_the_rings_exchange(tmp_path, schedule):
                                               t["layer_recompute"]) + t["head_forward"] + t["head_backward"]) / 2
             assert record["elapsed_ms"] / 1000 >= 0.95 * slept
             assert 0.0 < record["compute_busy_fraction"] <= 1.0
+            # the ring's posts and waits, timed beside the sleeps: some time, less than the iteration's rest
+            assert 0.0 < record["emulated_ring_seconds"] < (1 - record["compute_busy_fraction"]) * \
+                record["elapsed_ms"] / 1000 + 0.01
             if schedule == "tawpipe":   # each member moves its piece: the links carry the plan's bytes
                 assert record["inter_group_bytes"] == record["planned_inter_group_bytes"] > 0
 
@@ -110,6 +113,8 @@ def _ring_alone_rank(rank):
         forward, backward = [], []
         ring.forward(0.010, forward.append, torch.bfloat16, "cpu")
         ring.backward(0.020, backward.append, torch.bfloat16, "cpu")
+        spent = ring.take_spent_s()
+        assert spent > 0.0 and ring.take_spent_s() == 0.0   # the exchanges' posts and waits, taken once
     finally:
         dist.batch_isend_irecv = original
         dist.destroy_process_group()

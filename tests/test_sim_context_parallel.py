@@ -17,6 +17,7 @@ from megatron_tawpipe.sim.advisor_report import searched_lines
 from megatron_tawpipe.sim.context_parallel import (ACCUMULATOR_BYTES, CONTEXT_PARALLEL_STRATEGIES, AttentionShape,
                                                    attention_share, context_parallel_bytes_per_gpu,
                                                    context_parallel_cost, context_parallel_problem,
+                                                   context_parallel_ring_seconds_per_gpu,
                                                    per_gpu_breakdown, ring_attention_exposed)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.memory import TERMS, MemoryBreakdown
@@ -118,6 +119,11 @@ def test_exposed_ring_of_two_by_hand():
     assert context_parallel_bytes_per_gpu(c, s, 2, 1, layers=8, microbatches=3) == pytest.approx(24 * recompute)
     assert context_parallel_bytes_per_gpu(cost(recompute=False), s, 2, 1, 8, 3) == \
         pytest.approx(24 * (r.forward_bytes + r.backward_bytes))
+    # the ring's exposed seconds per GPU and iteration: every layer and micro-batch, the recompute's ring too
+    assert context_parallel_ring_seconds_per_gpu(c, s, 2, 1, layers=8, microbatches=3) == \
+        pytest.approx(24 * (r.forward + r.backward + r.recompute))
+    assert r.recompute > 0                                           # c recomputes: the forward's ring again
+    assert context_parallel_ring_seconds_per_gpu(c, s, 1, 1, 8, 3) == 0.0
     # tensor parallelism splits the key/value heads: 1/T of every message
     assert ring_attention_exposed(c, s, 2, tp=2).forward_bytes == pytest.approx(kv / 2)
 
@@ -298,6 +304,7 @@ def test_simulate_prices_one_context_parallel_configuration():
     for r in rows.values():
         assert r["options"]["context_parallel_size"] == 2
         assert r["options"]["context_parallel_bytes_per_gpu"] > 0
+        assert r["options"]["context_parallel_ring_seconds_per_gpu"] > 0
         mem = r["options"]["memory_breakdown"]
         assert mem["total"] == pytest.approx(sum(mem[t] for t in TERMS))
     # distopt: the same GPUs share the optimizer; activations halve; the weights stay whole

@@ -254,6 +254,7 @@ def summarize_run(records: List[dict], warmup: int) -> dict:
         "intra_group_bytes": med("intra_group_bytes"),
         "peak_memory_bytes_max_rank": max(p for p in peak if p is not None) if any(p is not None for p in peak) else None,
         "compute_busy_fraction": busy,
+        "emulated_ring_seconds": med("emulated_ring_seconds"),
         "plan_seconds": med("plan_seconds"),
         "optimizer_seconds": med("optimizer_seconds"),
         "memory_since_model_bytes_max_rank": _max_of(measured, "memory_since_model_bytes_max_rank"),
@@ -481,6 +482,7 @@ def summarize(runs: List[dict], schedules: Sequence[str]) -> List[dict]:
             "peak_memory_bytes_max_rank": max(r["peak_memory_bytes_max_rank"] for r in mine
                                               if r["peak_memory_bytes_max_rank"] is not None),
             "compute_busy_fraction": med("compute_busy_fraction"),
+            "emulated_ring_seconds": med("emulated_ring_seconds"),
             "plan_seconds": med("plan_seconds"),
             "optimizer_seconds": med("optimizer_seconds"),
             "memory_since_model_bytes_max_rank": med("memory_since_model_bytes_max_rank"),

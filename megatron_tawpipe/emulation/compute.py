@@ -161,6 +161,13 @@ class EmulatedCompute:
         (a step's sleeps never take less than its compute's time)."""
         self.slept_s = 0.0
         self._overslept_s = 0.0
+        if self._ring is not None:
+            self._ring.take_spent_s()
+
+    def take_ring_s(self) -> Optional[float]:
+        """Seconds the ring attention's exchanges showed beside the sleeps since the last call (None without
+        context parallelism): :meth:`megatron_tawpipe.emulation.ring.EmulatedRing.take_spent_s`."""
+        return self._ring.take_spent_s() if self._ring is not None else None
 
     def take_slept_s(self) -> float:
         """Seconds slept since the last call (one training step's compute time)."""

@@ -28,6 +28,7 @@ message's size, dtype, peers and order, and its overlap with the step it hides b
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 from dataclasses import replace
@@ -57,6 +58,7 @@ class EmulatedRing:
         self.group, self.size, self.rank = group, size, rank
         self.kv_numel, self.share = int(kv_numel), float(share)
         self._buffers = {}
+        self.spent_s = 0.0   # seconds spent posting and waiting for the exchanges (beside the sleeps)
         self.to_next = dist.get_global_rank(group, (rank + 1) % size)
         self.from_prev = dist.get_global_rank(group, (rank - 1) % size)
 
@@ -81,14 +83,24 @@ class EmulatedRing:
         return self._buffers[key]
 
     def _post(self, send: torch.Tensor, recv: torch.Tensor):
+        start = time.perf_counter()
         ops = [dist.P2POp(dist.isend, send, self.to_next, self.group),
                dist.P2POp(dist.irecv, recv, self.from_prev, self.group)]
-        return dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops)
+        self.spent_s += time.perf_counter() - start
+        return works
 
-    @staticmethod
-    def _wait(works) -> None:
+    def _wait(self, works) -> None:
+        start = time.perf_counter()
         for work in works or ():
             work.wait()
+        self.spent_s += time.perf_counter() - start
+
+    def take_spent_s(self) -> float:
+        """Seconds this member spent posting and waiting for the ring's exchanges since the last call: the
+        ring's time on the critical path, the measured counterpart of the simulator's exposed ring time."""
+        spent, self.spent_s = self.spent_s, 0.0
+        return spent
 
     # ---- one layer's passes ---------------------------------------------------------------------------------
     def _step_s(self, layer_s: float) -> float:

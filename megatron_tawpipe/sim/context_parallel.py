@@ -213,6 +213,17 @@ def context_parallel_bytes_per_gpu(cost: CostModel, shape: AttentionShape, cp: i
     return microbatches * layers * passes
 
 
+def context_parallel_ring_seconds_per_gpu(cost: CostModel, shape: AttentionShape, cp: int, tp: int, layers: float,
+                                          microbatches: float) -> float:
+    """Seconds of one GPU's iteration the ring shows beside its attention blocks (its exposed time,
+    :func:`ring_attention_exposed`): every decoder layer it runs, for every micro-batch through it, forward,
+    backward and (with recompute) the recompute's ring."""
+    if cp == 1:
+        return 0.0
+    ring = ring_attention_exposed(cost, shape, cp, tp)
+    return microbatches * layers * (ring.forward + ring.backward + ring.recompute)
+
+
 def per_gpu_breakdown(memory: MemoryBreakdown, tp: int, cp: int = 1) -> MemoryBreakdown:
     """A virtual rank's memory, per GPU: weights and gradients / T, the other terms / (T x C)."""
     if cp == 1:
@@ -258,6 +269,8 @@ def per_gpu_result(result, cp: int, cost: CostModel, shape: AttentionShape, laye
         result.options["tensor_model_parallel_size"] = tp
     result.options["context_parallel_bytes_per_gpu"] = context_parallel_bytes_per_gpu(cost, shape, cp, tp, layers,
                                                                                       microbatches)
+    result.options["context_parallel_ring_seconds_per_gpu"] = context_parallel_ring_seconds_per_gpu(
+        cost, shape, cp, tp, layers, microbatches)
     return result
 
 

@@ -46,7 +46,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from megatron_tawpipe.plan.context_parallel import member_points
 from megatron_tawpipe.sim.context_parallel import (AttentionShape, context_parallel_bytes_per_gpu,
-                                                   context_parallel_cost)
+                                                   context_parallel_cost, context_parallel_ring_seconds_per_gpu)
 from megatron_tawpipe.sim.costmodel import CostModel, Link
 from megatron_tawpipe.sim.memory import TERMS, MemoryBreakdown
 from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown as tensor_parallel_breakdown
@@ -194,6 +194,8 @@ def per_gpu_result(result, cp: int, cost: CostModel, shape: AttentionShape, piec
     layers = pieces.plan.num_layers if hasattr(pieces.plan, "num_layers") else sum(pieces.plan.shard_layers)
     result.options["context_parallel_bytes_per_gpu"] = context_parallel_bytes_per_gpu(cost, shape, cp, tp, layers,
                                                                                       microbatches)
+    result.options["context_parallel_ring_seconds_per_gpu"] = context_parallel_ring_seconds_per_gpu(
+        cost, shape, cp, tp, layers, microbatches)
     ranks = max(pieces.plan.num_ranks, 1)
     result.options["context_parallel_piece_bytes_per_gpu"] = {k: v / ranks for k, v in pieces.bytes.items()}
     return result

@@ -257,6 +257,10 @@ def _train(args, trainer_factory, legacy_reference: Optional[ReferenceFactory]) 
             if step.slept_s is not None:  # emulated: busy = slept compute time, the same measure for every schedule
                 extra["compute"] = "emulated"
                 extra["compute_busy_fraction"] = mean_over_ranks(step.slept_s / elapsed)
+                emulation = getattr(trainer, "emulation", None)
+                ring_s = emulation.take_ring_s() if emulation is not None else None
+                if ring_s is not None:   # context parallelism: the ring's exchanges beside the sleeps
+                    extra["emulated_ring_seconds"] = mean_over_ranks(ring_s)
             reason = stop.reason(iteration)
             # Validation every --eval-interval iterations and, as Megatron-LM does, once after the last
             # iteration (not after an early exit).
