@@ -166,8 +166,11 @@ class EmulatedCompute:
 
     def take_ring_s(self) -> Optional[float]:
         """Seconds the ring attention's exchanges showed beside the sleeps since the last call (None without
-        context parallelism): :meth:`megatron_tawpipe.emulation.ring.EmulatedRing.take_spent_s`."""
-        return self._ring.take_spent_s() if self._ring is not None else None
+        context parallelism; 0.0 on a rank whose ring has not run yet, so that every rank of the run reports):
+        :meth:`megatron_tawpipe.emulation.ring.EmulatedRing.take_spent_s`."""
+        if self.context_parallel_size == 1:
+            return None
+        return self._ring.take_spent_s() if self._ring is not None else 0.0
 
     def take_slept_s(self) -> float:
         """Seconds slept since the last call (one training step's compute time)."""
