@@ -112,7 +112,6 @@ class EmulatedCompute:
         # and the default) or, False, in its input pass
         self.deferred_weight_gradients = deferred_weight_gradients
         self.slept_s = 0.0
-        self._overslept_s = 0.0   # seconds the last sleeps overran, owed by the next (see :meth:`sleep`)
         # --context-parallel-size C: every layer sleeps 1/C of its times around the ring's real exchange
         # (:mod:`.ring`; made on first use, once megatron-core's parallel state exists)
         self.args = args
@@ -141,26 +140,13 @@ class EmulatedCompute:
         return cls(times, recompute, True, args=args)
 
     def sleep(self, seconds: float) -> None:
-        """Sleep ``seconds`` of compute. What the operating system oversleeps (its timer slack and wake-up
-        delay: about 0.1-0.3 ms per call on a loaded 2-core machine, a GPU kernel has none) is owed and taken
-        from the next sleeps, so that a rank's compute sums to its times however finely it is cut (a layer
-        under context parallelism sleeps 2C + 2 times). Only the sleep's own overshoot is owed: a wait
-        between sleeps (a transfer) is never taken back."""
         if seconds > 0:
-            want = seconds - self._overslept_s
-            if want > 0:
-                start = time.perf_counter()
-                time.sleep(want)
-                self._overslept_s = max(0.0, time.perf_counter() - start - want)
-            else:
-                self._overslept_s = -want
+            time.sleep(seconds)
             self.slept_s += seconds
 
     def start_step(self) -> None:
-        """A training step starts: forget what was slept before it (evaluation, set-up), and what was owed
-        (a step's sleeps never take less than its compute's time)."""
+        """A training step starts: forget what was slept before it (evaluation, set-up)."""
         self.slept_s = 0.0
-        self._overslept_s = 0.0
         if self._ring is not None:
             self._ring.take_spent_s()
 
