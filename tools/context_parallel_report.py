@@ -23,7 +23,6 @@ def summary(out: str, rounds: int, names) -> list:
         runs = [r for k in range(1, rounds + 1) for r in json.load(open(f"{out}/{name}-{k}.json"))["runs"]]
         tps = [r["tokens_per_sec_per_rank"] for r in runs]
         simulated = json.load(open(f"{out}/{name}-simulated.json"))
-        predicted = next(r for r in simulated if r["schedule"] == name)["tokens_per_sec_per_rank"]
         row = next(r for r in simulated if r["schedule"] == name)
         predicted = row["tokens_per_sec_per_rank"]
         measured = statistics.median(tps)
