@@ -140,7 +140,7 @@ def _model_times(args, num_layers: int, repeats: int, warmup: int) -> Dict[str, 
 def measure_compute_times(args, repeats: int = 5, warmup: int = 2, base_layers: int = 1,
                           extra_layers: int = 4) -> Dict[str, object]:
     """Measure per-layer and head times of the model ``args`` describes (see the module docstring)."""
-    from megatron_tawpipe.models.llama import resolve_attention_backend
+    from megatron_tawpipe.models.backends import resolve_attention_backend
 
     small = _model_times(args, base_layers, repeats, warmup)
     large = _model_times(args, base_layers + extra_layers, repeats, warmup)

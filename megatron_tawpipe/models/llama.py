@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import os
 from typing import Dict, Optional
 
 import torch
@@ -36,21 +35,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_tawpipe.arguments.run_config import LayerOptions
 from megatron_tawpipe.models.attention import SDPAttention
+from megatron_tawpipe.models.backends import (  # noqa: F401 (the model's names)
+    ATTENTION_BACKENDS, TE_ATTENTION_BACKENDS, check_model_support, resolve_attention_backend,
+    transformer_engine_available)
 from megatron_tawpipe.models.initialization import init_llama_weights
 from megatron_tawpipe.models.norms import TorchNorm, TorchQKNorm
 from megatron_tawpipe.models.parameters import mark_tensor_parallel_weights
-
-ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local", "flash", "fused", "unfused")
-TE_ATTENTION_BACKENDS = ("flash", "fused", "unfused")
-
-
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
-
 
 def _importable(module: str) -> bool:
     try:
@@ -259,38 +249,6 @@ def _te_attention_backend(args) -> Dict[str, object]:
     return {"attention_backend": AttnBackend[args.attention_backend]}
 
 
-def resolve_attention_backend(requested: str, args=None) -> str:
-    """te, sdpa or local (megatron-core's unfused attention); flash/fused/unfused are TE's kernels. ``args``: the
-    flags, a :class:`LayerOptions`, or None (Llama's)."""
-    if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
-    options = LayerOptions.of(args)
-    impl = options.transformer_impl
-    if impl == "inference_optimized":
-        raise ValueError("--transformer-impl inference_optimized is for inference; train with transformer_engine "
-                         "or local")
-    if impl == "transformer_engine" and not transformer_engine_available():
-        raise ValueError("--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU; "
-                         "on this machine use --transformer-impl local")
-    use_te = impl == "transformer_engine" or (impl is None and transformer_engine_available())
-    if requested in TE_ATTENTION_BACKENDS or requested == "te":
-        if not transformer_engine_available():
-            raise ValueError(f"--attention-backend {requested} needs Transformer Engine and a CUDA GPU; "
-                             "use auto or local")
-        if impl == "local":
-            raise ValueError(f"--attention-backend {requested} is Transformer Engine's: it needs --transformer-impl "
-                             "transformer_engine, not local")
-        return "te"
-    if requested == "auto":
-        if use_te:
-            return "te"
-        # megatron's query-key layer scaling lives in its own softmax: keep its attention then.
-        return "local" if options.apply_query_key_layer_scaling else "sdpa"
-    if requested == "sdpa" and options.apply_query_key_layer_scaling:
-        raise ValueError("--apply-query-key-layer-scaling needs --attention-backend local or auto (not sdpa)")
-    return requested
-
-
 def _apex_layer_norm_usable(options: LayerOptions) -> bool:
     """Whether megatron-core's Apex LayerNorm (``FusedLayerNorm``) can run here: a LayerNorm model on a GPU
     with Apex's fused LayerNorm kernel importable (it does no RMSNorm)."""
@@ -302,15 +260,6 @@ def _beyond_torch_norm(options: LayerOptions, backend: str) -> bool:
     """Whether the layers get a norm other than torch's: Transformer Engine's, or Apex's LayerNorm on a GPU
     (both take zero-centred weights and sequence parallelism themselves)."""
     return backend == "te" or _apex_layer_norm_usable(options)
-
-
-def check_model_support(args) -> None:
-    """Raise ValueError for an architecture this machine cannot build (before any process group)."""
-    backend = resolve_attention_backend(args.attention_backend, args)
-    if (args.apply_query_key_layer_scaling and backend == "te"
-            and os.environ.get("NVTE_APPLY_QK_LAYER_SCALING") != "1"):
-        raise ValueError("--apply-query-key-layer-scaling with Transformer Engine's attention needs "
-                         "NVTE_APPLY_QK_LAYER_SCALING=1 in the environment (or --attention-backend local)")
 
 
 def _uses_torch_norm(options: LayerOptions, backend: str) -> bool:

@@ -125,7 +125,7 @@ class PlanBuilder:
         batches = itertools.count()
         for rank, items in enumerate(self._items):
             items.sort()      # by key, then emission order (seq is unique)
-            specs = _batch_p2p(rank, [(key, cls, args) for key, _, cls, args in items], batches)
+            specs = _batch_p2p(rank, items, batches)
             acts, nw, ng = _assign_buffers(specs)
             weight_slots, grad_slots = max(weight_slots, nw), max(grad_slots, ng)
             lists.append(acts)
@@ -139,7 +139,7 @@ class PlanBuilder:
 
 
 def _batch_p2p(rank: int, items: list, counter) -> list:
-    """Lower sorted ``(key, class, args)`` items of ``rank`` to ``(class, args)``
+    """Lower sorted ``(key, emission order, class, args)`` items of ``rank`` to ``(class, args)``
     specs in which the sends and receives of one key, one channel and, on the
     weight-passing channels, one direction (toward higher or lower ranks: each
     its own process group, ``nccl_terms.process_group``) form one NCCL group
@@ -159,32 +159,43 @@ def _batch_p2p(rank: int, items: list, counter) -> list:
     batches on the process group's own communicator, which the executor creates
     up front, so no pair communicator is created in the middle of a plan."""
     out = []
+    append = out.append
+    send_start, recv_start = A.SendStart, A.RecvStart
     i = 0
     n = len(items)
     while i < n:
-        j = i
+        j = i + 1
         key = items[i][0]
         while j < n and items[j][0] == key:
             j += 1
+        if j == i + 1:    # alone at its key: a transfer is a batch of one
+            cls, args = items[i][2], items[i][3]
+            append((cls, tuple(args) + (next(counter),)) if cls is send_start or cls is recv_start else (cls, args))
+            i = j
+            continue
         run = items[i:j]
         groups: Dict[str, list] = {}
-        for _, cls, args in run:
-            if cls is A.SendStart or cls is A.RecvStart:
+        for _, _, cls, args in run:
+            if cls is send_start or cls is recv_start:
                 channel = A.CHANNEL[args[3]]
-                sender, receiver = (rank, args[1]) if cls is A.SendStart else (args[1], rank)
+                sender, receiver = (rank, args[1]) if cls is send_start else (args[1], rank)
                 way = sender < receiver if channel in A.DIRECTED_CHANNELS else None
                 groups.setdefault((channel, way), []).append((cls, args))
+        if not groups:
+            out.extend((cls, args) for _, _, cls, args in run)
+            i = j
+            continue
         last = {id(members[-1][1]): channel for channel, members in groups.items()}
-        for _, cls, args in run:
-            if cls is A.SendStart or cls is A.RecvStart:
+        for _, _, cls, args in run:
+            if cls is send_start or cls is recv_start:
                 channel = last.get(id(args))
                 if channel is None:
                     continue
                 batch = next(counter)
                 for c, a in groups[channel]:
-                    out.append((c, tuple(a) + (batch,)))
+                    append((c, tuple(a) + (batch,)))
             else:
-                out.append((cls, args))
+                append((cls, args))
         i = j
     return out
 
@@ -201,7 +212,7 @@ def _assign_buffers(specs: list):
     last: Dict[str, int] = {}
     tag_buf: Dict[int, str] = {}
     refs = []                                   # (index, [field index])
-    Wait = A.Wait
+    Wait, buf_index, start_types = A.Wait, _BUF_INDEX, _START_TYPES
     for i, (cls, args) in enumerate(specs):
         if cls is Wait:
             b = tag_buf.get(args[0])
@@ -209,7 +220,7 @@ def _assign_buffers(specs: list):
                 last[b] = i
             continue
         found = None
-        for j in _BUF_INDEX[cls]:
+        for j in buf_index[cls]:
             b = args[j]
             if b and b[0] == "~":
                 if b not in first:
@@ -217,7 +228,7 @@ def _assign_buffers(specs: list):
                 last[b] = i
                 if found is None:
                     found = []
-                    if cls in _START_TYPES:
+                    if cls in start_types:
                         tag_buf[args[0]] = b
                 found.append(j)
         if found:

@@ -9,6 +9,7 @@ from typing import Dict, Tuple
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import batch_entries
 from megatron_tawpipe.plan.plan import Plan
+from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes
 
 _STARTS = frozenset(A.STARTS)
 
@@ -16,6 +17,8 @@ _STARTS = frozenset(A.STARTS)
 # immutable, and the advisor prices one plan under many cost models
 _HELD_STATES: Dict[int, Tuple[weakref.ref, int, list]] = {}
 _STRUCTURE: Dict[int, Tuple[weakref.ref, int, tuple]] = {}
+_ENTRIES: Dict[int, Tuple[weakref.ref, int, tuple]] = {}
+_TRAFFIC: Dict[int, Tuple[weakref.ref, int, dict]] = {}
 
 
 def _cached(cache: dict, plan: Plan, derive):
@@ -44,6 +47,22 @@ def plan_structure(plan: Plan) -> tuple:
     return _cached(_STRUCTURE, plan, derive)
 
 
+def plan_entries(plan: Plan) -> tuple:
+    """The NCCL entries of :func:`plan_structure` indexed for a simulation: ``(index, keys, tags, sizes)`` with
+    ``index[(rank, tag)]`` the entry's number, ``keys[i]`` its communicator key, ``tags[i]`` its tags (a batch is
+    one entry), ``sizes[i]`` their count; cached per plan."""
+    def derive(plan):
+        index: Dict[tuple, int] = {}
+        keys, tags = [], []
+        for i, (r, key, entry_tags) in enumerate(plan_structure(plan)[1]):
+            keys.append(key)
+            tags.append(entry_tags)
+            for tag in entry_tags:
+                index[(r, tag)] = i
+        return index, keys, tags, [len(t) for t in tags]
+    return _cached(_ENTRIES, plan, derive)
+
+
 def held_states(plan: Plan) -> list:
     """Per rank, the distinct (stored inputs, layers in the weight-gradient store, shard-0 backwards in it,
     last-shard backwards in it) after each action, in order of first appearance; cached per plan."""
@@ -67,3 +86,18 @@ def _derive_held_states(plan: Plan) -> list:
             seen.setdefault((stash, layers, first, last), None)
         per_rank.append(list(seen))
     return per_rank
+
+
+def plan_traffic(plan: Plan, bytes_per_shard: float, bytes_per_activation: float, bytes_per_grad: float,
+                 reduce_scatter_factor: float, replicated_bytes: float) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """(``link_bytes`` of ``plan`` with the replicated all-reduce's bytes added, ``replicated_allreduce_bytes``)
+    per link class: each computed once per plan object and byte sizes (a new dict each call)."""
+    table = _cached(_TRAFFIC, plan, lambda p: {})
+    key = (bytes_per_shard, bytes_per_activation, bytes_per_grad, reduce_scatter_factor, replicated_bytes)
+    hit = table.get(key)
+    if hit is None:
+        lb = link_bytes(plan, bytes_per_shard, bytes_per_activation, bytes_per_grad,
+                        reduce_scatter_factor=reduce_scatter_factor)
+        rep = replicated_allreduce_bytes(plan, replicated_bytes)
+        hit = table[key] = ({k: v + rep[k] for k, v in lb.items()}, dict(rep))
+    return dict(hit[0]), dict(hit[1])

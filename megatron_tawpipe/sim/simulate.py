@@ -45,11 +45,11 @@ from collections import deque
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.sim.costmodel import CostModel
 from megatron_tawpipe.sim.network import Flow, max_min_rates
-from megatron_tawpipe.sim.plan_facts import plan_structure
+from megatron_tawpipe.sim.plan_facts import plan_entries, plan_structure, plan_traffic
 from megatron_tawpipe.sim.plan_memory import memory_fields
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.timeline import COMPUTE_LABELS, SPAN_LABELS
-from megatron_tawpipe.plan.traffic import link_bytes, replicated_allreduce_bytes, ring_share
+from megatron_tawpipe.plan.traffic import ring_share
 
 INF = float("inf")
 
@@ -157,15 +157,11 @@ class _Simulator:
         self.flows: List[Flow] = []
         self.net_time = 0.0
         self.net_version = 0
-        need, entries = plan_structure(plan)
-        self.need = dict(need)
-        self.starts: Dict[int, Dict[int, object]] = {}
-        # NCCL streams: entries (lists of tags, a batch is one entry) per (rank, communicator).
-        self.entry_of: Dict[tuple, list] = {}          # (rank, tag) -> [key, tags, left]
-        for r, key, tags in entries:
-            entry = [key, tags, len(tags)]
-            for tag in tags:
-                self.entry_of[(r, tag)] = entry
+        self.need = plan_structure(plan)[0]   # read only
+        # NCCL streams: entries (lists of tags, a batch is one entry) per (rank, communicator): (rank, tag) ->
+        # the entry's number; per entry its communicator key, its tags, and (``left``) its tags not yet completed
+        self.entry_of, self.entry_key, self.entry_tags, sizes = plan_entries(plan)
+        self.left = list(sizes)
         self.fifo: Dict[tuple, deque] = {}
         # Bytes of one unit of each transfer kind, per shard (shards may differ in size).
         self.unit = {kind: [cost.unit_bytes(plan, kind, s) for s in range(plan.num_shards)]
@@ -175,6 +171,14 @@ class _Simulator:
         self.bwd_i = [cost.backward_input_time(plan, s) for s in range(plan.num_shards)]
         self.bwd_w = [cost.backward_weight_time(plan, s) for s in range(plan.num_shards)]
         self.copy = [cost.copy_time(plan, s) for s in range(plan.num_shards)]
+        # per action class: (seconds per shard, span label) as :meth:`duration` gives them; the optimizer step's
+        # depends on the rank (:meth:`duration`); a class not here takes no time
+        half_copy = [c / 2 for c in self.copy]
+        self._timed = {cls: (times, SPAN_LABELS[cls]) for cls, times in (
+            (A.Forward, self.fwd), (A.Backward, self.bwd), (A.BackwardInput, self.bwd_i),
+            (A.BackwardWeight, self.bwd_w), (A.LoadWeights, self.copy), (A.AccumulateToOwner, self.copy),
+            (A.ZeroGrad, half_copy))}
+        self._timed[A.OptimizerStep] = _OPTIMIZER
 
     def push(self, t, kind, payload):
         self.seq += 1
@@ -214,35 +218,48 @@ class _Simulator:
 
     def step(self, r: int, t: float) -> None:
         acts = self.plan.actions[r]
-        while self.pc[r] < len(acts):
-            a = acts[self.pc[r]]
+        n, pc = len(acts), self.pc[r]
+        timed = self._timed
+        while pc < n:
+            a = acts[pc]
             cls = type(a)
-            if cls is A.Wait:
+            if cls is _WAIT:
                 op = self._op(a.tag)
                 if op.done is None:
+                    self.pc[r] = pc
                     op.waiters.append(r)
                     self.blocked_at[r] = t
                     return
                 if r in self.blocked_at:
-                    self.idle[(r, self.pc[r])] = t - self.blocked_at.pop(r)
-                self.pc[r] += 1
+                    self.idle[(r, pc)] = t - self.blocked_at.pop(r)
+                pc += 1
                 after = self.around.after_wait(r, op.start.get(r)) if self.around is not None else 0.0
                 if after > 0:     # a collective the rank runs once the transfer arrived
+                    self.pc[r] = pc
                     self.push(t + after, "rank", r)
                     return
                 continue
             if cls in _STARTS:
-                if self.around is not None and self.paid.get(r) != self.pc[r]:
+                if self.around is not None and self.paid.get(r) != pc:
                     before = self.around.before_start(r, a)
                     if before > 0:    # a collective the rank runs before the transfer leaves
-                        self.paid[r] = self.pc[r]
+                        self.pc[r] = pc
+                        self.paid[r] = pc
                         self.push(t + before, "rank", r)
                         return
-                self.pc[r] += 1
+                pc += 1
+                self.pc[r] = pc
                 self.post(r, a, t)
                 continue
-            self.pc[r] += 1
-            dur, kind = self.duration(r, a)
+            pc += 1
+            how = timed.get(cls)
+            if how is None:       # takes no time
+                continue
+            self.pc[r] = pc
+            if how is _OPTIMIZER:
+                dur, kind = self.duration(r, a)
+            else:
+                dur, kind = how[0][a.shard], how[1]
             if dur > 0:
                 if kind in COMPUTE_LABELS:
                     self.busy[r] += dur
@@ -251,6 +268,7 @@ class _Simulator:
                                            getattr(a, "shard", -1)))
                 self.push(t + dur, "rank", r)
                 return
+        self.pc[r] = pc
         self.finish[r] = t
 
     def duration(self, r: int, a):
@@ -284,34 +302,41 @@ class _Simulator:
         return op
 
     def post(self, r: int, a, t: float) -> None:
-        op = self._op(a.tag)
+        tag = a.tag
+        op = self.ops.get(tag)
+        if op is None:
+            op = self.ops[tag] = _Op(tag, self.need[tag], {})
         op.start[r] = a
         op.posted += 1
-        entry = self.entry_of[(r, a.tag)]
-        if entry[1][0] == a.tag:        # the first start of its entry: the entry joins the FIFO
-            fifo = self.fifo.setdefault((r, entry[0]), deque())
+        entry = self.entry_of[(r, tag)]
+        if self.entry_tags[entry][0] == tag:        # the first start of its entry: the entry joins the FIFO
+            fifo = self.fifo.get((r, self.entry_key[entry]))
+            if fifo is None:
+                fifo = self.fifo[(r, self.entry_key[entry])] = deque()
             fifo.append(entry)
         if op.posted == op.need and self._at_heads(op):
             self.begin(op, t)
 
     def _at_heads(self, op: _Op) -> bool:
+        entry_of, keys, fifo, tag = self.entry_of, self.entry_key, self.fifo, op.tag
         for r in op.start:
-            entry = self.entry_of[(r, op.tag)]
-            if self.fifo[(r, entry[0])][0] is not entry:
+            entry = entry_of[(r, tag)]
+            if fifo[(r, keys[entry])][0] != entry:
                 return False
         return True
 
     def _leave_fifos(self, op: _Op, t: float) -> None:
         """``op`` completed: its entries may leave their FIFOs, letting the next ones run."""
+        left = self.left
         for r in op.start:
             entry = self.entry_of[(r, op.tag)]
-            entry[2] -= 1
-            if entry[2]:
+            left[entry] -= 1
+            if left[entry]:
                 continue
-            fifo = self.fifo[(r, entry[0])]
+            fifo = self.fifo[(r, self.entry_key[entry])]
             fifo.popleft()
             if fifo:
-                for tag in fifo[0][1]:
+                for tag in self.entry_tags[fifo[0]]:
                     nxt = self.ops.get(tag)
                     if nxt is not None and nxt.done is None and not nxt.began and \
                             nxt.posted == nxt.need and self._at_heads(nxt):
@@ -325,9 +350,10 @@ class _Simulator:
         # (``cost.reduce_scatter_factor``), priced as for every other strategy's
         half = cls is A.AllGatherStart or (cls is A.ReduceScatterStart and self.cost.reduce_scatter_factor == 1.0)
         ring = cls is A.AllReduceStart or cls is A.ReplicatedAllReduceStart or cls in _SLICES
-        if cls in (A.SendStart, A.RecvStart):
-            send = next(x for x in op.start.values() if type(x) is A.SendStart)
-            src = next(rr for rr, x in op.start.items() if x is send)
+        if cls is A.SendStart or cls is A.RecvStart:
+            for src, send in op.start.items():
+                if type(send) is A.SendStart:
+                    break
             pairs = [(src, send.peer)]
         elif cls is A.BroadcastStart:
             pairs = [(a.root, m) for m in a.ranks if m != a.root]
@@ -421,6 +447,8 @@ class _Simulator:
 
 
 _STARTS = frozenset(A.STARTS)
+_WAIT = A.Wait
+_OPTIMIZER = object()   # :attr:`_Simulator._timed`'s mark of the optimizer step (priced per rank)
 _SLICES = frozenset(A.SLICE_COLLECTIVES)
 
 
@@ -435,10 +463,9 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True, around=None) -> S
     iteration = max(sim.finish) if P else 0.0
     compute = sum(sim.busy)
     tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
-    lb = link_bytes(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan),
-                    reduce_scatter_factor=cost.reduce_scatter_factor)
-    rep = replicated_allreduce_bytes(plan, cost.replicated_params * cost.grad_bytes)
-    lb = {k: v + rep[k] for k, v in lb.items()}       # what crosses the links: the replicated ring too
+    # what crosses the links: the replicated ring too
+    lb, rep = plan_traffic(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan),
+                           cost.reduce_scatter_factor, cost.replicated_params * cost.grad_bytes)
     return SimResult(
         schedule=plan.schedule, num_ranks=P, iteration_time=iteration,
         tokens_per_sec_per_rank=(tokens / iteration / P) if iteration > 0 else INF,

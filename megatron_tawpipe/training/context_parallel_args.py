@@ -69,7 +69,7 @@ def _check_weight_passing(args: argparse.Namespace, world_size: int, flag: str) 
 
 
 def _check_attention(args: argparse.Namespace, flag: str) -> None:
-    from megatron_tawpipe.models.llama import resolve_attention_backend
+    from megatron_tawpipe.models.backends import resolve_attention_backend
 
     try:
         backend = resolve_attention_backend(args.attention_backend, args)

@@ -13,7 +13,7 @@ from megatron_tawpipe.arguments.weight_passing import (AUTO, tawpipe_cache_probl
                                                        tawpipe_shards_per_rank_problem)
 from megatron_tawpipe.common import launcher
 from megatron_tawpipe.compat.megatron_lm import NOTICES
-from megatron_tawpipe.optimizer.precision_aware import precision_refusal
+from megatron_tawpipe.optimizer.precision_flags import precision_refusal
 from megatron_tawpipe.training.context_parallel_args import check_context_parallel
 from megatron_tawpipe.training.layer_split_args import settle_layer_split
 from megatron_tawpipe.training.data_parallel_args import notice, validate_data_parallel
@@ -173,7 +173,7 @@ def _validate_model(args: argparse.Namespace) -> None:
                             "--position-embedding-type rope")
     if not 0.0 < args.rotary_percent <= 1.0:
         raise ArgumentError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
-    from megatron_tawpipe.models.llama import check_model_support
+    from megatron_tawpipe.models.backends import check_model_support
 
     try:
         check_model_support(args)
