@@ -111,11 +111,36 @@ def _ring_alone_rank(rank):
     dist.batch_isend_irecv = recording
     try:
         forward, backward = [], []
-        ring.forward(0.010, forward.append, torch.bfloat16, "cpu")
-        ring.backward(0.020, backward.append, torch.bfloat16, "cpu")
+        ring.forward(0.010, lambda seconds, actual=None: forward.append(seconds), torch.bfloat16, "cpu")
+        ring.backward(0.020, lambda seconds, actual=None: backward.append(seconds), torch.bfloat16, "cpu")
         spent = ring.take_spent_s()
         assert spent > 0.0 and ring.take_spent_s() == 0.0   # the exchanges' posts and waits, taken once
     finally:
         dist.batch_isend_irecv = original
         dist.destroy_process_group()
     return (forward, backward), sent
+
+
+def test_a_pass_owes_each_sleeps_overrun_to_the_next_until_a_wait_hides_it():
+    import time
+
+    from megatron_tawpipe.emulation.ring import PassSleep
+
+    asked = []
+
+    def oversleeping(seconds, actual):   # every sleep wakes 2 ms late
+        asked.append((seconds, actual))
+        time.sleep(actual + 0.002)
+
+    sleep = PassSleep(oversleeping)
+    sleep(0.010)
+    sleep(0.010)                 # shortened by the first one's overrun
+    assert asked[0] == (0.010, 0.010)
+    assert asked[1][0] == 0.010 and asked[1][1] <= 0.008
+    sleep.waited(1.0)            # a blocking wait absorbed what was owed
+    assert sleep.owed == 0.0
+    sleep(0.010)
+    assert asked[2] == (0.010, 0.010)
+    sleep.owed = 0.015           # owed more than a step: skipped, the rest still owed
+    sleep(0.010)
+    assert asked[3] == (0.010, 0.0) and abs(sleep.owed - 0.005) < 1e-12

@@ -135,13 +135,19 @@ class EmulatedCompute:
         if not path:
             return None
         times = load_compute_times(path, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length)
+        fine_timer_slack()
         # The runtime defers the weight-gradient kernels of a split backward; --emulated-deferred-weight-gradients
         # (kept for existing command lines) asks for what is now always done.
         return cls(times, recompute, True, args=args)
 
-    def sleep(self, seconds: float) -> None:
+    def sleep(self, seconds: float, actual: Optional[float] = None) -> None:
+        """Sleep ``seconds`` of compute (``actual``: the seconds to sleep for them where a pass owes an earlier
+        sleep's overrun, :class:`~megatron_tawpipe.emulation.ring.PassSleep`); the compute counted is
+        ``seconds``."""
         if seconds > 0:
-            time.sleep(seconds)
+            actual = seconds if actual is None else actual
+            if actual > 0:
+                time.sleep(actual)
             self.slept_s += seconds
 
     def start_step(self) -> None:
@@ -204,6 +210,21 @@ class EmulatedCompute:
     def shard_compute(self, model) -> "EmulatedShardCompute":
         """The shard compute of a weight-pipeline ``model`` (``WeightPipeModel(args, config, compute=...)``)."""
         return EmulatedShardCompute(model, self)
+
+
+def fine_timer_slack() -> bool:
+    """Ask Linux to wake this process's sleeps on time (timer slack 1 ns instead of the default 50 us), so that a
+    sleep standing for a kernel overruns by the wake-up alone; whether it was set (False off Linux)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(29, 1, 0, 0, 0) == 0   # PR_SET_TIMERSLACK
+    except (OSError, AttributeError):
+        return False
 
 
 class _SleepingCompute(torch.autograd.Function):

@@ -90,11 +90,14 @@ class EmulatedRing:
         self.spent_s += time.perf_counter() - start
         return works
 
-    def _wait(self, works) -> None:
+    def _wait(self, works, pass_sleep: Optional["PassSleep"] = None) -> None:
         start = time.perf_counter()
         for work in works or ():
             work.wait()
-        self.spent_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.spent_s += waited
+        if pass_sleep is not None:
+            pass_sleep.waited(waited)
 
     def take_spent_s(self) -> float:
         """Seconds this member spent posting and waiting for the ring's exchanges since the last call: the
@@ -111,12 +114,13 @@ class EmulatedRing:
         """A layer's forward (or recompute) of ``layer_s`` seconds on this rank, the ring's C-1 exchanges of
         keys and values between its steps."""
         linear = (1.0 - self.share) * layer_s
+        sleep = PassSleep(sleep)
         sleep(linear / 2)
         held, incoming = self._pair(dtype, device)
         for step in range(self.size):
             works = self._post(held, incoming) if step < self.size - 1 else None
             sleep(self._step_s(layer_s))
-            self._wait(works)
+            self._wait(works, sleep)
             held, incoming = incoming, held
         sleep(linear - linear / 2)
 
@@ -124,6 +128,7 @@ class EmulatedRing:
         """A layer's backward of ``layer_s`` seconds: keys and values around the ring again, and the fp32
         key/value-gradient accumulator behind them, C times (the last after the last step)."""
         linear = (1.0 - self.share) * layer_s
+        sleep = PassSleep(sleep)
         sleep(linear / 2)
         held, incoming = self._pair(dtype, device)
         grads, grads_in = self._pair(ACCUMULATOR_DTYPE, device)
@@ -132,10 +137,38 @@ class EmulatedRing:
             kv_works = self._post(held, incoming) if step < self.size - 1 else None
             sleep(self._step_s(layer_s))
             if grad_works is not None:
-                self._wait(grad_works)
+                self._wait(grad_works, sleep)
                 grads, grads_in = grads_in, grads
             grad_works = self._post(grads, grads_in)
-            self._wait(kv_works)
+            self._wait(kv_works, sleep)
             held, incoming = incoming, held
-        self._wait(grad_works)
+        self._wait(grad_works, sleep)
         sleep(linear - linear / 2)
+
+
+class PassSleep:
+    """The sleeps of one layer pass (2C + 2 of them around the ring's exchanges), each shortened by what the one
+    before it overslept: ``time.sleep`` overruns every call by the timer's slack and the wake-up (a tenth of a
+    millisecond or more on a shared CPU), which a GPU's back-to-back kernels do not. An overrun is owed only
+    within the pass and only while no wait has absorbed it (a blocking wait for a message starts the next step
+    when the message arrives, as the GPU would), so the pass never takes less than its time. ``sleep``: the
+    clock's, ``sleep(seconds, actual)``: counts ``seconds`` of compute, sleeps ``actual``."""
+
+    def __init__(self, sleep: Callable[[float], None]):
+        self._sleep, self.owed = sleep, 0.0
+
+    def __call__(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        target = seconds - self.owed
+        if target <= 0:          # owed more than this step: skip it, still owing the rest
+            self.owed = -target
+            self._sleep(seconds, 0.0)
+            return
+        start = time.perf_counter()
+        self._sleep(seconds, target)
+        self.owed = max(0.0, time.perf_counter() - start - target)
+
+    def waited(self, seconds: float) -> None:
+        """A wait of ``seconds`` between two sleeps: the overrun it hid is no longer owed."""
+        self.owed = max(0.0, self.owed - seconds)
