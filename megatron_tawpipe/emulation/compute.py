@@ -213,8 +213,10 @@ class EmulatedCompute:
 
 
 def fine_timer_slack() -> bool:
-    """Ask Linux to wake this process's sleeps on time (timer slack 1 ns instead of the default 50 us), so that a
-    sleep standing for a kernel overruns by the wake-up alone; whether it was set (False off Linux)."""
+    """Ask Linux to wake this thread's sleeps on time, and those of the threads it starts afterwards (timer slack
+    1 ns instead of the default 50 us; threads started before keep theirs), so that a sleep standing for a kernel
+    overruns by the wake-up alone; whether it was set (False off Linux). The emulated compute sleeps on the
+    thread that makes the run's :class:`EmulatedCompute` (autograd runs a CPU backward on the calling thread)."""
     import ctypes
     import sys
 

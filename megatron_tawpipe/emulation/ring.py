@@ -110,7 +110,7 @@ class EmulatedRing:
         """One ring step's sleep: the rank's score work (``share`` of its layer time) in C equal steps."""
         return self.share * layer_s / self.size
 
-    def forward(self, layer_s: float, sleep: Callable[[float], None], dtype, device) -> None:
+    def forward(self, layer_s: float, sleep: Callable[..., None], dtype, device) -> None:
         """A layer's forward (or recompute) of ``layer_s`` seconds on this rank, the ring's C-1 exchanges of
         keys and values between its steps."""
         linear = (1.0 - self.share) * layer_s
@@ -124,7 +124,7 @@ class EmulatedRing:
             held, incoming = incoming, held
         sleep(linear - linear / 2)
 
-    def backward(self, layer_s: float, sleep: Callable[[float], None], dtype, device) -> None:
+    def backward(self, layer_s: float, sleep: Callable[..., None], dtype, device) -> None:
         """A layer's backward of ``layer_s`` seconds: keys and values around the ring again, and the fp32
         key/value-gradient accumulator behind them, C times (the last after the last step)."""
         linear = (1.0 - self.share) * layer_s
@@ -150,11 +150,13 @@ class PassSleep:
     """The sleeps of one layer pass (2C + 2 of them around the ring's exchanges), each shortened by what the one
     before it overslept: ``time.sleep`` overruns every call by the timer's slack and the wake-up (a tenth of a
     millisecond or more on a shared CPU), which a GPU's back-to-back kernels do not. An overrun is owed only
-    within the pass and only while no wait has absorbed it (a blocking wait for a message starts the next step
-    when the message arrives, as the GPU would), so the pass never takes less than its time. ``sleep``: the
-    clock's, ``sleep(seconds, actual)``: counts ``seconds`` of compute, sleeps ``actual``."""
+    within the pass, less the time a wait for a message then spent (a wait longer than the overrun clears it: the
+    next step starts when the message arrives, as the GPU's would); a wait shorter than the overrun, which may
+    have blocked, leaves the rest owed, so a pass can come out shorter than the GPU's by at most one overrun but
+    never shorter than its time. ``sleep``: the clock's, ``sleep(seconds, actual)``: counts ``seconds`` of
+    compute, sleeps ``actual``."""
 
-    def __init__(self, sleep: Callable[[float], None]):
+    def __init__(self, sleep: Callable[..., None]):
         self._sleep, self.owed = sleep, 0.0
 
     def __call__(self, seconds: float) -> None:
@@ -170,5 +172,5 @@ class PassSleep:
         self.owed = max(0.0, time.perf_counter() - start - target)
 
     def waited(self, seconds: float) -> None:
-        """A wait of ``seconds`` between two sleeps: the overrun it hid is no longer owed."""
+        """A wait of ``seconds`` between two sleeps: that much of the overrun is no longer owed."""
         self.owed = max(0.0, self.owed - seconds)

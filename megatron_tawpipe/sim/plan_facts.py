@@ -93,7 +93,9 @@ def plan_traffic(plan: Plan, bytes_per_shard: float, bytes_per_activation: float
     """(``link_bytes`` of ``plan`` with the replicated all-reduce's bytes added, ``replicated_allreduce_bytes``)
     per link class: each computed once per plan object and byte sizes (a new dict each call)."""
     table = _cached(_TRAFFIC, plan, lambda p: {})
-    key = (bytes_per_shard, bytes_per_activation, bytes_per_grad, reduce_scatter_factor, replicated_bytes)
+    # with what else link_bytes reads of the plan besides its actions (a plan edited in place after a simulation)
+    key = (bytes_per_shard, bytes_per_activation, bytes_per_grad, reduce_scatter_factor, replicated_bytes,
+           tuple(plan.shard_layers), plan.ranks_per_group, plan.num_groups)
     hit = table.get(key)
     if hit is None:
         lb = link_bytes(plan, bytes_per_shard, bytes_per_activation, bytes_per_grad,

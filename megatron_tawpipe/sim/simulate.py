@@ -354,6 +354,8 @@ class _Simulator:
             for src, send in op.start.items():
                 if type(send) is A.SendStart:
                     break
+            else:
+                raise RuntimeError(f"transfer {op.tag} has receives and no send; validate the plan first")
             pairs = [(src, send.peer)]
         elif cls is A.BroadcastStart:
             pairs = [(a.root, m) for m in a.ranks if m != a.root]
