@@ -181,10 +181,6 @@ def _batch_p2p(rank: int, items: list, counter) -> list:
                 sender, receiver = (rank, args[1]) if cls is send_start else (args[1], rank)
                 way = sender < receiver if channel in A.DIRECTED_CHANNELS else None
                 groups.setdefault((channel, way), []).append((cls, args))
-        if not groups:
-            out.extend((cls, args) for _, _, cls, args in run)
-            i = j
-            continue
         last = {id(members[-1][1]): channel for channel, members in groups.items()}
         for _, _, cls, args in run:
             if cls is send_start or cls is recv_start:

@@ -45,27 +45,16 @@ def max_min_rates(flows: List[Flow], capacity: float, pair_free: float = INF,
     between the same two ranks runs the other way also uses that pair's turn,
     ``pair_capacity`` bytes/s (default ``capacity``) shared by both directions (gloo)."""
     users: Dict[tuple, List[Flow]] = {}
+    active = {f.pair() for f in flows if f.shared} if pair_free != INF else set()
     uses: Dict[int, tuple] = {}
-    if pair_free == INF:    # the node links alone (NCCL)
-        for f in flows:
-            f.rate = -1.0
-            res = uses[id(f)] = (("o", f.out), ("i", f.into))
-            for r in res:
-                fs = users.get(r)
-                if fs is None:
-                    users[r] = [f]
-                else:
-                    fs.append(f)
-    else:
-        active = {f.pair() for f in flows if f.shared}
-        for f in flows:
-            f.rate = -1.0
-            res = [("o", f.out), ("i", f.into)]
-            if f.reverse_in(active) and f.has_sent(pair_free):
-                res.append(("pair",) + tuple(sorted(f.pair())))
-            uses[id(f)] = tuple(res)
-            for r in res:
-                users.setdefault(r, []).append(f)
+    for f in flows:
+        f.rate = -1.0
+        res = [("o", f.out), ("i", f.into)]
+        if f.reverse_in(active) and f.has_sent(pair_free):
+            res.append(("pair",) + tuple(sorted(f.pair())))
+        uses[id(f)] = tuple(res)
+        for r in res:
+            users.setdefault(r, []).append(f)
     turn = capacity if pair_capacity is None else pair_capacity
     remaining = {res: (turn if res[0] == "pair" else capacity) for res in users}
     unfrozen = {res: len(fs) for res, fs in users.items()}

@@ -303,9 +303,7 @@ class _Simulator:
 
     def post(self, r: int, a, t: float) -> None:
         tag = a.tag
-        op = self.ops.get(tag)
-        if op is None:
-            op = self.ops[tag] = _Op(tag, self.need[tag], {})
+        op = self._op(tag)
         op.start[r] = a
         op.posted += 1
         entry = self.entry_of[(r, tag)]
