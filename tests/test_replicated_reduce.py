@@ -52,7 +52,9 @@ def test_the_plan_reduces_through_the_nodes_where_there_are_several_of_several_r
 @pytest.mark.parametrize("ranks,extra", [
     (4, ("--tawpipe-nccl-faithful",)),                  # 2 nodes of 2, NCCL's ordering rules
     (6, ()),                                            # 2 nodes of 3 (64-element norms: padded parts), gloo
-], ids=["2x2-nccl-faithful", "2x3-direct"])
+    (4, ("--tawpipe-replicated-reduce", "sharded", "--tawpipe-nccl-faithful")),   # sharded, through the nodes
+    (6, ("--tawpipe-replicated-reduce", "sharded")),    # sharded over 2 nodes of 3, padded slices, gloo
+], ids=["2x2-nccl-faithful", "2x3-direct", "sharded-2x2-nccl-faithful", "sharded-2x3-direct"])
 def test_trains_like_the_single_process_reference(ranks, extra, reference, tmp_path):
     save = str(tmp_path / "ckpt")
     argv = _args("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2", *extra, save=save)

@@ -93,12 +93,15 @@ def test_slices_padded_past_the_shard_train_like_the_reference(tmp_path):
     assert_trains_like(per_rank, expected, save, reference_save, ITERS)
 
 
-def test_tensor_parallel_inside_the_groups_trains_like_the_reference(reference, tmp_path):
+@pytest.mark.parametrize("reduce", ["hierarchical", "sharded"])
+def test_tensor_parallel_inside_the_groups_trains_like_the_reference(reduce, reference, tmp_path):
     """2 groups of one tensor-parallel group of 2 ranks: each tensor-parallel index gathers and reduce-scatters
-    its 1/2 of every shard's slices; sequence parallelism's partial gradients are summed over the pieces."""
+    its 1/2 of every shard's slices; sequence parallelism's partial gradients are summed over the pieces (with the
+    replicated parts' optimizer sharded: over their slices, the final norm's among them)."""
     save = str(tmp_path / "ckpt")
     per_rank = run_ranks(train_rank, 4, _args(*SPREAD, "--tawpipe-num-groups", "2", "--tensor-model-parallel-size",
-                                              "2", "--sequence-parallel", save=save))
+                                              "2", "--sequence-parallel", "--tawpipe-replicated-reduce", reduce,
+                                              save=save))
     assert_trains_like(per_rank, reference[0], save, reference[1], ITERS)
 
 
@@ -120,7 +123,11 @@ RESUME_ITERS = 4
 LAYOUTS = {"spread": (3, SPREAD + ("--tawpipe-num-groups", "3")),
            "spread-two-shards": (3, SPREAD + ("--tawpipe-num-groups", "3", "--tawpipe-shards-per-rank", "2")),
            "owner": (3, ("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", *pinned_layout(3))),
-           "native": (1, ())}
+           "native": (1, ()),
+           # the replicated parts' optimizer sharded over the ranks (their masters and moments in slices)
+           "owner-sharded": (3, ("--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "3", *pinned_layout(3),
+                                 "--tawpipe-replicated-reduce", "sharded")),
+           "spread-sharded": (3, SPREAD + ("--tawpipe-num-groups", "3", "--tawpipe-replicated-reduce", "sharded"))}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +139,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("writer,reader,fmt", [
     ("spread", "owner", "torch_dist"), ("owner", "spread", "torch_dist"), ("spread", "native", "torch_dist"),
     ("spread", "spread", "torch"), ("spread-two-shards", "owner", "torch_dist"),
+    ("owner-sharded", "owner", "torch_dist"), ("owner", "owner-sharded", "torch"),
+    ("spread-sharded", "native", "torch_dist"), ("native", "spread-sharded", "torch"),
 ])
 def test_a_checkpoint_resumes_in_the_other_layout(writer, reader, fmt, uninterrupted, tmp_path):
     """Train 2 of 4 iterations in one layout, resume the last 2 in another: the losses of an uninterrupted
@@ -145,7 +154,7 @@ def test_a_checkpoint_resumes_in_the_other_layout(writer, reader, fmt, uninterru
     resumed = run_ranks(train_rank, ranks, _args(*flags, *fmt_flags, "--load", save, iters=RESUME_ITERS))[0]
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert_close_rel(losses(resumed), losses(uninterrupted)[2:], 1e-6)
-    if (writer, reader) == ("spread", "owner"):
+    if (writer, reader) in (("spread", "owner"), ("owner", "owner-sharded")):
         fresh = run_ranks(train_rank, ranks, _args(*flags, *fmt_flags, "--load", save, "--no-load-optim",
                                                    iters=RESUME_ITERS))[0]
         assert abs(losses(fresh)[-1] - losses(uninterrupted)[-1]) > 1e-4 * abs(losses(uninterrupted)[-1])

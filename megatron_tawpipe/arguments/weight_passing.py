@@ -22,7 +22,7 @@ AUTO_CACHE_MEMORY_FRACTION = 0.9
 # --tawpipe-ownership: each shard's state on one rank of one group (owner), or a 1/D slice of it in every group
 # (spread), or decided with the other layout knobs (auto: sim.layout_choice, the one decision of every auto).
 TAWPIPE_OWNERSHIP_SETTINGS = ("owner", "spread", "auto")
-TAWPIPE_REPLICATED_REDUCE_SETTINGS = ("auto", "hierarchical", "flat")
+TAWPIPE_REPLICATED_REDUCE_SETTINGS = ("auto", "hierarchical", "flat", "sharded")
 AUTO = "auto"
 # The TawPipe layout flags (dest names) whose default, auto, the run decides at start-up.
 TAWPIPE_LAYOUT_FLAGS = ("tawpipe_ownership", "tawpipe_shards_per_rank", "tawpipe_replicate_first_shard",
@@ -166,7 +166,13 @@ def add_tawpipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "across the nodes (an all-reduce of each rank's part among the ranks of the same local index), "
                         "back inside (an all-gather), so each node's link carries 2(D-1)/D of them over D nodes; "
                         "flat: one all-reduce over every rank, 2(P-1)/P over P ranks. The same where there is one "
-                        "node or one rank per node. auto (default): decided with the other layout flags")
+                        "node or one rank per node. sharded: their optimizer sharded over the ranks as megatron's "
+                        "distributed optimizer shards it: the gradients reduce-scattered (through the nodes where "
+                        "hierarchical would be), each rank stepping its 1/P slice (fp32 master and Adam moments of "
+                        "the slice only), the weights all-gathered in the compute dtype at the next iteration's "
+                        "start, (D-1)/D x (4 + 2) bytes per parameter on each node's link instead of 2(D-1)/D x 4 "
+                        "(NCCL; gloo's reduce-scatter moves an all-reduce's bytes). auto (default): decided with "
+                        "the other layout flags")
     g.add_argument("--tawpipe-link-bandwidth", default=None, metavar="RATE",
                    help="tawpipe, auto layout: the node link's rate per direction (e.g. 25Gbit/s, 3GB/s) instead of "
                         "measuring it at start-up (a few transfers between the groups' first ranks, a few seconds at "

@@ -104,9 +104,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--early-grads", action=argparse.BooleanOptionalAction, default=None,
                    help="tawpipe: each shard's last gradient leaves during the next visit, after its first "
                         "micro-batch, instead of after it (default: with --tawpipe-ownership spread)")
-    s.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat"), default=None,
-                   help="tawpipe: the replicated gradients' all-reduce through the nodes (inside, across, back "
-                        "inside; default, or decided under --tawpipe-ownership auto) or flat over every rank")
+    s.add_argument("--tawpipe-replicated-reduce", choices=("hierarchical", "flat", "sharded"), default=None,
+                   help="tawpipe: the replicated gradients' all-reduce through the nodes (default, or decided under "
+                        "--tawpipe-ownership auto), flat over every rank, or their optimizer sharded (reduce-scatter, "
+                        "each rank steps its slice, all-gather)")
     s.add_argument("--tawpipe-shards-per-rank", type=int, default=None, metavar="V",
                    help="tawpipe: V shards per rank (the layers cut into V x ranks shards; needs that many layers): "
                         "smaller pieces across the node links (--tawpipe-shards-per-rank; default 1, or decided "
@@ -180,8 +181,8 @@ def planner_options(name: str, args) -> dict:
             kw["ownership"] = "spread"
         if args.early_grads is not None:
             kw["early_grads"] = args.early_grads
-        if args.tawpipe_replicated_reduce == "flat":
-            kw["hierarchical_replicated"] = False
+        kw.update({"flat": {"hierarchical_replicated": False},
+                   "sharded": {"sharded_replicated": True}}.get(args.tawpipe_replicated_reduce, {}))
         if args.tawpipe_shards_per_rank not in (None, 1):
             kw["shards_per_rank"] = args.tawpipe_shards_per_rank
     elif name.startswith("weipipe") and args.no_overlap:

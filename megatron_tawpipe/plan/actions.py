@@ -35,6 +35,8 @@ DIRECTED_CHANNELS = ("weight", "grad")
 LINKS = ("intra", "inter")
 MAIN = "main"
 REPLICATED_PARTS = ("all", "head", "embedding")
+#: ``ReplicatedAllReduceStart.mode``: the gradients' all-reduce, or the sharded optimizer's two halves.
+REPLICATED_MODES = ("sum", "scatter", "gather")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +213,11 @@ class ReduceScatterStart:
 
 @dataclass(frozen=True, slots=True)
 class ReplicatedAllReduceStart:
-    """All-reduce (sum) of the replicated parameters' gradients over ``ranks``.
+    """All-reduce (sum) of the replicated parameters' gradients over ``ranks`` (``mode`` "sum"), or one half of it
+    where the replicated parts' optimizer is sharded over the ranks (``mode`` "scatter": their gradients
+    reduce-scattered, each rank keeping its slice of the sum, which it steps; ``mode`` "gather": at the next
+    iteration's start, the weights all-gathered in the compute dtype from every rank's stepped slice, before the
+    first compute that reads them).
 
     ``part``: ``"all"`` (embedding, final norm, output layer); ``"head"`` -- what
     only the last shard's backward writes (final norm, untied output layer), final
@@ -223,11 +229,14 @@ class ReplicatedAllReduceStart:
     ``node_size``: 0 for one all-reduce over ``ranks``; G > 1 for a hierarchical one over nodes of G
     consecutive members: a reduce-scatter inside each node, an all-reduce of member j's 1/G over the
     j-th members of every node, an all-gather inside the node -- each node's link then carries
-    2(D-1)/D of the gradients (D nodes) instead of a ring's 2(P-1)/P."""
+    2(D-1)/D of the gradients (D nodes) instead of a ring's 2(P-1)/P. With ``mode`` "scatter" the first two
+    stages are reduce-scatters (inside the node, then over the j-th members), with "gather" the two all-gathers
+    in the reverse order; rank r = n G + j (node n, member j) then holds slice j D + n of the P slices."""
     tag: int
     ranks: Tuple[int, ...]
     part: str = "all"
     node_size: int = 0
+    mode: str = "sum"
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +372,8 @@ def short(action, starts=None) -> str:
     if t is ReduceScatterStart:
         return f"rs{action.shard}"
     if t is ReplicatedAllReduceStart:
-        return "ar" if action.part == "all" else f"ar:{action.part}"
+        code = {"sum": "ar", "scatter": "rs", "gather": "ag"}.get(action.mode, action.mode)
+        return code if action.part == "all" else f"{code}:{action.part}"
     if t is Wait:
         if starts is not None and action.tag in starts:
             return "w(" + short(starts[action.tag]) + ")"

@@ -94,26 +94,28 @@ class PlanBuilder:
             self.emit(r, wait_key, A.Wait, tag)
         return tag
 
-    def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key: tuple,
-                             part: str = "all", hierarchical: bool = False) -> int:
-        """The replicated gradients' all-reduce over every rank; ``hierarchical``: through the groups
-        (nodes) when there are several of more than one rank (``ReplicatedAllReduceStart.node_size``)."""
+    def replicated_allreduce(self, start_keys: Dict[int, tuple], wait_key, part: str = "all",
+                             hierarchical: bool = False, mode: str = "sum") -> int:
+        """The replicated gradients' all-reduce over every rank (``mode``: or one half of it, see
+        ``ReplicatedAllReduceStart``); ``hierarchical``: through the groups (nodes) when there are several of more
+        than one rank (``ReplicatedAllReduceStart.node_size``). ``wait_key``: one key for every rank, or a key
+        per rank."""
         tag = self.new_tag()
         ranks = tuple(range(self.num_ranks))
         G = self.ranks_per_group
         node_size = G if hierarchical and self.num_groups > 1 and G > 1 else 0
         for r in ranks:
-            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart, tag, ranks, part, node_size)
-            self.emit(r, wait_key, A.Wait, tag)
+            self.emit(r, start_keys[r], A.ReplicatedAllReduceStart, tag, ranks, part, node_size, mode)
+            self.emit(r, wait_key[r] if isinstance(wait_key, dict) else wait_key, A.Wait, tag)
         return tag
 
     def replicated_allreduce_parts(self, head_keys: Dict[int, tuple], embedding_keys: Dict[int, tuple],
-                                   wait_key: tuple, hierarchical: bool = False) -> None:
-        """The head's replicated gradients all-reduced once the last shard's last
-        backward ran, the embedding's after shard 0's: the first overlaps the
-        remaining backward work instead of waiting for the end."""
-        self.replicated_allreduce(head_keys, wait_key, "head", hierarchical)
-        self.replicated_allreduce(embedding_keys, wait_key, "embedding", hierarchical)
+                                   wait_key: tuple, hierarchical: bool = False, mode: str = "sum") -> None:
+        """The head's replicated gradients all-reduced (``mode`` "scatter": reduce-scattered) once the last
+        shard's last backward ran, the embedding's after shard 0's: the first overlaps the remaining backward
+        work instead of waiting for the end."""
+        self.replicated_allreduce(head_keys, wait_key, "head", hierarchical, mode)
+        self.replicated_allreduce(embedding_keys, wait_key, "embedding", hierarchical, mode)
 
     # ------------------------------------------------------------- finalise
     def build(self, *, schedule: str, family: str, num_layers: int, num_microbatches: int,

@@ -182,7 +182,7 @@ class Plan:
         return cls._from_meta(doc["meta"], actions)
 
     _CSV_COLUMNS = ("rank", "step", "op", "tag", "mb", "shard", "wbuf", "gbuf", "buf",
-                    "peer", "root", "ranks", "kind", "link", "size", "batch", "part", "node_size")
+                    "peer", "root", "ranks", "kind", "link", "size", "batch", "part", "node_size", "mode")
 
     def to_csv(self) -> str:
         """One row per action; the first line is ``# plan-meta: {json}``."""

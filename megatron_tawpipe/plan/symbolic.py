@@ -19,12 +19,13 @@ from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.plan import Plan
 from megatron_tawpipe.plan.symbolic_end import EndChecks
+from megatron_tawpipe.plan.symbolic_replicated import ReplicatedRules
 from megatron_tawpipe.plan.symbolic_slices import SliceRules
 
 
 class _RankState:
     __slots__ = ("w", "g", "moved", "locks", "pending", "main", "act", "agrad", "pc",
-                 "replicated_done", "compute_closed", "last_input", "scattered")
+                 "replicated_done", "compute_closed", "last_input", "scattered", "gathered")
 
     def __init__(self):
         self.w: Dict[str, int] = {}                 # weight buffer -> shard
@@ -40,9 +41,10 @@ class _RankState:
         self.compute_closed = set()                 # parts whose all-reduce started
         self.last_input = -1                        # last micro-batch started at shard 0
         self.scattered = set()                      # grad buffers holding only this rank's slice
+        self.gathered = set()                       # replicated parts whose weights' all-gather was waited
 
 
-class SymbolicExecutor(SliceRules, EndChecks):
+class SymbolicExecutor(SliceRules, EndChecks, ReplicatedRules):
     def __init__(self, plan: Plan, starts):
         self.plan = plan
         self.starts = starts
@@ -52,6 +54,9 @@ class SymbolicExecutor(SliceRules, EndChecks):
         self.stream_index = {s: i for i, s in enumerate(stream_ids)}
         self.full = (1 << (len(stream_ids) * self.N)) - 1
         self.state = [_RankState() for _ in range(plan.num_ranks)]
+        # the replicated parts' optimizer sharded: their gradients reduce-scattered, their weights all-gathered
+        self.sharded_replicated = any(type(a) is A.ReplicatedAllReduceStart and a.mode != "sum"
+                                      for actions in plan.actions for a in actions)
         for s in range(self.S):
             for holder in plan.holders(s):
                 self.state[holder].main[s] = 0
@@ -182,6 +187,7 @@ class SymbolicExecutor(SliceRules, EndChecks):
             self._err(f"micro-batch {a.mb} outside 0..{self.N - 1}", r, i, a)
         if not 0 <= a.shard < self.S:
             self._err(f"shard {a.shard} outside 0..{self.S - 1}", r, i, a)
+        self._check_gathered(r, i, a)
         closed = self.state[r].compute_closed
         if closed:
             if "all" in closed:
@@ -311,6 +317,8 @@ class SymbolicExecutor(SliceRules, EndChecks):
         done = st.replicated_done
         if self.plan.family == "weight" and "all" not in done and not {"head", "embedding"} <= done:
             self._err("replicated gradients were not all-reduced before the step", r, i, a)
+        if self.sharded_replicated and "all" not in st.gathered and not {"head", "embedding"} <= st.gathered:
+            self._err("replicated weights were not all-gathered in this iteration", r, i, a)
         for shard, mask in st.main.items():
             if mask != self.full:
                 self._err(f"gradient of owned shard {shard} is missing contributions "
@@ -415,17 +423,6 @@ class SymbolicExecutor(SliceRules, EndChecks):
         st.pending[a.tag] = (i, a, entry[1])
         self._post(r, a.tag, entry[1])
 
-    def _replicated(self, r, st, i, a):
-        if a.part not in A.REPLICATED_PARTS:
-            self._err(f"unknown replicated part {a.part!r}; known: {', '.join(A.REPLICATED_PARTS)}",
-                      r, i, a)
-        if a.part in st.compute_closed or "all" in st.compute_closed or \
-                (a.part == "all" and st.compute_closed):
-            self._err("these replicated gradients are all-reduced twice", r, i, a)
-        st.compute_closed = st.compute_closed | {a.part}
-        st.pending[a.tag] = (i, a, None)
-        self._post(r, a.tag, None)
-
     # ---------------------------------------------------------------- waits
     def _finish_wait(self, r, st, i, w):
         start_step, a, _ = st.pending.pop(w.tag)
@@ -463,7 +460,7 @@ class SymbolicExecutor(SliceRules, EndChecks):
             if t is A.ReduceScatterStart:
                 st.scattered.add(a.buf)
         elif t is A.ReplicatedAllReduceStart:
-            st.replicated_done.add(a.part)
+            (st.gathered if a.mode == "gather" else st.replicated_done).add(a.part)
 
     _handlers = {
         A.Forward: _forward, A.Backward: _backward, A.BackwardInput: _bi, A.BackwardWeight: _bw,
@@ -471,5 +468,5 @@ class SymbolicExecutor(SliceRules, EndChecks):
         A.OptimizerStep: _optimizer, A.SendStart: _send, A.RecvStart: _recv,
         A.BroadcastStart: _broadcast, A.ReduceStart: _reduce, A.AllReduceStart: _all_reduce,
         A.AllGatherStart: SliceRules._all_gather, A.ReduceScatterStart: SliceRules._reduce_scatter,
-        A.ReplicatedAllReduceStart: _replicated,
+        A.ReplicatedAllReduceStart: ReplicatedRules._replicated,
     }

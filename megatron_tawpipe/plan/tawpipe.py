@@ -345,10 +345,23 @@ def _group(t: _Layout, g: int, slots: List[int]) -> Optional[Key]:
     return replica_ready
 
 
+def _replicated_gathers(t: _Layout, slots: List[List[int]], hierarchical: bool) -> None:
+    """The replicated parts' optimizer sharded over the ranks: their weights all-gathered at the iteration's start
+    from the slices the last step wrote, the embedding's waited before anything runs, the head's before the
+    rank's first forward of the last shard (it travels during the forward of the others)."""
+    b, P, G = t.b, t.P, t.G
+    first_head = next(v for v, visit in enumerate(t.visits) if visit.phase == "F" and visit.shard == t.S - 1)
+    start = {r: Key(START, 1) for r in range(P)}
+    b.replicated_allreduce(start, Key(START, 2), "embedding", hierarchical, "gather")
+    b.replicated_allreduce({r: Key(START, 1).next() for r in range(P)},
+                           {r: Key(slots[r // G][first_head], WAIT) for r in range(P)}, "head", hierarchical, "gather")
+
+
 def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optional[Key]],
-                   hierarchical: bool) -> None:
+                   hierarchical: bool, sharded: bool = False) -> None:
     """Shard 0's all-reduce among its holders, the replicated (embedding, head)
-    gradients' all-reduce (``hierarchical``: through the nodes) and the optimizer step."""
+    gradients' all-reduce (``hierarchical``: through the nodes; ``sharded``: their reduce-scatter) and the
+    optimizer step."""
     b, P, G = t.b, t.P, t.G
     for s in t.replicas:
         members = (t.owner[s],) + t.replicas[s]
@@ -364,7 +377,7 @@ def _iteration_end(t: _Layout, slots: List[List[int]], replica_ready: List[Optio
             for x in slots]     # each group's slot of its last backward of the last shard
     b.replicated_allreduce_parts({r: Key(head[r // G], AFTER, ALL_REDUCE) for r in range(P)},
                                  {r: Key(slots[r // G][-1], AFTER, ALL_REDUCE) for r in range(P)},
-                                 Key(END, ALL_REDUCED), hierarchical)
+                                 Key(END, ALL_REDUCED), hierarchical, "scatter" if sharded else "sum")
     for r in range(P):
         b.emit(r, Key(END, OPTIMIZER), A.OptimizerStep)
 
@@ -382,14 +395,17 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                  groups: int = None, overlap: bool = True, stagger: bool = None,
                  drain: bool = False, chunk: int = 1, cache: bool = None, prefetch: int = 2,
                  replicate_first: bool = False, ownership: str = "owner", early_grads: bool = None,
-                 hierarchical_replicated: bool = True, shards_per_rank: int = 1):
+                 hierarchical_replicated: bool = True, shards_per_rank: int = 1, sharded_replicated: bool = False):
     """TawPipe's plan (see the module's text). ``ownership``: ``"owner"`` (shard s kept whole by its owner)
     or ``"spread"`` (each group keeps a 1/D slice of every shard; the groups run in step, gather each shard
     from the D holders and reduce-scatter its gradient to them). ``early_grads``: each shard's last gradient
     leaves during the next visit (after its first micro-batch) instead of after it; default: with spread.
     ``hierarchical_replicated``: the replicated gradients' all-reduce goes through the nodes (inside each, across
     them, back inside) where there are several nodes of several ranks; otherwise one all-reduce over all.
-    ``shards_per_rank``: the layers cut into that many times ``num_ranks`` shards."""
+    ``shards_per_rank``: the layers cut into that many times ``num_ranks`` shards. ``sharded_replicated``: the
+    replicated parts' optimizer sharded over the ranks (their gradients reduce-scattered at the end, each rank
+    stepping its slice, their weights all-gathered at the next iteration's start) instead of replicated (their
+    gradients all-reduced)."""
     P, N = num_ranks, num_microbatches
     D = num_groups if groups is None else groups
     if ownership not in OWNERSHIPS:
@@ -445,7 +461,9 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
     slots = [[(g if stagger else 0) + v + (x.round * (D - 1) if drain else 0)
               for v, x in enumerate(visits)] for g in range(D)]
     replica_ready = [_group(t, g, slots[g]) for g in range(D)]
-    _iteration_end(t, slots, replica_ready, hierarchical_replicated)
+    if sharded_replicated:
+        _replicated_gathers(t, slots, hierarchical_replicated)
+    _iteration_end(t, slots, replica_ready, hierarchical_replicated, sharded_replicated)
     if spread:     # the plan's holders of shard s: its owner and the other groups' slice holders
         replicas = {s: tuple(h for h in t.holders(s) if h != owner[s]) for s in range(S)}
     return b.build(schedule=_schedule_name(D, num_groups, overlap, cache, drain, replicate_first, spread),
@@ -457,5 +475,6 @@ def plan_tawpipe(num_ranks: int, num_groups: int, num_layers: int, num_microbatc
                             **({"ownership": ownership} if spread else {}),
                             **({"early_grads": True} if early_grads else {}),
                             **({} if hierarchical_replicated else {"flat_replicated": True}),
+                            **({"sharded_replicated": True} if sharded_replicated else {}),
                             **({"shards_per_rank": shards_per_rank} if shards_per_rank > 1 else {}),
                             "slots": max(x[-1] for x in slots) + 1})

@@ -66,19 +66,29 @@ def ring_share(ranks, rank: int, half: bool = False):
     return ranks[(ranks.index(rank) + 1) % n], ((1 if half else 2) * (n - 1) / n if n > 1 else 0.0)
 
 
-def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float) -> Dict[str, float]:
+def replicated_allreduce_bytes(plan: Plan, replicated_bytes: float, reduce_scatter_factor: float = 1.0,
+                               gathered_bytes: Optional[float] = None) -> Dict[str, float]:
     """Ring all-reduce estimate, summed over the ranks: each rank sends 2(P-1)/P of the data to its
     ring successor; with groups of consecutive ranks D of the P hops cross groups (none when D = 1).
     Through the nodes (``node_size`` G > 1): each rank sends 2(G-1)/G of the data inside its node (the
-    reduce-scatter and the all-gather) and 2(D-1)/D of its 1/G across the nodes."""
+    reduce-scatter and the all-gather) and 2(D-1)/D of its 1/G across the nodes.
+
+    With the replicated parts' optimizer sharded (``ReplicatedAllReduceStart.mode`` "scatter" / "gather") the
+    2 x ``replicated_bytes`` become a reduce-scatter of them (x ``reduce_scatter_factor``: 2 where the library
+    runs it as an all-reduce) and an all-gather of ``gathered_bytes`` (the weights in the compute dtype;
+    default half of ``replicated_bytes``)."""
     P, D = plan.num_ranks, plan.num_groups
     rep = [a for a in plan.actions[0] if isinstance(a, A.ReplicatedAllReduceStart)]
     if P == 1 or not rep:
         return {"intra": 0.0, "inter": 0.0}
+    if any(a.mode != "sum" for a in rep):
+        gathered = replicated_bytes / 2 if gathered_bytes is None else gathered_bytes
+        moved = reduce_scatter_factor * replicated_bytes + gathered
+    else:
+        moved = 2 * replicated_bytes
     G = rep[0].node_size
     if G > 1:
-        return {"intra": P * 2 * (G - 1) / G * replicated_bytes,
-                "inter": P * 2 * (D - 1) / D * replicated_bytes / G}
-    per_hop = 2 * (P - 1) / P * replicated_bytes
+        return {"intra": P * (G - 1) / G * moved, "inter": P * (D - 1) / D * moved / G}
+    per_hop = (P - 1) / P * moved
     inter_hops = D if D > 1 else 0
     return {"intra": (P - inter_hops) * per_hop, "inter": inter_hops * per_hop}

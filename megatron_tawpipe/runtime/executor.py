@@ -14,9 +14,8 @@ Weight and gradient buffers are allocated once, from the plan's bounds.
 Compute time (the busy fraction, timelines) is measured with CUDA events on
 CUDA, where kernels are asynchronous, and with the wall clock on CPU.
 
-Bytes are counted per link class the way :func:`megatron_tawpipe.plan.traffic.link_bytes`
-does: each send, each non-root broadcast copy and each non-root reduction
-input, with the real tensor sizes.
+Bytes are counted per link class as :func:`megatron_tawpipe.plan.traffic.link_bytes` counts them (sends,
+non-root broadcast copies and reduction inputs, real tensor sizes).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import entries_of
 from megatron_tawpipe.plan.traffic import ring_share
 from megatron_tawpipe.runtime.shard_slices import ShardSlice, holder_slice
+from megatron_tawpipe.runtime.node_reduce import SHARDED_KINDS
 from megatron_tawpipe.runtime.timing import ComputeTimer
 from megatron_tawpipe.plan.timeline import (COMPUTE, ISSUE, SPAN_LABELS, ActionRecord, SpanRecord, TransferRecord,
                                             action_label, wait_label)
@@ -70,10 +70,11 @@ class PlanExecutor:
     master weights and gradients (see :class:`runtime.trainer.WeightPassingTrainer`):
     it provides ``forward(mb, shard, weights)``, ``backward(mb, shard, weights, grad)`` (and for split
     backwards ``backward_input(mb, shard, weights)``, ``backward_weight(mb, shard, weights, grad)``),
-    ``master(shard)``, ``main_grad(shard)``, ``replicated_grads(part="all")``,
-    ``optimizer_step()`` and ``shard_numel`` (the largest shard's elements: a buffer's)/``compute_dtype``/
-    ``device`` (and ``grad_dtype``, the gradient buffers' dtype, where not fp32). With shards of different sizes (``plan.shard_layers``) every action on shard ``s`` uses the
-    first ``shard_numel * shard_layers[s] / max_layers_per_shard`` elements of its buffer.
+    ``master(shard)``, ``main_grad(shard)``, ``replicated_grads(part="all")`` (a sharded replicated optimizer:
+    ``replicated_slices``), ``optimizer_step()`` and ``shard_numel`` (the largest shard's elements: a buffer's),
+    ``compute_dtype``, ``device`` (and ``grad_dtype``, the gradient buffers' dtype, where not fp32). With shards of
+    different sizes every action on shard ``s`` uses the first ``shard_numel * shard_layers[s] /
+    max_layers_per_shard`` elements of its buffer.
 
     ``rank`` is the plan's rank; with tensor parallelism inside the weight pipeline that is
     a virtual rank, and ``communicators`` maps it and its peers to global ranks.
@@ -150,8 +151,7 @@ class PlanExecutor:
     # ---- buffers -----------------------------------------------------------------------
 
     def _allocate_buffers(self, actions) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-        """Every weight and gradient buffer this rank's list names, allocated once (the
-        plan bounds their number: ``max_weight_buffers``/``max_grad_buffers``)."""
+        """Every weight and gradient buffer this rank's list names, allocated once (the plan bounds their number)."""
         names = {"weight": set(), "grad": set()}
         for a in actions:
             for field_name, role in A.buffer_roles(a):
@@ -161,8 +161,7 @@ class PlanExecutor:
         c = self.compute
         weights = {n: torch.empty(self._buffer_numel, dtype=c.compute_dtype, device=c.device)
                    for n in sorted(names["weight"])}
-        # partial gradients in the main gradients' dtype (fp32, or bf16 with --main-grads-dtype bf16)
-        grad_dtype = getattr(c, "grad_dtype", torch.float32)
+        grad_dtype = getattr(c, "grad_dtype", torch.float32)   # the main gradients' (--main-grads-dtype)
         grads = {n: torch.zeros(self._buffer_numel, dtype=grad_dtype, device=c.device) for n in sorted(names["grad"])}
         return weights, grads
 
@@ -341,8 +340,7 @@ class PlanExecutor:
     # ---- communication ------------------------------------------------------------------
 
     def _entries_by_step(self, actions) -> Dict[int, List[Tuple[int, object]]]:
-        """The starts issued together (one ``batch``, or one start alone), by the step of
-        the first of them: the entries :mod:`plan.nccl` models. Computed once per list."""
+        """The starts issued together (one ``batch``, or one alone) by the step of the first: :mod:`plan.nccl`'s entries."""
         cached = self._entries_cache
         if cached is None or cached[0] is not actions:
             entries = {ops[0][0]: ops for _, ops in entries_of(actions, self.rank, "group")}
@@ -450,6 +448,9 @@ class PlanExecutor:
         self._start(a, work, a.buf, after=lambda: whole[start:start + length].copy_(mine))
 
     def _replicated_all_reduce(self, a: A.ReplicatedAllReduceStart) -> None:
+        if a.mode != "sum":   # a sharded replicated optimizer: its gradients' reduce-scatter or weights' all-gather
+            tensors = self.compute.replicated_slices.tensors(a.mode, a.part)
+            return self._start(a, self._collective(a, SHARDED_KINDS[a.mode], tensors, -1), "<replicated>")
         # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
         grads = [g for g in self.compute.replicated_grads(a.part) if g.numel()]
         if self.cp is not None:   # summed over the members at the point before; piece c of each travels
@@ -457,8 +458,7 @@ class PlanExecutor:
         work = self._collective(a, "allreduce", grads, -1)
         self._start(a, work, "<replicated>")
 
-    # Measurement hook: ``observer(executor, action, wait)`` runs every plan Wait of every executor while
-    # set (``wait()`` does the wait; the observer times it). See :meth:`observing_waits`.
+    # Measurement hook: ``observer(executor, action, wait)`` runs every plan Wait while set (:meth:`observing_waits`).
     wait_observer: Optional[Callable[["PlanExecutor", A.Wait, Callable[[], None]], None]] = None
 
     @classmethod

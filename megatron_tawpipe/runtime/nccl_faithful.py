@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import describe_fifo, process_group
-from megatron_tawpipe.runtime.node_reduce import reduce_through_nodes
+from megatron_tawpipe.runtime.node_reduce import SHARDED_KINDS, alone, replicated_works
 from megatron_tawpipe.runtime.transport import SLICE_KINDS, Op, slice_collective
 
 _SEND, _RECV = 0, 1
@@ -175,6 +175,7 @@ class FaithfulTransport:
         if op.group is None or len(op.ranks) <= 1:
             if op.kind in SLICE_KINDS:   # one holder: its slice is the whole
                 op.tensors[0].copy_(op.tensors[1])
+            alone(op.kind, op.tensors)
             return
         count = sum(t.numel() for t in op.tensors)
         mine = torch.tensor([op.tag, op.step, count], dtype=torch.int64)
@@ -190,8 +191,8 @@ class FaithfulTransport:
                 raise RuntimeError(
                     f"rank {self.rank} step {op.step} ({A.describe(op.action)}) has {count} elements and rank "
                     f"{member} {int(header[2])}: NCCL would hang or truncate")
-        if op.subgroups:   # the replicated all-reduce through the nodes, its stages in order
-            for work in reduce_through_nodes(op.tensors, *op.subgroups, op.action.node_size, self._wait):
+        if op.subgroups or op.kind in SHARDED_KINDS.values():   # the replicated collectives, their stages in order
+            for work in replicated_works(op.kind, op.tensors, op.group, op.subgroups, op.action.node_size, self._wait):
                 self._wait(work)
         elif op.kind in SLICE_KINDS:
             self._wait(slice_collective(op))

@@ -1,4 +1,5 @@
-"""The replicated gradients' all-reduce through the nodes (``ReplicatedAllReduceStart.node_size`` > 1).
+"""The replicated gradients' all-reduce through the nodes (``ReplicatedAllReduceStart.node_size`` > 1), and the
+collectives of a sharded replicated optimizer (:func:`replicated_works`).
 
 Each tensor, viewed flat and zero-padded to a multiple of the node size G, is reduce-scattered inside the node
 (member j keeps the node's sum of part j), part j is all-reduced over the j-th members of every node, and the
@@ -54,6 +55,60 @@ def reduce_through_nodes(tensors: List[torch.Tensor], node_group, cross_group, n
     return pending
 
 
+#: The transport's kinds of the replicated collectives besides the all-reduce ("allreduce"): a sharded replicated
+#: optimizer's halves (``ReplicatedAllReduceStart.mode`` "scatter" and "gather"); their tensors are pairs,
+#: ``[output, input, output, input, ...]``.
+SHARDED_KINDS = {"scatter": "replicated-scatter", "gather": "replicated-gather"}
+
+
+def scatter_through_nodes(pairs, node_group, cross_group, node_size: int, wait: Callable[[object], None]) -> list:
+    """Reduce-scatter each ``(slice, whole)`` pair through the nodes: inside the node (member j keeps chunk j of the
+    node's sum), then over the j-th members (node n keeps piece n of it)."""
+    pending = []
+    for out, whole in pairs:
+        part = whole.new_empty(whole.numel() // node_size)
+        wait(reduce_scatter_from(part, whole, op=dist.ReduceOp.SUM, group=node_group, async_op=True))
+        pending.append(reduce_scatter_from(out, part, op=dist.ReduceOp.SUM, group=cross_group, async_op=True))
+    return pending
+
+
+def gather_through_nodes(pairs, node_group, cross_group, node_size: int, wait: Callable[[object], None]) -> list:
+    """All-gather each ``(whole, slice)`` pair through the nodes: over the j-th members, then inside the node (the
+    reverse of :func:`scatter_through_nodes`, so every rank's slice lands where that function took it from)."""
+    pending = []
+    for whole, mine in pairs:
+        part = whole.new_empty(whole.numel() // node_size)
+        wait(all_gather_into(part, mine, group=cross_group, async_op=True))
+        pending.append(all_gather_into(whole, part, group=node_group, async_op=True))
+    return pending
+
+
+def replicated_works(kind: str, tensors: List[torch.Tensor], group, subgroups: tuple, node_size: int,
+                     wait: Callable[[object], None]) -> list:
+    """Start one of the replicated collectives (``kind``: "allreduce" or one of :data:`SHARDED_KINDS`), through
+    the nodes where ``subgroups`` (node group, cross group) are given; returns the works not yet waited for."""
+    if kind == "allreduce":
+        if subgroups:
+            return reduce_through_nodes(tensors, *subgroups, node_size, wait)
+        return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
+    pairs = list(zip(tensors[::2], tensors[1::2]))
+    if kind == SHARDED_KINDS["scatter"]:
+        if subgroups:
+            return scatter_through_nodes(pairs, *subgroups, node_size, wait)
+        return [reduce_scatter_from(out, whole, op=dist.ReduceOp.SUM, group=group, async_op=True)
+                for out, whole in pairs]
+    if subgroups:
+        return gather_through_nodes(pairs, *subgroups, node_size, wait)
+    return [all_gather_into(whole, mine, group=group, async_op=True) for whole, mine in pairs]
+
+
+def alone(kind: str, tensors: List[torch.Tensor]) -> None:
+    """A replicated collective over one rank: a sharded optimizer's slice is the whole."""
+    if kind in SHARDED_KINDS.values():
+        for output, source in zip(tensors[::2], tensors[1::2]):
+            output.copy_(source)
+
+
 class _Pending:
     """Handle of one reduction queued on a :class:`NodeReducer`."""
 
@@ -78,8 +133,15 @@ class NodeReducer:
         self._thread.start()
 
     def submit(self, tensors, node_group, cross_group, node_size: int, describe: str) -> _Pending:
+        """The all-reduce of ``tensors`` through the nodes."""
+        return self.submit_call(lambda wait: reduce_through_nodes(tensors, node_group, cross_group, node_size, wait),
+                                describe)
+
+    def submit_call(self, start: Callable[[Callable[[object], None]], list], describe: str) -> _Pending:
+        """Queue ``start(wait)``, which issues a collective's stages (``wait(work)`` between them) and returns the
+        works of its last stage: the handle is done once those are."""
         handle = _Pending(describe)
-        self._queue.put((handle, tensors, node_group, cross_group, node_size))
+        self._queue.put((handle, start))
         return handle
 
     def _loop(self) -> None:
@@ -88,12 +150,11 @@ class NodeReducer:
             item = self._queue.get()
             if item is None:
                 return
-            handle, tensors, node_group, cross_group, node_size = item
+            handle, start = item
             if broken is None:
                 try:
-                    for work in reduce_through_nodes(tensors, node_group, cross_group, node_size,
-                                                     lambda work: work.wait()):
-                        work.wait()   # the last stage's all-gathers: done before the handle says so
+                    for work in start(lambda work: work.wait()):
+                        work.wait()   # the last stage's: done before the handle says so
                 except BaseException as exc:  # noqa: BLE001 - reported through the handle
                     broken = exc
             handle.error = broken

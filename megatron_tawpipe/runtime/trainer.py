@@ -226,7 +226,7 @@ class WeightPassingTrainer(CheckpointDefaults):
     def _optimizer_step(self) -> Tuple[Optional[float], bool]:
         self.model.reduce_partial_grads()
         self._mark(StepPhase.PARTIAL_GRADIENTS)
-        grads = self.model.shard_grads() + self.model.replicated_grads()
+        grads = self.model.shard_grads() + self.model.stepped_replicated_grads()
         if self.scaling.unscale_and_check(grads):
             return None, True
         self._mark(StepPhase.UNSCALE)
@@ -271,7 +271,7 @@ class WeightPassingTrainer(CheckpointDefaults):
     def _check_finite(self) -> None:
         """Every rank checks what it holds; one all-reduced flag per shard makes all ranks agree."""
         groups = [[self.model.main_grad(s)] if s in self.model.owned else [] for s in range(self.plan.num_shards)]
-        groups.append(self.model.replicated_grads())
+        groups.append(self.model.stepped_replicated_grads())
         bad = find_non_finite(groups, self.device)
         if not bad:
             return
@@ -333,29 +333,48 @@ class WeightPassingTrainer(CheckpointDefaults):
 
     def _clip_gradients(self, norm: float) -> None:
         """Megatron's global-norm clipping: scale every gradient by clip / (norm + 1e-6) when below 1."""
-        clip_gradients_(self.model.shard_grads() + self.model.replicated_grads(), self.config.optimizer.clip_grad, norm)
+        clip_gradients_(self.model.shard_grads() + self.model.stepped_replicated_grads(), self.config.optimizer.clip_grad,
+                        norm)
 
     # ---- checkpoint support ---------------------------------------------------------
 
     def named_master_parameters(self):
         """``(global name, master, master)``; a parameter this rank holds a piece of (spread layout) comes as a
-        stand-in that keeps its piece of the whole tensor a checkpoint gives."""
-        if not self.model.slices:
-            for name, tensor in self._named_masters:
+        stand-in that keeps its piece of the whole tensor a checkpoint gives; a replicated one whose optimizer is
+        sharded as ``(name, parameter, stand-in)``: the parameter takes the whole tensor, the stand-in its piece."""
+        model = self.model
+        replicated = len(model.replicated_named_masters())
+        decoder = self._named_masters[:len(self._named_masters) - replicated]
+        if not model.slices:
+            for name, tensor in decoder:
                 yield name, tensor, tensor
+        else:
+            yield from spread_load_targets(model, self.set_optimizer_state)
+        if model.replicated_slices is None:
+            for name, master in self._named_masters[len(decoder):]:
+                yield name, master, master
             return
-        yield from spread_load_targets(self.model, self.set_optimizer_state)
-        for name, master in self._named_masters[-len(self.model.replicated_masters):]:
-            yield name, master, master
+        for name, param in model.replicated:
+            yield name, param, model.replicated_slices.load_target(name, self.device, self.set_optimizer_state)
 
     def gathered_masters(self):
         """Spread layout: each shard's slices gathered (collective over its holders), whole on its owner, which
-        writes it; the replicated parts as held. None (nothing gathered) for the other layouts."""
-        if not self.model.slices:
+        writes it; a sharded replicated optimizer: the replicated parts' slices gathered (collective over the
+        ranks), whole on every rank. None (nothing gathered) for the other layouts."""
+        model = self.model
+        if not model.slices and model.replicated_slices is None:
             return None
-        entries = gather_spread_shards(self.model, self.optimizer_state_for)
-        replicated = self._named_masters[-len(self.model.replicated_masters):]
-        return entries + [(name, master, self.optimizer_state_for(master)) for name, master in replicated]
+        replicated = len(model.replicated_named_masters())
+        if model.slices:
+            entries = gather_spread_shards(model, self.optimizer_state_for)
+        else:
+            entries = [(name, master, self.optimizer_state_for(master))
+                       for name, master in self._named_masters[:len(self._named_masters) - replicated]]
+        if model.replicated_slices is None:
+            return entries + [(name, master, self.optimizer_state_for(master))
+                              for name, master in self._named_masters[len(self._named_masters) - replicated:]]
+        group, members, order = model.replicated_group()
+        return entries + model.replicated_slices.gather(self.optimizer_state_for, group, members, order)
 
     def optimizer_state_for(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self._adamw.state.get(master, {})

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import DIRECTIONS, process_group
-from megatron_tawpipe.runtime.node_reduce import NodeReducer, all_gather_into, reduce_scatter_from, reduce_through_nodes
+from megatron_tawpipe.runtime.node_reduce import (SHARDED_KINDS, NodeReducer, all_gather_into, alone, reduce_scatter_from,
+                                                  replicated_works)
 
 
 @dataclass
@@ -180,16 +181,19 @@ class DirectTransport:
         if op.group is None or len(op.ranks) <= 1:
             if op.kind in SLICE_KINDS:   # one holder: its slice is the whole
                 op.tensors[0].copy_(op.tensors[1])
+            alone(op.kind, op.tensors)
             return _Done()
         if op.subgroups:
+            def start(wait, op=op):
+                return replicated_works(op.kind, op.tensors, op.group, op.subgroups, op.action.node_size, wait)
             if not self.host_blocking:
-                return _Works(reduce_through_nodes(op.tensors, *op.subgroups, op.action.node_size,
-                                                   lambda work: work.wait()), False)
+                return _Works(start(lambda work: work.wait()), False)
             if self._node_reducer is None:
                 self._node_reducer = NodeReducer()
-            return self._node_reducer.submit(op.tensors, *op.subgroups, op.action.node_size,
-                                             describe_op(op.action, -1))
-        if op.kind in SLICE_KINDS:
+            return self._node_reducer.submit_call(start, describe_op(op.action, -1))
+        if op.kind in SHARDED_KINDS.values():
+            works = replicated_works(op.kind, op.tensors, op.group, (), 0, None)
+        elif op.kind in SLICE_KINDS:
             works = [slice_collective(op)]
         elif op.kind == "broadcast":
             works = [dist.broadcast(op.tensors[0], src=op.peer, group=op.group, async_op=True)]
@@ -237,7 +241,9 @@ def describe_op(action, rank: int, physical=lambda r: r) -> str:
     if isinstance(action, A.AllReduceStart):
         return f"all-reduce of {what} over its holders, ranks {ranks}"
     if isinstance(action, A.ReplicatedAllReduceStart):
-        return f"all-reduce of the replicated gradients over ranks {ranks}"
+        what = {"scatter": "reduce-scatter of the replicated gradients",
+                "gather": "all-gather of the replicated weights"}.get(action.mode, "all-reduce of the replicated gradients")
+        return f"{what} over ranks {ranks}"
     if isinstance(action, A.AllGatherStart):
         return f"all-gather of {what} from its slice holders, ranks {ranks}"
     if isinstance(action, A.ReduceScatterStart):

@@ -18,6 +18,7 @@ from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.connect import connection_warmup
 from megatron_tawpipe.plan.errors import PlanError
 from megatron_tawpipe.plan.nccl import NcclModel, entries_of
+from megatron_tawpipe.runtime.node_reduce import SHARDED_KINDS
 from megatron_tawpipe.runtime.transport import Op
 
 _KINDS = {A.SendStart: "send", A.RecvStart: "recv", A.BroadcastStart: "broadcast", A.ReduceStart: "reduce",
@@ -58,13 +59,16 @@ def _op(executor, step: int, action, scratch: Dict[int, List[torch.Tensor]]) -> 
     else:
         peer = -1
     ranks = tuple(comms.physical(r) for r in getattr(action, "ranks", ()))
-    return Op(action.tag, action, step, _KINDS[t], tensors, comms.for_action(action, executor.rank), peer=peer,
+    kind = SHARDED_KINDS[action.mode] if t is A.ReplicatedAllReduceStart and action.mode != "sum" else _KINDS[t]
+    return Op(action.tag, action, step, kind, tensors, comms.for_action(action, executor.rank), peer=peer,
               ranks=ranks, subgroups=comms.subgroups(action, executor.rank))
 
 
 def _scratch(executor, action) -> List[torch.Tensor]:
     """Zeros of the sizes and dtypes the plan's own operation moves."""
     compute = executor.compute
+    if type(action) is A.ReplicatedAllReduceStart and action.mode != "sum":   # [output, input] pairs
+        return [torch.zeros_like(t) for t in compute.replicated_slices.tensors(action.mode, action.part)]
     if type(action) is A.ReplicatedAllReduceStart:
         return [torch.zeros_like(g) for g in compute.replicated_grads(action.part) if g.numel()]
     dtype = compute.compute_dtype if action.kind == "weight" else torch.float32

@@ -30,7 +30,8 @@ from megatron_tawpipe.common.device import current_device
 from megatron_tawpipe.models.llama import params_dtype
 from megatron_tawpipe.optimizer.precision_aware import OptimizerDtypes
 from megatron_tawpipe.arguments.run_config import RunConfig, ScheduleConfig
-from megatron_tawpipe.plan import BackwardInput, BackwardWeight, Plan, build_plan, read_plan, validate_plan
+from megatron_tawpipe.plan import (BackwardInput, BackwardWeight, Plan, ReplicatedAllReduceStart, build_plan, read_plan,
+                                   validate_plan)
 from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.runtime.context_parallel import ContextParallelPieces
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
@@ -38,6 +39,7 @@ from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
 from megatron_tawpipe.runtime.microbatches import MicroBatches
 from megatron_tawpipe.runtime import tawpipe_cache
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
+from megatron_tawpipe.runtime.replicated_slices import ReplicatedSlices, slice_index
 from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, holder_slice, piece_view
 from megatron_tawpipe.runtime.warmup import launch_order_problem
 from megatron_tawpipe.sim.layout_choice import TawPipeLayout
@@ -246,6 +248,21 @@ class WeightPipeModel:
         self.replicated = self.template.replicated_parameters()
         self.replicated_masters: List[torch.Tensor] = []
         self._replicated_grads: List[torch.Tensor] = []
+        # --tawpipe-replicated-reduce sharded: their masters and Adam state in slices, one per rank
+        self.replicated_slices: Optional[ReplicatedSlices] = None
+        scatter = next((a for a in self.plan.actions[self.rank]
+                        if type(a) is ReplicatedAllReduceStart and a.mode == "scatter"), None)
+        if scatter is not None:
+            if self.context_parallel is not None:
+                raise ValueError("--tawpipe-replicated-reduce sharded does not run with --context-parallel-size > 1 "
+                                 "yet: use hierarchical or flat")
+            self.replicated_slices = ReplicatedSlices(self.replicated, scatter.ranks, self.rank, scatter.node_size,
+                                                      self.dtypes.main_params, self.grad_dtype, self.device)
+            accumulators = self.replicated_slices.accumulators()
+            self._replicated_grads = [accumulators[name] for name, _ in self.replicated]
+            self._replicated_pieces = self.replicated_slices.pieces()
+            self._replicated_scatter = scatter
+            return
         for _, param in self.replicated:
             dtype = self.dtypes.main_params
             master = param.data if param.dtype == dtype else param.detach().to(dtype).clone()
@@ -272,16 +289,27 @@ class WeightPipeModel:
             grads = self.template.views(self._main_grads[shard])
             for slot, view, grad in zip(self.template.slots_of(shard), views, grads):
                 out.append((self.template.global_name(shard, slot), view, grad))
-        for (name, _), master, grad in zip(self.replicated, self.replicated_masters, self._replicated_grads):
-            out.append((name, master, grad))
-        return out
+        return out + self.replicated_named_masters()
+
+    def replicated_named_masters(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(global name, master, gradient)`` of the replicated parts this rank steps: each parameter whole, or
+        with their optimizer sharded the pieces this rank's slices cover."""
+        if self.replicated_slices is not None:
+            return [(piece.name, master, grad) for piece, _param, master, grad in self._replicated_pieces]
+        return [(name, master, grad) for (name, _), master, grad in
+                zip(self.replicated, self.replicated_masters, self._replicated_grads)]
 
     def parameter_shape(self, name: str, master: torch.Tensor) -> Tuple[int, ...]:
-        """The shape of the parameter ``master`` (a piece of, under the spread layout) belongs to."""
+        """The shape of the parameter ``master`` (a piece of, under the spread layout or a sharded replicated
+        optimizer) belongs to."""
         for pieces in self._pieces.values():
             for piece, _master, _grad in pieces:
                 if piece.name == name:
                     return piece.slot.shape
+        if self.replicated_slices is not None:
+            for piece, param, _master, _grad in self._replicated_pieces:
+                if piece.name == name:
+                    return tuple(param.shape)
         return tuple(master.shape)
 
     def slice_pieces(self, shard: int) -> List[Tuple[Piece, torch.Tensor]]:
@@ -311,10 +339,16 @@ class WeightPipeModel:
         split is counted on tensor-parallel rank 0 only (megatron-core's rule); the owned shards'
         on context-parallel rank 0 only (every member holds the same after :meth:`reduce_partial_grads`)."""
         counted = self.counted if self.index < self.tensor_parallel_size else []   # context-parallel rank 0's
-        if self.tensor_parallel_size == 1:
-            return [self._main_grads[s] for s in counted], self.replicated_grads()
         first = self.tensor_parallel_rank == 0
+        # a sharded replicated optimizer's slices: summed over all ranks, as the owned shards
+        sliced = [] if self.replicated_slices is None else [
+            grad for _piece, param, _master, grad in self._replicated_pieces
+            if first or getattr(param, "tensor_model_parallel", False)]
+        if self.tensor_parallel_size == 1:
+            return [self._main_grads[s] for s in counted] + sliced, [] if sliced else self.replicated_grads()
         shards = [view for slot, view in self._owned_grad_slots(counted) if first or slot.partition_dim >= 0]
+        if self.replicated_slices is not None:
+            return shards + sliced, []
         replicated = [grad for master, grad in zip(self.replicated_masters, self._replicated_grads)
                       if first or getattr(master, "tensor_model_parallel", False)]
         return shards, replicated
@@ -333,8 +367,12 @@ class WeightPipeModel:
         from megatron.core import parallel_state as megatron_state
 
         partial = [view for slot, view in self._owned_grad_slots() if slot.tp_reduce]
-        partial += [grad for (name, param), grad in zip(self.replicated, self._replicated_grads)
-                    if self.template.gradient_is_partial(name, param)]
+        if self.replicated_slices is not None:   # the slices are laid out alike on every tensor-parallel rank
+            partial += [grad for piece, param, _master, grad in self._replicated_pieces
+                        if self.template.gradient_is_partial(piece.name, param)]
+        else:
+            partial += [grad for (name, param), grad in zip(self.replicated, self._replicated_grads)
+                        if self.template.gradient_is_partial(name, param)]
         if not partial:
             return
         flat = torch.cat([g.reshape(-1) for g in partial])
@@ -347,8 +385,28 @@ class WeightPipeModel:
     def zero_grads(self) -> None:
         for grad in self.shard_grads() + self.replicated_grads():
             grad.zero_()
+        if self.replicated_slices is not None:
+            for grad in self.replicated_slices.all_grads():
+                grad.zero_()
+
+    def replicated_group(self) -> Tuple[object, int, List[int]]:
+        """A sharded replicated optimizer's process group over every (virtual) rank of this tensor-parallel index,
+        its size, and the slice each of its members holds, in member order."""
+        a = self._replicated_scatter
+        group = self.communicators.groups[("replicated", a.ranks)]
+        return group, len(a.ranks), [slice_index(a.ranks, r, a.node_size) for r in a.ranks]
+
+    def stepped_replicated_grads(self) -> List[torch.Tensor]:
+        """The replicated gradients the optimizer steps: the accumulators, or with their optimizer sharded the
+        reduced slices (unscaled, checked and clipped with the shards')."""
+        if self.replicated_slices is not None:
+            return self.replicated_slices.slice_grads()
+        return self.replicated_grads()
 
     def copy_replicated_masters_to_model(self) -> None:
+        """The replicated parameters follow their masters (a sharded optimizer's: at the plan's all-gather)."""
+        if self.replicated_slices is not None:
+            return
         with torch.no_grad():
             for (_, param), master in zip(self.replicated, self.replicated_masters):
                 if param.data_ptr() != master.data_ptr():

@@ -222,11 +222,13 @@ class Advisor:
             weight, grad = cost.shard_bytes(plan), cost.grad_shard_bytes(plan)
             rep_bytes = cost.replicated_params * cost.grad_bytes
             # the same for every micro-batch size and recompute setting with these plans: counted once
-            key = (name, tuple(sorted(opts.items())), N, n1, n2, weight, grad, rep_bytes, cost.reduce_scatter_factor)
+            key = (name, tuple(sorted(opts.items())), N, n1, n2, weight, grad, rep_bytes, cost.reduce_scatter_factor,
+                   cost.dtype_bytes)
             if key not in self._node_bytes:
                 b1, b2 = (link_bytes(self._plan(name, n, **opts), weight, bytes_per_grad=grad,
                                      reduce_scatter_factor=cost.reduce_scatter_factor)["inter"] for n in (n1, n2))
-                rep = replicated_allreduce_bytes(plan, rep_bytes)["inter"]
+                rep = replicated_allreduce_bytes(plan, rep_bytes, cost.reduce_scatter_factor,
+                                                 cost.replicated_params * cost.dtype_bytes)["inter"]
                 self._node_bytes[key] = ((b2 + (N - n2) * (b2 - b1) / (n2 - n1) if n2 > n1 else b2) / cl.nodes
                                          + rep / cl.nodes)
             node_bytes = self._node_bytes[key]

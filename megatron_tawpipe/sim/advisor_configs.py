@@ -391,11 +391,14 @@ def _weight_passing(add, absent, L, P, D, N, b, runtime_knobs_only, who):
         if N % c:
             absent(("tawpipe",), f"c={c}", f"{N} micro-batches per rank are not a multiple of {c} per visit",
                    f"--global-batch-size a multiple of {c * P} (b={b})")
-    # the layouts pretrain_llama.py decides among (sim.layout_choice.candidate_layouts; the replicated reduction
-    # through the nodes), so that the advisor's TawPipe is the run's: each with the plan-file split-backward twin
-    # (tawpipe-zb) of one owner per shard (recompute: the advisor's own knob, every configuration tried both ways)
-    for layout in candidate_layouts(LayoutRequest(replicated_reduce="hierarchical", recompute=True), P, D, L, [N]):
-        knobs = dict(chunk=layout.microbatches_per_visit, cache=layout.cache, replicate_first=layout.replicate_first)
+    # the layouts pretrain_llama.py decides among (sim.layout_choice.candidate_layouts; the replicated parts'
+    # optimizer sharded, which on NCCL moves fewer bytes than either all-reduce and holds less), so that the
+    # advisor's TawPipe is the run's: each with the plan-file split-backward twin (tawpipe-zb) of one owner per
+    # shard (recompute: the advisor's own knob, every configuration tried both ways)
+    reduce = "sharded" if P > 1 else "hierarchical"
+    for layout in candidate_layouts(LayoutRequest(replicated_reduce=reduce, recompute=True), P, D, L, [N]):
+        knobs = dict(chunk=layout.microbatches_per_visit, cache=layout.cache, replicate_first=layout.replicate_first,
+                     replicated_reduce=reduce)
         if layout.ownership == "spread":
             knobs["ownership"] = "spread"
         if layout.shards_per_rank != 1:
@@ -466,6 +469,8 @@ def wp_options(cfg: Config) -> dict:
             options["ownership"] = "spread"
         if cfg.knobs.get("shards_per_rank", 1) != 1:
             options["shards_per_rank"] = cfg.knobs["shards_per_rank"]
+        if cfg.knobs.get("replicated_reduce") == "sharded":
+            options["sharded_replicated"] = True
     if cfg.knobs.get("zero_bubble"):
         options["zero_bubble"] = cfg.knobs["zero_bubble"]
     if cfg.knobs.get("shard_layers"):

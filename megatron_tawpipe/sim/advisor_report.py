@@ -63,6 +63,7 @@ def strategy_flags(cfg, model, cluster, recompute_flags: bool = True):
                      if k.get("shards_per_rank", 1) != 1 else [])
             # the shard cache as simulated (one group: nothing to keep, auto leaves it off)
             argv += ["--tawpipe-cache", "on" if k["cache"] else "off"] if D > 1 else []
+            argv += ["--tawpipe-replicated-reduce", k["replicated_reduce"]] if "replicated_reduce" in k else []
         argv += list(k.get("split_flags", []))      # uneven shards: the default split needs none
         argv += wp_rc
     elif s == "weipipe":
@@ -122,7 +123,7 @@ def mark_auto_layouts(advisor, configs, listed: int) -> None:
             decided[key] = choice.chosen
         mine = TawPipeLayout(k.get("ownership", "owner"), k.get("shards_per_rank", 1),
                              bool(k.get("replicate_first")), bool(k["cache"]) and advisor.cluster.nodes > 1,
-                             k["chunk"], "hierarchical", cfg.recompute)
+                             k["chunk"], k.get("replicated_reduce", "hierarchical"), cfg.recompute)
         if mine == decided[key]:
             k["auto_layout"] = True
             cfg.argv, cfg.command = command(cfg, advisor.model, advisor.cluster, advisor.G)
@@ -144,6 +145,7 @@ def plan_build_command(cfg, model, cluster, global_batch: int) -> str:
         argv += ["--replicate-first-shard"] if k.get("replicate_first") else []
         argv += ["--tawpipe-ownership", "spread"] if k.get("ownership") == "spread" else []
         argv += ["--tawpipe-shards-per-rank", str(k["shards_per_rank"])] if k.get("shards_per_rank", 1) != 1 else []
+        argv += ["--tawpipe-replicated-reduce", "sharded"] if k.get("replicated_reduce") == "sharded" else []
     if k.get("shard_layers"):
         argv += ["--shard-layers", ",".join(map(str, k["shard_layers"]))]
     return " ".join(argv + ["--out", PLAN_FILE])

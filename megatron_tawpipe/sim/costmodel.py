@@ -262,7 +262,8 @@ class CostModel:
 
     def optimizer_time(self, plan, rank: int) -> float:
         n = plan.layers_held_by(rank) * self.params_per_layer
-        return (n + self.replicated_params) * self.optimizer_time_per_param
+        replicated = self.replicated_params / (plan.num_ranks if plan.options.get("sharded_replicated") else 1)
+        return (n + replicated) * self.optimizer_time_per_param
 
 
 def measured_time_scale(data: dict, micro_batch_size: Optional[int], seq_length: Optional[int] = None) -> float:

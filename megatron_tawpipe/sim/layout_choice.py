@@ -60,6 +60,8 @@ class TawPipeLayout:
             options["shards_per_rank"] = self.shards_per_rank
         if self.replicated_reduce == "flat":
             options["hierarchical_replicated"] = False
+        elif self.replicated_reduce == "sharded":
+            options["sharded_replicated"] = True
         return options
 
     def flags(self) -> List[str]:
@@ -77,8 +79,8 @@ class TawPipeLayout:
                  f"cache {'on' if self.cache else 'off'}", f"{self.microbatches_per_visit}/visit"]
         if self.replicate_first:
             parts.append("first shard replicated")
-        if self.replicated_reduce == "flat":
-            parts.append("flat replicated reduce")
+        if self.replicated_reduce != "hierarchical":
+            parts.append(f"{self.replicated_reduce} replicated reduce")
         parts.append("recompute" if self.recompute else "activations kept")
         return ", ".join(parts)
 
@@ -124,6 +126,8 @@ def candidate_layouts(request: LayoutRequest, ranks: int, groups: int, num_layer
               sorted(set.intersection(*(set(visit_sizes(n)) for n in microbatch_counts))) if microbatch_counts else [1])
     # the flat reduction differs from the hierarchical one only over several nodes of several ranks
     reduces = ("hierarchical", "flat") if several and ranks // groups >= 2 else ("hierarchical",)
+    if ranks >= 2:   # the replicated parts' optimizer sharded over the ranks
+        reduces += ("sharded",)
     out = []
     for ownership in ("owner", "spread") if several else ("owner",):
         for v in shards:
@@ -298,6 +302,8 @@ def choose_layout(request: LayoutRequest, cost: Costs, ranks: int, groups: int, 
     counts = list(microbatch_counts)
     costs = costs_by_recompute(cost)
     layouts = candidate_layouts(request, ranks, groups, num_layers, counts, shards_allowed, tuple(costs))
+    if pieces is not None:   # context parallelism: the replicated parts' optimizer stays whole on every rank
+        layouts = [layout for layout in layouts if layout.replicated_reduce != "sharded"]
     if not layouts:
         raise ValueError(f"no TawPipe layout agrees with the flags given ({_given(request)}) on {ranks} ranks in "
                          f"{groups} groups, {num_layers} layers, {counts[0]} micro-batches per rank")

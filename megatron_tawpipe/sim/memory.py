@@ -157,8 +157,10 @@ def weight_passing_breakdown(result, cost, plan, microbatches_per_visit: int = 1
                           "output layer); the owned shards' copies are weight buffers")
     m.grads = 4.0 * (own + rep)
     m.notes["grads"] = f"4 B x ({own / 1e9:.3g}e9 owned + {rep / 1e9:.3g}e9 replicated) params"
-    m.optimizer = 12.0 * (own + rep)
-    m.notes["optimizer"] = f"12 B x ({own / 1e9:.3g}e9 + {rep / 1e9:.3g}e9) params"
+    slices = plan.num_ranks if plan.options.get("sharded_replicated") else 1   # the replicated parts' slice
+    m.optimizer = 12.0 * (own + rep / slices)
+    m.notes["optimizer"] = f"12 B x ({own / 1e9:.3g}e9 + {rep / 1e9:.3g}e9" + \
+        (f" / {slices} sharded" if slices > 1 else "") + ") params"
     m.comm_buffers = result.weight_buffer_bytes + result.grad_buffer_bytes
     m.notes["comm_buffers"] = (f"{result.weight_buffers} weight buffers x {gb(cost.shard_bytes(plan))} + "
                                f"{result.grad_buffers} fp32 grad buffers x {gb(cost.grad_shard_bytes(plan))} "

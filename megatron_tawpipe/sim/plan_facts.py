@@ -4,7 +4,7 @@ cost models (micro-batch sizes, recompute), and these do not depend on the cost.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import batch_entries
@@ -89,17 +89,18 @@ def _derive_held_states(plan: Plan) -> list:
 
 
 def plan_traffic(plan: Plan, bytes_per_shard: float, bytes_per_activation: float, bytes_per_grad: float,
-                 reduce_scatter_factor: float, replicated_bytes: float) -> Tuple[Dict[str, float], Dict[str, float]]:
+                 reduce_scatter_factor: float, replicated_bytes: float,
+                 gathered_bytes: Optional[float] = None) -> Tuple[Dict[str, float], Dict[str, float]]:
     """(``link_bytes`` of ``plan`` with the replicated all-reduce's bytes added, ``replicated_allreduce_bytes``)
     per link class: each computed once per plan object and byte sizes (a new dict each call)."""
     table = _cached(_TRAFFIC, plan, lambda p: {})
     # with what else link_bytes reads of the plan besides its actions (a plan edited in place after a simulation)
     key = (bytes_per_shard, bytes_per_activation, bytes_per_grad, reduce_scatter_factor, replicated_bytes,
-           tuple(plan.shard_layers), plan.ranks_per_group, plan.num_groups)
+           gathered_bytes, tuple(plan.shard_layers), plan.ranks_per_group, plan.num_groups)
     hit = table.get(key)
     if hit is None:
         lb = link_bytes(plan, bytes_per_shard, bytes_per_activation, bytes_per_grad,
                         reduce_scatter_factor=reduce_scatter_factor)
-        rep = replicated_allreduce_bytes(plan, replicated_bytes)
+        rep = replicated_allreduce_bytes(plan, replicated_bytes, reduce_scatter_factor, gathered_bytes)
         hit = table[key] = ({k: v + rep[k] for k, v in lb.items()}, dict(rep))
     return dict(hit[0]), dict(hit[1])

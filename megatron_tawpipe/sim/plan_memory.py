@@ -77,8 +77,10 @@ def memory_fields(plan: Plan, cost: CostModel) -> Dict[str, float]:
     working = lps * cost.layer_activation_bytes if cost.recompute else 0.0
     held = max(plan.layers_held_by(r) for r in range(plan.num_ranks))
     # fp32 master + Adam moments + fp32 main grad (16 B/param) for held layers
-    # and the replicated parts, plus the replicated parts' compute copy.
-    state = 16 * (held * cost.params_per_layer + cost.replicated_params) + \
+    # and the replicated parts, plus the replicated parts' compute copy; with their optimizer sharded
+    # (``sharded_replicated``) each rank keeps the master and moments (12 B/param) of its 1/P slice only.
+    rep_state = (4 + 12 / plan.num_ranks) if plan.options.get("sharded_replicated") else 16
+    state = 16 * held * cost.params_per_layer + rep_state * cost.replicated_params + \
         cost.dtype_bytes * cost.replicated_params
     return dict(weight_buffers=plan.max_weight_buffers, grad_buffers=plan.max_grad_buffers,
                 weight_buffer_bytes=plan.max_weight_buffers * cost.shard_bytes(plan),

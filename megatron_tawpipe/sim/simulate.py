@@ -364,12 +364,16 @@ class _Simulator:
         if cls is A.ReplicatedAllReduceStart:
             # The embedding / output layer's gradients (fp32), a ring like the holders' all-reduce: each
             # member sends 2(n-1)/n of them to its successor, the D hops between nodes sharing the node
-            # links with whatever weight and gradient transfers run at the same time.
-            kind, nbytes = "replicated", self.cost.replicated_part_params(a.part) * self.cost.grad_bytes
+            # links with whatever weight and gradient transfers run at the same time. Sharded: the gradients'
+            # reduce-scatter ((n-1)/n; gloo's an all-reduce) or the weights' all-gather in the compute dtype.
+            params = self.cost.replicated_part_params(a.part)
+            kind, nbytes = "replicated", params * (self.cost.dtype_bytes if a.mode == "gather" else self.cost.grad_bytes)
+            if a.mode != "sum":
+                half = a.mode == "gather" or self.cost.reduce_scatter_factor == 1.0
         else:
             kind, nbytes = a.kind, a.size * self.unit[a.kind][a.shard]
         if cls is A.ReplicatedAllReduceStart and a.node_size > 1 and pairs:
-            pairs, sizes, t = self._through_nodes(a, nbytes, t)
+            pairs, sizes, t = self._through_nodes(a, nbytes, t, half)
         else:
             if ring:
                 nbytes *= ring_share(a.ranks, a.ranks[0], half)[1]
@@ -395,20 +399,21 @@ class _Simulator:
                             shared=A.CHANNEL.get(kind) not in A.DIRECTED_CHANNELS)
                 self.push(t + self.cost.inter.latency, "enter", flow)
 
-    def _through_nodes(self, a, nbytes: float, t: float):
+    def _through_nodes(self, a, nbytes: float, t: float, half: bool = False):
         """A hierarchical all-reduce's flows (``ReplicatedAllReduceStart.node_size``): each node's ring
         carries the reduce-scatter and the all-gather, 2(G-1)/G of the data, and the ring of the j-th
-        members across the nodes 2(D-1)/D of its 1/G; the stages' latencies are paid up front."""
+        members across the nodes 2(D-1)/D of its 1/G; the stages' latencies are paid up front. ``half``: one
+        half of it (the sharded optimizer's reduce-scatter or all-gather), (G-1)/G and (D-1)/D."""
         G = a.node_size
         nodes = [a.ranks[i:i + G] for i in range(0, len(a.ranks), G)]
         across = [tuple(node[j] for node in nodes) for j in range(G)]
         pairs = [(m, ring_share(node, m)[0]) for node in nodes for m in node]
-        sizes = [nbytes * ring_share(nodes[0], nodes[0][0])[1]] * len(pairs)
+        sizes = [nbytes * ring_share(nodes[0], nodes[0][0], half)[1]] * len(pairs)
         if len(nodes) > 1:
-            share = ring_share(across[0], across[0][0])[1] / G
+            share = ring_share(across[0], across[0][0], half)[1] / G
             pairs += [(m, ring_share(ring, m)[0]) for ring in across for m in ring]
             sizes += [nbytes * share] * (len(pairs) - len(sizes))
-        steps_in, steps_across = 2 * (G - 1), 2 * (len(nodes) - 1)
+        steps_in, steps_across = (1 if half else 2) * (G - 1), (1 if half else 2) * (len(nodes) - 1)
         return pairs, sizes, t + steps_in * self.cost.intra.latency + max(0, steps_across - 1) * self.cost.inter.latency
 
     def flow_end(self, op: _Op, t: float) -> None:
@@ -465,7 +470,8 @@ def simulate(plan: Plan, cost: CostModel, record: bool = True, around=None) -> S
     tokens = plan.num_streams * plan.num_microbatches * cost.tokens_per_microbatch
     # what crosses the links: the replicated ring too
     lb, rep = plan_traffic(plan, cost.shard_bytes(plan), cost.activation_bytes, cost.grad_shard_bytes(plan),
-                           cost.reduce_scatter_factor, cost.replicated_params * cost.grad_bytes)
+                           cost.reduce_scatter_factor, cost.replicated_params * cost.grad_bytes,
+                           cost.replicated_params * cost.dtype_bytes)
     return SimResult(
         schedule=plan.schedule, num_ranks=P, iteration_time=iteration,
         tokens_per_sec_per_rank=(tokens / iteration / P) if iteration > 0 else INF,

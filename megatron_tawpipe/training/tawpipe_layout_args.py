@@ -78,6 +78,10 @@ def check_tawpipe_layout(args: argparse.Namespace, world_size: int, groups: int)
     """Validation: some layout agrees with the TawPipe layout flags given (one line naming them otherwise)."""
     if args.pipeline_schedule != "tawpipe":
         return
+    if args.tawpipe_replicated_reduce == "sharded" and getattr(args, "context_parallel_size", 1) > 1:
+        raise ArgumentError("--tawpipe-replicated-reduce sharded does not run with --context-parallel-size > 1 yet "
+                            "(the context-parallel members sum the replicated gradients whole): use hierarchical, "
+                            "flat or auto")
     ranks = weight_pipeline_ranks(args, world_size)
     counts = microbatch_counts(args, ranks)
     shards = shards_per_rank_candidates(args, ranks)
