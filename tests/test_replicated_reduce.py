@@ -105,3 +105,69 @@ def test_a_reduction_on_the_thread_is_done_when_its_handle_says_so(monkeypatch):
         assert torch.equal(grads[0], torch.full((8,), 4.0)) and torch.equal(grads[1], torch.full((6,), 12.0))
     finally:
         reducer.close()
+
+
+# ------------------------------------------------------------------ the replicated parts' optimizer sharded
+def _sharded(**options):
+    return build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=LAYERS, num_microbatches=2,
+                      sharded_replicated=True, **options)
+
+
+def test_a_sharded_plan_gathers_the_weights_first_and_reduce_scatters_the_gradients_last():
+    """Every rank: the embedding's and the head's weights all-gathered at the start (through the nodes), the head's
+    waited only before the rank's first forward of the last shard; their gradients reduce-scattered at the end."""
+    plan = _sharded()
+    assert plan.options["sharded_replicated"] is True
+    for actions in plan.actions:
+        rep = [a for a in actions if type(a) is A.ReplicatedAllReduceStart]
+        assert [(a.mode, a.part) for a in rep] == [("gather", "embedding"), ("gather", "head"),
+                                                    ("scatter", "head"), ("scatter", "embedding")]
+        assert {a.node_size for a in rep} == {2}
+        waits = {a.tag: i for i, a in enumerate(actions) if type(a) is A.Wait}
+        first_head = next(i for i, a in enumerate(actions) if type(a) is A.Forward and a.shard == plan.num_shards - 1)
+        first_compute = next(i for i, a in enumerate(actions) if type(a) is A.Forward)
+        assert waits[rep[0].tag] < first_compute < waits[rep[1].tag] < first_head
+    flat = _sharded(hierarchical_replicated=False)
+    assert {a.node_size for a in _replicated(flat)} == {0}
+
+
+def test_the_validator_refuses_compute_before_the_weights_it_reads_were_gathered():
+    import dataclasses
+
+    from megatron_tawpipe.plan import validate_plan
+    from megatron_tawpipe.plan.errors import PlanError
+    from megatron_tawpipe.plan.plan import Plan
+
+    plan = Plan.from_json(_sharded().to_json())
+    validate_plan(plan)
+    actions = plan.actions[0]
+    gather = next(a for a in actions if type(a) is A.ReplicatedAllReduceStart and a.part == "embedding")
+    wait = next(i for i, a in enumerate(actions) if type(a) is A.Wait and a.tag == gather.tag)
+    first = next(i for i, a in enumerate(actions) if type(a) is A.Forward)
+    actions.insert(first, actions.pop(wait))          # the wait after the rank's first forward of shard 0
+    with pytest.raises(PlanError, match="compute of shard 0 before the replicated embedding weights were all-gathered"):
+        validate_plan(plan)
+    plan = Plan.from_json(_sharded().to_json())
+    for actions in plan.actions:   # the head's reduce-scatter an all-reduce again, on every rank alike
+        i = next(i for i, a in enumerate(actions) if type(a) is A.ReplicatedAllReduceStart and a.mode == "scatter")
+        actions[i] = dataclasses.replace(actions[i], mode="sum")
+    with pytest.raises(PlanError, match="an all-reduce of the replicated gradients in a plan that shards"):
+        validate_plan(plan)
+
+
+@pytest.mark.parametrize("backend,ratio", [("nccl", (4 + 2) / 8), ("gloo", (8 + 2) / 8)])
+def test_the_simulator_prices_the_reduce_scatter_and_the_gather_and_the_slices_memory(backend, ratio):
+    """Per parameter: an fp32 reduce-scatter and a bf16 all-gather against an fp32 all-reduce's 2 x 4 bytes (gloo's
+    reduce-scatter moves an all-reduce's); each rank keeps the master and moments of 1/P of the replicated parts."""
+    import dataclasses
+
+    from megatron_tawpipe.sim.costmodel import CostModel
+    from megatron_tawpipe.sim.simulate import simulate
+
+    cost = dataclasses.replace(CostModel.from_flops(hidden_size=256, seq_length=512, ffn_hidden_size=704,
+                                                    vocab_size=8192, num_attention_heads=4, dtype_bytes=2,
+                                                    inter_bw=1e9, intra_bw=1e10), backend=backend)
+    whole = simulate(build_plan("tawpipe", num_ranks=4, num_groups=2, num_layers=LAYERS, num_microbatches=2), cost)
+    sharded = simulate(_sharded(), cost)
+    assert sharded.replicated_allreduce_bytes == pytest.approx(ratio * whole.replicated_allreduce_bytes)
+    assert whole.state_bytes - sharded.state_bytes == pytest.approx(12 * (1 - 1 / 4) * cost.replicated_params)

@@ -127,6 +127,8 @@ def test_node_links_carry_what_they_carry_without_context_parallelism():
      "--tawpipe-ownership spread with --context-parallel-size 2: the spread layout does not run with context"),
     (4, None, WEIPIPE + ["--seq-length", "30", "--max-position-embeddings", "30"],
      "--seq-length 30 must be divisible by 4"),
+    (4, None, TAWPIPE + ["--tawpipe-replicated-reduce", "sharded"],
+     "--tawpipe-replicated-reduce sharded does not run with --context-parallel-size > 1 yet"),
 ])
 def test_unsupported_layouts_are_refused_in_one_line(monkeypatch, world, local, extra, message):
     from megatron_tawpipe.arguments import ArgumentError, parse_args
