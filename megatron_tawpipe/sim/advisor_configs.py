@@ -306,6 +306,8 @@ def enumerate_at(model: ModelSpec, cluster: Cluster, global_batch: int, tp: int,
             continue
         if cp > 1 and cfg.strategy not in CONTEXT_PARALLEL_STRATEGIES + WEIGHT_PASSING:
             continue
+        if cp > 1 and cfg.knobs.get("replicated_reduce") == "sharded":   # with context parallelism the replicated
+            cfg.knobs["replicated_reduce"] = "hierarchical"              # parts' optimizer stays whole
         cfg.knobs.update({k: v for k, v in (("tp", tp), ("cp", cp)) if v > 1})
         out.append(cfg)
     return out, why

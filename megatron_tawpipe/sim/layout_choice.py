@@ -126,8 +126,8 @@ def candidate_layouts(request: LayoutRequest, ranks: int, groups: int, num_layer
               sorted(set.intersection(*(set(visit_sizes(n)) for n in microbatch_counts))) if microbatch_counts else [1])
     # the flat reduction differs from the hierarchical one only over several nodes of several ranks
     reduces = ("hierarchical", "flat") if several and ranks // groups >= 2 else ("hierarchical",)
-    if ranks >= 2:   # the replicated parts' optimizer sharded over the ranks
-        reduces += ("sharded",)
+    if ranks >= 2:   # first: the replicated parts' optimizer sharded over the ranks (least memory, and on NCCL
+        reduces = ("sharded",) + reduces   # fewest bytes; gloo's reduce-scatter moves an all-reduce's)
     out = []
     for ownership in ("owner", "spread") if several else ("owner",):
         for v in shards:
