@@ -171,3 +171,14 @@ def test_the_simulator_prices_the_reduce_scatter_and_the_gather_and_the_slices_m
     sharded = simulate(_sharded(), cost)
     assert sharded.replicated_allreduce_bytes == pytest.approx(ratio * whole.replicated_allreduce_bytes)
     assert whole.state_bytes - sharded.state_bytes == pytest.approx(12 * (1 - 1 / 4) * cost.replicated_params)
+
+
+def test_the_sharded_replicated_optimizer_with_another_schedule_is_refused_in_one_line(monkeypatch):
+    from megatron_tawpipe.arguments import ArgumentError, parse_args
+    from megatron_tawpipe.training.validate_args import validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ArgumentError) as info:
+        validate_args(parse_args(tiny_args("--pipeline-schedule", "weipipe", "--tawpipe-replicated-reduce", "sharded")))
+    assert "--tawpipe-replicated-reduce sharded applies to --pipeline-schedule tawpipe only" in str(info.value)
+    assert "\n" not in str(info.value)

@@ -272,6 +272,9 @@ def _validate_parallel_layout(args: argparse.Namespace, world_size: int) -> None
             raise ArgumentError(f"--timeline-file {args.timeline_file} is a directory; give a file name")
         if args.tawpipe_microbatches_per_visit not in (1, AUTO) and args.pipeline_schedule != "tawpipe":
             raise ArgumentError("--tawpipe-microbatches-per-visit applies to --pipeline-schedule tawpipe only")
+        if args.tawpipe_replicated_reduce == "sharded" and args.pipeline_schedule != "tawpipe":
+            raise ArgumentError(f"--tawpipe-replicated-reduce sharded applies to --pipeline-schedule tawpipe only "
+                                f"({args.pipeline_schedule} all-reduces the replicated gradients); leave it at auto")
         if args.tawpipe_replicate_first_shard:
             _validate_replicated_first_shard(args, world_size)
         if args.weipipe_zero_bubble and args.pipeline_schedule != "weipipe":
