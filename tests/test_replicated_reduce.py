@@ -182,3 +182,19 @@ def test_the_sharded_replicated_optimizer_with_another_schedule_is_refused_in_on
         validate_args(parse_args(tiny_args("--pipeline-schedule", "weipipe", "--tawpipe-replicated-reduce", "sharded")))
     assert "--tawpipe-replicated-reduce sharded applies to --pipeline-schedule tawpipe only" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_evaluation_reads_the_stepped_replicated_weights(tmp_path):
+    """Evaluation runs the plan forward only: its all-gather of the replicated weights runs too, so the validation
+    loss after every step is the single-process reference's (not that of the weights before the step)."""
+    from training_helpers import assert_close_rel
+
+    evaluate = ("--eval-interval", "1", "--eval-iters", "1")
+    one = run_ranks(train_rank, 1, tiny_args(*evaluate, train_iters=ITERS, global_batch=8))[0]
+    four = run_ranks(train_rank, 4, tiny_args(*evaluate, "--pipeline-schedule", "tawpipe", "--tawpipe-num-groups", "2",
+                                              "--tawpipe-replicated-reduce", "sharded", train_iters=ITERS,
+                                              global_batch=8))[0]
+    validation = [r["validation_lm_loss"] for r in four if r.get("validation_lm_loss") is not None]
+    expected = [r["validation_lm_loss"] for r in one if r.get("validation_lm_loss") is not None]
+    assert len(validation) == len(expected) == ITERS
+    assert_close_rel(validation, expected, 1e-5, "validation loss")

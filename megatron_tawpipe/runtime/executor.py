@@ -57,10 +57,11 @@ class _InFlight:
 def _needed_for_forward(action, in_flight) -> bool:
     if isinstance(action, (A.Forward, A.LoadWeights)):
         return True
+    if isinstance(action, A.ReplicatedAllReduceStart):   # a sharded replicated optimizer's weights, stepped
+        return action.mode == "gather"
     if isinstance(action, A.Wait):
         return action.tag in in_flight
-    weight_transfer = (A.SendStart, A.RecvStart, A.BroadcastStart, A.AllGatherStart)
-    return isinstance(action, weight_transfer) and action.kind == "weight"
+    return isinstance(action, (A.SendStart, A.RecvStart, A.BroadcastStart, A.AllGatherStart)) and action.kind == "weight"
 
 
 class PlanExecutor:
