@@ -2,7 +2,9 @@
 (``--tawpipe-replicated-reduce hierarchical``, the default): inside each node, across the nodes, back inside.
 A plan over several nodes of several ranks says so in its actions; runs with it train like the single-process
 reference under NCCL's ordering rules and on the plain transport (its stages on a thread of their own), with
-tensors that are not a multiple of the node size (padded parts); the flat all-reduce stays selectable."""
+tensors that are not a multiple of the node size (padded parts); the flat all-reduce stays selectable. The
+replicated parts' optimizer sharded over the ranks (``--tawpipe-replicated-reduce sharded``): its plans, their
+validation and pricing, its runs against the same reference, evaluation after each step, its refusals."""
 
 import datetime
 
