@@ -312,7 +312,9 @@ def test_simulate_prices_one_context_parallel_configuration():
     assert d2["activations"] == pytest.approx(d1["activations"] / 2) and d2["weights"] == d1["weights"]
     assert d2["optimizer"] == pytest.approx(d1["optimizer"])
     for bad, message in ((["--schedule", "tawpipe", "--context-parallel-size", "2", "--tawpipe-ownership", "spread"],
-                          "spread layout does not run"),
+                          "neither runs with context parallelism"),
+                         (["--schedule", "tawpipe", "--context-parallel-size", "2", "--tawpipe-replicated-reduce",
+                           "sharded"], "neither runs with context parallelism"),
                          (["--schedule", "fsdp", "--context-parallel-size", "2"], "not fsdp"),
                          (["--schedule", "distopt", "--context-parallel-size", "8"], "does not divide the 4 GPUs")):
         refused = run_simulate(*bad, *SIM)

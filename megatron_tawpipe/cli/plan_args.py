@@ -326,9 +326,9 @@ def context_parallel_for(name: str, args) -> int:
     if name not in CONTEXT_PARALLEL + WEIGHT_PASSING_CP:
         known = ", ".join(CONTEXT_PARALLEL + WEIGHT_PASSING_CP)
         raise ValueError(f"--context-parallel-size {cp} is modelled for {known} only, not {name}")
-    if name in WEIGHT_PASSING_CP and args.tawpipe_ownership == "spread":
-        raise ValueError(f"--context-parallel-size {cp} with --tawpipe-ownership spread: the spread layout does not "
-                         "run with context parallelism")
+    if name in WEIGHT_PASSING_CP and (args.tawpipe_ownership == "spread" or args.tawpipe_replicated_reduce == "sharded"):
+        raise ValueError(f"--context-parallel-size {cp} with --tawpipe-ownership spread or --tawpipe-replicated-reduce "
+                         "sharded: neither runs with context parallelism")
     tp = (args.tensor_model_parallel_size or 1) if name in WEIGHT_PASSING_CP else 1
     problem = context_parallel_problem(cp, tp, args.ranks // args.groups, args.seq_length, args.ranks)
     if problem:

@@ -131,7 +131,7 @@ def transfer_elements(plan: Plan, action) -> tuple:
     layer count (buffers hold whole layers of one shape); activations are one boundary."""
     kind = getattr(action, "kind", None)
     if type(action) is A.ReplicatedAllReduceStart:
-        return ("replicated", action.part)
+        return ("replicated", action.part if action.mode == "sum" else f"{action.part} {action.mode}")
     if type(action) is MemberCollectiveStart:
         return ("members", f"{action.op} of shard {action.shard}" if action.shard >= 0 else action.op)
     if kind in ("weight", "grad") and 0 <= action.shard < len(plan.shard_layers):

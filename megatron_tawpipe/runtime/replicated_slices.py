@@ -169,19 +169,21 @@ class ReplicatedSlices:
                                      partition_dim=getattr(param, "partition_dim", -1) if split else -1)
         return SliceTarget(slot, device, parts, store)
 
-    def gather(self, state_for, group, members: int, order: Sequence[int]
+    def gather(self, state_for, group, members: int, order: Sequence[int], writer: bool
                ) -> List[Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]]:
-        """Every replicated parameter whole, ``(name, fp32 master, Adam state)`` in host memory, gathered from the
-        ranks' slices (a collective over ``group``, every rank alike; ``order[i]``: the slice member i of the
-        group holds). ``state_for(master view)``: a piece's Adam state."""
+        """Every replicated parameter whole, ``(name, fp32 master, Adam state)`` in host memory, on the group's first
+        member (``writer``; the others get ``[]``), gathered from the ranks' slices one part at a time (a collective
+        over ``group``, every rank alike; ``order[i]``: the slice member i of the group holds). ``state_for(master
+        view)``: a piece's Adam state."""
         import torch.distributed as dist
 
         rows = 1 + len(_MOMENTS)
         entries = []
         for part, p in self.parts.items():
-            local = torch.zeros(rows, p.length, dtype=torch.float32, device=p.master.device)
+            device = p.master.device
+            local = torch.zeros(rows, p.length, dtype=torch.float32, device=device)
             local[0].copy_(p.master)
-            step = torch.zeros(1, dtype=torch.float64, device=p.master.device)
+            step = torch.zeros(1, dtype=torch.float64, device=device)
             for piece, _param, master, _grad in self._pieces[part]:
                 state = state_for(master)
                 for row, moment in enumerate(_MOMENTS, start=1):
@@ -189,16 +191,19 @@ class ReplicatedSlices:
                         local[row, piece.slice_start:piece.slice_start + piece.numel].copy_(state[moment].reshape(-1))
                 if "step" in state:
                     step.fill_(float(state["step"]))
-            gathered = torch.empty(members * local.numel(), dtype=torch.float32, device=p.master.device)
-            dist.all_gather(list(gathered.chunk(members)), local.reshape(-1), group=group)
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)   # a rank without a piece has no step
-            by_member = gathered.view(members, rows, p.length).cpu()
-            whole = torch.empty(rows, members * p.length, dtype=torch.float32)
+            pieces = [torch.empty_like(local) for _ in range(members)] if writer else None
+            dist.gather(local, pieces, dst=dist.get_global_rank(group, 0), group=group)
+            if not writer:
+                continue
+            by_slice = [None] * members
             for member, k in enumerate(order):
-                whole[:, k * p.length:(k + 1) * p.length].copy_(by_member[member])
+                by_slice[k] = pieces[member]
+            whole = torch.cat(by_slice, dim=1).cpu()   # rows x (members x length), in slice order
+            del pieces, by_slice
             taken = float(step)
             for name, param, offset in zip(p.names, p.params, p.offsets):
-                values = [whole[row, offset:offset + param.numel()].clone().view(param.shape) for row in range(rows)]
+                values = [whole[row, offset:offset + param.numel()].view(param.shape) for row in range(rows)]
                 for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
                     if hasattr(param, attribute):   # where a tensor-parallel slice lies in the whole tensor
                         setattr(values[0], attribute, getattr(param, attribute))

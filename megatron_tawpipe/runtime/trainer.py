@@ -373,8 +373,9 @@ class WeightPassingTrainer(CheckpointDefaults):
         if model.replicated_slices is None:
             return entries + [(name, master, self.optimizer_state_for(master))
                               for name, master in self._named_masters[len(self._named_masters) - replicated:]]
-        group, members, order = model.replicated_group()
-        return entries + model.replicated_slices.gather(self.optimizer_state_for, group, members, order)
+        group, members, order = model.replicated_group()   # written by virtual rank 0 (skip_in_checkpoint)
+        return entries + model.replicated_slices.gather(self.optimizer_state_for, group, members, order,
+                                                        writer=model.rank == 0)
 
     def optimizer_state_for(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self._adamw.state.get(master, {})

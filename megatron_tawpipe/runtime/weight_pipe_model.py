@@ -345,7 +345,8 @@ class WeightPipeModel:
             grad for _piece, param, _master, grad in self._replicated_pieces
             if first or getattr(param, "tensor_model_parallel", False)]
         if self.tensor_parallel_size == 1:
-            return [self._main_grads[s] for s in counted] + sliced, [] if sliced else self.replicated_grads()
+            return ([self._main_grads[s] for s in counted] + sliced,
+                    [] if self.replicated_slices is not None else self.replicated_grads())
         shards = [view for slot, view in self._owned_grad_slots(counted) if first or slot.partition_dim >= 0]
         if self.replicated_slices is not None:
             return shards + sliced, []
