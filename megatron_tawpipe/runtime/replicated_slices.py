@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_tawpipe.runtime.shard_slices import Piece, SliceTarget, slice_length
+from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, SliceTarget, piece_view, slice_length
 
 PARTS = ("embedding", "head")
 
@@ -65,8 +65,8 @@ class _Part:
 
 class ReplicatedSlices:
     """One rank's slices of the replicated parts (module text). ``replicated``: the model's ``(name, param)``
-    pairs; ``ranks`` and ``node_size``: the plan's replicated reduce-scatter's; ``initial``: each parameter's
-    initial value in fp32 (the slice's master is taken from it)."""
+    pairs (their current values are the initial weights, the slices' masters are taken from them); ``ranks`` and
+    ``node_size``: the plan's replicated reduce-scatter's."""
 
     def __init__(self, replicated: Sequence[Tuple[str, torch.nn.Parameter]], ranks: Sequence[int], rank: int,
                  node_size: int, master_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device):
@@ -112,18 +112,12 @@ class ReplicatedSlices:
 
     @staticmethod
     def _make_pieces(p: _Part) -> List[Tuple[Piece, torch.nn.Parameter, torch.Tensor, torch.Tensor]]:
-        lo, hi = p.start, p.start + max(0, min(p.length, p.numel - p.start))
-        out = []
-        for name, param, offset in zip(p.names, p.params, p.offsets):
-            first, last = max(lo, offset), min(hi, offset + param.numel())
-            if first < last:
-                split = bool(getattr(param, "tensor_model_parallel", False))
-                slot = types.SimpleNamespace(shape=tuple(param.shape),
-                                             partition_dim=getattr(param, "partition_dim", -1) if split else -1)
-                piece = Piece(name, slot, first - offset, first - lo, last - first)
-                out.append((piece, param, p.master[piece.slice_start:piece.slice_start + piece.numel],
-                            p.grad[piece.slice_start:piece.slice_start + piece.numel]))
-        return out
+        members = len(p.weights) // p.length
+        held = ShardSlice(-1, p.numel, members, p.index, ())
+        slots = [_slot(name, param, offset) for name, param, offset in zip(p.names, p.params, p.offsets)]
+        params = dict(zip(p.names, p.params))
+        return [(piece, params[piece.name], piece_view(p.master, piece), piece_view(p.grad, piece))
+                for piece in held.pieces(slots, lambda slot: slot.name)]
 
     def pieces(self) -> List[Tuple[Piece, torch.nn.Parameter, torch.Tensor, torch.Tensor]]:
         """``(piece, parameter, master view, gradient view)`` of every parameter this rank's slices cover."""
@@ -164,10 +158,7 @@ class ReplicatedSlices:
         (its master and, through ``store``, its Adam state)."""
         parts = [(piece, master) for piece, _param, master, _grad in self.pieces() if piece.name == name]
         param = next(param for p in self.parts.values() for n, param in zip(p.names, p.params) if n == name)
-        split = bool(getattr(param, "tensor_model_parallel", False))
-        slot = types.SimpleNamespace(shape=tuple(param.shape),
-                                     partition_dim=getattr(param, "partition_dim", -1) if split else -1)
-        return SliceTarget(slot, device, parts, store)
+        return SliceTarget(_slot(name, param), device, parts, store)
 
     def gather(self, state_for, group, members: int, order: Sequence[int], writer: bool
                ) -> List[Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]]:
@@ -214,3 +205,11 @@ class ReplicatedSlices:
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _slot(name: str, param: torch.nn.Parameter, offset: int = 0) -> types.SimpleNamespace:
+    """What a :class:`Piece` and a :class:`SliceTarget` read of a replicated parameter (as of a shard's ParamSlot):
+    its name, place in its part, shape and tensor-parallel split (-1: none)."""
+    split = bool(getattr(param, "tensor_model_parallel", False))
+    return types.SimpleNamespace(name=name, offset=offset, numel=param.numel(), shape=tuple(param.shape),
+                                 partition_dim=getattr(param, "partition_dim", -1) if split else -1)
