@@ -6,9 +6,12 @@ Each tensor, viewed flat and zero-padded to a multiple of the node size G, is re
 node all-gathers the parts back into the tensor. A node's link then carries 2(D-1)/D of the gradients over D
 nodes, the least any all-reduce moves; a ring over every rank carries 2(P-1)/P.
 
-The three stages of a tensor follow each other. On CUDA each stage's stream waits for the one before and the
-host goes on; on a host-blocking backend (gloo) one thread per transport runs the stages, the operations in
-the order they were issued, so every rank's node and cross groups see the same sequence.
+The three stages of a tensor follow each other. On CUDA (:class:`SideStream`) they are issued on a stream of
+their own, which first waits for the compute stream (the gradients are written) and then for each stage before
+the next; the compute stream waits only where the plan waits for the collective, so compute between the start
+and that wait runs while the slow cross-node stage is on the link, and the host goes on throughout. On a
+host-blocking backend (gloo) one thread per transport runs the stages, the operations in the order they were
+issued, so every rank's node and cross groups see the same sequence.
 """
 
 from __future__ import annotations
@@ -107,6 +110,42 @@ def alone(kind: str, tensors: List[torch.Tensor]) -> None:
     if kind in SHARDED_KINDS.values():
         for output, source in zip(tensors[::2], tensors[1::2]):
             output.copy_(source)
+
+
+class SideStream:
+    """The CUDA stream the stages of a collective through the nodes are issued on (one per transport, made on
+    first use), so that waiting for one stage before issuing the next orders that stream, not the compute
+    stream: were the stages issued on the compute stream, every kernel after the start would wait for the
+    cross-node stage."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = None
+
+    def run(self, start: Callable[[Callable[[object], None]], list]) -> list:
+        """``start(wait)`` issued on the side stream after it waits for the compute stream; returns one handle
+        whose ``wait()`` makes the (then) current stream wait for every stage and for the copies between them."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for work in start(lambda work: work.wait()):   # wait(): the side stream waits, the host goes on
+                work.wait()
+            done = torch.cuda.Event()
+            done.record(side)
+        return [_StreamDone(done, self.device)]
+
+
+class _StreamDone:
+    """The end of what a :class:`SideStream` issued: ``wait()`` orders the current stream after it."""
+
+    def __init__(self, event, device: torch.device):
+        self.event, self.device = event, device
+
+    def wait(self, timeout=None) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+        return True
 
 
 class _Pending:

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from megatron_tawpipe.distributed import groups
 from megatron_tawpipe.plan import actions as A
 from megatron_tawpipe.plan.nccl import DIRECTIONS, process_group
-from megatron_tawpipe.runtime.node_reduce import (SHARDED_KINDS, NodeReducer, all_gather_into, alone, reduce_scatter_from,
-                                                  replicated_works)
+from megatron_tawpipe.runtime.node_reduce import (SHARDED_KINDS, NodeReducer, SideStream, all_gather_into, alone,
+                                                  reduce_scatter_from, replicated_works)
 
 
 @dataclass
@@ -154,7 +154,9 @@ class DirectTransport:
     def __init__(self, device: torch.device):
         self.nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.host_blocking = device.type != "cuda"
+        self.device = device
         self._node_reducer: Optional[NodeReducer] = None   # host-blocking: the stages run on its thread
+        self._side_stream: Optional[SideStream] = None     # CUDA: the stages are issued on it
 
     def issue(self, ops: List[Op]) -> Dict[int, object]:
         handles: Dict[int, object] = {}
@@ -186,8 +188,10 @@ class DirectTransport:
         if op.subgroups:
             def start(wait, op=op):
                 return replicated_works(op.kind, op.tensors, op.group, op.subgroups, op.action.node_size, wait)
-            if not self.host_blocking:
-                return _Works(start(lambda work: work.wait()), False)
+            if not self.host_blocking:   # CUDA: the stages ordered on a stream of their own
+                if self._side_stream is None:
+                    self._side_stream = SideStream(self.device)
+                return _Works(self._side_stream.run(start), False)
             if self._node_reducer is None:
                 self._node_reducer = NodeReducer()
             return self._node_reducer.submit_call(start, describe_op(op.action, -1))

@@ -1,0 +1,136 @@
+"""On CUDA the stages of a collective through the nodes are ordered on a side stream, not on the compute stream.
+
+No GPU here: torch.cuda's stream, event and current-stream calls and torch.distributed's collectives are replaced
+by recorders, and the transport is asked for the hierarchical all-reduce and the sharded optimizer's scatter and
+gather as it is on a GPU. What is checked is the order the streams are told to keep: the compute stream waits for
+nothing until the plan's wait, and then for the side stream's end only; every stage is issued on the side stream,
+which waits for the compute stream first and for each stage before the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_tawpipe.runtime import node_reduce
+from megatron_tawpipe.runtime.transport import DirectTransport, Op
+
+
+class Recorder:
+    def __init__(self):
+        self.log = []
+        self.compute = FakeStream(self, "compute")
+        self.current = self.compute
+        self.works = 0
+
+
+class FakeStream:
+    def __init__(self, rec, name):
+        self.rec, self.name = rec, name
+
+    def wait_stream(self, other):
+        self.rec.log.append((self.name, "waits stream", other.name))
+
+    def wait_event(self, event):
+        self.rec.log.append((self.name, "waits event", event.name))
+
+
+class FakeEvent:
+    def __init__(self, rec):
+        self.rec, self.name = rec, None
+
+    def record(self, stream):
+        self.name = f"end of {stream.name}"
+        self.rec.log.append((stream.name, "records", self.name))
+
+
+class FakeWork:
+    def __init__(self, rec, what):
+        rec.works += 1
+        self.rec, self.name = rec, f"{what} #{rec.works}"
+        rec.log.append((rec.current.name, "issues", self.name))
+
+    def wait(self, timeout=None):
+        self.rec.log.append((self.rec.current.name, "waits work", self.name))
+        return True
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    rec = Recorder()
+    made = []
+
+    def stream_class(device=None):
+        made.append(FakeStream(rec, "side"))
+        return made[-1]
+
+    @contextlib.contextmanager
+    def use(stream):
+        before, rec.current = rec.current, stream
+        try:
+            yield
+        finally:
+            rec.current = before
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream_class)
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec.current)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(rec))
+    for name, what in (("all_reduce", "all-reduce"), ("reduce_scatter_tensor", "reduce-scatter"),
+                       ("reduce_scatter_single", "reduce-scatter"), ("all_gather_into_tensor", "all-gather"),
+                       ("all_gather_single", "all-gather")):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, lambda *a, _what=what, **k: FakeWork(rec, _what))
+    rec.made = made
+    return rec
+
+
+def _op(kind, tensors):
+    action = SimpleNamespace(node_size=2)
+    return Op(tag=1, action=action, step=0, kind=kind, tensors=tensors, group=object(), ranks=(0, 1, 2, 3),
+              subgroups=(object(), object()))
+
+
+CASES = {
+    "allreduce": lambda: [torch.zeros(8), torch.zeros(5)],   # the second one padded to a multiple of 2
+    node_reduce.SHARDED_KINDS["scatter"]: lambda: [torch.zeros(2), torch.zeros(8)],
+    node_reduce.SHARDED_KINDS["gather"]: lambda: [torch.zeros(8), torch.zeros(2)],
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_stages_through_the_nodes_wait_on_a_side_stream_and_compute_only_at_the_plans_wait(rec, kind):
+    transport = DirectTransport(torch.device("cuda", 0))
+    handle = transport._collective(_op(kind, CASES[kind]()))
+    issued = [entry for entry in rec.log if entry[1] == "issues"]
+    assert issued and all(stream == "side" for stream, _, _ in issued), rec.log
+    assert rec.log[0] == ("side", "waits stream", "compute"), rec.log   # the gradients are written first
+    assert not [e for e in rec.log if e[0] == "compute"], rec.log       # compute goes on until the plan waits
+    # on the side stream each stage is waited before the next is issued, the last ones before the end is recorded
+    for i, (stream, what, name) in enumerate(rec.log):
+        if what == "issues" and i + 1 < len(rec.log):
+            later = rec.log[i + 1:]
+            waited = [j for j, e in enumerate(later) if e == ("side", "waits work", name)]
+            recorded = [j for j, e in enumerate(later) if e[1] == "records"]
+            assert waited and recorded and waited[0] < recorded[0], rec.log
+    before = len(rec.log)
+    handle.wait(None)
+    assert rec.log[before:] == [("compute", "waits event", "end of side")]
+    transport._collective(_op(kind, CASES[kind]()))
+    assert len(rec.made) == 1   # one side stream per transport
+
+
+def test_host_blocking_transport_keeps_its_thread_and_makes_no_stream(rec, monkeypatch):
+    # gloo: the stages run on the reducer's thread; no CUDA stream is made
+    transport = DirectTransport(torch.device("cpu"))
+    handle = transport._collective(_op("allreduce", [torch.zeros(8)]))
+    import datetime
+
+    handle.wait(datetime.timedelta(seconds=10))
+    transport.close()
+    assert rec.made == []
+    assert [e[0] for e in rec.log if e[1] == "issues"] == ["compute"] * 3
