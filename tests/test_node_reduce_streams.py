@@ -134,3 +134,46 @@ def test_host_blocking_transport_keeps_its_thread_and_makes_no_stream(rec, monke
     transport.close()
     assert rec.made == []
     assert [e[0] for e in rec.log if e[1] == "issues"] == ["compute"] * 3
+
+
+def _side_stream_on_cuda() -> dict:
+    """One NCCL rank: each collective through the nodes (node groups of one) issued through the transport as on
+    a cluster, a compute kernel queued between its start and the plan's wait, the results read after the wait."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        world = dist.group.WORLD
+        transport = DirectTransport(device)
+        out = {}
+        grads = torch.arange(10, dtype=torch.float32, device=device)
+        for kind, tensors in (("allreduce", [grads.clone()]),
+                              (node_reduce.SHARDED_KINDS["scatter"], [torch.zeros(10, device=device), grads.clone()]),
+                              (node_reduce.SHARDED_KINDS["gather"], [torch.zeros(10, device=device), grads.clone()])):
+            op = Op(tag=1, action=SimpleNamespace(node_size=1), step=0, kind=kind, tensors=tensors, group=world,
+                    ranks=(0, 1), subgroups=(world, world))
+            handle = transport._collective(op)
+            busy = torch.ones(256, 256, device=device) @ torch.ones(256, 256, device=device)   # compute meanwhile
+            handle.wait(None)
+            out[kind] = (tensors[0].cpu().tolist(), float(busy[0, 0]))
+        torch.cuda.synchronize()
+        return {"results": out, "expected": grads.cpu().tolist()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_collectives_through_the_nodes_run_on_a_cuda_side_stream():
+    """On the GPU: the side stream, its event and NCCL's collectives issued under it give each collective's
+    result (a group of one: the tensor itself) after the plan's wait, with compute queued in between."""
+    from test_cuda_one_rank import run_in_fresh_process
+
+    out = run_in_fresh_process(_side_stream_on_cuda)
+    for kind, (values, busy) in out["results"].items():
+        assert values == out["expected"], kind
+        assert busy == 256.0
