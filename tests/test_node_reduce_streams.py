@@ -105,21 +105,28 @@ CASES = {
 @pytest.mark.parametrize("kind", list(CASES))
 def test_stages_through_the_nodes_wait_on_a_side_stream_and_compute_only_at_the_plans_wait(rec, kind):
     transport = DirectTransport(torch.device("cuda", 0))
-    handle = transport._collective(_op(kind, CASES[kind]()))
+    tensors = CASES[kind]()
+    handle = transport._collective(_op(kind, tensors))
     issued = [entry for entry in rec.log if entry[1] == "issues"]
     assert issued and all(stream == "side" for stream, _, _ in issued), rec.log
     assert rec.log[0] == ("side", "waits stream", "compute"), rec.log   # the gradients are written first
     assert not [e for e in rec.log if e[0] == "compute"], rec.log       # compute goes on until the plan waits
-    # on the side stream each stage is waited before the next is issued, the last ones before the end is recorded
-    for i, (stream, what, name) in enumerate(rec.log):
-        if what == "issues" and i + 1 < len(rec.log):
-            later = rec.log[i + 1:]
-            waited = [j for j, e in enumerate(later) if e == ("side", "waits work", name)]
-            recorded = [j for j, e in enumerate(later) if e[1] == "records"]
-            assert waited and recorded and waited[0] < recorded[0], rec.log
+    # on the side stream each stage is waited before the next stage of its tensor is issued, and every work
+    # before the end is recorded
+    recorded = next(j for j, e in enumerate(rec.log) if e[1] == "records")
+    waits = {e[2]: j for j, e in enumerate(rec.log) if e[:2] == ("side", "waits work")}
+    issued_at = [j for j, e in enumerate(rec.log) if e[1] == "issues"]
+    assert all(waits.get(rec.log[j][2], recorded + 1) < recorded for j in issued_at), rec.log
+    stages = 3 if kind == "allreduce" else 2
+    for first in issued_at[::stages]:   # one tensor's stages are issued one after another
+        chain = issued_at[issued_at.index(first):issued_at.index(first) + stages]
+        for this, following in zip(chain, chain[1:]):
+            assert this < waits[rec.log[this][2]] < following, rec.log
+    assert all(any(t is k for k in handle.works[0].tensors) for t in tensors)   # kept until the plan's wait
     before = len(rec.log)
     handle.wait(None)
     assert rec.log[before:] == [("compute", "waits event", "end of side")]
+    assert handle.works[0].tensors == []
     transport._collective(_op(kind, CASES[kind]()))
     assert len(rec.made) == 1   # one side stream per transport
 

@@ -122,9 +122,10 @@ class SideStream:
         self.device = device
         self._stream = None
 
-    def run(self, start: Callable[[Callable[[object], None]], list]) -> list:
+    def run(self, start: Callable[[Callable[[object], None]], list], tensors=()) -> list:
         """``start(wait)`` issued on the side stream after it waits for the compute stream; returns one handle
-        whose ``wait()`` makes the (then) current stream wait for every stage and for the copies between them."""
+        whose ``wait()`` makes the (then) current stream wait for every stage and for the copies between them
+        (it keeps ``tensors``, the collective's, referenced until then: the side stream reads and writes them)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
         side = self._stream
@@ -134,17 +135,18 @@ class SideStream:
                 work.wait()
             done = torch.cuda.Event()
             done.record(side)
-        return [_StreamDone(done, self.device)]
+        return [_StreamDone(done, self.device, tensors)]
 
 
 class _StreamDone:
     """The end of what a :class:`SideStream` issued: ``wait()`` orders the current stream after it."""
 
-    def __init__(self, event, device: torch.device):
-        self.event, self.device = event, device
+    def __init__(self, event, device: torch.device, tensors=()):
+        self.event, self.device, self.tensors = event, device, list(tensors)
 
     def wait(self, timeout=None) -> bool:
         torch.cuda.current_stream(self.device).wait_event(self.event)
+        self.tensors = []
         return True
 
 

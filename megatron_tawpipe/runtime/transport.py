@@ -191,7 +191,7 @@ class DirectTransport:
             if not self.host_blocking:   # CUDA: the stages ordered on a stream of their own
                 if self._side_stream is None:
                     self._side_stream = SideStream(self.device)
-                return _Works(self._side_stream.run(start), False)
+                return _Works(self._side_stream.run(start, op.tensors), False)
             if self._node_reducer is None:
                 self._node_reducer = NodeReducer()
             return self._node_reducer.submit_call(start, describe_op(op.action, -1))
