@@ -10,6 +10,7 @@ which waits for the compute stream first and for each stage before the next.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from types import SimpleNamespace
 
 import pytest
@@ -118,8 +119,8 @@ def test_stages_through_the_nodes_wait_on_a_side_stream_and_compute_only_at_the_
     issued_at = [j for j, e in enumerate(rec.log) if e[1] == "issues"]
     assert all(waits.get(rec.log[j][2], recorded + 1) < recorded for j in issued_at), rec.log
     stages = 3 if kind == "allreduce" else 2
-    for first in issued_at[::stages]:   # one tensor's stages are issued one after another
-        chain = issued_at[issued_at.index(first):issued_at.index(first) + stages]
+    for k in range(0, len(issued_at), stages):   # one tensor's stages are issued one after another
+        chain = issued_at[k:k + stages]
         for this, following in zip(chain, chain[1:]):
             assert this < waits[rec.log[this][2]] < following, rec.log
     assert all(any(t is k for k in handle.works[0].tensors) for t in tensors)   # kept until the plan's wait
@@ -131,12 +132,10 @@ def test_stages_through_the_nodes_wait_on_a_side_stream_and_compute_only_at_the_
     assert len(rec.made) == 1   # one side stream per transport
 
 
-def test_host_blocking_transport_keeps_its_thread_and_makes_no_stream(rec, monkeypatch):
+def test_host_blocking_transport_keeps_its_thread_and_makes_no_stream(rec):
     # gloo: the stages run on the reducer's thread; no CUDA stream is made
     transport = DirectTransport(torch.device("cpu"))
     handle = transport._collective(_op("allreduce", [torch.zeros(8)]))
-    import datetime
-
     handle.wait(datetime.timedelta(seconds=10))
     transport.close()
     assert rec.made == []

@@ -154,9 +154,9 @@ class DirectTransport:
     def __init__(self, device: torch.device):
         self.nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.host_blocking = device.type != "cuda"
-        self.device = device
         self._node_reducer: Optional[NodeReducer] = None   # host-blocking: the stages run on its thread
-        self._side_stream: Optional[SideStream] = None     # CUDA: the stages are issued on it
+        # CUDA: the stages are issued on it (its stream made at the first such collective)
+        self._side_stream = None if self.host_blocking else SideStream(device)
 
     def issue(self, ops: List[Op]) -> Dict[int, object]:
         handles: Dict[int, object] = {}
@@ -189,8 +189,6 @@ class DirectTransport:
             def start(wait, op=op):
                 return replicated_works(op.kind, op.tensors, op.group, op.subgroups, op.action.node_size, wait)
             if not self.host_blocking:   # CUDA: the stages ordered on a stream of their own
-                if self._side_stream is None:
-                    self._side_stream = SideStream(self.device)
                 return _Works(self._side_stream.run(start, op.tensors), False)
             if self._node_reducer is None:
                 self._node_reducer = NodeReducer()
