@@ -47,10 +47,11 @@ def test_node_link_carries_the_bytes_of_one_gpu_per_virtual_rank(schedule):
     assert two["options"]["context_parallel_bytes_per_gpu"] > 0
     pieces = two["options"]["context_parallel_piece_bytes_per_gpu"]
     assert pieces["gather"] > 0 and pieces["scatter"] > 0 and pieces["all_reduce"] > 0
-    # memory per GPU: activations / 2, weights and optimizer state whole (masters replicated over the members)
+    # memory per GPU: activations / 2, weights and masters whole, the Adam moments (8 of the 12 B) halved
     m1, m2 = one["options"]["memory_breakdown"], two["options"]["memory_breakdown"]
     assert m2["activations"] == pytest.approx(m1["activations"] / 2)
-    assert m2["weights"] == pytest.approx(m1["weights"]) and m2["optimizer"] == pytest.approx(m1["optimizer"])
+    assert m2["weights"] == pytest.approx(m1["weights"]) and m2["optimizer"] == pytest.approx(m1["optimizer"] * 8 / 12)
+    assert two["state_bytes"] == pytest.approx(one["state_bytes"] - m1["optimizer"] * 4 / 12)
 
 
 def test_compute_per_gpu_is_a_cth_plus_the_ring():
@@ -89,8 +90,10 @@ class _Plan:
 def test_pieces_collectives_by_hand():
     """C = 2 on gloo, 1 GB/s and 1 ms per step inside the node, shards of 2 layers of 1M parameters: a weight that
     arrived (2 bytes a value: 4 MB) is all-gathered in 1/2 x 4 MB / 1 GB/s + 1 ms = 3 ms;
-    a gradient (8 MB fp32) is reduce-scattered as gloo does, an all-reduce's bytes: 8 ms + 2 ms; the optimizer's
-    all-reduce of 2 M + 1 M replicated parameters' gradients (12 MB): 12 ms + 2 ms."""
+    a gradient (8 MB fp32) is reduce-scattered as gloo does, an all-reduce's bytes: 8 ms + 2 ms; around the
+    optimizer the reduce-scatter of 2 M + 1 M replicated parameters' gradients (12 MB, gloo: 12 ms + 2 ms) and the
+    all-gather of their fp32 masters (1/2 x 12 MB + 1 ms = 7 ms); on NCCL the reduce-scatter is half (7 ms), so
+    the two cost an all-reduce's 14 ms."""
     cost = CostModel(layer_forward=1.0, layer_backward=2.0, params_per_layer=1e6, dtype_bytes=2, grad_bytes=4,
                      replicated_params=1e6, intra=Link(1e9, 1e-3), backend="gloo")
     pieces = PieceCollectives(cost, 2, _Plan())
@@ -98,18 +101,19 @@ def test_pieces_collectives_by_hand():
     send = _SEND
     assert pieces.before_start(1, send) == pytest.approx(0.010)
     assert pieces.before_start(1, _SEND_WEIGHT) == 0.0
-    assert pieces.before_optimizer(0) == pytest.approx(0.014)
-    assert pieces.bytes == {"gather": 2e6, "scatter": 8e6, "all_reduce": 12e6}
+    assert pieces.before_optimizer(0) == pytest.approx(0.021)
+    assert pieces.bytes == {"gather": 2e6 + 6e6, "scatter": 8e6 + 12e6, "all_reduce": 0.0}
     nccl = PieceCollectives(replace(cost, backend="nccl"), 2, _Plan())
     assert nccl.before_start(1, send) == pytest.approx(0.005)   # a ring reduce-scatter: half the bytes, one step
+    assert nccl.before_optimizer(0) == pytest.approx(0.014)
 
 
-def test_weight_passing_cost_keeps_the_optimizer_whole_and_the_links_per_member():
+def test_weight_passing_cost_divides_the_optimizer_and_keeps_the_links_per_member():
     cost = CostModel.from_flops(hidden_size=512, seq_length=8192, ffn_hidden_size=1408, num_attention_heads=8,
                                 vocab_size=4096, recompute=False, intra_bw="1GB/s")
     virtual = weight_passing_cost(cost, 2, AttentionShape(8192, 1, 512, 8, None, 1408))
     assert virtual.intra.bandwidth == pytest.approx(2 * cost.intra.bandwidth)
-    assert virtual.optimizer_time_per_param == cost.optimizer_time_per_param
+    assert virtual.optimizer_time_per_param == pytest.approx(cost.optimizer_time_per_param / 2)   # its piece
     assert virtual.layer_forward > cost.layer_forward / 2   # half the work plus the ring's exposed time
     assert virtual.head_forward == pytest.approx(cost.head_forward / 2)
 
@@ -145,16 +149,16 @@ SHAPE = AttentionShape(8192, 1, 512, 8, None, 1408)
 def test_pieces_collectives_carry_the_tensor_parallel_slice_by_hand():
     """T = 2 beside C = 2, the plan and links of test_pieces_collectives_by_hand: each GPU's collectives carry its
     slice, half the bytes, at the same latencies: the weight's all-gather 1/2 x 2 MB / 1 GB/s + 1 ms = 2 ms, the
-    gradient's reduce-scatter (gloo: an all-reduce's bytes) 4 MB + 2 ms = 6 ms, the optimizer's all-reduce of
-    6 MB: 6 ms + 2 ms = 8 ms."""
+    gradient's reduce-scatter (gloo: an all-reduce's bytes) 4 MB + 2 ms = 6 ms; around the optimizer the
+    reduce-scatter of 6 MB (6 ms + 2 ms) and the masters' all-gather (1/2 x 6 MB + 1 ms = 4 ms)."""
     cost = CostModel(layer_forward=1.0, layer_backward=2.0, params_per_layer=1e6, dtype_bytes=2, grad_bytes=4,
                      replicated_params=1e6, intra=Link(1e9, 1e-3), backend="gloo")
     pieces = PieceCollectives(cost, 2, _Plan(), tp=2)
     assert pieces.after_wait(1, _RECV) == pytest.approx(0.002)
     assert pieces.before_start(1, _SEND) == pytest.approx(0.006)
     assert pieces.before_start(1, _SEND_WEIGHT) == 0.0
-    assert pieces.before_optimizer(0) == pytest.approx(0.008)
-    assert pieces.bytes == {"gather": 1e6, "scatter": 4e6, "all_reduce": 6e6}
+    assert pieces.before_optimizer(0) == pytest.approx(0.012)
+    assert pieces.bytes == {"gather": 1e6 + 3e6, "scatter": 4e6 + 6e6, "all_reduce": 0.0}
     # C = 4 beside T = 4: an all-gather of 3/4 of a quarter of 4 MB in 3 steps
     four = PieceCollectives(replace(cost, backend="nccl"), 4, _Plan(), tp=4)
     assert four.after_wait(1, _RECV) == pytest.approx(0.75 * 1e6 / 1e9 + 3e-3)
@@ -164,8 +168,8 @@ def test_weight_passing_cost_at_t_by_c_by_hand():
     """T = 2 x C = 2 on 1 GB/s and 5 us inside the node: a layer's forward is a quarter of one GPU's, plus two
     tensor-parallel all-reduces of the local tokens' hidden state over 2 GPUs (2 latencies + half the tokens'
     bytes / 1 GB/s each), plus the ring's exposed time at T = 2; the output layer a quarter plus one all-reduce;
-    the plan's transfers on 4 GPUs' links; the optimizer over the tensor-parallel slice (1/2, whole on each
-    member); the copies of a slice on 2 GPUs' bandwidth."""
+    the plan's transfers on 4 GPUs' links; the optimizer over a member's piece of the tensor-parallel slice (1/4);
+    the copies of a slice on 2 GPUs' bandwidth."""
     cost = _cost(intra_bw="1GB/s", intra_latency="5us")
     virtual = weight_passing_cost(cost, 2, SHAPE, 2)
     all_reduce = 2 * 5e-6 + (cost.activation_bytes / 2) / 1e9
@@ -176,7 +180,7 @@ def test_weight_passing_cost_at_t_by_c_by_hand():
     assert virtual.head_forward == pytest.approx(cost.head_forward / 4 + all_reduce)
     assert virtual.intra.bandwidth == pytest.approx(4e9) and virtual.intra.latency == cost.intra.latency
     assert virtual.inter == cost.inter
-    assert virtual.optimizer_time_per_param == pytest.approx(cost.optimizer_time_per_param / 2)
+    assert virtual.optimizer_time_per_param == pytest.approx(cost.optimizer_time_per_param / 4)
     assert virtual.copy_bandwidth == pytest.approx(2 * cost.copy_bandwidth)
     assert virtual.activation_bytes == cost.activation_bytes   # the virtual rank's micro-batch, whole
 
@@ -206,14 +210,16 @@ def _memory():
 
 def test_memory_per_gpu_at_t_by_c_by_hand():
     """T = 2 x C = 4: the activations and logits / 8 (the local tokens, sequence-parallel over T); the weights,
-    gradients, masters and Adam state and the buffers / 2 (the slice, whole on every member)."""
+    gradients and the buffers / 2 (the slice, whole on every member); the optimizer's 12 B a parameter as the
+    master's 4 B / 2 and the Adam moments' 8 B / 8: (4 + 2) / 12 / 2 of it."""
     memory = _memory()
     per = per_gpu_breakdown(memory, 4, 2)
     for term in TERMS:
-        share = 8 if term in ("activations", "logits") else 2
+        share = 8 if term in ("activations", "logits") else (2 * 12 / 6 if term == "optimizer" else 2)
         assert getattr(per, term) == pytest.approx(getattr(memory, term) / share), term
     assert "/ 2 tensor- x 4 context-parallel GPUs" in per.notes["activations"]
-    assert "/ 2 tensor-parallel GPUs (whole on each of 4 context-parallel GPUs)" in per.notes["optimizer"]
+    assert "/ 2 tensor-parallel GPUs (the masters whole, the Adam moments / 4 context-parallel GPUs)" \
+        in per.notes["optimizer"]
     costs, pieces = virtual_rank_pricing({False: _cost()}, 4, SHAPE, 2)
     assert pieces.per_gpu(memory).as_dict() == per.as_dict()
 
@@ -223,7 +229,7 @@ def test_tools_simulate_prices_t_by_c(schedule):
     """tools/simulate.py --tensor-model-parallel-size 2 --context-parallel-size 2 on 16 ranks in 2 groups: the plan
     over 4 virtual ranks of 4 GPUs; the node links carry the bytes of the same plan on 4 ranks at T = C = 1; the
     pieces' bytes per GPU are half those at T = 1 x C = 2 (8 ranks: the same plan); memory per GPU: the
-    activations a quarter of T = C = 1's, the weights and the optimizer state half."""
+    activations a quarter of T = C = 1's, the weights half, the optimizer state (4 + 8 / 2) / 12 / 2 of it."""
     common = ["--schedule", schedule, "--groups", "2", "--inter-bw", "1GB/s"]
     both = simulate(*common, "--ranks", "16", "--tensor-model-parallel-size", "2",
                     "--context-parallel-size", "2")[schedule]
@@ -237,7 +243,8 @@ def test_tools_simulate_prices_t_by_c(schedule):
     m4, m1 = both["options"]["memory_breakdown"], one["options"]["memory_breakdown"]
     assert m4["activations"] == pytest.approx(m1["activations"] / 4)
     assert m4["logits"] == pytest.approx(m1["logits"] / 4)
-    assert m4["weights"] == pytest.approx(m1["weights"] / 2) and m4["optimizer"] == pytest.approx(m1["optimizer"] / 2)
+    assert m4["weights"] == pytest.approx(m1["weights"] / 2)
+    assert m4["optimizer"] == pytest.approx(m1["optimizer"] * 8 / 12 / 2)
     assert m4["comm_buffers"] == pytest.approx(m1["comm_buffers"] / 2)
     assert both["weight_buffer_bytes"] == pytest.approx(one["weight_buffer_bytes"] / 2)
     assert both["activation_bytes"] == pytest.approx(one["activation_bytes"] / 4)

@@ -147,7 +147,8 @@ def test_unsupported_layouts_are_refused_in_one_line(monkeypatch, world, local, 
 
 def test_checkpoints_cross_context_parallel_sizes(tmp_path):
     """tawpipe C = 2 saves; tawpipe C = 1 resumes and saves; weipipe C = 2 resumes: the losses of one
-    uninterrupted run (every member holds whole masters; context-parallel rank 0's are written)."""
+    uninterrupted run (every member holds whole masters and gathers the Adam moments' pieces to write them;
+    context-parallel rank 0's are written; a member loading keeps its pieces' moments)."""
     iters = 6
     (uninterrupted,) = run_ranks(train_rank, 1, tiny_args(*GQA, train_iters=iters, global_batch=4))
     dirs = [str(tmp_path / name) for name in ("c2", "c1")]
@@ -181,6 +182,52 @@ def test_checkpoints_cross_tensor_times_context_parallel_groups_of_four(tmp_path
         records += run_ranks(train_rank, world, tiny_args(*GQA, *flags, train_iters=iters, global_batch=4))[-1]
     assert [r["iteration"] for r in records] == list(range(1, iters + 1))
     assert_close_rel(losses(records), losses(uninterrupted), 1e-5)
+
+
+def _stepped_state_rank(rank, argv):
+    """Train, recording after every optimizer step the Adam moments' elements this rank holds and its masters
+    (the owned shards' flat masters, the replicated parameters')."""
+    from megatron_tawpipe.runtime import trainer
+
+    steps = []
+    original = trainer.WeightPassingTrainer._optimizer_step
+
+    def optimizer_step(self):
+        result = original(self)
+        model = self.model
+        moments = sum(state["exp_avg"].numel() for state in self._adamw.state.values() if "exp_avg" in state)
+        masters = [model.master(s).detach().clone().numpy() for s in model.owned]
+        masters += [m.detach().clone().numpy() for m in model.replicated_masters]
+        steps.append({"moments": moments, "masters": masters, "owned": list(model.owned)})
+        return result
+
+    trainer.WeightPassingTrainer._optimizer_step = optimizer_step
+    try:
+        return train_rank(rank, argv), steps
+    finally:
+        trainer.WeightPassingTrainer._optimizer_step = original
+
+
+def test_members_divide_the_adam_state():
+    """With C = 2 each member keeps the Adam moments of its half of every master it steps (the members' counts sum
+    to C = 1's, each at most half rounded up per flat tensor), and after every step the members hold identical
+    masters, equal to C = 1's."""
+    import numpy as np
+
+    flags = TAWPIPE + pinned_layout(2)
+    one = run_ranks(_stepped_state_rank, 2, _args(*flags, layers=2, global_batch=4))
+    two = run_ranks(_stepped_state_rank, 4, _args(*CP2, *flags, layers=2, global_batch=4))
+    for v in range(2):   # virtual rank v: rank v of the C = 1 run, ranks 2v and 2v + 1 of the C = 2 run
+        (_, whole), (_, first), (_, second) = one[v], two[2 * v], two[2 * v + 1]
+        assert len(whole) == len(first) == len(second) == ITERS
+        for w, a, b in zip(whole, first, second):
+            assert a["owned"] == b["owned"] == w["owned"]
+            assert a["moments"] + b["moments"] == w["moments"] > 0
+            flats = len(w["masters"])
+            assert max(a["moments"], b["moments"]) <= w["moments"] // 2 + flats
+            for x, y, z in zip(a["masters"], b["masters"], w["masters"]):
+                assert np.array_equal(x, y)   # gathered: the same on both members
+                np.testing.assert_allclose(x, z, rtol=1e-5, atol=1e-7)
 
 
 def test_bf16_follows_context_parallelism_one():

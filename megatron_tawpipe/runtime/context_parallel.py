@@ -16,9 +16,9 @@ communicators of its index ``j = c * T + t`` (:class:`runtime.transport.Communic
   pieces zeroed, and piece c travels; a received piece lands in slot c of a zeroed buffer. The replicated
   parameters' gradients (embedding, final norm, output layer) are summed over the group and piece c of each is
   all-reduced over the virtual ranks, the other pieces zeroed.
-* before the optimizer step every accumulated gradient (owned shards and replicated parameters) is all-reduced
-  over the group: every member then steps identical masters (masters and Adam state are replicated over the C
-  members).
+* before the optimizer step every accumulated gradient (owned shards and replicated parameters) is
+  reduce-scattered over the group, each member stepping its piece of every master (it keeps 1/C of the Adam
+  moments), and after the step the masters' pieces are all-gathered (:mod:`runtime.member_state`).
 
 Every collective here is synchronous and issued at a *member point* of the action list (a start, or the ``Wait``
 of a weight's arrival: :func:`megatron_tawpipe.plan.context_parallel.member_points`, which the executor runs),

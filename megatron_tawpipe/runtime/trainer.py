@@ -243,6 +243,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         self._mark(StepPhase.CLIP)
         self._adamw.step()
         self._mark(StepPhase.OPTIMIZER)
+        self.model.gather_member_masters()
         self.model.copy_replicated_masters_to_model()
         self._mark(StepPhase.REPLICATED_MASTERS)
         return grad_norm, False
@@ -319,7 +320,8 @@ class WeightPassingTrainer(CheckpointDefaults):
 
     def _global_norm(self) -> float:
         """L2 norm of all gradients: owned shards (summed over ranks) and the replicated parts (the
-        same on every virtual rank; summed over the tensor-parallel group when it splits them)."""
+        same on every virtual rank; summed over the tensor-parallel group when it splits them, and over the
+        context-parallel group, whose members hold pieces of them)."""
         shards, replicated = self.model.norm_grads()
         squared = squared_l2_norm(shards, self.device)
         self._mark(StepPhase.NORM_LOCAL)
@@ -329,6 +331,8 @@ class WeightPassingTrainer(CheckpointDefaults):
             from megatron.core import parallel_state
 
             dist.all_reduce(others, group=parallel_state.get_tensor_model_parallel_group())
+        if self.model.member_pieces is not None:
+            dist.all_reduce(others, group=self.model.member_pieces.group)
         return float((squared + others).sqrt())
 
     def _clip_gradients(self, norm: float) -> None:
@@ -343,6 +347,9 @@ class WeightPassingTrainer(CheckpointDefaults):
         stand-in that keeps its piece of the whole tensor a checkpoint gives; a replicated one whose optimizer is
         sharded as ``(name, parameter, stand-in)``: the parameter takes the whole tensor, the stand-in its piece."""
         model = self.model
+        if model.member_pieces is not None:   # context parallelism: the whole masters, the pieces' Adam state
+            yield from model.member_pieces.load_targets(self.set_optimizer_state)
+            return
         replicated = len(model.replicated_named_masters())
         decoder = self._named_masters[:len(self._named_masters) - replicated]
         if not model.slices:
@@ -360,8 +367,11 @@ class WeightPassingTrainer(CheckpointDefaults):
     def gathered_masters(self):
         """Spread layout: each shard's slices gathered (collective over its holders), whole on its owner, which
         writes it; a sharded replicated optimizer: the replicated parts' slices gathered (collective over the
-        ranks), whole on every rank. None (nothing gathered) for the other layouts."""
+        ranks), whole on every rank; context parallelism: the Adam moments' pieces gathered over the members, whole
+        on every member. None (nothing gathered) for the other layouts."""
         model = self.model
+        if model.member_pieces is not None:
+            return model.member_pieces.gathered(self.optimizer_state_for)
         if not model.slices and model.replicated_slices is None:
             return None
         replicated = len(model.replicated_named_masters())

@@ -36,6 +36,7 @@ from megatron_tawpipe.data import batch_schedule
 from megatron_tawpipe.runtime.context_parallel import ContextParallelPieces
 from megatron_tawpipe.runtime.executor import Communicators, PlanExecutor
 from megatron_tawpipe.runtime.layer_compute import LayerCompute, ShardCompute
+from megatron_tawpipe.runtime.member_state import MemberPieces
 from megatron_tawpipe.runtime.microbatches import MicroBatches
 from megatron_tawpipe.runtime import tawpipe_cache
 from megatron_tawpipe.runtime.shard_model import ParamSlot, ShardTemplate
@@ -168,6 +169,8 @@ class WeightPipeModel:
                 for p in held.pieces(self.template.slots_of(s), lambda slot, s=s: self.template.global_name(s, slot))]
             for s, held in self.slices.items()}
         self._build_replicated_masters()
+        # C > 1: the members divide the Adam state, each stepping its piece of every master (runtime.member_state)
+        self.member_pieces = MemberPieces.of_model(self) if self.context_parallel is not None else None
         self._replica_names = {self.template.global_name(shard, slot) for shard in self.owned
                                if shard not in self.counted for slot in self.template.slots_of(shard)}
         self.loss_scale_func: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -279,7 +282,10 @@ class WeightPipeModel:
 
     def named_masters(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
         """``(global name, master, gradient)`` for every parameter this rank updates (of a shard kept in slices,
-        the flat piece of each parameter its slice covers: :meth:`parameter_shape` gives the parameter's shape)."""
+        the flat piece of each parameter its slice covers: :meth:`parameter_shape` gives the parameter's shape;
+        with context parallelism the pieces this member steps)."""
+        if self.member_pieces is not None:
+            return self.member_pieces.named()
         out = []
         for shard in self.owned:
             if shard in self.slices:
@@ -301,7 +307,9 @@ class WeightPipeModel:
 
     def parameter_shape(self, name: str, master: torch.Tensor) -> Tuple[int, ...]:
         """The shape of the parameter ``master`` (a piece of, under the spread layout or a sharded replicated
-        optimizer) belongs to."""
+        optimizer, or of a context-parallel member's) belongs to."""
+        if self.member_pieces is not None:
+            return self.member_pieces.shape_of(name)
         for pieces in self._pieces.values():
             for piece, _master, _grad in pieces:
                 if piece.name == name:
@@ -336,9 +344,10 @@ class WeightPipeModel:
         """The gradients this rank counts in the global norm: (owned shards', replicated parts').
         Owned shards' are summed over all ranks, replicated parts' over the tensor-parallel group
         (they are the same on every virtual rank). A tensor that tensor parallelism does not
-        split is counted on tensor-parallel rank 0 only (megatron-core's rule); the owned shards'
-        on context-parallel rank 0 only (every member holds the same after :meth:`reduce_partial_grads`)."""
-        counted = self.counted if self.index < self.tensor_parallel_size else []   # context-parallel rank 0's
+        split is counted on tensor-parallel rank 0 only (megatron-core's rule). With context parallelism every
+        member counts its pieces (the rest of its accumulators is zero after :meth:`reduce_partial_grads`): the
+        replicated parts' are then summed over the context-parallel group too."""
+        counted = self.counted
         first = self.tensor_parallel_rank == 0
         # a sharded replicated optimizer's slices: summed over all ranks, as the owned shards
         sliced = [] if self.replicated_slices is None else [
@@ -358,11 +367,10 @@ class WeightPipeModel:
         """All-reduce over the tensor-parallel group the gradients that are partial sums there
         (sequence-parallel norms and biases, query/key norms; see ShardTemplate.gradient_is_partial),
         in one coalesced all-reduce. Nothing to do without tensor parallelism. With context
-        parallelism, first every gradient (owned shards, replicated parts) is summed over the
-        context-parallel group: each member held its tokens' share, and every member steps the
-        same masters."""
-        if self.context_parallel is not None:
-            self.context_parallel.all_reduce(self.shard_grads() + self.replicated_grads())
+        parallelism, first every gradient (owned shards, replicated parts) is reduce-scattered over
+        the context-parallel group: each member held its tokens' share, and steps its piece of the sum."""
+        if self.member_pieces is not None:
+            self.member_pieces.reduce_scatter()
         if self.tensor_parallel_size == 1:
             return
         from megatron.core import parallel_state as megatron_state
@@ -403,6 +411,11 @@ class WeightPipeModel:
         if self.replicated_slices is not None:
             return self.replicated_slices.slice_grads()
         return self.replicated_grads()
+
+    def gather_member_masters(self) -> None:
+        """After a step with context parallelism: every member's stepped pieces into every member's masters."""
+        if self.member_pieces is not None:
+            self.member_pieces.all_gather()
 
     def copy_replicated_masters_to_model(self) -> None:
         """The replicated parameters follow their masters (a sharded optimizer's: at the plan's all-gather)."""

@@ -115,7 +115,7 @@ class Advisor:
 
     def per_gpu(self, memory: MemoryBreakdown, strategy: str = "") -> MemoryBreakdown:
         """This advisor's (virtual) rank's memory per GPU (weight passing keeps its masters' tensor-parallel slice
-        whole on each context-parallel member)."""
+        whole on each context-parallel member, the Adam moments divided over them)."""
         if self.cp > 1 and strategy in ("tawpipe", "weipipe"):
             return weight_passing_per_gpu(memory, self.cp, self.tp)
         return per_gpu_breakdown(memory, self.tp, self.cp)

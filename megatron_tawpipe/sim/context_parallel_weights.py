@@ -21,13 +21,13 @@ t of every shard (1/T of its bytes, whole over the C members) and moves piece c 
   all-gather of a weight that arrived (a receive, a broadcast's non-root) before it is used; the reduce-scatter of
   a gradient before it leaves (a send, a reduction to its owner, the all-reduce of a replicated shard's holders;
   gloo's moves an all-reduce's bytes, ``CostModel.reduce_scatter_factor``); the all-reduce of the replicated
-  parameters' gradients before their all-reduce over the virtual ranks; and before the optimizer step the
-  all-reduce of every accumulated gradient the rank keeps (its owned shards' and the replicated parameters');
-* **the optimizer** over the GPU's tensor-parallel slice: 1/T of the virtual rank's parameters, the masters and
-  Adam state replicated over the C members (every member steps its slice whole);
+  parameters' gradients before their all-reduce over the virtual ranks; and around the optimizer step the
+  reduce-scatter of every accumulated gradient the rank keeps (its owned shards' and the replicated parameters')
+  and the all-gather of their stepped fp32 masters (:mod:`megatron_tawpipe.runtime.member_state`);
+* **the optimizer** over piece c of the GPU's tensor-parallel slice: 1/(T x C) of the virtual rank's parameters;
 * **memory** per GPU: the activations and logits / (T x C) (the local tokens, sequence-parallel over T);
-  weights, gradients, buffers, fp32 masters and Adam state / T (the slice, whole on every member: the runtime
-  replicates the masters over the C members);
+  weights, gradients, buffers and fp32 masters / T (the slice, whole on every member), the Adam moments
+  / (T x C) (each member keeps its piece's);
 * tokens/s per GPU: 1/(T x C) of the virtual rank's.
 
 With C = 1 this is tensor parallelism's pricing (:mod:`.tensor_parallel`), with T = 1 context parallelism's at
@@ -53,17 +53,25 @@ from megatron_tawpipe.sim.tensor_parallel import per_gpu_breakdown as tensor_par
 
 #: memory terms that hold the local tokens' share inside weight passing (the rest are whole on every member)
 LOCAL_TOKEN_TERMS = ("activations", "logits")
+#: bytes of an fp32 master and of its two Adam moments (the memory model's optimizer term: 12 B per parameter)
+MASTER_BYTES, MOMENT_BYTES = 4.0, 8.0
+
+
+def optimizer_share(cp: int) -> float:
+    """The part of the optimizer term (fp32 master + Adam moments) a member keeps: the whole master, 1/C of the
+    moments."""
+    return (MASTER_BYTES + MOMENT_BYTES / cp) / (MASTER_BYTES + MOMENT_BYTES)
 
 
 def weight_passing_cost(cost: CostModel, cp: int, shape: AttentionShape, tp: int = 1) -> CostModel:
     """The cost model of one virtual rank of T x C GPUs: the native side's compute, tensor-parallel collectives and
     ring (:func:`~megatron_tawpipe.sim.context_parallel.context_parallel_cost`), the plan's transfers inside the
-    node on T x C GPUs' links, and the optimizer over the tensor-parallel slice (whole on every member). C = 1:
-    tensor parallelism's :func:`~megatron_tawpipe.sim.tensor_parallel.virtual_rank_cost`."""
+    node on T x C GPUs' links, and the optimizer over piece c of the tensor-parallel slice. C = 1: tensor
+    parallelism's :func:`~megatron_tawpipe.sim.tensor_parallel.virtual_rank_cost`."""
     virtual = context_parallel_cost(cost, cp, shape, tp)
     return replace(virtual, intra=Link(cost.intra.bandwidth * tp * cp, cost.intra.latency),
-                   # every member steps the masters of its tensor-parallel slice (replicated over the C members)
-                   optimizer_time_per_param=cost.optimizer_time_per_param / tp)
+                   # every member steps its piece of the masters of its tensor-parallel slice
+                   optimizer_time_per_param=cost.optimizer_time_per_param / (tp * cp))
 
 
 class PieceCollectives:
@@ -115,9 +123,10 @@ class PieceCollectives:
         return 0.0
 
     def before_optimizer(self, rank: int) -> float:
-        """Every accumulated gradient the rank keeps (its owned shards', the replicated parameters') summed."""
+        """Every accumulated gradient the rank keeps (its owned shards', the replicated parameters')
+        reduce-scattered over the members, and after the step their fp32 masters all-gathered."""
         params = self.plan.layers_held_by(rank) * self.cost.params_per_layer + self.cost.replicated_params
-        return self.all_reduce(params * self.cost.grad_bytes)
+        return self.reduce_scatter(params * self.cost.grad_bytes) + self.all_gather(params * MASTER_BYTES)
 
 
 @dataclass(frozen=True)
@@ -155,20 +164,22 @@ def virtual_rank_pricing(one: Mapping[bool, CostModel], cp: int, shape: Attentio
 
 
 def per_gpu_breakdown(memory: MemoryBreakdown, cp: int, tp: int = 1) -> MemoryBreakdown:
-    """A virtual rank's memory per GPU: the activations and logits / (T x C), the rest / T (the tensor-parallel
-    slice, whole on every member). C = 1: tensor parallelism's (every term / T)."""
+    """A virtual rank's memory per GPU: the activations and logits / (T x C), the Adam moments / (T x C), the rest /
+    T (the tensor-parallel slice, whole on every member). C = 1: tensor parallelism's (every term / T)."""
     if cp == 1:
         return tensor_parallel_breakdown(memory, tp)
     out = MemoryBreakdown(notes=dict(memory.notes))
     for term in TERMS:
         local = term in LOCAL_TOKEN_TERMS
-        setattr(out, term, getattr(memory, term) / (tp * cp if local else tp))
+        share = optimizer_share(cp) if term == "optimizer" else 1.0
+        setattr(out, term, getattr(memory, term) * share / (tp * cp if local else tp))
         note = out.notes.get(term, "")
         if local:
             what = f"/ {tp} tensor- x {cp} context-parallel GPUs" if tp > 1 else f"/ {cp} context-parallel GPUs"
             out.notes[term] = f"({note}) {what}" if note else what
         else:
-            whole = f"(whole on each of {cp} context-parallel GPUs)"
+            whole = (f"(the masters whole, the Adam moments / {cp} context-parallel GPUs)" if term == "optimizer"
+                     else f"(whole on each of {cp} context-parallel GPUs)")
             what = f"/ {tp} tensor-parallel GPUs {whole}" if tp > 1 else whole
             out.notes[term] = f"({note}) {what}" if note and tp > 1 else (f"{note} {what}" if note else what)
     return out
@@ -181,6 +192,10 @@ def per_gpu_result(result, cp: int, cost: CostModel, shape: AttentionShape, piec
     n = tp * cp
     result.tokens_per_sec_per_rank /= n
     result.activation_bytes /= n
+    # the optimizer term of the state (12 B per held and replicated parameter): each member keeps 1/C of the moments
+    held = max(pieces.plan.layers_held_by(r) for r in range(pieces.plan.num_ranks))
+    optimizer = (MASTER_BYTES + MOMENT_BYTES) * (held * cost.params_per_layer + cost.replicated_params)
+    result.state_bytes -= optimizer * (1.0 - optimizer_share(cp))
     for name in ("weight_buffer_bytes", "grad_buffer_bytes", "state_bytes"):
         setattr(result, name, getattr(result, name) / tp)
     breakdown = result.options.get("memory_breakdown")
