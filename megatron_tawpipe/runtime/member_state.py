@@ -22,7 +22,6 @@ master on every member and keeps the piece of the Adam state it steps (:class:`P
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
@@ -30,18 +29,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_tawpipe.runtime.node_reduce import all_gather_into, reduce_scatter_from
-from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, SliceTarget, piece_view
+from megatron_tawpipe.runtime.shard_slices import (ADAM_MOMENTS as _MOMENTS, Piece, ShardSlice, SliceTarget,
+                                                   parameter_slot, piece_view)
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 Entry = Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]
-
-
-def parameter_slot(name: str, param: torch.Tensor, offset: int = 0) -> types.SimpleNamespace:
-    """What a :class:`Piece` and a :class:`SliceTarget` read of a parameter laid out alone or at ``offset`` of a
-    flat tensor (as of a shard's ParamSlot): its name, place, shape and tensor-parallel split (-1: none)."""
-    split = bool(getattr(param, "tensor_model_parallel", False))
-    return types.SimpleNamespace(name=name, offset=offset, numel=param.numel(), shape=tuple(param.shape),
-                                 partition_dim=getattr(param, "partition_dim", -1) if split else -1)
 
 
 @dataclass

@@ -20,13 +20,13 @@ inside the node leaves member j chunk j, the one over the j-th members leaves no
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_tawpipe.runtime.shard_slices import Piece, ShardSlice, SliceTarget, piece_view, slice_length
+from megatron_tawpipe.runtime.shard_slices import (ADAM_MOMENTS as _MOMENTS, Piece, ShardSlice, SliceTarget,
+                                                   parameter_slot as _slot, piece_view, slice_length)
 
 PARTS = ("embedding", "head")
 
@@ -202,14 +202,3 @@ class ReplicatedSlices:
                          | {"step": torch.tensor(taken, dtype=torch.float32)}) if taken > 0 else {}
                 entries.append((name, values[0], state))
         return entries
-
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _slot(name: str, param: torch.nn.Parameter, offset: int = 0) -> types.SimpleNamespace:
-    """What a :class:`Piece` and a :class:`SliceTarget` read of a replicated parameter (as of a shard's ParamSlot):
-    its name, place in its part, shape and tensor-parallel split (-1: none)."""
-    split = bool(getattr(param, "tensor_model_parallel", False))
-    return types.SimpleNamespace(name=name, offset=offset, numel=param.numel(), shape=tuple(param.shape),
-                                 partition_dim=getattr(param, "partition_dim", -1) if split else -1)

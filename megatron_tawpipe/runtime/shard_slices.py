@@ -12,9 +12,22 @@ weight decay and learning-rate groups are the parameter's.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
+
+
+#: the Adam state tensors a slice's checkpoint gathers (beside the step count)
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def parameter_slot(name: str, param: torch.Tensor, offset: int = 0) -> types.SimpleNamespace:
+    """What a :class:`Piece` and a :class:`SliceTarget` read of a parameter laid out alone or at ``offset`` of a
+    flat tensor (as of a shard's ParamSlot): its name, place, shape and tensor-parallel split (-1: none)."""
+    split = bool(getattr(param, "tensor_model_parallel", False))
+    return types.SimpleNamespace(name=name, offset=offset, numel=param.numel(), shape=tuple(param.shape),
+                                 partition_dim=getattr(param, "partition_dim", -1) if split else -1)
 
 
 def slice_length(numel: int, members: int) -> int:

@@ -15,9 +15,8 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.runtime.shard_slices import SliceTarget, piece_view
+from megatron_tawpipe.runtime.shard_slices import ADAM_MOMENTS as _MOMENTS, SliceTarget, piece_view
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 Entry = Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]
 
 
