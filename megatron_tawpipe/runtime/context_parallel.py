@@ -63,8 +63,9 @@ class ContextParallelPieces:
 
     def points(self, actions, plan_rank: int) -> Dict[Tuple[int, str], List[MemberPoint]]:
         """The member points of plan rank ``plan_rank``'s list ``actions`` an executor runs, by (step, when): all
-        but the compute actions' (the ring attention's, inside the compute) and the last (the gradients' sum
-        before the step, :meth:`all_reduce` from the model). Computed once per list."""
+        but the compute actions' (the ring attention's, inside the compute) and the last (the gradients'
+        reduce-scatter before the step and the masters' all-gather after it, from the model:
+        :mod:`runtime.member_state`). Computed once per list."""
         if self._points is None or self._points[0] is not actions:
             points = [p for p in member_points(actions, plan_rank, compute=False) if p.op != "sum"]
             self._points = (actions, points_by_step(points))

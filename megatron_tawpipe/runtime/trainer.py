@@ -243,7 +243,7 @@ class WeightPassingTrainer(CheckpointDefaults):
         self._mark(StepPhase.CLIP)
         self._adamw.step()
         self._mark(StepPhase.OPTIMIZER)
-        self.model.gather_member_masters()
+        self.model.gather_member_masters()   # (context parallelism; timed with the replicated masters' copy)
         self.model.copy_replicated_masters_to_model()
         self._mark(StepPhase.REPLICATED_MASTERS)
         return grad_norm, False
