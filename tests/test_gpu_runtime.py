@@ -71,7 +71,7 @@ def _clip_on_two_ranks(rank):
     try:
         shard = [torch.full((4,), 3.0 * (rank + 1))]          # owned: summed over ranks
         replicated = [torch.full((2, 2), 0.5), torch.ones(3)]  # the same on every rank: counted once
-        model = SimpleNamespace(shard_grads=lambda: shard, replicated_grads=lambda: replicated,
+        model = SimpleNamespace(member_pieces=None, shard_grads=lambda: shard, replicated_grads=lambda: replicated,
                                 stepped_replicated_grads=lambda: replicated,   # (their optimizer not sharded)
                                 norm_grads=lambda: (shard, replicated), tensor_parallel_size=1)
         config = SimpleNamespace(optimizer=SimpleNamespace(clip_grad=1.0))   # the run's records: --clip-grad 1
