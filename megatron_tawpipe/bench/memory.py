@@ -71,8 +71,8 @@ def _trainer_tensors(trainer) -> List[Tuple[str, Iterable[torch.Tensor]]]:
     """What a weight-passing trainer holds, by category (first category wins a shared storage)."""
     model = trainer.model
     masters = [t for _, master, grad in model.named_masters() for t in (master, grad)]
-    # The optimizer's state is keyed by the very tensors it was given (the model's named masters).
-    optimizer = [value for _, master, _ in model.named_masters()
+    # The optimizer's state is keyed by the very tensors it was given, not by new views of the same masters.
+    optimizer = [value for master in trainer.optimized_masters()
                  for value in trainer.optimizer_state_for(master).values() if isinstance(value, torch.Tensor)]
     executor = model.executor
     buffers = list(executor.weight_buffers.values()) + list(executor.grad_buffers.values())

@@ -390,6 +390,11 @@ class WeightPassingTrainer(CheckpointDefaults):
     def optimizer_state_for(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self._adamw.state.get(master, {})
 
+    def optimized_masters(self) -> List[torch.Tensor]:
+        """The very tensors the optimizer steps (its state is keyed by them; the model makes new views on
+        every :meth:`named_masters` call)."""
+        return [master for _, master in self._named_masters]
+
     def set_optimizer_state(self, master, state: Dict[str, torch.Tensor]) -> None:
         if isinstance(master, SliceTarget):   # the spread layout's stand-in: its pieces' states
             master.store_state(state)
