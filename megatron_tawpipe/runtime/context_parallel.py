@@ -110,22 +110,35 @@ class ContextParallelPieces:
     def gather(self, buffer: torch.Tensor, numel: int) -> None:
         """Every member's piece of the first ``numel`` elements of ``buffer`` into all members' ``buffer``."""
         length = self.piece_length(numel)
-        whole = buffer[:self.size * length]
+        whole, copied = self._room(buffer, numel)
         mine = whole[self.rank * length:(self.rank + 1) * length].clone()
         all_gather_into(whole, mine, group=self.group)
+        if copied:
+            buffer[:numel].copy_(whole[:numel])
+
+    def _room(self, buffer: torch.Tensor, numel: int) -> Tuple[torch.Tensor, bool]:
+        """The first :meth:`padded` elements of ``buffer``, or (``True``) a zero-padded copy of its first ``numel``
+        where it is shorter (a master or accumulator sized to its parameters)."""
+        need = self.padded(numel)
+        if buffer.numel() >= need:
+            return buffer[:need], False
+        return torch.cat([buffer[:numel], buffer.new_zeros(need - numel)]), True
 
     # ---- gradients ------------------------------------------------------------------------
 
     def scatter(self, buffer: torch.Tensor, numel: int) -> None:
         """The members' first ``numel`` elements of ``buffer`` summed; this member keeps piece c of the sum in
-        place, every other element zero (the sum over the members is unchanged)."""
+        place, every other element zero (the sum over the members is unchanged). A ``buffer`` shorter than
+        :meth:`padded` goes through a padded copy."""
         length = self.piece_length(numel)
-        whole = buffer[:self.size * length]
+        whole, copied = self._room(buffer, numel)
         whole[numel:].zero_()
         mine = torch.empty(length, dtype=whole.dtype, device=whole.device)
         reduce_scatter_from(mine, whole, op=dist.ReduceOp.SUM, group=self.group)
         whole.zero_()
         whole[self.rank * length:(self.rank + 1) * length].copy_(mine)
+        if copied:
+            buffer[:numel].copy_(whole[:numel])
 
     def keep_pieces(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Of the replicated gradients ``tensors`` (summed over the members already), this member keeps its piece

@@ -28,7 +28,8 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_tawpipe.runtime.node_reduce import all_gather_into, reduce_scatter_from
+from megatron_tawpipe.runtime.context_parallel import ContextParallelPieces
+from megatron_tawpipe.runtime.node_reduce import all_gather_into
 from megatron_tawpipe.runtime.shard_slices import (ADAM_MOMENTS as _MOMENTS, Piece, ShardSlice, SliceTarget,
                                                    parameter_slot, piece_view)
 
@@ -67,6 +68,7 @@ class MemberPieces:
 
     def __init__(self, group, size: int, rank: int, flats: Sequence[MemberFlat]):
         self.group, self.size, self.rank = group, size, rank
+        self._collectives = ContextParallelPieces(group, size, rank)   # the same pieces as the plan's transfers
         self.flats = list(flats)
         self._held = [ShardSlice(-1, flat.master.numel(), size, rank, ()) for flat in self.flats]
         # (piece, master view, gradient view) per parameter piece, made once: the optimizer keys its state by them
@@ -109,27 +111,13 @@ class MemberPieces:
 
     def reduce_scatter(self) -> None:
         """Every accumulator summed over the members, this member keeping piece c of the sum, the rest zeroed."""
-        for flat, held in zip(self.flats, self._held):
-            whole, _ = self._padded(flat.grad, held)
-            mine = torch.empty(held.length, dtype=whole.dtype, device=whole.device)
-            reduce_scatter_from(mine, whole, op=dist.ReduceOp.SUM, group=self.group)
-            flat.grad.zero_()
-            flat.grad[held.start:held.start + held.valid].copy_(mine[:held.valid])
+        for flat in self.flats:
+            self._collectives.scatter(flat.grad, flat.grad.numel())
 
     def all_gather(self) -> None:
         """Every master's pieces (stepped by their members) into every member's whole master."""
-        for flat, held in zip(self.flats, self._held):
-            whole, padded = self._padded(flat.master, held)
-            mine = whole[held.start:held.start + held.length].clone()
-            all_gather_into(whole, mine, group=self.group)
-            if padded:
-                flat.master.copy_(whole[:flat.master.numel()])
-
-    @staticmethod
-    def _padded(flat: torch.Tensor, held: ShardSlice) -> Tuple[torch.Tensor, bool]:
-        """``flat`` as C equal pieces: itself, or a zero-padded copy (``True``) when C does not divide it."""
-        extra = held.members * held.length - flat.numel()
-        return (torch.cat([flat, flat.new_zeros(extra)]), True) if extra else (flat, False)
+        for flat in self.flats:
+            self._collectives.gather(flat.master, flat.master.numel())
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
