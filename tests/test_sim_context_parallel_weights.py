@@ -46,7 +46,7 @@ def test_node_link_carries_the_bytes_of_one_gpu_per_virtual_rank(schedule):
     assert two["options"]["context_parallel_size"] == 2
     assert two["options"]["context_parallel_bytes_per_gpu"] > 0
     pieces = two["options"]["context_parallel_piece_bytes_per_gpu"]
-    assert pieces["gather"] > 0 and pieces["scatter"] > 0 and pieces["all_reduce"] > 0
+    assert pieces["gather"] > 0 and pieces["scatter"] > 0 and set(pieces) == {"gather", "scatter"}
     # memory per GPU: activations / 2, weights and masters whole, the Adam moments (8 of the 12 B) halved
     m1, m2 = one["options"]["memory_breakdown"], two["options"]["memory_breakdown"]
     assert m2["activations"] == pytest.approx(m1["activations"] / 2)
@@ -102,10 +102,31 @@ def test_pieces_collectives_by_hand():
     assert pieces.before_start(1, send) == pytest.approx(0.010)
     assert pieces.before_start(1, _SEND_WEIGHT) == 0.0
     assert pieces.before_optimizer(0) == pytest.approx(0.021)
-    assert pieces.bytes == {"gather": 2e6 + 6e6, "scatter": 8e6 + 12e6, "all_reduce": 0.0}
+    assert pieces.bytes == {"gather": 2e6 + 6e6, "scatter": 8e6 + 12e6}
     nccl = PieceCollectives(replace(cost, backend="nccl"), 2, _Plan())
     assert nccl.before_start(1, send) == pytest.approx(0.005)   # a ring reduce-scatter: half the bytes, one step
     assert nccl.before_optimizer(0) == pytest.approx(0.014)
+
+
+_REPLICATED = A.ReplicatedAllReduceStart(tag=4, ranks=(0, 1), part="embedding")
+
+
+class _PlanWithReplicated(_Plan):
+    """Rank 1 also all-reduces the embedding's gradients over the virtual ranks."""
+    actions = [[], _Plan.actions[1] + [_REPLICATED, A.Wait(4)]]
+
+
+def test_replicated_gradients_are_reduce_scattered_once():
+    """C = 2 on gloo as above, 1 M replicated parameters of which 0.25 M the embedding's: before the plan's
+    all-reduce of the embedding's gradients the members reduce-scatter them (1 MB fp32: an all-reduce's bytes on
+    gloo, 1 ms + 2 ms); before the step the owned shards' 2 M and the head's 0.75 M (11 MB: 11 ms + 2 ms), not the
+    embedding's again, and the all-gather of all 3 M fp32 masters (7 ms)."""
+    cost = CostModel(layer_forward=1.0, layer_backward=2.0, params_per_layer=1e6, dtype_bytes=2, grad_bytes=4,
+                     replicated_params=1e6, embedding_params=2.5e5, intra=Link(1e9, 1e-3), backend="gloo")
+    pieces = PieceCollectives(cost, 2, _PlanWithReplicated())
+    assert pieces.before_start(1, _REPLICATED) == pytest.approx(0.003)
+    assert pieces.before_optimizer(1) == pytest.approx(0.013 + 0.007)
+    assert pieces.before_optimizer(0) == pytest.approx(0.021)   # rank 0's list reduces nothing replicated
 
 
 def test_weight_passing_cost_divides_the_optimizer_and_keeps_the_links_per_member():
@@ -158,7 +179,7 @@ def test_pieces_collectives_carry_the_tensor_parallel_slice_by_hand():
     assert pieces.before_start(1, _SEND) == pytest.approx(0.006)
     assert pieces.before_start(1, _SEND_WEIGHT) == 0.0
     assert pieces.before_optimizer(0) == pytest.approx(0.012)
-    assert pieces.bytes == {"gather": 1e6 + 3e6, "scatter": 4e6 + 6e6, "all_reduce": 0.0}
+    assert pieces.bytes == {"gather": 1e6 + 3e6, "scatter": 4e6 + 6e6}
     # C = 4 beside T = 4: an all-gather of 3/4 of a quarter of 4 MB in 3 steps
     four = PieceCollectives(replace(cost, backend="nccl"), 4, _Plan(), tp=4)
     assert four.after_wait(1, _RECV) == pytest.approx(0.75 * 1e6 / 1e9 + 3e-3)
@@ -238,7 +259,7 @@ def test_tools_simulate_prices_t_by_c(schedule):
     assert both["inter_group_bytes"] == pytest.approx(one["inter_group_bytes"]) and one["inter_group_bytes"] > 0
     assert both["options"]["context_parallel_size"] == 2 and both["options"]["tensor_model_parallel_size"] == 2
     p2, p1 = both["options"]["context_parallel_piece_bytes_per_gpu"], cp["options"]["context_parallel_piece_bytes_per_gpu"]
-    for what in ("gather", "scatter", "all_reduce"):
+    for what in ("gather", "scatter"):
         assert p1[what] > 0 and p2[what] == pytest.approx(p1[what] / 2), what
     m4, m1 = both["options"]["memory_breakdown"], one["options"]["memory_breakdown"]
     assert m4["activations"] == pytest.approx(m1["activations"] / 4)

@@ -15,10 +15,12 @@ collectives at fixed points of the list, *member points* (:func:`member_points`)
 * ``"scatter"``, before a gradient leaves (a send, a reduction, an all-reduce, a broadcast's root): the members'
   gradients reduce-scattered into each member's piece -- before the first start of the NCCL group (``batch``)
   the send is issued with, since a group is issued at once;
-* ``"replicated"``, before a replicated all-reduce: the replicated parameters' gradients summed over the members;
+* ``"replicated"``, before a replicated all-reduce: the replicated parameters' gradients reduce-scattered over the
+  members, each keeping the sum of the piece its lane all-reduces over the virtual ranks;
 * ``"sum"``, after the last action: every gradient summed over the members, each keeping its piece of the sum
-  (a reduce-scatter before the optimizer step; after the step the stepped masters' pieces are all-gathered, in
-  the same order on every member, outside the list).
+  (a reduce-scatter before the optimizer step, but for the replicated parts a ``"replicated"`` point summed
+  already; after the step the stepped masters' pieces are all-gathered, in the same order on every member,
+  outside the list).
 
 The executor (``runtime.executor``) runs the member points of the list it executes, from :func:`member_points`
 and nowhere else. :func:`lanes` writes the per-GPU plan -- the C lanes of every virtual rank, each rank's member

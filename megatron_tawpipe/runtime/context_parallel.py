@@ -14,10 +14,10 @@ communicators of its index ``j = c * T + t`` (:class:`runtime.transport.Communic
   backward adds the gradient of its own tokens). Before a gradient leaves (a send, a reduction to its owner, an
   all-reduce over the holders of a replicated shard) it is reduce-scattered over the group into piece c, the other
   pieces zeroed, and piece c travels; a received piece lands in slot c of a zeroed buffer. The replicated
-  parameters' gradients (embedding, final norm, output layer) are summed over the group and piece c of each is
-  all-reduced over the virtual ranks, the other pieces zeroed.
-* before the optimizer step every accumulated gradient (owned shards and replicated parameters) is
-  reduce-scattered over the group, each member stepping its piece of every master (it keeps 1/C of the Adam
+  parameters' gradients (embedding, final norm, output layer) are reduce-scattered over the group alike and piece
+  c of each is all-reduced over the virtual ranks.
+* before the optimizer step every accumulated gradient (owned shards, and the replicated parameters where the
+  plan has not reduced them) is reduce-scattered over the group, each member stepping its piece of every master (it keeps 1/C of the Adam
   moments), and after the step the masters' pieces are all-gathered (:mod:`runtime.member_state`).
 
 Every collective here is synchronous and issued at a *member point* of the action list (a start, or the ``Wait``
@@ -45,6 +45,7 @@ class ContextParallelPieces:
     def __init__(self, group, size: int, rank: int):
         self.group, self.size, self.rank = group, size, rank
         self._points: Optional[Tuple[list, dict]] = None
+        self._summed_parts: set = set()   # replicated parts reduce-scattered since :meth:`take_summed_parts`
 
     @classmethod
     def of_megatron(cls) -> Optional["ContextParallelPieces"]:
@@ -75,13 +76,17 @@ class ContextParallelPieces:
              replicated: Callable[[str], Sequence[torch.Tensor]]) -> None:
         """Run ``point``: an arrived weight's pieces gathered into ``buffer`` (its first ``numel`` elements), a
         leaving gradient in ``buffer`` reduce-scattered into this member's piece, or the replicated gradients
-        (``replicated(part)``) summed."""
+        (``replicated(part)``) reduce-scattered, each tensor into this member's piece of it (the piece its lane
+        all-reduces over the virtual ranks, :meth:`keep_pieces`)."""
         if point.op == "gather":
             self.gather(buffer, numel)
         elif point.op == "scatter":
             self.scatter(buffer, numel)
-        elif point.op == "replicated":
-            self.all_reduce([g for g in replicated(point.action.part) if g.numel()])
+        elif point.op == "replicated":   # each member needs only its piece of the sum: a reduce-scatter
+            for grad in replicated(point.action.part):
+                if grad.numel():
+                    self.scatter(grad.view(-1), grad.numel())
+            self._summed_parts.add(point.action.part)
         else:
             raise ValueError(f"member point {point.op!r} is not run by the executor")
 
@@ -140,6 +145,13 @@ class ContextParallelPieces:
         if copied:
             buffer[:numel].copy_(whole[:numel])
 
+    def take_summed_parts(self) -> set:
+        """The replicated parts ("all", "embedding", "head") whose gradients the plan summed over the members since
+        the last call (after that point and its all-reduce over the virtual ranks, each member holds the total of
+        its piece, the rest zero); the set is emptied."""
+        parts, self._summed_parts = self._summed_parts, set()
+        return parts
+
     def keep_pieces(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Of the replicated gradients ``tensors`` (summed over the members already), this member keeps its piece
         of every tensor (the rest zeroed); returns the pieces (contiguous flat views) for the all-reduce over the
@@ -152,13 +164,6 @@ class ContextParallelPieces:
             flat[end:].zero_()
             pieces.append(flat[start:end])
         return pieces
-
-    def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum ``tensors`` over the members, in place, one all-reduce each (the flat shard gradients are one
-        tensor each; no concatenated copy)."""
-        for tensor in tensors:
-            if tensor.numel():
-                dist.all_reduce(tensor, group=self.group)
 
     def total_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss-mask tokens over the members' shares (a copy: no gradient flows through it)."""

@@ -8,7 +8,9 @@ flat tensor -- an owned shard's flat layout, each replicated parameter -- the pi
 
 * before the step the accumulators are reduce-scattered over the members: member c keeps the sum of piece c, the
   rest of its accumulator zeroed, so that the sum over the members is still the true gradient (the norm and the
-  non-finite check read whole accumulators: each piece is counted once, on its member);
+  non-finite check read whole accumulators: each piece is counted once, on its member). The replicated
+  parameters' gradients are already so where the plan reduced them over the virtual ranks (their member point
+  reduce-scatters them, and lane c all-reduces piece c): they are not reduce-scattered twice;
 * the optimizer steps piece c, seen as the pieces of the parameters it covers (each under its parameter's name
   and shape, so that weight decay and learning-rate groups are the parameter's): a member keeps 1/C of the Adam
   moments;
@@ -23,13 +25,14 @@ master on every member and keeps the piece of the Adam state it steps (:class:`P
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_tawpipe.runtime.context_parallel import ContextParallelPieces
 from megatron_tawpipe.runtime.node_reduce import all_gather_into
+from megatron_tawpipe.runtime.replicated_slices import part_of
 from megatron_tawpipe.runtime.shard_slices import (ADAM_MOMENTS as _MOMENTS, Piece, ShardSlice, SliceTarget,
                                                    parameter_slot, piece_view)
 
@@ -40,13 +43,15 @@ Entry = Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]
 class MemberFlat:
     """One flat tensor the members divide: its whole master and gradient accumulator (1-D, ``n`` elements), its
     parameters' slots (``offset``, ``numel``, ``shape``, ``partition_dim``), global names and whole master views
-    (parameter-shaped, with megatron-core's tensor-parallel attributes)."""
+    (parameter-shaped, with megatron-core's tensor-parallel attributes); for a replicated parameter, its ``part``
+    (``runtime.replicated_slices.part_of``)."""
 
     master: torch.Tensor
     grad: torch.Tensor
     slots: Sequence
     names: List[str]
     views: List[torch.Tensor]
+    part: Optional[str] = None   # a replicated parameter's part of the plan's replicated reductions
 
 
 class PieceTarget(SliceTarget):
@@ -94,7 +99,7 @@ class MemberPieces:
         for (name, _param), master, grad in zip(model.replicated, model.replicated_masters, model.replicated_grads()):
             if master.numel():
                 flats.append(MemberFlat(master.view(-1), grad.view(-1), [parameter_slot(name, master)], [name],
-                                        [master]))
+                                        [master], part_of(name)))
         return cls(cp.group, cp.size, cp.rank, flats)
 
     # ---- the optimizer's view ------------------------------------------------------------------------------
@@ -109,9 +114,13 @@ class MemberPieces:
 
     # ---- the collectives around the step ---------------------------------------------------------------------
 
-    def reduce_scatter(self) -> None:
-        """Every accumulator summed over the members, this member keeping piece c of the sum, the rest zeroed."""
+    def reduce_scatter(self, summed_parts: Set[str] = frozenset()) -> None:
+        """Every accumulator summed over the members, this member keeping piece c of the sum, the rest zeroed; but
+        the replicated parameters of ``summed_parts`` ("all", "embedding", "head"), whose pieces the plan's
+        replicated reduction left summed already (``ContextParallelPieces.take_summed_parts``)."""
         for flat in self.flats:
+            if flat.part is not None and (flat.part in summed_parts or "all" in summed_parts):
+                continue
             self._collectives.scatter(flat.grad, flat.grad.numel())
 
     def all_gather(self) -> None:

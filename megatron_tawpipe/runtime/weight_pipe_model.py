@@ -370,7 +370,7 @@ class WeightPipeModel:
         parallelism, first every gradient (owned shards, replicated parts) is reduce-scattered over
         the context-parallel group: each member held its tokens' share, and steps its piece of the sum."""
         if self.member_pieces is not None:
-            self.member_pieces.reduce_scatter()
+            self.member_pieces.reduce_scatter(self.context_parallel.take_summed_parts())
         if self.tensor_parallel_size == 1:
             return
         from megatron.core import parallel_state as megatron_state

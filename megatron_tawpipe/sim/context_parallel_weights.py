@@ -20,10 +20,11 @@ t of every shard (1/T of its bytes, whole over the C members) and moves piece c 
   points, :func:`megatron_tawpipe.plan.context_parallel.member_points`: :class:`PieceCollectives`): the
   all-gather of a weight that arrived (a receive, a broadcast's non-root) before it is used; the reduce-scatter of
   a gradient before it leaves (a send, a reduction to its owner, the all-reduce of a replicated shard's holders;
-  gloo's moves an all-reduce's bytes, ``CostModel.reduce_scatter_factor``); the all-reduce of the replicated
-  parameters' gradients before their all-reduce over the virtual ranks; and around the optimizer step the
-  reduce-scatter of every accumulated gradient the rank keeps (its owned shards' and the replicated parameters')
-  and the all-gather of their stepped fp32 masters (:mod:`megatron_tawpipe.runtime.member_state`);
+  gloo's moves an all-reduce's bytes, ``CostModel.reduce_scatter_factor``); the reduce-scatter of the replicated
+  parameters' gradients before their all-reduce over the virtual ranks (each lane all-reduces its piece); and
+  around the optimizer step the reduce-scatter of every accumulated gradient the rank keeps (its owned shards',
+  and the replicated parameters' where the plan has not reduced them) and the all-gather of their stepped fp32
+  masters (:mod:`megatron_tawpipe.runtime.member_state`);
 * **the optimizer** over piece c of the GPU's tensor-parallel slice: 1/(T x C) of the virtual rank's parameters;
 * **memory** per GPU: the activations and logits / (T x C) (the local tokens, sequence-parallel over T);
   weights, gradients, buffers and fp32 masters / T (the slice, whole on every member), the Adam moments
@@ -82,10 +83,15 @@ class PieceCollectives:
     def __init__(self, cost: CostModel, cp: int, plan, tp: int = 1):
         self.cost, self.cp, self.plan, self.tp = cost, cp, plan, tp
         self.link = cost.intra
-        self.bytes = {"gather": 0.0, "scatter": 0.0, "all_reduce": 0.0}   # per virtual rank's member, one iteration
+        self.bytes = {"gather": 0.0, "scatter": 0.0}   # per virtual rank's member, one iteration
         # where the members meet: the plan's member points (the executor's), as {rank: {tag of the start: op}}
-        self.points = [{p.action.tag: p.op for p in member_points(acts, r, compute=False) if p.op != "sum"}
-                       for r, acts in enumerate(plan.actions)]
+        points = [[p for p in member_points(acts, r, compute=False) if p.op != "sum"]
+                  for r, acts in enumerate(plan.actions)]
+        self.points = [{p.action.tag: p.op for p in rank} for rank in points]
+        # the replicated parts whose pieces the plan leaves summed (not reduce-scattered again before the step)
+        summed = [{p.action.part for p in rank if p.op == "replicated"} for rank in points]
+        self.summed_replicated = [cost.replicated_params if "all" in parts
+                                  else sum(cost.replicated_part_params(part) for part in parts) for parts in summed]
 
     def _ring(self, nbytes: float, share: float, steps: int, what: str) -> float:
         nbytes = nbytes / self.tp                # this GPU's tensor-parallel slice
@@ -102,10 +108,6 @@ class PieceCollectives:
         c, factor = self.cp, self.cost.reduce_scatter_factor
         return self._ring(nbytes, factor * (c - 1) / c, int(factor * (c - 1)), "scatter")
 
-    def all_reduce(self, nbytes: float) -> float:
-        c = self.cp
-        return self._ring(nbytes, 2 * (c - 1) / c, 2 * (c - 1), "all_reduce")
-
     # ---- the simulator's hooks ----------------------------------------------------------------------------
     def after_wait(self, rank: int, start) -> float:
         """A weight that arrived (a receive, a broadcast's non-root): its pieces all-gathered."""
@@ -114,19 +116,22 @@ class PieceCollectives:
         return self.all_gather(start.size * self.cost.shard_bytes(self.plan, start.shard))
 
     def before_start(self, rank: int, start) -> float:
-        """A gradient about to leave: reduce-scattered into the member's piece; the replicated gradients summed."""
+        """A gradient about to leave, or the replicated gradients before their all-reduce over the virtual ranks:
+        reduce-scattered into the member's piece (the piece its lane moves)."""
         op = self.points[rank].get(start.tag)
         if op == "replicated":
-            return self.all_reduce(self.cost.replicated_part_params(start.part) * self.cost.grad_bytes)
+            return self.reduce_scatter(self.cost.replicated_part_params(start.part) * self.cost.grad_bytes)
         if op == "scatter":
             return self.reduce_scatter(start.size * self.cost.grad_shard_bytes(self.plan, start.shard))
         return 0.0
 
     def before_optimizer(self, rank: int) -> float:
-        """Every accumulated gradient the rank keeps (its owned shards', the replicated parameters')
-        reduce-scattered over the members, and after the step their fp32 masters all-gathered."""
+        """Every accumulated gradient the rank keeps (its owned shards', the replicated parameters' but those the
+        plan's replicated reduction left summed) reduce-scattered over the members, and after the step all their
+        fp32 masters all-gathered."""
         params = self.plan.layers_held_by(rank) * self.cost.params_per_layer + self.cost.replicated_params
-        return self.reduce_scatter(params * self.cost.grad_bytes) + self.all_gather(params * MASTER_BYTES)
+        scattered = params - self.summed_replicated[rank]
+        return self.reduce_scatter(scattered * self.cost.grad_bytes) + self.all_gather(params * MASTER_BYTES)
 
 
 @dataclass(frozen=True)
