@@ -9,6 +9,7 @@
 # cloud instances without a fast interconnect).
 # CP=1: the same runs without context parallelism (each GPU then runs 4 whole sequences instead of 8 halves: the
 # same work per GPU and no ring), the control for what the prediction misses besides the ring.
+# EXTRA: more pretrain_llama.py flags for both strategies (e.g. EXTRA=--bf16: bf16 weights and keys/values).
 #   sudo bash examples/benchmark_context_parallel.sh          (ROUNDS=3 REPS=1 RATE=1gbit SEQ=4096 VISIT=4 CP=2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,8 @@ for ((i = 0; i < ${#MODEL[@]}; i++)); do
     esac
 done
 [ "$CP" = 1 ] || CP_MODEL+=(--context-parallel-size "$CP")
+read -r -a EXTRA_FLAGS <<< "${EXTRA:-}"
+CP_MODEL+=(${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"})
 mkdir -p "$OUT"
 calibrate_times "$OUT/times.json" --seq-length "$SEQ"
 COMMON=(--nodes 2 --ranks-per-node 2 --rate "$RATE" --repetitions "$REPS" --train-iters 4 --warmup-iters 1
