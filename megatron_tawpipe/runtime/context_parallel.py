@@ -17,8 +17,8 @@ communicators of its index ``j = c * T + t`` (:class:`runtime.transport.Communic
   parameters' gradients (embedding, final norm, output layer) are reduce-scattered over the group alike and piece
   c of each is all-reduced over the virtual ranks.
 * before the optimizer step every accumulated gradient (owned shards, and the replicated parameters where the
-  plan has not reduced them) is reduce-scattered over the group, each member stepping its piece of every master (it keeps 1/C of the Adam
-  moments), and after the step the masters' pieces are all-gathered (:mod:`runtime.member_state`).
+  plan has not reduced them) is reduce-scattered over the group, each member stepping its piece of every
+  master (it keeps 1/C of the Adam moments), and after the step the masters' pieces are all-gathered (:mod:`runtime.member_state`).
 
 Every collective here is synchronous and issued at a *member point* of the action list (a start, or the ``Wait``
 of a weight's arrival: :func:`megatron_tawpipe.plan.context_parallel.member_points`, which the executor runs),

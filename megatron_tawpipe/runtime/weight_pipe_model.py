@@ -367,8 +367,9 @@ class WeightPipeModel:
         """All-reduce over the tensor-parallel group the gradients that are partial sums there
         (sequence-parallel norms and biases, query/key norms; see ShardTemplate.gradient_is_partial),
         in one coalesced all-reduce. Nothing to do without tensor parallelism. With context
-        parallelism, first every gradient (owned shards, replicated parts) is reduce-scattered over
-        the context-parallel group: each member held its tokens' share, and steps its piece of the sum."""
+        parallelism, first every gradient (owned shards, and the replicated parts the plan has not
+        reduced already) is reduce-scattered over the context-parallel group: each member held its
+        tokens' share, and steps its piece of the sum."""
         if self.member_pieces is not None:
             self.member_pieces.reduce_scatter(self.context_parallel.take_summed_parts())
         if self.tensor_parallel_size == 1:
