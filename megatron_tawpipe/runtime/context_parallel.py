@@ -77,7 +77,7 @@ class ContextParallelPieces:
         """Run ``point``: an arrived weight's pieces gathered into ``buffer`` (its first ``numel`` elements), a
         leaving gradient in ``buffer`` reduce-scattered into this member's piece, or the replicated gradients
         (``replicated(part)``) reduce-scattered, each tensor into this member's piece of it (the piece its lane
-        all-reduces over the virtual ranks, :meth:`keep_pieces`)."""
+        all-reduces over the virtual ranks, :meth:`piece`), the rest zeroed."""
         if point.op == "gather":
             self.gather(buffer, numel)
         elif point.op == "scatter":
@@ -151,19 +151,6 @@ class ContextParallelPieces:
         its piece, the rest zero); the set is emptied."""
         parts, self._summed_parts = self._summed_parts, set()
         return parts
-
-    def keep_pieces(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Of the replicated gradients ``tensors`` (summed over the members already), this member keeps its piece
-        of every tensor (the rest zeroed); returns the pieces (contiguous flat views) for the all-reduce over the
-        virtual ranks."""
-        pieces = []
-        for tensor in tensors:
-            flat = tensor.view(-1)
-            start, end = self.bounds(flat.numel())
-            flat[:start].zero_()
-            flat[end:].zero_()
-            pieces.append(flat[start:end])
-        return pieces
 
     def total_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss-mask tokens over the members' shares (a copy: no gradient flows through it)."""

@@ -454,8 +454,8 @@ class PlanExecutor:
             return self._start(a, self._collective(a, SHARDED_KINDS[a.mode], tensors, -1), "<replicated>")
         # One all-reduce per gradient tensor, in place: no concatenated copy of them all.
         grads = [g for g in self.compute.replicated_grads(a.part) if g.numel()]
-        if self.cp is not None:   # summed over the members at the point before; piece c of each travels
-            grads = [piece for piece in self.cp.keep_pieces(grads) if piece.numel()]
+        if self.cp is not None:   # reduce-scattered over the members at the point before: piece c of each travels
+            grads = [piece for piece in (self.cp.piece(g.view(-1)) for g in grads) if piece.numel()]
         work = self._collective(a, "allreduce", grads, -1)
         self._start(a, work, "<replicated>")
 
